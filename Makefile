@@ -1,0 +1,45 @@
+# One command each, on a fresh machine: `make demo`, `make test`. Everything installs into .venv/.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: install test lint demo bench model clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@command -v clang >/dev/null 2>&1 || $(MAKE) --no-print-directory clang
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy"
+	touch $(STAMP)
+
+# tinygrad's CPU device compiles its kernels with clang; without it tinygrad finds "no usable devices".
+.PHONY: clang
+clang:
+	@echo "installing clang (tinygrad's CPU device needs it)"
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq clang >/dev/null; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq clang >/dev/null; \
+	else echo "error: clang is missing and cannot be installed without root; run: sudo apt-get install -y clang" >&2; exit 1; fi
+	@command -v clang >/dev/null 2>&1 || { echo "error: clang still missing; install it (apt-get install -y clang)" >&2; exit 1; }
+
+test: install
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+
+demo: install
+	$(BIN)/pp-pipeline --stages 3 --prompt "Beautiful is better than" --max-tokens 60
+
+bench: install
+	$(BIN)/python -m bench.run
+
+# Rebuild the embedded demo model from the Zen of Python (deterministic; takes a few minutes).
+model: install
+	$(BIN)/python tools/train_demo.py --out pp_worker/data/zen.gguf
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,6 @@
+"""pp_worker: one stage of a pipeline-parallel LLM, served as JSON lines over stdin/stdout.
+
+Importing the package prints nothing and imports no tinygrad (stub mode starts fast).
+"""
+
+__version__ = "0.1.0"

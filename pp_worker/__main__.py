@@ -1,0 +1,7 @@
+"""``python -m pp_worker``: run one stage worker."""
+
+import sys
+
+from pp_worker.cli import main
+
+sys.exit(main())

@@ -1,0 +1,218 @@
+"""Start-up: configuration from the environment and flags, stdout protection, events, then the loop.
+
+Bad configuration exits with status 2 and one line on stderr naming the variable and its value, before any
+ready line and without reading stdin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+
+from pp_worker.dispatch import Worker
+from pp_worker.engines.base import Engine
+from pp_worker.events import Clock, Events, Out, install_excepthook, protect_stdout, rss_mb, start_heartbeat
+from pp_worker.loop import LineReader, LoopState, serve
+from pp_worker.protocol import b64_len
+
+DEFAULT_MODEL = Path(__file__).resolve().parent / "data" / "zen.gguf"
+_ASCII_INT = re.compile(r"[0-9]{1,9}")
+_LINE_HEADROOM = 1 << 20  # JSON envelope, token lists and sampling fields around the largest payload
+
+
+class ConfigError(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class Config:
+    stage: int
+    num_stages: int
+    stub: bool
+    model: str
+    max_context: int | None
+    max_sessions: int
+    heartbeat_s: float
+    max_line_bytes: int | None
+    warmup: bool
+    stub_delay_ms: int = 0
+
+
+def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
+    raw = env.get(name, "")
+    if not raw.strip():
+        return default
+    if not _ASCII_INT.fullmatch(raw.strip()) or int(raw) < low:
+        raise ConfigError(f"{name}={raw!r} is invalid: expected an integer >= {low} in ASCII digits")
+    return int(raw)
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    raw = env.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ConfigError(f"{name}={env[name]!r} is invalid: expected 1 or 0")
+    return raw == "1"
+
+
+def _env_seconds(env: dict[str, str], name: str, default: float) -> float:
+    raw = env.get(name, "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        value = -1.0
+    if not 0 < value < 1e6:
+        raise ConfigError(f"{name}={env[name]!r} is invalid: expected a positive number of seconds")
+    return value
+
+
+def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
+    parser = argparse.ArgumentParser(prog="pp-worker", description="one stage of a pipeline-parallel LLM")
+    parser.add_argument("--stub", action="store_true", help="deterministic fake engine, no model (PP_WORKER_STUB=1)")
+    parser.add_argument("--model", help="a .gguf path or a tinygrad model name (MODEL); default: the embedded model")
+    parser.add_argument("--max-context", type=int, help="KV cache length per session (MAX_CONTEXT)")
+    args = parser.parse_args(argv)
+    stage, num_stages = _env_int(env, "STAGE"), _env_int(env, "NUM_STAGES")
+    if stage is None or num_stages is None:
+        raise ConfigError(f"{'STAGE' if stage is None else 'NUM_STAGES'} is required (set STAGE and NUM_STAGES)")
+    if num_stages < 2:
+        raise ConfigError(f"NUM_STAGES={env['NUM_STAGES']!r} is invalid: a pipeline needs at least 2 stages")
+    if stage >= num_stages:
+        raise ConfigError(f"STAGE={env['STAGE']!r} is invalid: must be in [0, {num_stages}) "
+                          f"for NUM_STAGES={num_stages}")
+    max_context = args.max_context if args.max_context is not None else _env_int(env, "MAX_CONTEXT", low=1)
+    if max_context is not None and max_context < 1:
+        raise ConfigError(f"--max-context={max_context} is invalid: expected an integer >= 1")
+    return Config(stage=stage, num_stages=num_stages, stub=args.stub or _env_flag(env, "PP_WORKER_STUB"),
+                  model=(args.model or env.get("MODEL", "")).strip() or str(DEFAULT_MODEL),
+                  max_context=max_context, max_sessions=_env_int(env, "PP_MAX_SESSIONS", 8, low=1) or 8,
+                  heartbeat_s=_env_seconds(env, "PP_HEARTBEAT_S", 30.0),
+                  max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024), warmup=_env_flag(env, "PP_WARMUP"),
+                  stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0)
+
+
+def build_engine(cfg: Config, events: Events) -> Engine:
+    """The stub, or the tinygrad engine (imported only here, so stub mode never loads tinygrad)."""
+    if cfg.stub:
+        from pp_worker.engines.stub import StubEngine
+
+        return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000)
+    from pp_worker.engines.tinygrad_engine import TinygradEngine
+
+    engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
+                            max_sessions=cfg.max_sessions, emit=events.emit)
+    if cfg.warmup:
+        engine.warmup()
+    return engine
+
+
+def ready_line(engine: Engine, cfg: Config, clock: Clock) -> dict[str, object]:
+    info, shard = engine.info, engine.shard
+    return {"status": "ready", "pid": os.getpid(), "stage": shard.stage, "stage_index": shard.stage,
+            "num_stages": shard.num_stages, "stub": cfg.stub, "model": info.name, "hidden_dim": info.hidden_dim,
+            "vocab_size": info.vocab_size, "total_blocks": info.total_blocks, "layer_range": [shard.start, shard.end],
+            "eos_token_ids": info.eos_token_ids, "max_context": info.max_context, "uptime_ms": clock.uptime_ms()}
+
+
+class _Stop(BaseException):
+    """Raised by the signal handler only while loading, when there is no request to finish."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+
+
+def _install_signals(state: LoopState, events: Events, loading: list[bool]) -> tuple[int, int]:
+    """SIGTERM/SIGINT: finish the request in flight, then exit 0; a second signal meanwhile exits at once.
+    Returns the wake-up pipe (read end, write end) that a signal writes to, so a blocked read wakes."""
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        if loading[0]:
+            raise _Stop(signum)
+        if state.signum is not None and state.busy:
+            events.emit("signal_received", signum=signum, name=signal.Signals(signum).name, draining=False)
+            os._exit(128 + signum)
+        state.signum = signum
+
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, on_signal)
+    return wake_r, wake_w
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_config(argv, dict(os.environ))
+    except ConfigError as e:
+        print(f"pp_worker: {e}", file=sys.stderr, flush=True)
+        return 2
+    out = Out(protect_stdout())
+    clock = Clock()
+    events = Events(out, cfg.stage, clock)
+    install_excepthook(events)
+    state, loading = LoopState(), [True]
+    wake_r, wake_w = _install_signals(state, events, loading)
+    events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
+                model=None if cfg.stub else cfg.model, python_version=sys.version.split()[0])
+    stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
+    try:
+        return _run(cfg, out, clock, events, state, loading, wake_r)
+    except _Stop as stop:
+        _exit_event(events, clock, "signal", stop.signum)
+        return 0
+    finally:
+        stop_heartbeat.set()
+
+
+def _poke(fd: int) -> None:
+    try:
+        os.write(fd, b"x")
+    except OSError:
+        pass
+
+
+def _exit_event(events: Events, clock: Clock, reason: str, signum: int | None = None) -> None:
+    if signum is not None:
+        events.emit("signal_received", signum=signum, name=signal.Signals(signum).name, uptime_ms=clock.uptime_ms())
+    events.emit("exiting", reason=reason, uptime_ms=clock.uptime_ms(), requests_served=clock.requests_served)
+
+
+def _load(cfg: Config, events: Events) -> Engine | None:
+    """The engine, or None after reporting why it could not be loaded (event + one stderr line)."""
+    try:
+        return build_engine(cfg, events)
+    except Exception as e:  # any load failure is reported the same way; the traceback goes to stderr
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        events.emit("model_load_failed", model=cfg.model, type=type(e).__name__, value=message)
+        print(f"pp_worker: stage {cfg.stage}: cannot load model {cfg.model!r}: {message}", file=sys.stderr, flush=True)
+        return None
+
+
+def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, loading: list[bool],
+         wake_r: int) -> int:
+    engine = _load(cfg, events)
+    if engine is None:
+        return 2
+    worker = Worker(engine, clock, cfg.model if not cfg.stub else "stub")
+    info = engine.info
+    cap = cfg.max_line_bytes or b64_len(info.max_context * info.hidden_dim * 2) + _LINE_HEADROOM
+    out.write(ready_line(engine, cfg, clock))
+    events.emit("ready", pid=os.getpid(), stage=cfg.stage, uptime_ms=clock.uptime_ms(), rss_mb=rss_mb())
+    events.emit("pp_worker_ready", pid=os.getpid(), uptime_ms=clock.uptime_ms())
+    loading[0] = False
+    reason = serve(LineReader(sys.stdin.buffer, cap, wake_fd=wake_r), out, worker, state)
+    if reason == "stdout_closed":
+        print(f"pp_worker: stage {cfg.stage}: stdout closed by the reader; exiting", file=sys.stderr, flush=True)
+        return 0
+    _exit_event(events, clock, reason, state.signum)
+    return 0

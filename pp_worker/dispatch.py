@@ -1,0 +1,127 @@
+"""Requests to replies: the op table (the one place roles are checked) and the handlers.
+
+``Worker.handle_line`` never raises: every failure becomes an error reply naming what was wrong.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from pp_worker import protocol
+from pp_worker.engines.base import Engine, EngineError
+from pp_worker.events import Clock, rss_mb
+from pp_worker.protocol import ProtocolError
+from pp_worker.sampling import SamplingError, parse_sampling, sample
+from pp_worker.shard import Role
+
+Reply = dict[str, Any]
+ANY = frozenset(Role)
+
+
+class Worker:
+    """One stage: an engine plus the bookkeeping the control ops report."""
+
+    def __init__(self, engine: Engine, clock: Clock, model: str):
+        self.engine, self.clock, self.model = engine, clock, model
+        self.shard = engine.shard
+        bound = engine.info.vocab_size if engine.info.check_token_ids else None
+        self.limits = protocol.Limits(hidden_dim=engine.info.hidden_dim, token_bound=bound)
+        self.shutdown_requested = False
+
+    def handle_line(self, line: bytes) -> Reply:
+        obj: Any = None
+        try:
+            if not line.strip():
+                raise ProtocolError("empty line")
+            obj = protocol.parse_json(line)
+            op, rid, obj = protocol.parse_envelope(obj)
+            return self.handle(op, rid, obj)
+        except (ProtocolError, EngineError, SamplingError) as e:
+            return _error(protocol.request_id_of(obj), str(e))
+        except Exception as e:  # a bug or resource failure must not take the stage down
+            traceback.print_exc(file=sys.stderr)
+            return _error(protocol.request_id_of(obj), f"internal error: {type(e).__name__}: {e}")
+
+    def handle(self, op: str, rid: int, obj: dict[str, Any]) -> Reply:
+        entry = OPS.get(op)
+        if entry is None:
+            raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(sorted(OPS))}")
+        roles, handler = entry
+        if self.shard.role not in roles:
+            raise ProtocolError(f"op {op!r} needs the {_describe(roles)} stage; this worker is stage "
+                                f"{self.shard.stage} of {self.shard.num_stages} ({self.shard.role.value})")
+        fields = protocol.parse_fields(op, obj, self.limits)
+        return {"request_id": rid, **handler(self, rid, obj, fields)}
+
+
+def _describe(roles: frozenset[Role]) -> str:
+    return " or ".join(r.value for r in Role if r in roles)
+
+
+def _error(rid: int | None, message: str) -> Reply:
+    return {"error": message} if rid is None else {"request_id": rid, "error": message}
+
+
+# --- handlers: (worker, request id, raw request, validated fields) -> reply fields -------------------------
+
+def _tokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    return {"tokens": w.engine.tokenize(f["prompt"])}
+
+
+def _detokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    return {"text": w.engine.detokenize(f["tokens"])}
+
+
+def _embed(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    hidden = w.engine.embed_and_forward(rid, f["tokens"], f["position"])
+    return {"hidden_b64": protocol.encode_hidden(hidden), "seq_len": len(f["tokens"])}
+
+
+def _forward_range(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    hidden = w.engine.forward_range(rid, f["hidden"], f["position"], f["seq_len"])
+    return {"hidden_b64": protocol.encode_hidden(hidden), "seq_len": f["seq_len"]}
+
+
+def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    params = parse_sampling(obj, w.engine.info.vocab_size)  # validated before any compute
+    logits = w.engine.forward_logits(rid, f["hidden"], f["position"], f["seq_len"])
+    return {"token_id": sample(logits, params, step_key=f["position"] + f["seq_len"])}
+
+
+def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    s = w.shard
+    return {"stage": s.stage, "num_stages": s.num_stages, "role": s.role.value, "layer_range": [s.start, s.end],
+            "model": w.model, "pid": os.getpid(), "sessions": {str(k): v for k, v in w.engine.sessions().items()},
+            "requests_served": w.clock.requests_served, "uptime_ms": w.clock.uptime_ms(), "rss_mb": rss_mb()}
+
+
+def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    return {"released": w.engine.release(rid)}
+
+
+def _ping(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    return {"pong": True, "uptime_ms": w.clock.uptime_ms()}
+
+
+def _shutdown(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    w.shutdown_requested = True
+    return {"ok": True}
+
+
+Handler = Callable[[Worker, int, dict[str, Any], dict[str, Any]], Reply]
+OPS: dict[str, tuple[frozenset[Role], Handler]] = {
+    "tokenize": (frozenset({Role.FIRST}), _tokenize),
+    "embed_and_forward": (frozenset({Role.FIRST}), _embed),
+    "decode_step": (frozenset({Role.FIRST}), _embed),
+    "forward_range": (frozenset({Role.MIDDLE}), _forward_range),
+    "forward_and_sample": (frozenset({Role.LAST}), _forward_and_sample),
+    "detokenize": (frozenset({Role.LAST}), _detokenize),
+    "status": (ANY, _status),
+    "release": (ANY, _release),
+    "ping": (ANY, _ping),
+    "shutdown": (ANY, _shutdown),
+}

@@ -1,0 +1,58 @@
+"""The engine interface: what a stage can compute, independent of how.
+
+Hidden states cross this boundary as raw little-endian float16 bytes of shape (1, seq_len, hidden_dim),
+already length-checked by the protocol layer. Outputs may be any buffer (bytes, memoryview) so the
+tinygrad engine can hand its output buffer to base64 without a copy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from pp_worker.shard import Shard
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the ready line reports about the model."""
+
+    hidden_dim: int
+    vocab_size: int
+    total_blocks: int
+    eos_token_ids: list[int] = field(default_factory=list)
+    max_context: int = 0
+    name: str = ""
+    chat_template: str | None = None
+    check_token_ids: bool = True  # token ids must be < vocab_size (the stub accepts any, as the seed did)
+
+
+class EngineError(Exception):
+    """A request the engine refuses (bad position, unknown session...): becomes an error reply."""
+
+
+class Engine(Protocol):
+    info: ModelInfo
+    shard: Shard
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, tokens: list[int]) -> str: ...
+
+    def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes | memoryview:
+        """First stage: embed ``tokens`` at ``position`` and run this stage's blocks. (1, T, D) fp16."""
+
+    def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> bytes | memoryview:
+        """Middle stage: run this stage's blocks over ``hidden``. (1, T, D) fp16 in and out."""
+
+    def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray | Sequence[float]:
+        """Last stage: blocks, output norm and head; float32 logits (vocab,) of the last position."""
+
+    def release(self, session: int) -> bool:
+        """Drop a session's KV cache; False when it held none."""
+
+    def sessions(self) -> dict[int, int]:
+        """request_id -> number of positions its KV cache holds."""

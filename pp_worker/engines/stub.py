@@ -1,0 +1,83 @@
+"""The stub engine: deterministic fake tensors for CI and for the caller's own tests. No tinygrad.
+
+hidden_dim 16 and vocab 32 are part of the contract (the caller's tests hard-code both). Every output is a
+SHA-256 function of every input (tokens, position, hidden bytes), so it is identical across processes and
+runs, and a caller that gets the position wrong sees different outputs. Hidden values are finite float16
+in [-1, 1) so a caller may decode them as real numbers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from collections import OrderedDict
+
+from pp_worker.engines.base import ModelInfo
+from pp_worker.shard import Shard
+
+STUB_HIDDEN_DIM = 16
+STUB_VOCAB_SIZE = 32
+STUB_BLOCKS = 16  # lets a stub pipeline have up to 16 stages
+STUB_MAX_CONTEXT = 4096
+_MAX_TRACKED = 1024  # sessions remembered for status/release; the stub never refuses an op for its sessions
+
+
+def _fp16_stream(seed: bytes, n_values: int) -> bytes:
+    """n_values float16 in [-1, 1): sign bit, exponent 0..14, random mantissa, from a SHA-256 counter stream."""
+    raw = bytearray()
+    counter = 0
+    while len(raw) < 2 * n_values:
+        raw += hashlib.sha256(seed + counter.to_bytes(8, "little")).digest()
+        counter += 1
+    words = struct.unpack(f"<{n_values}H", raw[: 2 * n_values])
+    # keep sign (bit 15) and mantissa (bits 0-9); exponent field = (bits 10-14) mod 15 -> never 31 (inf/nan)
+    fixed = [(w & 0x83FF) | ((((w >> 10) & 0x1F) % 15) << 10) for w in words]
+    return struct.pack(f"<{n_values}H", *fixed)
+
+
+class StubEngine:
+    """Implements engines.base.Engine with no model at all."""
+
+    def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0):
+        self.delay_s = delay_s  # simulated compute time per forward op (PP_STUB_DELAY_MS), for latency tests
+        self.shard = Shard.of(stage, num_stages, STUB_BLOCKS)
+        self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,
+                              eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
+        self._sessions: OrderedDict[int, int] = OrderedDict()
+
+    def tokenize(self, text: str) -> list[int]:
+        """One token per whitespace-separated word, a stable hash of the word and its index."""
+        return [hashlib.sha256(f"{i}:{w}".encode()).digest()[0] % STUB_VOCAB_SIZE for i, w in enumerate(text.split())]
+
+    def detokenize(self, tokens: list[int]) -> str:
+        return " ".join(str(t) for t in tokens)
+
+    def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes:
+        self._track(session, position + len(tokens))
+        seed = hashlib.sha256(b"pp-stub-embed:%d|%s" % (position, ",".join(map(str, tokens)).encode())).digest()
+        return _fp16_stream(seed, len(tokens) * STUB_HIDDEN_DIM)
+
+    def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> bytes:
+        self._track(session, position + seq_len)
+        seed = hashlib.sha256(b"pp-stub-range:%d:%d|" % (self.shard.stage, position) + hidden).digest()
+        return _fp16_stream(seed, seq_len * STUB_HIDDEN_DIM)
+
+    def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> list[float]:
+        self._track(session, position + seq_len)
+        digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
+        return [(b - 128) / 16.0 for b in digest]
+
+    def release(self, session: int) -> bool:
+        return self._sessions.pop(session, None) is not None
+
+    def sessions(self) -> dict[int, int]:
+        return dict(self._sessions)
+
+    def _track(self, session: int, length: int) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        self._sessions[session] = length
+        self._sessions.move_to_end(session)
+        if len(self._sessions) > _MAX_TRACKED:
+            self._sessions.popitem(last=False)

@@ -1,0 +1,199 @@
+"""The wire protocol: JSON line -> typed request (or ProtocolError), and the hidden-state codec.
+
+Every check lives here so handlers can trust their inputs. Messages name the field and what was expected.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+BYTES_PER_ELEM = 2  # float16 on the wire
+MAX_INT = 2**53  # ints beyond this are not portable JSON numbers; nothing legal needs them
+
+
+class ProtocolError(Exception):
+    """A request that cannot be served; becomes ``{"request_id": ..., "error": ...}``."""
+
+    def __init__(self, message: str, request_id: int | None = None):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What validation needs to know about the engine."""
+
+    hidden_dim: int
+    token_bound: int | None  # token ids must be < this; None: any non-negative int (stub mode)
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {dup!r}")
+    return obj
+
+
+def parse_json(line: bytes) -> Any:
+    """Strict JSON: UTF-8 only, no NaN/Infinity, no overflowing numbers, no duplicate keys.
+    Never raises anything but ProtocolError (deep nesting included)."""
+    try:
+        text = line.decode("utf-8")
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float,
+                          object_pairs_hook=_unique_keys)
+    except UnicodeDecodeError as e:
+        raise ProtocolError(f"line is not valid UTF-8 (byte {e.start})") from None
+    except RecursionError:
+        raise ProtocolError("invalid JSON: nested too deeply") from None
+    except ValueError as e:  # JSONDecodeError, our hooks, int digit limit
+        raise ProtocolError(f"invalid JSON: {e}") from None
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def nonneg_int(req: dict[str, Any], name: str, *, positive: bool = False, default: int | None = None) -> int:
+    value = req.get(name, default)
+    low = 1 if positive else 0
+    if not is_int(value) or not low <= value <= MAX_INT:
+        kind = "positive" if positive else "non-negative"
+        raise ProtocolError(f"'{name}' must be a {kind} int, got {_show(value)}")
+    return value
+
+
+def token_list(req: dict[str, Any], name: str, bound: int | None, *, nonempty: bool) -> list[int]:
+    value = req.get(name)
+    if not isinstance(value, list):
+        raise ProtocolError(f"'{name}' must be a list of ints, got {_show(value)}")
+    if nonempty and not value:
+        raise ProtocolError(f"'{name}' must be non-empty")
+    limit = MAX_INT if bound is None else bound - 1
+    for t in value:
+        if not is_int(t) or not 0 <= t <= limit:
+            raise ProtocolError(f"'{name}' must hold ints in [0, {limit}], got {_show(t)}")
+    return value
+
+
+def text_field(req: dict[str, Any], name: str) -> str:
+    value = req.get(name)
+    if not isinstance(value, str):
+        raise ProtocolError(f"'{name}' must be a string, got {_show(value)}")
+    return value
+
+
+def b64_len(n_bytes: int) -> int:
+    return 4 * ((n_bytes + 2) // 3)
+
+
+def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
+    """Strict base64 of exactly seq_len * hidden_dim * 2 bytes. The length is checked on the text first,
+    so an oversized payload is refused without decoding it."""
+    text = req.get("hidden_b64")
+    if not isinstance(text, str):
+        raise ProtocolError(f"'hidden_b64' must be a string, got {_show(text)}")
+    expected = seq_len * hidden_dim * BYTES_PER_ELEM
+    if len(text) != b64_len(expected):
+        raise ProtocolError(f"hidden length does not match seq_len*hidden_dim*2 ({seq_len}*{hidden_dim}*2 = "
+                            f"{expected} bytes, {b64_len(expected)} base64 chars); got {len(text)} base64 chars")
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ProtocolError(f"invalid base64 in hidden_b64: {e}") from None
+    if len(data) != expected:
+        raise ProtocolError(f"hidden length {len(data)} does not match seq_len*hidden_dim*2 = {expected}")
+    return data
+
+
+def encode_hidden(data: bytes | memoryview) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def request_id_of(obj: Any) -> int | None:
+    """The request's id when it has a usable one (for error replies)."""
+    if isinstance(obj, dict):
+        rid = obj.get("request_id")
+        if is_int(rid) and 0 <= rid <= MAX_INT:
+            return rid
+    return None
+
+
+def parse_envelope(obj: Any) -> tuple[str, int, dict[str, Any]]:
+    """Check the parts every request shares: an object with a string op and a non-negative int request_id."""
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"request must be a JSON object, got {_json_type(obj)}")
+    rid = request_id_of(obj)
+    op = obj.get("op")
+    if "op" not in obj:
+        raise ProtocolError("missing 'op' field", rid)
+    if not isinstance(op, str):
+        raise ProtocolError(f"'op' must be a string, got {_show(op)}", rid)
+    if rid is None:
+        raise ProtocolError(f"'request_id' must be a non-negative int, got {_show(obj.get('request_id'))}")
+    return op, rid, obj
+
+
+def _json_type(x: Any) -> str:
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if x is None else names.get(type(x), type(x).__name__)
+
+
+def _show(x: Any) -> str:
+    """A short description of a bad value for error messages (never the whole payload)."""
+    if isinstance(x, (dict, list)):
+        return f"an {_json_type(x)}"
+    text = json.dumps(x)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _positions(obj: dict[str, Any]) -> dict[str, Any]:
+    return {"position": nonneg_int(obj, "position"), "seq_len": nonneg_int(obj, "seq_len", positive=True)}
+
+
+def _hidden_fields(obj: dict[str, Any], lim: Limits) -> dict[str, Any]:
+    fields = _positions(obj)
+    fields["hidden"] = decode_hidden(obj, fields["seq_len"], lim.hidden_dim)
+    return fields
+
+
+# op -> the parser of its own fields; ops absent here take no fields
+_FIELDS = {
+    "tokenize": lambda o, lim: {"prompt": text_field(o, "prompt")},
+    "detokenize": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=False)},
+    "embed_and_forward": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=True),
+                                         "position": nonneg_int(o, "position", default=0)},
+    "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},
+    "forward_range": _hidden_fields,
+    "forward_and_sample": _hidden_fields,
+}
+
+
+def _token(obj: dict[str, Any], lim: Limits) -> int:
+    token = nonneg_int(obj, "token_id")
+    if lim.token_bound is not None and token >= lim.token_bound:
+        raise ProtocolError(f"'token_id' must be in [0, {lim.token_bound - 1}], got {token}")
+    return token
+
+
+def parse_fields(op: str, obj: dict[str, Any], lim: Limits) -> dict[str, Any]:
+    """The op's own fields, validated; extra fields are ignored (callers may send a superset)."""
+    parser = _FIELDS.get(op)
+    return parser(obj, lim) if parser else {}
