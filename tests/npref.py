@@ -1,0 +1,142 @@
+"""An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against.
+
+It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad or pp_worker.modelgen: it dequantizes
+F32/F16/Q8_0 itself and applies ggml's rope (adjacent pairs, "normal" mode) to the raw GGUF Q/K weights. Built
+from HF-layout weights (`from_weights`) it uses HF's half-split rope instead, which checks the writer's permute.
+Every call recomputes the whole sequence; the models are tiny.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader
+
+Q8_0_BLOCK = 34  # bytes per 32 weights: fp16 scale d, then 32 int8 q; weight = d * q
+
+
+def dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> np.ndarray:
+    """Raw GGUF tensor bytes/values -> float64 array of numpy `shape` (GGUF dims reversed)."""
+    if ggml_type == GGMLQuantizationType.F32:
+        flat = np.asarray(data).view(np.float32).reshape(-1)
+    elif ggml_type == GGMLQuantizationType.F16:
+        flat = np.asarray(data).view(np.float16).reshape(-1)
+    elif ggml_type == GGMLQuantizationType.Q8_0:
+        blocks = np.frombuffer(np.asarray(data).tobytes(), dtype=np.uint8).reshape(-1, Q8_0_BLOCK)
+        d = blocks[:, :2].copy().view(np.float16).astype(np.float64)  # (n_blocks, 1)
+        flat = (d * blocks[:, 2:].copy().view(np.int8)).reshape(-1)  # (n_blocks * 32,)
+    else:
+        raise NotImplementedError(f"npref cannot dequantize {ggml_type.name}")
+    return flat.astype(np.float64).reshape(shape)
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope(x: np.ndarray, pos: np.ndarray, theta: float, interleaved: bool) -> np.ndarray:
+    """Rotate x (T, H, Hd) at positions pos (T,). Pair i is (2i, 2i+1) if interleaved (ggml), else (i, i + Hd/2)."""
+    hd = x.shape[-1]
+    angle = pos[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]  # (T, Hd/2)
+    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]  # (T, 1, Hd/2)
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : hd // 2], x[..., hd // 2 :])
+    r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
+    return np.stack([r1, r2], axis=-1).reshape(x.shape) if interleaved else np.concatenate([r1, r2], axis=-1)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+@dataclass
+class RefModel:
+    weights: dict[str, np.ndarray]  # float64, numpy shapes (out, in)
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    norm_eps: float
+    rope_theta: float
+    interleaved_rope: bool = True  # True for GGUF-order Q/K rows, False for HF (half-split) order
+
+    @staticmethod
+    def from_gguf(path: str | Path) -> RefModel:
+        reader = GGUFReader(str(path))
+
+        def kv(key: str):
+            return reader.fields[key].contents()
+
+        assert kv("general.architecture") == "llama"
+        weights = {
+            t.name: dequantize(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors
+        }
+        return RefModel(
+            weights,
+            kv("llama.block_count"),
+            kv("llama.attention.head_count"),
+            kv("llama.attention.head_count_kv"),
+            kv("llama.attention.layer_norm_rms_epsilon"),
+            kv("llama.rope.freq_base"),
+        )
+
+    @staticmethod
+    def from_weights(
+        weights: dict[str, np.ndarray],
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+    ) -> RefModel:
+        """From HF-layout float weights keyed by GGUF name (Q/K rows half-split), e.g. modelgen.random_weights."""
+        w64 = {k: np.asarray(v, dtype=np.float64) for k, v in weights.items()}
+        return RefModel(w64, n_layers, n_heads, n_kv_heads, norm_eps, rope_theta, interleaved_rope=False)
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        return self.weights["token_embd.weight"][np.asarray(tokens)]  # (T, D)
+
+    def _attention(self, i: int, x: np.ndarray) -> np.ndarray:
+        w, T = self.weights, x.shape[0]
+        q = (x @ w[f"blk.{i}.attn_q.weight"].T).reshape(T, self.n_heads, -1)  # (T, H, Hd)
+        k = (x @ w[f"blk.{i}.attn_k.weight"].T).reshape(T, self.n_kv_heads, -1)  # (T, KvH, Hd)
+        v = (x @ w[f"blk.{i}.attn_v.weight"].T).reshape(T, self.n_kv_heads, -1)
+        pos = np.arange(T, dtype=np.float64)
+        q = rope(q, pos, self.rope_theta, self.interleaved_rope)
+        k = rope(k, pos, self.rope_theta, self.interleaved_rope)
+        group = self.n_heads // self.n_kv_heads  # query head h reads kv head h // group
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # (T, H, Hd)
+        scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1])  # (H, T, T)
+        scores = np.where(np.tril(np.ones((T, T), dtype=bool)), scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out = np.einsum("hts,shd->thd", p, v).reshape(T, -1)  # (T, H*Hd)
+        return out @ w[f"blk.{i}.attn_output.weight"].T
+
+    def _block(self, i: int, x: np.ndarray) -> np.ndarray:
+        w = self.weights
+        h = x + self._attention(i, rms_norm(x, w[f"blk.{i}.attn_norm.weight"], self.norm_eps))
+        n = rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], self.norm_eps)
+        ffn = silu(n @ w[f"blk.{i}.ffn_gate.weight"].T) * (n @ w[f"blk.{i}.ffn_up.weight"].T)
+        return h + ffn @ w[f"blk.{i}.ffn_down.weight"].T
+
+    def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
+        """Blocks [start, end) over hidden states x (T, D) of the whole sequence from position 0."""
+        for i in range(start, end):
+            x = self._block(i, x)
+        return x
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        out = self.weights.get("output.weight", self.weights["token_embd.weight"])  # tied if absent
+        return rms_norm(x, self.weights["output_norm.weight"], self.norm_eps) @ out.T  # (T, V)
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """(T, vocab) float64 logits for every position."""
+        return self.head(self.run_blocks(self.embed(tokens), 0, self.n_layers))
+
+    def greedy(self, tokens: list[int], n: int) -> list[int]:
+        """n greedy (argmax) continuation tokens of the prompt `tokens`."""
+        seq = list(tokens)
+        for _ in range(n):
+            seq.append(int(np.argmax(self.logits(seq)[-1])))
+        return seq[len(tokens) :]
