@@ -1,0 +1,353 @@
+"""Load one stage's slice of a GGUF model: only the tensors its blocks (and embedding or head) need.
+
+tinygrad's `Transformer.from_gguf` copies the whole file into memory, which defeats pipeline parallelism. Here
+the header is parsed with bounds checks, and each needed tensor's bytes are read from its offset, dequantized
+with tinygrad's `ggml_data_to_tensor`, cast to fp16 (`HALF=1`, tinygrad's default), Q/K rows un-permuted for
+llama exactly as `from_gguf` does, and realized block by block.
+
+Context: ``max_context = min(requested or context_length, context_length, cap)`` with ``cap`` 4096 by default.
+Every session holds a float32 KV cache of max_context positions per block, so an uncapped 128k-context model
+would need gigabytes per generation.
+
+tinygrad is imported inside the functions that need it, so `ModelLoadError` can be imported cheaply.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+import numpy as np
+
+from pp_worker.shard import Shard
+
+if TYPE_CHECKING:
+    from tinygrad import Tensor, nn
+    from tinygrad.llm.model import TransformerBlock, TransformerConfig
+
+CONTEXT_CAP = 4096
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # plain attention + dense FFN, tinygrad's TransformerBlock
+END_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
+                   "</s>", "<end_of_turn>")
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded (missing, malformed, unsupported); the message is one line."""
+
+
+# ---------------------------------------------------------------- header
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: fastest-varying first
+    ggml_type: int
+    offset: int  # absolute, in bytes from the start of the file
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.dims))
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.dims, dtype=np.int64)) if self.dims else 1
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of data, None for a GGML type tinygrad cannot read."""
+        from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+        if (dtype := _GGML_NATIVE.get(self.ggml_type)) is not None:
+            return dtype.itemsize * self.n_elements
+        if (block := _GGML_QUANT.get(self.ggml_type)) is not None:
+            return self.n_elements // block[0] * block[1]
+        return None
+
+
+@dataclass
+class GGUFHeader:
+    path: Path
+    kv: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+
+class _Reader:
+    """Little-endian reads that fail with ModelLoadError instead of reading past the end of the file."""
+
+    def __init__(self, f: BinaryIO, size: int, path: Path):
+        self.f, self.size, self.path = f, size, path
+
+    def bytes(self, n: int) -> bytes:
+        if n < 0 or self.f.tell() + n > self.size:
+            raise ModelLoadError(f"{self.path}: truncated or malformed GGUF header (read of {n} bytes past the end)")
+        return self.f.read(n)
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.bytes(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        raw = self.bytes(self.scalar("<Q"))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{self.path}: malformed GGUF header (a string is not UTF-8)") from e
+
+    def value(self, typ: int) -> Any:
+        if typ == _STRING:
+            return self.string()
+        if typ == _ARRAY:
+            item_typ, n = self.scalar("<i"), self.scalar("<Q")
+            return [self.value(item_typ) for _ in range(n)]
+        if typ not in _SCALARS:
+            raise ModelLoadError(f"{self.path}: malformed GGUF header (unknown value type {typ})")
+        return self.scalar(_SCALARS[typ])
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """Metadata and tensor directory of a GGUF file; checks that every tensor's data lies inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        r = _Reader(f, size, path)
+        magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        if (version := r.scalar("<I")) not in (2, 3):
+            raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+        n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+        kv = {r.string(): r.value(r.scalar("<i")) for _ in range(n_kv)}
+        entries = [(r.string(), tuple(r.scalar("<Q") for _ in range(r.scalar("<I"))), r.scalar("<i"), r.scalar("<Q"))
+                   for _ in range(n_tensors)]
+        if not isinstance(alignment := kv.get("general.alignment", 32), int) or alignment < 1:
+            raise ModelLoadError(f"{path}: malformed GGUF header (general.alignment {alignment!r})")
+        data_start = -(-f.tell() // alignment) * alignment
+    tensors = {name: TensorInfo(name, dims, typ, data_start + off) for name, dims, typ, off in entries}
+    for t in tensors.values():
+        if t.nbytes is not None and t.offset + t.nbytes > size:
+            raise ModelLoadError(f"{path}: truncated file: tensor {t.name} ends at byte {t.offset + t.nbytes} "
+                                 f"but the file has {size} bytes")
+    if kv.get("split.count", 1) > 1:
+        raise ModelLoadError(f"{path}: multi-part GGUF files are not supported (split.count={kv['split.count']})")
+    return GGUFHeader(path, kv, tensors)
+
+
+def resolve_model(model: str) -> Path:
+    """A local .gguf path, or a name from tinygrad.llm.cli.models fetched into tinygrad's download cache."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        return path
+    from tinygrad.llm.cli import models
+
+    if model not in models:
+        raise ModelLoadError(f"model file not found: {model} (not a file, nor one of tinygrad's model names: "
+                             f"{', '.join(sorted(models))})")
+    from tinygrad.helpers import fetch
+
+    url = models[model]
+    try:
+        return fetch(url)
+    except Exception as e:
+        raise ModelLoadError(f"could not download {model} from {url} ({type(e).__name__}: {e}); "
+                             f"a local .gguf path works too") from e
+
+
+# ---------------------------------------------------------------- config
+
+
+def _meta(kv: dict[str, Any], key: str) -> Any:
+    if key not in kv:
+        raise ModelLoadError(f"GGUF metadata lacks {key}")
+    return kv[key]
+
+
+def check_architecture(kv: dict[str, Any]) -> str:
+    arch = _meta(kv, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelLoadError(f"unsupported architecture {arch!r}: this worker runs {', '.join(SUPPORTED_ARCHS)} "
+                             f"(plain attention, dense feed-forward)")
+    if kv.get(f"{arch}.expert_count", 0) > 0:
+        raise ModelLoadError(f"unsupported {arch} variant: mixture of experts ({kv[f'{arch}.expert_count']} experts)")
+    return arch
+
+
+def context_length(kv: dict[str, Any], requested: int | None, cap: int = CONTEXT_CAP) -> int:
+    """min(requested or the model's context_length, context_length, cap): see the module docstring."""
+    trained = _meta(kv, f"{kv['general.architecture']}.context_length")
+    if requested is not None and requested < 1:
+        raise ModelLoadError(f"max_context must be >= 1, got {requested}")
+    return min(requested or trained, trained, cap)
+
+
+def build_config(header: GGUFHeader, max_context: int) -> TransformerConfig:
+    """The TransformerConfig that `Transformer.from_gguf` builds, for the plain-attention archs."""
+    from tinygrad.llm.model import TransformerConfig
+
+    kv, tensors = header.kv, header.tensors
+    arch = check_architecture(kv)
+    n_heads, dim = _meta(kv, f"{arch}.attention.head_count"), _meta(kv, f"{arch}.embedding_length")
+    head_dim = kv.get(f"{arch}.attention.key_length", dim // n_heads)
+    q_norm = tensors.get("blk.0.attn_q_norm.weight")
+    return TransformerConfig(
+        num_blocks=_meta(kv, f"{arch}.block_count"), dim=dim, hidden_dim=_meta(kv, f"{arch}.feed_forward_length"),
+        n_heads=n_heads, n_kv_heads=kv.get(f"{arch}.attention.head_count_kv", n_heads),
+        norm_eps=_meta(kv, f"{arch}.attention.layer_norm_rms_epsilon"),
+        vocab_size=len(_meta(kv, "tokenizer.ggml.tokens")), head_dim=head_dim,
+        rope_theta=kv.get(f"{arch}.rope.freq_base", 10000.0),
+        rope_dim=kv.get(f"{arch}.rope.dimension_count", head_dim),
+        v_head_dim=kv.get(f"{arch}.attention.value_length", head_dim), max_context=max_context,
+        qk_norm=q_norm.shape[0] if q_norm is not None else 0, qkv_bias="blk.0.attn_q.bias" in tensors)
+
+
+def eos_token_ids(kv: dict[str, Any]) -> list[int]:
+    """tokenizer.ggml.eos_token_id / eot_token_id plus the well-known end-of-turn tokens present in the vocab."""
+    ids = {kv[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in kv}
+    tokens = kv.get("tokenizer.ggml.tokens", [])
+    ids |= {i for i, tok in enumerate(tokens) if tok in END_TOKEN_NAMES}
+    return sorted(ids)
+
+
+# ---------------------------------------------------------------- tensors
+
+
+@dataclass
+class TensorSource:
+    """Reads single tensors out of the file and remembers which (name -> bytes read)."""
+
+    header: GGUFHeader
+    half: bool = True
+    loaded: dict[str, int] = field(default_factory=dict)
+
+    def tensor(self, name: str) -> Tensor:
+        """(GGUF dims reversed) tensor, fp16 when ``half``; lazy (not realized)."""
+        from tinygrad import Tensor, dtypes
+        from tinygrad.llm.gguf import ggml_data_to_tensor
+
+        info = self.header.tensors.get(name)
+        if info is None:
+            raise ModelLoadError(f"{self.header.path}: tensor {name} is missing")
+        if info.nbytes is None:
+            raise ModelLoadError(f"{self.header.path}: tensor {name} has GGML type {info.ggml_type}, "
+                                 f"which tinygrad cannot dequantize")
+        raw = np.fromfile(self.header.path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
+        if raw.size != info.nbytes:
+            raise ModelLoadError(f"{self.header.path}: truncated file: tensor {name} is short of data")
+        self.loaded[name] = info.nbytes
+        t = ggml_data_to_tensor(Tensor(raw), info.n_elements, info.ggml_type).reshape(info.shape)
+        return t.cast(dtypes.float16) if self.half else t
+
+
+def _unpermute_rows(w: Tensor, n_heads: int, keep: int = 0) -> Tensor:
+    """GGUF interleaved-rope rows -> half-split rows per head (the first ``keep`` rows of a head are not roped),
+    the same rearrange as `Transformer.from_gguf`."""
+    w = w.reshape(n_heads, w.shape[0] // n_heads, -1)  # (H, Hd, D)
+    roped = w[:, keep:].rearrange("n (h two) d -> n (two h) d", two=2)
+    return (w[:, :keep].cat(roped, dim=1) if keep else roped).reshape(-1, w.shape[-1])
+
+
+def _realize(obj: object) -> None:
+    from tinygrad import Tensor, nn
+
+    # without contiguous the fp16 cast / dequant would be recomputed on every call (as in from_gguf(realize=True))
+    params = nn.state.get_parameters(obj)
+    for p in params:
+        p.replace(p.contiguous())
+    Tensor.realize(*params)
+
+
+def load_block(source: TensorSource, config: TransformerConfig, i: int) -> TransformerBlock:
+    """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), realized."""
+    from tinygrad import nn
+    from tinygrad.llm.model import TransformerBlock
+
+    block = TransformerBlock(config)
+    weights = {k: source.tensor(f"blk.{i}.{k}") for k in nn.state.get_state_dict(block)}
+    if source.header.kv["general.architecture"] == "llama":
+        weights["attn_q.weight"] = _unpermute_rows(weights["attn_q.weight"], config.n_heads,
+                                                   config.head_dim - config.rope_dim)
+        weights["attn_k.weight"] = _unpermute_rows(weights["attn_k.weight"], config.n_kv_heads)
+    try:
+        nn.state.load_state_dict(block, weights, verbose=False, realize=False)
+    except ValueError as e:
+        raise ModelLoadError(f"block {i}: {e}") from e
+    _realize(block)
+    return block
+
+
+# ---------------------------------------------------------------- a stage
+
+
+@dataclass
+class StageWeights:
+    """What one stage holds: its blocks (absolute indices start..end-1), embedding if first, head if last."""
+
+    shard: Shard
+    config: TransformerConfig
+    kv: dict[str, Any]
+    blocks: list[TransformerBlock]  # blocks[j] is block shard.start + j
+    token_embd: nn.Embedding | None
+    output_norm: nn.RMSNorm | None
+    output: nn.Linear | None
+    tokenizer: Any | None  # tinygrad.llm.cli.SimpleTokenizer on the first and last stage
+    loaded: dict[str, int]  # tensor name -> bytes read from the file
+    path: Path
+
+
+def load_stage(model: str, stage: int, num_stages: int, max_context: int | None = None, *,
+               context_cap: int = CONTEXT_CAP, emit: Callable[..., None] = lambda kind, **fields: None) -> StageWeights:
+    """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors."""
+    from tinygrad import getenv
+
+    path = resolve_model(model)
+    header = read_header(path)
+    check_architecture(header.kv)  # first, so an unsupported model is named as such
+    config = build_config(header, context_length(header.kv, max_context, context_cap))
+    try:
+        shard = Shard.of(stage, num_stages, config.num_blocks)
+    except ValueError as e:
+        raise ModelLoadError(f"cannot split {config.num_blocks} blocks: {e}") from e
+    source = TensorSource(header, half=bool(getenv("HALF", 1)))
+    blocks = []
+    for j, i in enumerate(range(shard.start, shard.end)):
+        emit("loading", blocks_done=j, blocks_total=shard.end - shard.start, stage_index=stage)
+        blocks.append(load_block(source, config, i))
+    emit("loading", blocks_done=len(blocks), blocks_total=len(blocks), stage_index=stage)
+    token_embd = _load_embedding(source, config) if shard.is_first else None
+    output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
+    tokenizer = _load_tokenizer(header.kv) if shard.is_first or shard.is_last else None
+    return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer,
+                        source.loaded, path)
+
+
+def _load_embedding(source: TensorSource, config: TransformerConfig) -> nn.Embedding:
+    from tinygrad import nn
+
+    embd = nn.Embedding(config.vocab_size, config.dim)
+    nn.state.load_state_dict(embd, {"weight": source.tensor("token_embd.weight")}, verbose=False, realize=False)
+    _realize(embd)
+    return embd
+
+
+def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSNorm, nn.Linear]:
+    from tinygrad import nn
+
+    norm, head = nn.RMSNorm(config.dim, config.norm_eps), nn.Linear(config.dim, config.vocab_size, bias=False)
+    nn.state.load_state_dict(norm, {"weight": source.tensor("output_norm.weight")}, verbose=False, realize=False)
+    # tied embeddings (e.g. Llama 3.2): no output.weight, the head is the embedding matrix
+    name = "output.weight" if "output.weight" in source.header.tensors else "token_embd.weight"
+    nn.state.load_state_dict(head, {"weight": source.tensor(name)}, verbose=False, realize=False)
+    _realize((norm, head))
+    return norm, head
+
+
+def _load_tokenizer(kv: dict[str, Any]) -> Any:
+    from tinygrad.llm.cli import SimpleTokenizer
+
+    try:
+        return SimpleTokenizer.from_gguf_kv(kv)
+    except (KeyError, ValueError) as e:
+        raise ModelLoadError(f"cannot build the tokenizer: {type(e).__name__}: {e}") from e

@@ -1,0 +1,99 @@
+"""Per-generation KV sessions keyed by request_id, with an LRU bound and the position rules.
+
+A session owns one KV cache (whatever the engine's factory builds) and the number of positions it holds.
+Every rule is checked in `begin`, before any compute, so a refused step leaves the session unchanged.
+No tinygrad here: the engine passes a factory, and these rules are tested without a model.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pp_worker.engines.base import EngineError
+
+REMEMBER_EVICTED = 1024  # how many evicted ids we remember, to tell "evicted" from "unknown"
+
+
+@dataclass
+class Session:
+    """One generation's cache; ``length`` positions [0, length) of it are valid."""
+
+    cache: Any
+    length: int = 0
+
+
+class SessionTable:
+    """request_id -> Session, least recently used evicted first once ``max_sessions`` are held."""
+
+    def __init__(self, max_sessions: int, max_context: int, new_cache: Callable[[], Any],
+                 emit: Callable[..., None] = lambda kind, **fields: None):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.max_sessions, self.max_context = max_sessions, max_context
+        self._new_cache, self._emit = new_cache, emit
+        self._live: OrderedDict[int, Session] = OrderedDict()  # oldest use first
+        self._evicted: OrderedDict[int, None] = OrderedDict()  # a bounded ordered set
+
+    def begin(self, rid: int, position: int, seq_len: int) -> Session:
+        """The session to run ``seq_len`` positions from ``position`` on, after checking every rule.
+
+        position == length appends; position < length rewinds (positions [0, position) are reused and the
+        cache is overwritten from there); position 0 on an unknown id starts a new session.
+        Call `commit` once the compute succeeded.
+        """
+        self._check_bounds(position, seq_len)
+        session = self._live.get(rid)
+        if session is None:
+            return self._create(rid, position)
+        if position > session.length:
+            raise EngineError(f"position {position} is past the {session.length} positions session {rid} holds")
+        session.length = position  # rewind (a no-op when appending): [position, ...) is about to be rewritten
+        self._live.move_to_end(rid)
+        return session
+
+    def commit(self, session: Session, position: int, seq_len: int) -> None:
+        """Record that positions [position, position + seq_len) are now in the cache."""
+        session.length = position + seq_len
+
+    def release(self, rid: int) -> bool:
+        """Drop a session; False when there was none."""
+        return self._live.pop(rid, None) is not None
+
+    def positions(self) -> dict[int, int]:
+        """request_id -> positions held, least recently used first."""
+        return {rid: s.length for rid, s in self._live.items()}
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def _check_bounds(self, position: int, seq_len: int) -> None:
+        if position < 0:
+            raise EngineError(f"position must be >= 0, got {position}")
+        if seq_len < 1:
+            raise EngineError(f"seq_len must be >= 1, got {seq_len}")
+        if position + seq_len > self.max_context:
+            raise EngineError(f"position {position} + seq_len {seq_len} = {position + seq_len} exceeds "
+                              f"max_context {self.max_context}")
+
+    def _create(self, rid: int, position: int) -> Session:
+        if position > 0:
+            if rid in self._evicted:
+                raise EngineError(f"session {rid} was evicted (more than max_sessions={self.max_sessions} "
+                                  f"generations in flight); restart it from position 0")
+            raise EngineError(f"unknown session {rid} at position {position}; a generation starts at position 0")
+        while len(self._live) >= self.max_sessions:
+            self._evict_oldest()
+        self._evicted.pop(rid, None)
+        session = self._live[rid] = Session(self._new_cache())
+        return session
+
+    def _evict_oldest(self) -> None:
+        rid, session = self._live.popitem(last=False)
+        self._evicted[rid] = None
+        if len(self._evicted) > REMEMBER_EVICTED:
+            self._evicted.popitem(last=False)
+        # never a field named request_id on an event line: the caller would take it for a reply
+        self._emit("session_evicted", session=rid, positions=session.length, max_sessions=self.max_sessions)

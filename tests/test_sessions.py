@@ -1,0 +1,154 @@
+"""SessionTable rules, without tinygrad: positions, rewind, overflow, LRU eviction and its event."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pp_worker.engines.base import EngineError
+from pp_worker.engines.sessions import REMEMBER_EVICTED, SessionTable
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict]] = []
+
+    def __call__(self, kind: str, **fields) -> None:
+        self.events.append((kind, fields))
+
+
+def table(max_sessions: int = 4, max_context: int = 64) -> tuple[SessionTable, Recorder]:
+    counter = itertools.count()
+    rec = Recorder()
+    return SessionTable(max_sessions, max_context, new_cache=lambda: next(counter), emit=rec), rec
+
+
+def step(t: SessionTable, rid: int, position: int, seq_len: int):
+    s = t.begin(rid, position, seq_len)
+    t.commit(s, position, seq_len)
+    return s
+
+
+def test_position_zero_creates_and_appends():
+    t, _ = table()
+    s = step(t, 7, 0, 5)
+    assert t.positions() == {7: 5}
+    assert step(t, 7, 5, 1) is s
+    assert t.positions() == {7: 6}
+
+
+def test_each_session_gets_its_own_cache():
+    t, _ = table()
+    assert step(t, 1, 0, 1).cache != step(t, 2, 0, 1).cache
+
+
+def test_gap_is_refused_naming_both_numbers():
+    t, _ = table()
+    step(t, 1, 0, 4)
+    with pytest.raises(EngineError, match=r"position 6 .*4 positions"):
+        t.begin(1, 6, 1)
+    assert t.positions() == {1: 4}
+
+
+def test_rewind_keeps_the_prefix_and_reuses_the_cache():
+    t, _ = table()
+    s = step(t, 1, 0, 10)
+    assert t.begin(1, 3, 2) is s
+    assert s.length == 3  # [3, ...) is about to be overwritten
+    t.commit(s, 3, 2)
+    assert t.positions() == {1: 5}
+
+
+def test_failed_compute_after_rewind_leaves_a_consistent_length():
+    t, _ = table()
+    step(t, 1, 0, 10)
+    t.begin(1, 4, 3)  # no commit: the compute failed
+    assert t.positions() == {1: 4}
+    step(t, 1, 4, 1)
+
+
+def test_overflow_is_refused_before_anything_changes():
+    t, _ = table(max_context=16)
+    with pytest.raises(EngineError, match=r"position 0 \+ seq_len 17 = 17 exceeds max_context 16"):
+        t.begin(1, 0, 17)
+    assert t.positions() == {}
+    step(t, 1, 0, 15)
+    step(t, 1, 15, 1)
+    with pytest.raises(EngineError, match=r"position 16 \+ seq_len 1 = 17 exceeds max_context 16"):
+        t.begin(1, 16, 1)
+    assert t.positions() == {1: 16}
+
+
+@pytest.mark.parametrize("position, seq_len, message", [(-1, 1, "position must be >= 0"),
+                                                        (0, 0, "seq_len must be >= 1")])
+def test_bad_numbers(position, seq_len, message):
+    t, _ = table()
+    with pytest.raises(EngineError, match=message):
+        t.begin(1, position, seq_len)
+
+
+def test_unknown_session_past_zero():
+    t, _ = table()
+    with pytest.raises(EngineError, match="unknown session 5 at position 3"):
+        t.begin(5, 3, 1)
+    assert t.positions() == {}
+
+
+def test_lru_evicts_the_least_recently_used_and_says_so():
+    t, rec = table(max_sessions=2)
+    step(t, 1, 0, 4)
+    step(t, 2, 0, 2)
+    step(t, 1, 4, 1)  # 1 is now the most recent, so 2 goes first
+    step(t, 3, 0, 1)
+    assert t.positions() == {1: 5, 3: 1}
+    assert rec.events == [("session_evicted", {"session": 2, "positions": 2, "max_sessions": 2})]
+    assert all("request_id" not in fields for _, fields in rec.events)
+    with pytest.raises(EngineError, match="session 2 was evicted"):
+        t.begin(2, 2, 1)
+
+
+def test_evicted_session_can_restart_from_zero():
+    t, _ = table(max_sessions=1)
+    step(t, 1, 0, 3)
+    step(t, 2, 0, 3)
+    step(t, 1, 0, 3)  # evicts 2, restarts 1
+    with pytest.raises(EngineError, match="session 2 was evicted"):
+        t.begin(2, 3, 1)
+    step(t, 1, 3, 1)  # 1 is live again, not reported as evicted
+    assert t.positions() == {1: 4}
+
+
+def test_evicted_ids_are_remembered_within_a_bound():
+    t, _ = table(max_sessions=1)
+    for rid in range(REMEMBER_EVICTED + 2):
+        step(t, rid, 0, 1)
+    with pytest.raises(EngineError, match="unknown session 0"):  # forgotten: too long ago
+        t.begin(0, 1, 1)
+    with pytest.raises(EngineError, match="session 1 was evicted"):
+        t.begin(1, 1, 1)
+
+
+def test_refused_step_does_not_touch_lru_order():
+    t, rec = table(max_sessions=2)
+    step(t, 1, 0, 1)
+    step(t, 2, 0, 1)
+    with pytest.raises(EngineError):
+        t.begin(1, 9, 1)
+    step(t, 3, 0, 1)
+    assert rec.events[0][1]["session"] == 1
+
+
+def test_release():
+    t, _ = table()
+    step(t, 1, 0, 2)
+    assert t.release(1) is True
+    assert t.release(1) is False
+    assert t.positions() == {}
+    with pytest.raises(EngineError, match="unknown session 1"):  # released is not evicted
+        t.begin(1, 2, 1)
+
+
+def test_max_sessions_must_be_positive():
+    with pytest.raises(ValueError):
+        SessionTable(0, 16, new_cache=lambda: None)

@@ -1,0 +1,407 @@
+"""The tinygrad engine on CPU with small generated models: N chained stages == one process, token for token.
+
+References:
+- ``SameCastReference``: tinygrad's own whole-file loader (`Transformer.from_gguf`) and its blocks with their own
+  KV caches, in one process over ALL blocks, casting the hidden state to fp16 and back at the same block
+  boundaries as the chain. Prefill is eager with a concrete length; decode is a TinyJit with a symbolic position.
+  The chain must give the same greedy tokens and logits within LOGIT_ATOL_SAME_CAST.
+- ``tests/npref.py`` RefModel: an independent float64 numpy forward; logits within LOGIT_ATOL_FP64.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from npref import RefModel
+from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad.llm.model import Transformer
+
+from pp_worker.engines.base import EngineError
+from pp_worker.engines.gguf_loader import ModelLoadError, context_length, read_header
+from pp_worker.engines.tinygrad_engine import InputBuffer, TinygradEngine
+from pp_worker.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
+
+MAX_CONTEXT = 64
+N_TOKENS = 16
+# measured: <= 2.4e-4 (Q8_0), 1.3e-5 (F16) on logits of magnitude ~11; eager-concrete vs JIT-symbolic kernels differ
+LOGIT_ATOL_SAME_CAST = 2e-3
+# measured: <= 6.4e-3 (fp32 compute, fp16 weights and fp16 stage boundaries vs float64)
+LOGIT_ATOL_FP64 = 3e-2
+TEXTS = ("Beautiful is better than ugly.", "Now is better than never. Although never is often better")
+
+
+# ---------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("models")
+    spec, n_merges = PRESETS["tiny"]
+    vocab = builtin_vocab(n_merges)
+    out = {dt: write_gguf(d / f"tiny-{dt}.gguf", spec, random_weights(spec, len(vocab.tokens), 0), vocab, dt,
+                          name="pp-worker-tiny-s0") for dt in ("F16", "Q8_0")}
+    tied = type(spec)(**{**spec.__dict__, "tie_embeddings": True})
+    out["tied"] = write_gguf(d / "tiny-tied.gguf", tied, random_weights(tied, len(vocab.tokens), 1), vocab, "F16")
+    return out
+
+
+class Chain:
+    """N in-process engines, hidden states passed along as fp16 bytes like the real pipeline."""
+
+    def __init__(self, path: Path, num_stages: int, **kw):
+        self.engines = [TinygradEngine(str(path), s, num_stages, max_context=MAX_CONTEXT, **kw)
+                        for s in range(num_stages)]
+
+    @property
+    def boundaries(self) -> set[int]:
+        return {e.shard.start for e in self.engines[1:]}
+
+    def step(self, rid: int, tokens: list[int], position: int) -> np.ndarray:
+        h = self.engines[0].embed_and_forward(rid, tokens, position)
+        for e in self.engines[1:-1]:
+            h = e.forward_range(rid, h, position, len(tokens))
+        return self.engines[-1].forward_logits(rid, h, position, len(tokens))
+
+    def release(self, rid: int) -> None:
+        for e in self.engines:
+            e.release(rid)
+
+    def generate(self, rid: int, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
+        logits = [self.step(rid, prompt, 0)]
+        out = [int(logits[-1].argmax())]
+        while len(out) < n:
+            logits.append(self.step(rid, [out[-1]], len(prompt) + len(out) - 1))
+            out.append(int(logits[-1].argmax()))
+        return out, logits
+
+
+class SameCastReference:
+    """One process, all blocks, fp16 casts at the chain's boundaries (see the module docstring)."""
+
+    def __init__(self, path: Path):
+        self.model, _ = Transformer.from_gguf(str(path), MAX_CONTEXT, realize=True)
+        self.start_pos = UOp.variable("start_pos", 0, MAX_CONTEXT - 1)
+        self.decoders: dict[frozenset[int], TinyJit] = {}
+
+    def _forward(self, tokens: Tensor, start_pos, boundaries: frozenset[int]) -> Tensor:
+        m = self.model
+        x = m.token_embd(tokens).float()
+        for i, block in enumerate(m.blk):
+            if i in boundaries:
+                x = x.half().float()  # what crossing the wire does
+            x = block(x, start_pos)
+        return m.output(m.output_norm(x))[:, -1, :].float()
+
+    def generate(self, prompt: list[int], n: int, boundaries: set[int]) -> tuple[list[int], list[np.ndarray]]:
+        b = frozenset(boundaries)
+        decode = self.decoders.setdefault(b, TinyJit(lambda t, p: self._forward(t, p, b)))
+        logits = [self._forward(Tensor([prompt], dtype="int32"), 0, b).numpy()[0]]
+        out = [int(logits[-1].argmax())]
+        while len(out) < n:
+            pos = self.start_pos.bind(len(prompt) + len(out) - 1)
+            logits.append(decode(Tensor([[out[-1]]], dtype="int32"), pos).numpy()[0].copy())
+            out.append(int(logits[-1].argmax()))
+        return out, logits
+
+
+@pytest.fixture(scope="module")
+def chain(models):
+    built: dict[tuple[str, int], Chain] = {}
+
+    def get(dtype: str, num_stages: int) -> Chain:
+        if (dtype, num_stages) not in built:
+            built[dtype, num_stages] = Chain(models[dtype], num_stages)
+        return built[dtype, num_stages]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def reference(models):
+    built: dict[str, SameCastReference] = {}
+
+    def get(dtype: str) -> SameCastReference:
+        if dtype not in built:
+            built[dtype] = SameCastReference(models[dtype])
+        return built[dtype]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts(chain) -> list[list[int]]:
+    first = chain("F16", 2).engines[0]
+    long = (first.tokenize(" ".join(TEXTS)) * 4)[:40]  # > PREFILL_CHUNK: prefilled in two chunks
+    return [first.tokenize(TEXTS[0]), first.tokenize(TEXTS[1]), long]
+
+
+# ---------------------------------------------------------------- N stages == one process
+
+
+@pytest.mark.parametrize("dtype, num_stages", [("F16", 2), ("F16", 3), ("F16", 4), ("Q8_0", 3)])
+def test_chain_matches_same_cast_reference(chain, reference, prompts, dtype, num_stages):
+    c = chain(dtype, num_stages)
+    for rid, prompt in enumerate(prompts):
+        got, got_logits = c.generate(rid, prompt, N_TOKENS)
+        want, want_logits = reference(dtype).generate(prompt, N_TOKENS, c.boundaries)
+        assert got == want, f"prompt {rid}"
+        np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), rtol=0, atol=LOGIT_ATOL_SAME_CAST)
+        c.release(rid)
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+def test_chain_logits_match_float64_reference(chain, models, prompts, dtype):
+    c, ref = chain(dtype, 3 if dtype == "Q8_0" else 2), RefModel.from_gguf(models[dtype])
+    prompt = prompts[0]
+    tokens, logits = c.generate(100, prompt, 8)
+    want = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]  # (8, V): the positions the chain predicted from
+    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)
+    assert tokens == ref.greedy(prompt, 8)
+
+
+def test_tied_embeddings_head_uses_the_embedding_matrix(models):
+    c = Chain(models["tied"], 2)
+    last = c.engines[-1]
+    assert "token_embd.weight" in last.loaded_tensors and "output.weight" not in read_header(models["tied"]).tensors
+    prompt = c.engines[0].tokenize(TEXTS[0])
+    want = RefModel.from_gguf(models["tied"]).logits(prompt)[-1]
+    np.testing.assert_allclose(c.step(0, prompt, 0), want, rtol=0, atol=LOGIT_ATOL_FP64)
+
+
+# ---------------------------------------------------------------- sessions under the JIT
+
+
+def test_interleaved_generations_match_solo(chain, prompts):
+    """The JIT trap: caches must be JIT arguments. Swapping block.cache_kv under the JIT fails this test."""
+    c = chain("F16", 4)  # two middle stages
+    solo = [c.generate(10 + i, p, N_TOKENS)[0] for i, p in enumerate(prompts)]
+    rids = [20, 21, 22]
+    outs: list[list[int]] = [[int(c.step(r, p, 0).argmax())] for r, p in zip(rids, prompts, strict=True)]
+    for _ in range(N_TOKENS - 1):
+        for r, p, out in zip(rids, prompts, outs, strict=True):
+            out.append(int(c.step(r, [out[-1]], len(p) + len(out) - 1).argmax()))
+    assert outs == solo
+    assert all(e._stage.decode.captured is not None for e in c.engines), "decode ran without the JIT"
+    held = c.engines[1].sessions()
+    assert [held[r] for r in rids] == [len(p) + N_TOKENS - 1 for p in prompts]
+
+
+def test_rewind_reuses_the_prefix_and_overwrites_the_rest(chain, prompts):
+    c = chain("F16", 2)
+    a, b = prompts[1], prompts[0]
+    k = 4
+    c.generate(30, a, 6)  # session 30 holds a + 5 generated positions
+    fresh = c.generate(31, a[:k] + b, 8)[0]
+    # rewind 30 to position k: a[:k] stays cached, b overwrites everything after it
+    got = [int(c.step(30, b, k).argmax())]
+    while len(got) < 8:
+        got.append(int(c.step(30, [got[-1]], k + len(b) + len(got) - 1).argmax()))
+    assert got == fresh
+    assert c.engines[0].sessions()[30] == k + len(b) + 7
+
+
+def test_context_overflow_is_refused_before_compute(chain):
+    c = chain("F16", 2)
+    first, last = c.engines
+    with pytest.raises(EngineError, match=f"exceeds max_context {MAX_CONTEXT}"):
+        first.embed_and_forward(40, [1] * (MAX_CONTEXT + 1), 0)
+    assert 40 not in first.sessions()
+    c.step(40, [1] * (MAX_CONTEXT - 1), 0)
+    c.step(40, [2], MAX_CONTEXT - 1)  # the last position fits
+    with pytest.raises(EngineError, match=f"position {MAX_CONTEXT} \\+ seq_len 1 = {MAX_CONTEXT + 1} exceeds"):
+        first.embed_and_forward(40, [3], MAX_CONTEXT)
+    with pytest.raises(EngineError, match="exceeds max_context"):
+        last.forward_logits(40, bytes(2 * first.info.hidden_dim), MAX_CONTEXT, 1)
+    assert first.sessions()[40] == last.sessions()[40] == MAX_CONTEXT
+
+
+@pytest.mark.parametrize("zero_copy", [True, False])
+def test_input_buffer_write(zero_copy):
+    buf = InputBuffer((1, 4), dtypes.int32)
+    assert buf.zero_copy  # CPU; the staging path is what other devices take
+    if not zero_copy:
+        buf.staging = np.zeros(4, np.int32)
+    buf.write(np.array([7, 8], np.int32))
+    assert buf.tensor.numpy().tolist() == [[7, 8, 0, 0]]
+
+
+# ---------------------------------------------------------------- a single stage with max_sessions=2
+
+
+@pytest.fixture(scope="module")
+def small_table(models):
+    events: list[tuple[str, dict]] = []
+    engine = TinygradEngine(str(models["F16"]), 0, 2, max_context=MAX_CONTEXT, max_sessions=2,
+                            emit=lambda kind, **f: events.append((kind, f)))
+    return engine, events
+
+
+def test_loading_progress_events(small_table):
+    _, events = small_table
+    loading = [f for kind, f in events if kind == "loading"]
+    assert [f["blocks_done"] for f in loading] == [0, 1, 2] and all(f["blocks_total"] == 2 for f in loading)
+    assert all(f["stage_index"] == 0 for f in loading)
+
+
+def test_warmup_compiles_and_leaves_no_session(small_table):
+    engine, _ = small_table
+    engine.warmup()
+    assert engine.sessions() == {}
+    assert engine._stage.decode.captured is not None and engine._stage.prefill.captured is not None
+
+
+def test_eviction_then_evicted_and_unknown_sessions(small_table):
+    engine, events = small_table
+    for rid in (1, 2):
+        engine.embed_and_forward(rid, [5, 6, 7], 0)
+    engine.embed_and_forward(1, [8], 3)  # 2 is now the least recently used
+    engine.embed_and_forward(3, [5], 0)
+    assert engine.sessions() == {1: 4, 3: 1}
+    evicted = [f for kind, f in events if kind == "session_evicted"]
+    assert evicted == [{"session": 2, "positions": 3, "max_sessions": 2}]
+    with pytest.raises(EngineError, match="session 2 was evicted"):
+        engine.embed_and_forward(2, [9], 3)
+    with pytest.raises(EngineError, match="unknown session 99 at position 5"):
+        engine.embed_and_forward(99, [9], 5)
+    with pytest.raises(EngineError, match="position 9 is past the 4 positions session 1 holds"):
+        engine.embed_and_forward(1, [9], 9)
+    assert engine.release(1) and not engine.release(1)
+
+
+def test_bad_inputs_are_engine_errors(small_table, chain):
+    engine, _ = small_table
+    with pytest.raises(EngineError, match=r"token ids must be in \[0, 512\)"):
+        engine.embed_and_forward(50, [512], 0)
+    with pytest.raises(EngineError, match="no output head"):
+        engine.forward_logits(50, b"", 0, 1)
+    with pytest.raises(EngineError, match="not in the vocabulary"):
+        engine.detokenize([10**6])
+    last = chain("F16", 2).engines[-1]
+    with pytest.raises(EngineError, match="hidden state has 3 bytes, expected seq_len 2 x hidden_dim 64"):
+        last.forward_logits(50, b"abc", 0, 2)
+    middle = chain("F16", 3).engines[1]
+    with pytest.raises(EngineError, match="no tokenizer"):
+        middle.tokenize("hi")
+    assert engine.detokenize(engine.tokenize(TEXTS[1])) == TEXTS[1]
+
+
+def test_model_info(small_table):
+    engine, _ = small_table
+    info, vocab = engine.info, builtin_vocab(PRESETS["tiny"][1])
+    assert (info.hidden_dim, info.vocab_size, info.total_blocks, info.max_context) == (64, 512, 4, MAX_CONTEXT)
+    assert info.eos_token_ids == sorted({vocab.eos_id, vocab.tokens.index("<|eot_id|>")})
+    assert info.name == "pp-worker-tiny-s0"
+
+
+# ---------------------------------------------------------------- loading
+
+
+def test_middle_stage_reads_only_its_blocks(chain, models):
+    header = read_header(models["F16"])
+    c = chain("F16", 4)
+    for e in c.engines:
+        prefixes = tuple(f"blk.{i}." for i in range(e.shard.start, e.shard.end))
+        want = {n for n in header.tensors if n.startswith(prefixes)}
+        if e.shard.is_first:
+            want.add("token_embd.weight")
+        if e.shard.is_last:
+            want |= {"output_norm.weight", "output.weight"}
+        assert set(e.loaded_tensors) == want, e.shard
+        assert sum(e.loaded_tensors.values()) == sum(header.tensors[n].nbytes for n in want)
+    middle = c.engines[1]
+    assert sum(middle.loaded_tensors.values()) < models["F16"].stat().st_size / 4
+
+
+def _copy(src: Path, dst: Path, edit) -> Path:
+    data = bytearray(src.read_bytes())
+    dst.write_bytes(edit(data))
+    return dst
+
+
+def test_load_errors(models, tmp_path):
+    src = models["F16"]
+    truncated = _copy(src, tmp_path / "truncated.gguf", lambda d: d[:-100])
+    with pytest.raises(ModelLoadError, match="truncated file: tensor output.weight ends at byte"):
+        TinygradEngine(str(truncated), 0, 2)
+    header_cut = _copy(src, tmp_path / "header_cut.gguf", lambda d: d[:5000])
+    with pytest.raises(ModelLoadError, match="truncated or malformed GGUF header"):
+        TinygradEngine(str(header_cut), 0, 2)
+    bad_magic = _copy(src, tmp_path / "bad_magic.gguf", lambda d: b"GGUX" + d[4:])
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        TinygradEngine(str(bad_magic), 0, 2)
+    with pytest.raises(ModelLoadError, match="model file not found: /nonexistent/m.gguf"):
+        TinygradEngine("/nonexistent/m.gguf", 0, 2)
+    with pytest.raises(ModelLoadError, match="cannot split 4 blocks"):
+        TinygradEngine(str(src), 0, 5)
+
+
+def test_unknown_architecture_is_refused_by_name(models, tmp_path):
+    key = b"general.architecture"
+
+    def patch(d: bytearray) -> bytearray:
+        at = d.index(key) + len(key) + 4 + 8  # key, value type (u32), string length (u64)
+        assert d[at:at + 5] == b"llama"
+        d[at:at + 5] = b"mamba"
+        return d
+
+    path = _copy(models["F16"], tmp_path / "mamba.gguf", patch)
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'mamba'"):
+        TinygradEngine(str(path), 1, 2)
+
+
+def test_context_length_rule():
+    kv = {"general.architecture": "llama", "llama.context_length": 512}
+    assert context_length(kv, None) == 512
+    assert context_length(kv, 100) == 100
+    assert context_length(kv, 10_000) == 512  # never past what the model was trained for
+    assert context_length({**kv, "llama.context_length": 131072}, None) == 4096  # the cap
+    assert context_length({**kv, "llama.context_length": 131072}, 8192, cap=8192) == 8192
+    with pytest.raises(ModelLoadError):
+        context_length(kv, 0)
+
+
+def test_missing_tensor(models, tmp_path):
+    name = b"blk.3.ffn_up.weight"
+
+    def rename(d: bytearray) -> bytearray:
+        at = d.index(name)
+        d[at:at + len(name)] = b"blk.3.ffn_XX.weight"
+        return d
+
+    path = _copy(models["F16"], tmp_path / "missing.gguf", rename)
+    TinygradEngine(str(path), 0, 2)  # stage 0 never needs block 3
+    with pytest.raises(ModelLoadError, match="tensor blk.3.ffn_up.weight is missing"):
+        TinygradEngine(str(path), 1, 2)
+
+
+def test_model_name_download_failure_names_the_url(monkeypatch):
+    import tinygrad.helpers
+    from tinygrad.llm.cli import models
+
+    def offline(url, *args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(tinygrad.helpers, "fetch", offline)
+    with pytest.raises(ModelLoadError, match=f"could not download llama3.2:1b from {models['llama3.2:1b']}.*local"):
+        TinygradEngine("llama3.2:1b", 0, 2)
+
+
+def test_non_llama_architecture_is_loaded_like_tinygrad(models, tmp_path):
+    """qwen3 keys, no Q/K un-permute (tinygrad only un-permutes llama): same tokens as tinygrad's own loader."""
+
+    def to_qwen3(d: bytearray) -> bytearray:
+        head = d[:4096]
+        head = head.replace(b"llama.", b"qwen3.").replace(b"\x05\x00\x00\x00\x00\x00\x00\x00llama",
+                                                          b"\x05\x00\x00\x00\x00\x00\x00\x00qwen3")
+        return head + d[4096:]
+
+    path = _copy(models["F16"], tmp_path / "qwen3.gguf", to_qwen3)
+    assert read_header(path).kv["general.architecture"] == "qwen3"
+    c = Chain(path, 2)
+    prompt = c.engines[0].tokenize(TEXTS[0])
+    got, got_logits = c.generate(0, prompt, 8)
+    want, want_logits = SameCastReference(path).generate(prompt, 8, c.boundaries)
+    assert got == want
+    np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), rtol=0, atol=LOGIT_ATOL_SAME_CAST)
