@@ -137,8 +137,9 @@ def _install_signals(state: LoopState, events: Events, loading: list[bool]) -> t
     def on_signal(signum: int, frame: FrameType | None) -> None:
         if loading[0]:
             raise _Stop(signum)
-        if state.signum is not None and state.busy:
-            events.emit("signal_received", signum=signum, name=signal.Signals(signum).name, draining=False)
+        if state.signum is not None and state.busy:  # a second signal while draining: leave now
+            events.out.write_if_free({"event": "signal_received", "stage_index": events.stage_index,
+                                      "signum": signum, "name": signal.Signals(signum).name, "draining": True})
             os._exit(128 + signum)
         state.signum = signum
 

@@ -49,7 +49,7 @@ class Worker:
     def handle(self, op: str, rid: int, obj: dict[str, Any]) -> Reply:
         entry = OPS.get(op)
         if entry is None:
-            raise ProtocolError(f"unknown op {op!r}; known ops: {', '.join(sorted(OPS))}")
+            raise ProtocolError(f"unknown op {op[:60]!r}; known ops: {', '.join(sorted(OPS))}")  # never echo a huge op
         roles, handler = entry
         if self.shard.role not in roles:
             raise ProtocolError(f"op {op!r} needs the {_describe(roles)} stage; this worker is stage "

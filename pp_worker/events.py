@@ -32,14 +32,28 @@ class Out:
     def write(self, obj: dict[str, Any]) -> None:
         line = (json.dumps(obj, allow_nan=False) + "\n").encode("ascii")
         with self._lock:
-            if self.closed:
-                raise StdoutClosed()
+            self._write_locked(line)
+
+    def write_if_free(self, obj: dict[str, Any]) -> None:
+        """Write only if no other write is under way (a signal handler must never wait on the lock: the write
+        it interrupted may be holding it). Best effort; never raises."""
+        if self._lock.acquire(blocking=False):
             try:
-                self._stream.write(line)
-                self._stream.flush()
-            except (BrokenPipeError, ValueError, OSError) as e:  # ValueError: stream already closed
-                self.closed = True
-                raise StdoutClosed() from e
+                self._write_locked((json.dumps(obj, allow_nan=False) + "\n").encode("ascii"))
+            except StdoutClosed:
+                pass
+            finally:
+                self._lock.release()
+
+    def _write_locked(self, line: bytes) -> None:
+        if self.closed:
+            raise StdoutClosed()
+        try:
+            self._stream.write(line)
+            self._stream.flush()
+        except (BrokenPipeError, ValueError, OSError) as e:  # ValueError: stream already closed
+            self.closed = True
+            raise StdoutClosed() from e
 
 
 class Clock:

@@ -97,6 +97,10 @@ def text_field(req: dict[str, Any], name: str) -> str:
     value = req.get(name)
     if not isinstance(value, str):
         raise ProtocolError(f"'{name}' must be a string, got {_show(value)}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:  # JSON can spell a lone surrogate (\ud800); no tokenizer can encode it
+        raise ProtocolError(f"'{name}' is not valid Unicode text (lone surrogate at index {e.start})") from None
     return value
 
 

@@ -1,0 +1,198 @@
+"""Shared helpers: drive the serving loop in-process, and spawn real stub workers with deadline-bounded reads.
+
+Nothing here may hang a test: every read from a worker's stdout goes through ``select`` with a deadline.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pp_worker.dispatch import Worker
+from pp_worker.engines.stub import StubEngine
+from pp_worker.events import Clock, Out
+from pp_worker.loop import LineReader, LoopState, serve
+
+REPO = Path(__file__).resolve().parent.parent
+VENV_BIN = REPO / ".venv" / "bin"
+LAUNCHER = REPO / "pp_tinygrad_worker.py"
+MODULE_CMD = [sys.executable, "-m", "pp_worker"]
+
+# --- in-process -------------------------------------------------------------------------------------------
+
+
+def make_worker(stage: int, num_stages: int) -> Worker:
+    return Worker(StubEngine(stage, num_stages), Clock(), "stub")
+
+
+def serve_bytes(worker: Worker, data: bytes, cap: int = 1 << 20) -> tuple[list[dict[str, Any]], str]:
+    """Serve ``data`` (raw stdin bytes) through the real loop; return the parsed reply lines and the stop reason."""
+    sink = io.BytesIO()
+    reason = serve(LineReader(io.BytesIO(data), cap), Out(sink), worker, LoopState())
+    raw = sink.getvalue()
+    assert raw == b"" or raw.endswith(b"\n"), "every reply line must end in a newline"
+    return [json.loads(line) for line in raw.split(b"\n")[:-1]], reason
+
+
+def request_line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj).encode() + b"\n"
+
+
+def run_requests(stage: int, num_stages: int, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One fresh stub worker serving ``requests`` in order; its replies."""
+    replies, _ = serve_bytes(make_worker(stage, num_stages), b"".join(request_line(r) for r in requests))
+    return replies
+
+
+# --- subprocess -------------------------------------------------------------------------------------------
+
+
+def stub_env(stage: int | None, num_stages: int | None, **extra: str) -> dict[str, str]:
+    """The caller's environment for a stub stage: inherited, minus anything of ours that could leak in."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PP_") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
+    if stage is not None:
+        env["STAGE"] = str(stage)
+    if num_stages is not None:
+        env["NUM_STAGES"] = str(num_stages)
+    env["PP_WORKER_STUB"] = "1"
+    env.update(extra)
+    return env
+
+
+class WorkerProcess:
+    """A spawned worker with pipes on stdin/stdout; stderr goes to a temporary file (it can never fill up)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str], cwd: Path):
+        self._stderr = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._stderr)
+        self.pid = self.proc.pid
+        self._buf = b""
+        self.lines: list[dict[str, Any]] = []  # every stdout line read so far, parsed
+
+    def send(self, obj: dict[str, Any] | bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(obj if isinstance(obj, bytes) else request_line(obj))
+        self.proc.stdin.flush()
+
+    def read_line(self, timeout: float = 10.0) -> dict[str, Any]:
+        """The next stdout line as a JSON object; fails the test (never hangs) after ``timeout`` seconds."""
+        raw = self.read_raw_line(timeout)
+        assert raw is not None, f"worker closed stdout; stderr: {self.stderr_text()}"
+        obj = json.loads(raw)
+        assert isinstance(obj, dict), f"stdout line is not a JSON object: {raw!r}"
+        if "event" in obj:  # checked on every event any process test sees
+            assert "request_id" not in obj and "stage_index" in obj, obj
+        self.lines.append(obj)
+        return obj
+
+    def read_raw_line(self, timeout: float = 10.0) -> bytes | None:
+        """The next raw stdout line without its newline, or None at end of stdout."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            ready, _, _ = select.select([fd], [], [], max(left, 0))
+            if not ready:
+                pytest.fail(f"no stdout line within {timeout}s; partial {self._buf[:200]!r}; "
+                            f"stderr: {self.stderr_text()[-2000:]}")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def read_until(self, match: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Lines up to and including the first that ``match`` accepts."""
+        deadline = time.monotonic() + timeout
+        seen: list[dict[str, Any]] = []
+        while True:
+            seen.append(self.read_line(max(deadline - time.monotonic(), 0.01)))
+            if match(seen[-1]):
+                return seen
+
+    def wait_ready(self, timeout: float = 20.0) -> dict[str, Any]:
+        """Read through the start-up lines and the ready events; return the ready line."""
+        lines = self.read_until(lambda o: o.get("event") == "pp_worker_ready", timeout)
+        ready = [o for o in lines if o.get("status") == "ready"]
+        assert len(ready) == 1, lines
+        return ready[0]
+
+    def request(self, obj: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+        """Send one request; return its reply, skipping events (e.g. heartbeats)."""
+        self.send(obj)
+        return self.read_until(lambda o: "event" not in o, timeout)[-1]
+
+    def close_stdin(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+
+    def rest_of_stdout(self, timeout: float = 10.0) -> list[dict[str, Any]]:
+        """Every remaining stdout line up to EOF."""
+        rest: list[dict[str, Any]] = []
+        deadline = time.monotonic() + timeout
+        while (raw := self.read_raw_line(max(deadline - time.monotonic(), 0.01))) is not None:
+            obj = json.loads(raw)
+            self.lines.append(obj)
+            rest.append(obj)
+        return rest
+
+    def wait(self, timeout: float = 10.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"worker {self.pid} still running after {timeout}s; stderr: {self.stderr_text()[-2000:]}")
+
+    def stderr_text(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode("utf-8", errors="replace")
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None and not stream.closed:
+                try:
+                    stream.close()
+                except BrokenPipeError:
+                    pass
+        self._stderr.close()
+
+
+@pytest.fixture
+def spawn() -> Iterator[Callable[..., WorkerProcess]]:
+    """``spawn(stage, num_stages, env=..., cmd=..., cwd=...)`` starts a stub worker; all are killed at teardown."""
+    started: list[WorkerProcess] = []
+
+    def start(stage: int | None, num_stages: int | None, *, env: dict[str, str] | None = None,
+              cmd: list[str] | None = None, cwd: Path = REPO, args: list[str] | None = None) -> WorkerProcess:
+        full_env = stub_env(stage, num_stages, **(env or {}))
+        w = WorkerProcess([*(cmd or MODULE_CMD), *(args or [])], full_env, cwd)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.kill()
+
+
+def assert_event(obj: dict[str, Any], stage: int) -> None:
+    """What the contract requires of every event line."""
+    assert isinstance(obj.get("event"), str), obj
+    assert obj.get("stage_index") == stage, obj
+    assert "request_id" not in obj, obj

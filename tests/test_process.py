@@ -1,0 +1,420 @@
+"""The real entry points as the caller runs them: start-up, events, bad configuration, EOF, signals, a closed
+stdout, a 3-stage chain, and a line of hundreds of MB."""
+
+from __future__ import annotations
+
+import base64
+import json
+import math
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import (
+    LAUNCHER,
+    MODULE_CMD,
+    REPO,
+    VENV_BIN,
+    WorkerProcess,
+    assert_event,
+    make_worker,
+    run_requests,
+    serve_bytes,
+    stub_env,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+Spawn = Callable[..., WorkerProcess]
+HIDDEN_DIM, VOCAB = 16, 32  # the stub's sizes, fixed by the contract
+
+
+def system_python3() -> str | None:
+    """The ``python3`` a caller would find on PATH, outside this virtual environment (the launcher must cope)."""
+    path = os.pathsep.join(p for p in os.environ.get("PATH", "").split(os.pathsep)
+                           if p and Path(p).resolve() != VENV_BIN.resolve())
+    return shutil.which("python3", path=path)
+
+
+def entry_point(name: str) -> list[str]:
+    if name == "module":
+        return MODULE_CMD
+    if name == "console-script":
+        script = VENV_BIN / "pp-worker"
+        assert script.exists(), f"{script} is missing: run `make install` (pip install -e '.[dev]')"
+        return [str(script)]
+    if name == "launcher":
+        return [sys.executable, str(LAUNCHER)]
+    python3 = system_python3()
+    if python3 is None:
+        pytest.skip("no python3 on PATH outside the venv")
+    return [python3, str(LAUNCHER)]
+
+
+def layer_range(stage: int, num_stages: int, total: int) -> list[int]:
+    k = total // num_stages
+    return [stage * k, total if stage == num_stages - 1 else (stage + 1) * k]
+
+
+# --- start-up ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["module", "console-script", "launcher", "launcher-system-python3"])
+def test_entry_points_start_and_report_ready(spawn: Spawn, tmp_path: Path, name: str) -> None:
+    cwd = REPO if name == "module" else tmp_path  # the path forms must work from any directory
+    w = spawn(1, 3, cmd=entry_point(name), cwd=cwd)
+    ready = w.wait_ready()
+    starting, ready_event, pp_ready = (next(o for o in w.lines if o.get("event") == kind)
+                                       for kind in ("starting", "ready", "pp_worker_ready"))
+    assert w.lines[0] is starting
+    assert starting["pid"] == w.pid and ready["pid"] == w.pid and pp_ready["pid"] == w.pid  # no forking wrapper
+    assert (starting["stage"], starting["num_stages"], starting["stub"]) == (1, 3, True)
+    assert "model" in starting
+    assert starting["python_version"] == platform.python_version()  # the launcher execs into the venv's Python
+    assert isinstance(pp_ready["uptime_ms"], int)
+    for event in (starting, ready_event, pp_ready):
+        assert_event(event, stage=1)
+    assert "request_id" not in ready
+    assert (ready["hidden_dim"], ready["vocab_size"]) == (HIDDEN_DIM, VOCAB)
+    assert ready["layer_range"] == layer_range(1, 3, ready["total_blocks"])
+    assert isinstance(ready["eos_token_ids"], list)
+    assert w.request({"op": "ping", "request_id": 4})["pong"] is True
+    w.close_stdin()
+    rest = w.rest_of_stdout()
+    assert rest[-1]["event"] == "exiting" and rest[-1]["reason"] == "eof"
+    assert w.wait() == 0
+
+
+BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
+    ({"STAGE": None}, "STAGE", None),
+    ({"NUM_STAGES": None}, "NUM_STAGES", None),
+    ({"NUM_STAGES": "1", "STAGE": "0"}, "NUM_STAGES", "1"),
+    ({"NUM_STAGES": "0", "STAGE": "0"}, "NUM_STAGES", "0"),
+    ({"STAGE": "3"}, "STAGE", "3"),  # STAGE == NUM_STAGES
+    ({"STAGE": "\u0663", "NUM_STAGES": "5"}, "STAGE", "\u0663"),  # Arabic-Indic three: int() would accept it
+    ({"NUM_STAGES": "\uff13"}, "NUM_STAGES", "\uff13"),  # fullwidth three
+    ({"STAGE": "-1"}, "STAGE", "-1"),
+    ({"STAGE": "abc"}, "STAGE", "abc"),
+    ({"STAGE": "1.0"}, "STAGE", "1.0"),
+    ({"PP_WORKER_STUB": "yes"}, "PP_WORKER_STUB", "yes"),
+    ({"PP_HEARTBEAT_S": "0"}, "PP_HEARTBEAT_S", "0"),
+    ({"PP_HEARTBEAT_S": "nan"}, "PP_HEARTBEAT_S", "nan"),
+    ({"PP_MAX_LINE_BYTES": "ten"}, "PP_MAX_LINE_BYTES", "ten"),
+]
+
+
+@pytest.mark.parametrize(("env", "variable", "value"),
+                         [pytest.param(*c, id=f"{c[1]}={ascii(c[2])}" if c[2] else f"no-{c[1]}") for c in BAD_CONFIGS])
+def test_bad_configuration_exits_2_without_waiting_on_stdin(spawn: Spawn, env: dict[str, str | None],
+                                                            variable: str, value: str | None) -> None:
+    full = stub_env(1, 3)
+    for k, v in env.items():
+        if v is None:
+            full.pop(k, None)
+        else:
+            full[k] = v
+    started = time.monotonic()
+    w = WorkerProcess(MODULE_CMD, full, REPO)  # stdin stays an open pipe: the worker must not wait on it
+    try:
+        rc = w.wait(timeout=5)
+        elapsed = time.monotonic() - started
+        stdout = w.proc.stdout.read() if w.proc.stdout else b""
+        stderr = w.stderr_text()
+    finally:
+        w.kill()
+    assert rc == 2
+    assert elapsed < 5
+    assert b"ready" not in stdout
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert variable in lines[0]
+    if value is not None:
+        assert value in lines[0] or ascii(value).strip("'") in lines[0]
+
+
+# --- events --------------------------------------------------------------------------------------------------
+
+def test_heartbeat(spawn: Spawn) -> None:
+    w = spawn(0, 2, env={"PP_HEARTBEAT_S": "0.2"})
+    w.wait_ready()
+    beats = [o for o in w.read_until(lambda o: o.get("event") == "heartbeat", 5) if o.get("event") == "heartbeat"]
+    assert w.request({"op": "ping", "request_id": 1})["pong"] is True
+    # the first heartbeat after the reply may still race the counter's update; the next one cannot
+    beats += [o for o in w.read_until(lambda o: o.get("requests_served") == 1, 5) if o.get("event") == "heartbeat"]
+    for beat in beats:
+        assert_event(beat, stage=0)
+        assert isinstance(beat["uptime_ms"], int) and isinstance(beat["requests_served"], int)
+        assert isinstance(beat["rss_mb"], int) and beat["rss_mb"] > 0
+    assert beats[-1]["uptime_ms"] - beats[0]["uptime_ms"] >= 150
+    assert beats[0]["requests_served"] == 0 and beats[-1]["requests_served"] == 1
+    w.close_stdin()
+    assert w.wait() == 0
+
+
+def test_eof_exits_cleanly(spawn: Spawn) -> None:
+    w = spawn(1, 2)
+    w.wait_ready()
+    w.request({"op": "ping", "request_id": 1})
+    w.request({"op": "bogus", "request_id": 2})
+    w.close_stdin()
+    rest = w.rest_of_stdout()
+    assert [o["event"] for o in rest] == ["exiting"]
+    assert_event(rest[0], stage=1)
+    assert rest[0]["reason"] == "eof" and rest[0]["requests_served"] == 2 and isinstance(rest[0]["uptime_ms"], int)
+    assert w.wait() == 0
+
+
+def test_shutdown_op_exits_cleanly(spawn: Spawn) -> None:
+    w = spawn(0, 2)
+    w.wait_ready()
+    assert w.request({"op": "shutdown", "request_id": 3})["request_id"] == 3
+    rest = w.rest_of_stdout()
+    assert rest[-1]["event"] == "exiting" and rest[-1]["reason"] == "shutdown"
+    assert w.wait() == 0
+
+
+def test_sigterm_while_idle(spawn: Spawn) -> None:
+    w = spawn(0, 2)
+    w.wait_ready()
+    w.proc.send_signal(signal.SIGTERM)
+    rest = w.rest_of_stdout()
+    assert [o["event"] for o in rest] == ["signal_received", "exiting"]
+    for event in rest:
+        assert_event(event, stage=0)
+    assert rest[0]["signum"] == signal.SIGTERM
+    assert rest[1]["reason"] == "signal"
+    assert w.wait() == 0
+
+
+def test_sigint_while_idle(spawn: Spawn) -> None:
+    w = spawn(1, 2)
+    w.wait_ready()
+    w.proc.send_signal(signal.SIGINT)
+    rest = w.rest_of_stdout()
+    assert rest[-1]["event"] == "exiting" and rest[-1]["reason"] == "signal"
+    assert w.wait() == 0
+    assert "Traceback" not in w.stderr_text()
+
+
+DELAY_ENV = {"PP_STUB_DELAY_MS": "1500"}
+PREFILL = {"op": "embed_and_forward", "request_id": 21, "tokens": [1, 2, 3], "position": 0}
+
+
+def test_sigterm_mid_op_finishes_the_op_first(spawn: Spawn) -> None:
+    w = spawn(0, 2, env=DELAY_ENV)
+    w.wait_ready()
+    sent = time.monotonic()
+    w.send(PREFILL)
+    time.sleep(0.3)
+    w.proc.send_signal(signal.SIGTERM)
+    rest = w.rest_of_stdout(timeout=10)
+    assert [o.get("event") for o in rest] == [None, "signal_received", "exiting"]
+    assert rest[0]["request_id"] == 21 and rest[0]["seq_len"] == 3  # the reply, whole, before the exit
+    assert rest[2]["reason"] == "signal"
+    assert w.wait() == 0
+    assert time.monotonic() - sent >= 1.4  # it really waited for the op
+
+
+def test_second_sigterm_while_draining_exits_at_once(spawn: Spawn) -> None:
+    w = spawn(0, 2, env=DELAY_ENV)
+    w.wait_ready()
+    w.send(PREFILL)
+    time.sleep(0.3)
+    w.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.2)
+    second = time.monotonic()
+    w.proc.send_signal(signal.SIGTERM)
+    assert w.wait(timeout=5) == 128 + signal.SIGTERM
+    assert time.monotonic() - second < 0.9  # well before the op's 1.5 s would have ended
+    rest = w.rest_of_stdout()
+    assert all("request_id" not in o for o in rest)  # the op's reply never came
+
+
+SIGNAL_DURING_WRITE = """
+import io, os, signal
+from pp_worker.cli import _install_signals
+from pp_worker.events import Clock, Events, Out
+from pp_worker.loop import LoopState
+
+class Stream(io.RawIOBase):  # stands for stdout; the second SIGTERM lands while a reply is being written
+    def writable(self):
+        return True
+
+    def write(self, b):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return len(b)
+
+out = Out(Stream())
+state = LoopState(signum=signal.SIGTERM, busy=True)  # draining: the first signal came, an op is in flight
+_install_signals(state, Events(out, 0, Clock()), [False])
+out.write({"request_id": 1})
+"""
+
+
+def test_second_signal_during_a_write_exits_at_once() -> None:
+    try:
+        result = subprocess.run([sys.executable, "-c", SIGNAL_DURING_WRITE], capture_output=True, timeout=3,
+                                cwd=REPO, env=stub_env(0, 2))
+    except subprocess.TimeoutExpired:  # run() has killed it (SIGKILL)
+        pytest.fail("hung on the second signal")
+    assert result.returncode == 128 + signal.SIGTERM
+
+
+@pytest.mark.parametrize("trigger", ["request", "heartbeat"])
+def test_reader_closing_stdout_makes_the_worker_exit(spawn: Spawn, trigger: str) -> None:
+    w = spawn(0, 2, env={"PP_HEARTBEAT_S": "0.2"} if trigger == "heartbeat" else {})
+    w.wait_ready()
+    assert w.proc.stdout is not None
+    w.proc.stdout.close()
+    closed = time.monotonic()
+    if trigger == "request":
+        w.send({"op": "ping", "request_id": 1})
+    w.wait(timeout=5)
+    assert time.monotonic() - closed < 5
+    stderr = w.stderr_text()
+    assert "Traceback" not in stderr and "Exception ignored" not in stderr
+
+
+def test_stdout_carries_only_json_even_with_debug(spawn: Spawn) -> None:
+    w = spawn(2, 3, env={"DEBUG": "2", "PP_HEARTBEAT_S": "0.2"})
+    w.wait_ready()
+    for line in [b"not json", b"", b"[[[[", b'{"op": "status", "request_id": 5}']:
+        w.send(line + b"\n")
+    w.send({"op": "forward_and_sample", "request_id": 9, "position": 0, "seq_len": 1,
+            "hidden_b64": base64.b64encode(bytes(HIDDEN_DIM * 2)).decode()})
+    time.sleep(0.5)  # let a heartbeat or two interleave
+    w.close_stdin()
+    assert w.wait() == 0
+    raw_lines = []
+    while (raw := w.read_raw_line(5)) is not None:
+        raw_lines.append(raw)
+    assert raw_lines, "expected the replies and events on stdout"
+    objs = [json.loads(raw) for raw in raw_lines]  # fails on any non-JSON line
+    assert all(isinstance(o, dict) for o in objs)
+    replies = [o for o in objs if "event" not in o]
+    assert len(replies) == 5 and replies[-1]["request_id"] == 9 and 0 <= replies[-1]["token_id"] < VOCAB
+
+
+def test_import_prints_nothing_and_the_excepthook_reports() -> None:
+    code = ("import io, sys\n"
+            "import pp_worker, pp_worker.cli, pp_worker.loop, pp_worker.dispatch, pp_worker.events as ev\n"
+            "sys.stdout.flush()\n"
+            "ev.install_excepthook(ev.Events(ev.Out(sys.stdout.buffer), 4, ev.Clock()))\n"
+            "raise ValueError('boom')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30, cwd=REPO,
+                            env=stub_env(None, None))
+    assert result.returncode == 1
+    lines = result.stdout.decode().splitlines()
+    assert len(lines) == 1  # importing printed nothing; the hook printed one line
+    event = json.loads(lines[0])
+    assert_event(event, stage=4)
+    assert (event["event"], event["type"], event["value"]) == ("uncaught_exception", "ValueError", "boom")
+    assert event["traceback"].startswith("Traceback") and "line 5" in event["traceback"]  # where it was raised
+    assert "ValueError: boom" in result.stderr.decode()  # the usual traceback still goes to stderr
+
+
+# --- a 3-stage chain -----------------------------------------------------------------------------------------
+
+def b64_chars(seq_len: int) -> int:
+    return 4 * math.ceil(seq_len * HIDDEN_DIM * 2 / 3)
+
+
+def generate(call: Callable[[int, dict[str, Any]], dict[str, Any]], rid: int, prompt: str, steps: int
+             ) -> tuple[list[int], str]:
+    """Drive one generation through stages 0, 1, 2 as the caller does; ``call(stage, request) -> reply``."""
+    tokens = call(0, {"op": "tokenize", "request_id": rid, "prompt": prompt})["tokens"]
+    length = len(tokens)
+    h0 = call(0, {"op": "embed_and_forward", "request_id": rid, "tokens": tokens, "position": 0})
+    assert h0["seq_len"] == length and len(h0["hidden_b64"]) == b64_chars(length)
+    h1 = call(1, {"op": "forward_range", "request_id": rid, "hidden_b64": h0["hidden_b64"], "position": 0,
+                  "seq_len": length})
+    assert h1["seq_len"] == length and len(h1["hidden_b64"]) == b64_chars(length)
+    token = call(2, {"op": "forward_and_sample", "request_id": rid, "hidden_b64": h1["hidden_b64"], "position": 0,
+                     "seq_len": length})["token_id"]
+    out = [token]
+    for position in range(length, length + steps):
+        h0 = call(0, {"op": "decode_step", "request_id": rid, "token_id": token, "position": position})
+        assert h0["seq_len"] == 1 and len(h0["hidden_b64"]) == b64_chars(1)
+        h1 = call(1, {"op": "forward_range", "request_id": rid, "hidden_b64": h0["hidden_b64"], "position": position,
+                      "seq_len": 1})
+        token = call(2, {"op": "forward_and_sample", "request_id": rid, "hidden_b64": h1["hidden_b64"],
+                         "position": position, "seq_len": 1})["token_id"]
+        out.append(token)
+    text = call(2, {"op": "detokenize", "request_id": rid, "tokens": out})["text"]
+    return out, text
+
+
+def test_three_stage_chain(spawn: Spawn) -> None:
+    stages = [spawn(s, 3) for s in range(3)]
+    for s, w in enumerate(stages):
+        ready = w.wait_ready()
+        assert ready["layer_range"] == layer_range(s, 3, ready["total_blocks"])
+
+    def call(stage: int, request: dict[str, Any]) -> dict[str, Any]:
+        reply = stages[stage].request(request)
+        assert "error" not in reply and reply["request_id"] == request["request_id"], reply
+        return reply
+
+    tokens, text = generate(call, 1, "Beautiful is better than ugly", steps=5)
+    assert len(tokens) == 6 and all(0 <= t < VOCAB for t in tokens)
+    assert isinstance(text, str) and text
+    assert generate(call, 2, "Beautiful is better than ugly", steps=5) == (tokens, text)  # same across requests
+
+    local = [make_worker(s, 3) for s in range(3)]  # and the same as in this process: no per-process state
+
+    def call_local(stage: int, request: dict[str, Any]) -> dict[str, Any]:
+        replies, _ = serve_bytes(local[stage], json.dumps(request).encode() + b"\n")
+        return replies[0]
+
+    assert generate(call_local, 1, "Beautiful is better than ugly", steps=5) == (tokens, text)
+    for w in stages:
+        w.close_stdin()
+    assert [w.wait() for w in stages] == [0, 0, 0]
+
+
+def test_outputs_are_identical_across_processes(spawn: Spawn) -> None:
+    request = {"op": "embed_and_forward", "request_id": 1, "tokens": [3, 1, 4, 1, 5], "position": 2}
+    replies = []
+    for _ in range(2):
+        w = spawn(0, 2)
+        w.wait_ready()
+        replies.append(w.request(request))
+        w.close_stdin()
+        w.wait()
+    assert replies[0] == replies[1] == run_requests(0, 2, [request])[0]
+
+
+# --- a line of hundreds of MB ----------------------------------------------------------------------------------
+
+def peak_rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
+def test_huge_line_is_refused_in_bounded_memory(spawn: Spawn) -> None:
+    line_mb, cap = 200, 1 << 20
+    w = spawn(0, 2, env={"PP_MAX_LINE_BYTES": str(cap)})
+    w.wait_ready()
+    w.send({"op": "ping", "request_id": 1})
+    assert w.read_line()["request_id"] == 1
+    chunk = b"A" * (1 << 20)
+    w.send(b'{"op": "ping", "request_id": 2, "pad": "')
+    for _ in range(line_mb):
+        w.send(chunk)
+    w.send(b'"}\n')
+    error = w.read_line(timeout=30)
+    assert "error" in error and str(cap) in error["error"] and "request_id" not in error
+    assert w.request({"op": "ping", "request_id": 3})["pong"] is True  # still serving
+    peak_mb = peak_rss_kb(w.pid) / 1024
+    assert peak_mb < line_mb / 4, f"peak RSS {peak_mb:.0f} MB for a {line_mb} MB line"
+    w.close_stdin()
+    assert w.rest_of_stdout()[-1]["reason"] == "eof"
+    assert w.wait() == 0
