@@ -1,0 +1,431 @@
+"""The pipeline core: N running stage workers chained over the wire protocol, and the generations they run.
+
+A generation is a small coroutine (``Generation.steps``) that yields one ``Call`` at a time - tokenize, prefill
+through every stage, decode steps, detokenize - and gets each reply back. One thread runs every generation: it
+writes a call to its stage without waiting for that stage's earlier replies and matches replies by request_id,
+so with K generations in flight stage s computes one while stage s+1 computes another. The worker serves its
+stdin in order, so several calls queued on one stage simply run one after the other.
+
+The command line is ``pp_worker.driver`` (``pp-pipeline``; ``python -m pp_worker.pipeline`` runs it too), the
+interactive chat ``pp_worker.chat``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Generator, Iterable
+from dataclasses import dataclass, field, fields
+from types import FrameType
+from typing import Any, TextIO
+
+from pp_worker.stage_proc import Launch, Stage, parse_line, stop_all, wait_io
+
+RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
+Reply = dict[str, Any]
+
+
+class PipelineError(Exception):
+    """The run cannot go on; ``exit_code`` is what the CLI exits with."""
+
+    exit_code = 1
+
+
+class StageFailed(PipelineError):
+    def __init__(self, stage: Stage, reason: str):
+        super().__init__(f"stage {stage.index} {reason}\nstage {stage.index} stderr (last lines):\n"
+                         f"{stage.stderr_tail()}")
+        self.stage = stage.index
+
+
+class Interrupted(PipelineError):
+    def __init__(self, signum: int):
+        super().__init__(f"interrupted by {signal.Signals(signum).name}")
+        self.exit_code = 128 + signum
+
+
+class Cancel:
+    """SIGINT/SIGTERM set a flag and wake the select loop through a pipe; the loop then stops in order."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self.count = 0
+        self.wake_fd, write_fd = os.pipe()
+        for fd in (self.wake_fd, write_fd):
+            os.set_blocking(fd, False)
+        signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self._on_signal)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+
+    def check(self, readable: list[int]) -> None:
+        """Raise ``Interrupted`` once a signal came; ``readable`` is what select returned (drains the pipe)."""
+        if self.wake_fd in readable:
+            try:
+                os.read(self.wake_fd, 512)
+            except BlockingIOError:
+                pass
+        if self.signum is not None:
+            raise Interrupted(self.signum)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Optional fields of forward_and_sample; all None means argmax, exactly as without them."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+    def fields(self, context: list[int]) -> dict[str, Any]:
+        out = {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        if self.repetition_penalty is not None:
+            out["recent_tokens"] = context[-RECENT_TOKENS:]
+        return out
+
+
+@dataclass
+class Call:
+    """One request of a generation. ``wait=False``: the generation goes on at once; ``on_reply`` gets the reply."""
+
+    stage: int
+    op: str
+    fields: dict[str, Any]
+    wait: bool = True
+    on_reply: Callable[[Reply], None] | None = None
+
+
+TextSink = Callable[["Generation", str, bool], None]  # (generation, text so far, finished)
+
+
+@dataclass
+class Generation:
+    """One prompt's generation: its request_id is its KV session on every stage."""
+
+    index: int
+    prompt: str
+    request_id: int
+    max_tokens: int = 64
+    sampling: Sampling = field(default_factory=Sampling)
+    cached: list[int] = field(default_factory=list)  # tokens the session already holds (a chat's earlier turns)
+    on_text: TextSink | None = None  # set: stream the text (one detokenize per token, off the critical path)
+    prompt_tokens: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_reason: str = ""  # "eos", "max_tokens" or "stop" (asked to stop, e.g. a chat stop string)
+    stop_requested: bool = False
+    # a streaming detokenize is in flight: later tokens do not queue more of them, the updates coalesce
+    _streaming: bool = field(default=False, init=False, repr=False)
+    t_start: float = 0.0
+    t_first: float = 0.0
+    t_end: float = 0.0
+
+    @property
+    def ttft_s(self) -> float:
+        return self.t_first - self.t_start
+
+    @property
+    def decode_tps(self) -> float:
+        n, dt = len(self.tokens) - 1, self.t_end - self.t_first
+        return n / dt if n > 0 and dt > 0 else 0.0
+
+    def steps(self, num_stages: int, eos: frozenset[int]) -> Generator[Call, Reply | None, None]:
+        """The whole generation as the calls it makes, top to bottom."""
+        self.t_start = time.monotonic()
+        reply = yield Call(0, "tokenize", {"prompt": self.prompt})
+        self.prompt_tokens = reply["tokens"]
+        if not self.prompt_tokens:
+            raise PipelineError(f"prompt {self.index + 1} is empty after tokenization")
+        start = _reusable(self.cached, self.prompt_tokens)  # a chat turn recomputes only what is new
+        op, feed, position = "embed_and_forward", {"tokens": self.prompt_tokens[start:]}, start
+        seq_len = len(self.prompt_tokens) - start
+        while True:
+            token = yield from self._forward(op, feed, position, seq_len, num_stages)
+            self.tokens.append(token)
+            self.t_first = self.t_first or time.monotonic()
+            self.t_end = time.monotonic()
+            if token in eos or len(self.tokens) >= self.max_tokens or self.stop_requested:
+                break
+            if self.on_text and not self._streaming:
+                self._streaming = True
+                yield Call(num_stages - 1, "detokenize", {"tokens": self.tokens}, wait=False, on_reply=self._stream)
+            op, feed, position, seq_len = "decode_step", {"token_id": token}, position + seq_len, 1
+        self.stop_reason = "eos" if token in eos else "max_tokens" if len(self.tokens) >= self.max_tokens else "stop"
+        shown = self.tokens[:-1] if token in eos else self.tokens
+        self.text = (yield Call(num_stages - 1, "detokenize", {"tokens": shown}))["text"]
+        if self.on_text:
+            self.on_text(self, self.text, True)
+
+    def _forward(self, op: str, feed: dict[str, Any], position: int, seq_len: int,
+                 n: int) -> Generator[Call, Reply | None, int]:
+        """One pass through every stage (a prefill of seq_len tokens or one decode step) -> the sampled token."""
+        reply = yield Call(0, op, {**feed, "position": position})
+        for s in range(1, n):
+            hop = {"hidden_b64": reply["hidden_b64"], "position": position, "seq_len": seq_len}
+            if s < n - 1:
+                reply = yield Call(s, "forward_range", hop)
+            else:
+                context = self.prompt_tokens + self.tokens
+                reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context))
+        return reply["token_id"]
+
+    def _stream(self, reply: Reply) -> None:
+        self._streaming = False
+        if self.on_text:
+            self.on_text(self, reply["text"], False)
+
+
+def _reusable(cached: list[int], tokens: list[int]) -> int:
+    """Length of the common prefix, leaving at least one token to prefill (it yields the next token)."""
+    n = 0
+    while n < min(len(cached), len(tokens) - 1) and cached[n] == tokens[n]:
+        n += 1
+    return n
+
+
+@dataclass
+class RunStats:
+    generations: list[Generation]
+    wall_s: float
+    stage_busy_s: list[float]  # time with at least one request outstanding on the stage
+    stage_requests: list[int]
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(g.tokens) for g in self.generations)
+
+
+@dataclass
+class _Pending:
+    op: str
+    sent: float
+    waiter: int | Callable[[Reply], None] | None  # a generation's request id, a callback, or None (release)
+
+
+class Pipeline:
+    """N running stages and the select loop that moves requests and replies between them."""
+
+    def __init__(self, launch: Launch, *, load_timeout: float = 600.0, step_timeout: float = 120.0,
+                 cancel: Cancel | None = None, echo_stderr: bool = False, log: TextIO | None = sys.stderr):
+        self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
+        self.stages: list[Stage] = []
+        self._pending: dict[tuple[int, int], deque[_Pending]] = {}
+        self._active: dict[int, Generator[Call, Reply | None, None]] = {}  # request_id -> its coroutine
+        self._loading_shown: dict[int, float] = {}
+        self._next_id = 1  # 0 is the driver's own control id (shutdown)
+        # set to a list to record (time, stage, request_id, op, "send" or "reply"), e.g. to check the overlap
+        self.trace: list[tuple[float, int, int, str, str]] | None = None
+        try:
+            for i in range(launch.num_stages):
+                try:
+                    self.stages.append(Stage(i, launch, echo_stderr))
+                except OSError as e:  # e.g. the launcher's program does not exist
+                    raise PipelineError(f"cannot start stage {i}: {e}") from e
+            self._wait_ready(load_timeout)
+        except BaseException as e:
+            self.close(failed=not isinstance(e, Interrupted))
+            raise
+
+    def __enter__(self) -> Pipeline:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *rest: object) -> None:
+        self.close(failed=exc_type is not None and not issubclass(exc_type, Interrupted))
+
+    @property
+    def eos(self) -> frozenset[int]:
+        return frozenset(self.stages[-1].ready.get("eos_token_ids") or [])  # type: ignore[union-attr]
+
+    def new_request_id(self) -> int:
+        self._next_id += 1
+        return self._next_id - 1
+
+    def close(self, failed: bool = False) -> None:
+        """Shut every stage down and reap it (idempotent). After a failure a stage may be hung, so it gets a
+        shorter grace before SIGTERM; a second Ctrl-C skips the grace altogether."""
+        stop_all(self.stages, grace_s=2.0 if failed else 5.0,
+                 hurry=lambda: self.cancel is not None and self.cancel.count >= 2)
+
+    # --- running generations ------------------------------------------------------------------------------------
+    def run(self, gens: Iterable[Generation], concurrency: int = 1) -> RunStats:
+        """Run the generations, at most ``concurrency`` in flight at once; returns them filled in, with timing."""
+        gens, t0 = list(gens), time.monotonic()
+        if len({g.request_id for g in gens}) < len(gens):
+            raise ValueError("two generations share a request_id (it is their KV session)")
+        busy0, req0 = [st.busy_s for st in self.stages], [st.requests for st in self.stages]
+        waiting = deque(gens)
+        try:
+            while waiting or self._active:
+                while waiting and len(self._active) < max(1, concurrency):
+                    g = waiting.popleft()
+                    self._active[g.request_id] = g.steps(len(self.stages), self.eos)
+                    self._advance(g.request_id, None)
+                self._pump(time.monotonic() + self.step_timeout)
+            while self._pending:  # the releases' acknowledgements: no stray reply later
+                self._pump(time.monotonic() + self.step_timeout)
+        except Interrupted:
+            for rid in self._active:  # their sessions are released before the stages are shut down
+                self._release(rid)
+            raise
+        finally:
+            self._active.clear()
+        return RunStats(gens, time.monotonic() - t0, [st.busy_s - b for st, b in zip(self.stages, busy0, strict=True)],
+                        [st.requests - r for st, r in zip(self.stages, req0, strict=True)])
+
+    def _advance(self, rid: int, reply: Reply | None) -> None:
+        """Give a generation its reply and send what it asks for next (its release when it is done)."""
+        coro = self._active[rid]
+        try:
+            call = coro.send(reply)
+            while not call.wait:
+                self._send(rid, call, call.on_reply)
+                call = coro.send(None)
+            self._send(rid, call, rid)
+        except StopIteration:
+            del self._active[rid]
+            self._release(rid)
+        except (KeyError, TypeError) as e:  # the workers validate; a reply without its field is a driver bug
+            raise PipelineError(f"request {rid}: malformed reply {reply!r:.200}: {type(e).__name__} {e}") from e
+
+    def _release(self, rid: int) -> None:
+        for st in self.stages:
+            if not st.eof:
+                self._send(rid, Call(st.index, "release", {}), None)
+
+    def _send(self, rid: int, call: Call, waiter: int | Callable[[Reply], None] | None) -> None:
+        st = self.stages[call.stage]
+        self._pending.setdefault((st.index, rid), deque()).append(_Pending(call.op, time.monotonic(), waiter))
+        if self.trace is not None:
+            self.trace.append((time.monotonic(), st.index, rid, call.op, "send"))
+        st.send({"op": call.op, "request_id": rid, **call.fields})
+
+    # --- the loop -------------------------------------------------------------------------------------------------
+    def _pump(self, deadline: float) -> None:
+        """One round: wait for output or room to write, handle every complete line, check signals and timeouts."""
+        alive = [st for st in self.stages if not st.eof]
+        wake = [self.cancel.wake_fd] if self.cancel else []
+        r = wait_io(alive, max(0.0, min(deadline - time.monotonic(), 1.0)), wake)
+        if self.cancel:
+            self.cancel.check(r)
+        for st in alive:
+            if st.out_fd in r:
+                for line in st.read_lines():
+                    self._on_line(st, line)
+                if st.eof:
+                    raise StageFailed(st, st.exit_description())
+        self._check_timeouts()
+
+    def _check_timeouts(self) -> None:
+        now = time.monotonic()
+        for st in self.stages:
+            if st.outstanding and now - st.last_progress > self.step_timeout:
+                ops = sorted((p.sent, p.op, rid) for (s, rid), q in self._pending.items() if s == st.index for p in q)
+                what = f" to {ops[0][1]} (request {ops[0][2]})" if ops else ""
+                raise StageFailed(st, f"gave no reply{what} within --step-timeout {self.step_timeout:g} s")
+
+    def _on_line(self, st: Stage, line: bytes) -> None:
+        obj = parse_line(line)
+        if obj is None:
+            self._say(f"[stage {st.index}] non-JSON on stdout: {line[:200]!r}")
+        elif obj.get("status") == "ready":
+            st.ready = obj
+        elif isinstance(obj.get("event"), str):
+            self._on_event(st, obj)
+        else:
+            self._on_reply(st, obj)
+
+    def _on_reply(self, st: Stage, obj: Reply) -> None:
+        rid = obj.get("request_id")
+        queue = self._pending.get((st.index, rid)) if isinstance(rid, int) else None
+        if not queue:
+            if "error" in obj:
+                raise StageFailed(st, f"answered with an error: {obj['error']}")
+            self._say(f"[stage {st.index}] unexpected reply for request {rid!r}")
+            return
+        p = queue.popleft()
+        if not queue:
+            del self._pending[(st.index, rid)]
+        st.replied()
+        if self.trace is not None:
+            self.trace.append((time.monotonic(), st.index, rid, p.op, "reply"))
+        if "error" in obj:
+            raise StageFailed(st, f"answered {p.op} (request {rid}) with an error: {obj['error']}")
+        if isinstance(p.waiter, int):
+            self._advance(p.waiter, obj)
+        elif p.waiter is not None:
+            p.waiter(obj)
+
+    def _on_event(self, st: Stage, obj: Reply) -> None:
+        if obj["event"] == "loading":
+            done, total = obj.get("blocks_done"), obj.get("blocks_total")
+            now = time.monotonic()
+            if done == total or now - self._loading_shown.get(st.index, 0.0) >= 1.0:  # at most one line a second
+                self._loading_shown[st.index] = now
+                self._say(f"stage {st.index}: loading blocks {done}/{total}")
+        elif obj["event"] in ("model_load_failed", "uncaught_exception", "session_evicted"):
+            self._say(f"stage {st.index}: {obj['event']}: {obj.get('value') or obj.get('session', '')}")
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(st.ready is None for st in self.stages):
+            if time.monotonic() >= deadline:
+                late = next(st for st in self.stages if st.ready is None)
+                raise StageFailed(late, f"was not ready within --load-timeout {timeout:g} s")
+            self._pump(deadline)
+        self._check_shape()
+        for st in self.stages:
+            r = st.ready or {}
+            start, end = r.get("layer_range") or (None, None)
+            self._say(f"stage {st.index} ready: pid {r.get('pid')} (process {st.proc.pid}), blocks "
+                      f"[{start}, {end}) of {r.get('total_blocks')}, model {r.get('model')}")
+
+    def _check_shape(self) -> None:
+        """Catch a mis-launched pipeline (wrong STAGE/NUM_STAGES, different models) before any request."""
+        n = len(self.stages)
+        for st in self.stages:
+            r, prev = st.ready or {}, (self.stages[st.index - 1].ready or {}) if st.index else {}
+            if r.get("stage") != st.index or r.get("num_stages") != n:
+                raise StageFailed(st, f"reports stage {r.get('stage')} of {r.get('num_stages')}; expected "
+                                      f"stage {st.index} of {n}")
+            if prev and (prev.get("layer_range", [0, 0])[1] != r.get("layer_range", [0])[0]
+                         or prev.get("hidden_dim") != r.get("hidden_dim")):
+                raise StageFailed(st, f"does not continue stage {st.index - 1} (layers {prev.get('layer_range')} "
+                                      f"then {r.get('layer_range')}; hidden {prev.get('hidden_dim')} vs "
+                                      f"{r.get('hidden_dim')}): different models?")
+
+    def _say(self, text: str) -> None:
+        if self.log:
+            print(text, file=self.log, flush=True)
+
+
+def run_pipeline(prompts: list[str], *, stages: int = 2, model: str | None = None, stub: bool = False,
+                 max_tokens: int = 64, concurrency: int = 1, sampling: Sampling | None = None,
+                 launcher: str | None = None, env: dict[str, str] | None = None, stream: TextSink | None = None,
+                 load_timeout: float = 600.0, step_timeout: float = 120.0) -> RunStats:
+    """Start a pipeline, run the prompts (``concurrency`` at a time), shut it down. Each result is the same as
+    running that prompt alone. ``stream`` gets (generation, text so far, finished) as tokens arrive."""
+    launch = Launch(stages, model=model, stub=stub, launcher=launcher, env=env or {})
+    with Pipeline(launch, load_timeout=load_timeout, step_timeout=step_timeout, log=None) as p:
+        return p.run(make_generations(p, prompts, max_tokens, sampling or Sampling(), stream), concurrency)
+
+
+def make_generations(p: Pipeline, prompts: list[str], max_tokens: int, sampling: Sampling,
+                     on_text: TextSink | None = None) -> list[Generation]:
+    return [Generation(i, prompt, p.new_request_id(), max_tokens, sampling, on_text=on_text)
+            for i, prompt in enumerate(prompts)]
+
+
+
+if __name__ == "__main__":
+    from pp_worker.driver import main
+
+    sys.exit(main())
