@@ -189,10 +189,13 @@ def _load(cfg: Config, events: Events) -> Engine | None:
     """The engine, or None after reporting why it could not be loaded (event + one stderr line)."""
     try:
         return build_engine(cfg, events)
-    except Exception as e:  # any load failure is reported the same way; the traceback goes to stderr
-        import traceback
+    except Exception as e:  # any load failure is reported the same way
+        from pp_worker.engines.gguf_loader import ModelLoadError
 
-        traceback.print_exc(file=sys.stderr)
+        if not isinstance(e, ModelLoadError):  # unexpected: the traceback helps; an expected one says it all
+            import traceback
+
+            traceback.print_exc(file=sys.stderr)
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         events.emit("model_load_failed", model=cfg.model, type=type(e).__name__, value=message)
         print(f"pp_worker: stage {cfg.stage}: cannot load model {cfg.model!r}: {message}", file=sys.stderr, flush=True)

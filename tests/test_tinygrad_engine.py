@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from npref import RefModel
-from tinygrad import Tensor, TinyJit, UOp, dtypes
-from tinygrad.llm.model import Transformer
+from samecast import SameCastReference
+from tinygrad import dtypes
 
 from pp_worker.engines.base import EngineError
 from pp_worker.engines.gguf_loader import ModelLoadError, context_length, read_header
@@ -77,35 +77,6 @@ class Chain:
         return out, logits
 
 
-class SameCastReference:
-    """One process, all blocks, fp16 casts at the chain's boundaries (see the module docstring)."""
-
-    def __init__(self, path: Path):
-        self.model, _ = Transformer.from_gguf(str(path), MAX_CONTEXT, realize=True)
-        self.start_pos = UOp.variable("start_pos", 0, MAX_CONTEXT - 1)
-        self.decoders: dict[frozenset[int], TinyJit] = {}
-
-    def _forward(self, tokens: Tensor, start_pos, boundaries: frozenset[int]) -> Tensor:
-        m = self.model
-        x = m.token_embd(tokens).float()
-        for i, block in enumerate(m.blk):
-            if i in boundaries:
-                x = x.half().float()  # what crossing the wire does
-            x = block(x, start_pos)
-        return m.output(m.output_norm(x))[:, -1, :].float()
-
-    def generate(self, prompt: list[int], n: int, boundaries: set[int]) -> tuple[list[int], list[np.ndarray]]:
-        b = frozenset(boundaries)
-        decode = self.decoders.setdefault(b, TinyJit(lambda t, p: self._forward(t, p, b)))
-        logits = [self._forward(Tensor([prompt], dtype="int32"), 0, b).numpy()[0]]
-        out = [int(logits[-1].argmax())]
-        while len(out) < n:
-            pos = self.start_pos.bind(len(prompt) + len(out) - 1)
-            logits.append(decode(Tensor([[out[-1]]], dtype="int32"), pos).numpy()[0].copy())
-            out.append(int(logits[-1].argmax()))
-        return out, logits
-
-
 @pytest.fixture(scope="module")
 def chain(models):
     built: dict[tuple[str, int], Chain] = {}
@@ -124,7 +95,7 @@ def reference(models):
 
     def get(dtype: str) -> SameCastReference:
         if dtype not in built:
-            built[dtype] = SameCastReference(models[dtype])
+            built[dtype] = SameCastReference(models[dtype], MAX_CONTEXT)
         return built[dtype]
 
     return get
@@ -402,6 +373,6 @@ def test_non_llama_architecture_is_loaded_like_tinygrad(models, tmp_path):
     c = Chain(path, 2)
     prompt = c.engines[0].tokenize(TEXTS[0])
     got, got_logits = c.generate(0, prompt, 8)
-    want, want_logits = SameCastReference(path).generate(prompt, 8, c.boundaries)
+    want, want_logits = SameCastReference(path, MAX_CONTEXT).generate(prompt, 8, c.boundaries)
     assert got == want
     np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), rtol=0, atol=LOGIT_ATOL_SAME_CAST)

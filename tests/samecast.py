@@ -1,0 +1,44 @@
+"""The exactness reference for pipelines: one process holding ALL blocks, casting the hidden state to fp16 and
+back at the same block boundaries as an N-stage chain (what crossing the wire does).
+
+It uses tinygrad's own whole-file loader (`Transformer.from_gguf`) and its blocks with their own KV caches:
+nothing of pp_worker's engine. Prefill is eager with a concrete length; decode is a TinyJit with a symbolic
+position.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from tinygrad import Tensor, TinyJit, UOp
+from tinygrad.llm.model import Transformer
+
+
+class SameCastReference:
+    """One process, all blocks, fp16 casts at the chain's boundaries (see the module docstring)."""
+
+    def __init__(self, path: Path, max_context: int):
+        self.model, _ = Transformer.from_gguf(str(path), max_context, realize=True)
+        self.start_pos = UOp.variable("start_pos", 0, max_context - 1)
+        self.decoders: dict[frozenset[int], TinyJit] = {}
+
+    def _forward(self, tokens: Tensor, start_pos, boundaries: frozenset[int]) -> Tensor:
+        m = self.model
+        x = m.token_embd(tokens).float()
+        for i, block in enumerate(m.blk):
+            if i in boundaries:
+                x = x.half().float()  # what crossing the wire does
+            x = block(x, start_pos)
+        return m.output(m.output_norm(x))[:, -1, :].float()
+
+    def generate(self, prompt: list[int], n: int, boundaries: set[int]) -> tuple[list[int], list[np.ndarray]]:
+        b = frozenset(boundaries)
+        decode = self.decoders.setdefault(b, TinyJit(lambda t, p: self._forward(t, p, b)))
+        logits = [self._forward(Tensor([prompt], dtype="int32"), 0, b).numpy()[0]]
+        out = [int(logits[-1].argmax())]
+        while len(out) < n:
+            pos = self.start_pos.bind(len(prompt) + len(out) - 1)
+            logits.append(decode(Tensor([[out[-1]]], dtype="int32"), pos).numpy()[0].copy())
+            out.append(int(logits[-1].argmax()))
+        return out, logits
