@@ -1,0 +1,140 @@
+"""Real-mode workers as subprocesses over the protocol (tinygrad on CPU, a small generated model).
+
+The invariant test: a 4-stage pipeline of real processes (two middle stages), several generations in flight,
+gives exactly the greedy tokens of one process holding all blocks with the same fp16 cast points.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, WorkerProcess
+from samecast import SameCastReference
+from tinygrad.llm.cli import SimpleTokenizer
+
+from pp_worker.engines.gguf_loader import read_header
+from pp_worker.modelgen import generate
+from pp_worker.pipeline import run_pipeline
+from pp_worker.shard import compute_layer_range
+
+MAX_CONTEXT = 64
+PROMPTS = ["Beautiful is better than", "Errors should never pass silently.", "Now is better than never"]
+N_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return generate(tmp_path_factory.mktemp("real") / "tiny.gguf", preset="tiny", seed=7, dtype="F16")
+
+
+def real_env(stage: int, num_stages: int, model: Path | str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("PP_") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
+    return {**env, "STAGE": str(stage), "NUM_STAGES": str(num_stages), "MODEL": str(model),
+            "MAX_CONTEXT": str(MAX_CONTEXT), **extra}
+
+
+def spawn_real(stage: int, num_stages: int, model: Path | str, **extra: str) -> WorkerProcess:
+    return WorkerProcess([sys.executable, "-m", "pp_worker"], real_env(stage, num_stages, model, **extra), REPO)
+
+
+def test_four_real_stages_in_flight_equal_one_process_with_the_same_casts(model: Path) -> None:
+    stats = run_pipeline(PROMPTS, stages=4, model=str(model), max_tokens=N_TOKENS, concurrency=3,
+                         env={"MAX_CONTEXT": str(MAX_CONTEXT)})
+    kv = read_header(model).kv
+    tokenizer = SimpleTokenizer.from_gguf_kv(kv)
+    boundaries = {compute_layer_range(s, 4, kv["llama.block_count"])[0] for s in range(1, 4)}
+    reference = SameCastReference(model, MAX_CONTEXT)
+    for g, prompt in zip(stats.generations, PROMPTS, strict=True):
+        want, _ = reference.generate(tokenizer.encode(prompt), N_TOKENS, boundaries)
+        assert g.prompt_tokens == tokenizer.encode(prompt)
+        assert g.tokens == want[: len(g.tokens)] and len(g.tokens) == N_TOKENS, (prompt, g.tokens, want)
+
+
+def _bad_models(model: Path, tmp: Path) -> dict[str, Path]:
+    data = model.read_bytes()
+    truncated = tmp / "truncated.gguf"
+    truncated.write_bytes(data[: len(data) * 2 // 3])
+    arch = bytearray(data)
+    key = b"general.architecture"
+    at = arch.index(key) + len(key) + 4 + 8  # key, value type (u32), string length (u64)
+    arch[at:at + 5] = b"mamba"
+    unknown = tmp / "mamba.gguf"
+    unknown.write_bytes(bytes(arch))
+    garbage = tmp / "garbage.gguf"
+    garbage.write_bytes(b"not a model at all\n" * 10)
+    return {"missing": tmp / "nope.gguf", "truncated": truncated, "unknown arch": unknown, "garbage": garbage}
+
+
+@pytest.mark.parametrize("case", ["missing", "truncated", "unknown arch", "garbage"])
+def test_a_bad_model_fails_cleanly(model: Path, tmp_path: Path, case: str) -> None:
+    bad = _bad_models(model, tmp_path)[case]
+    # the last stage of 2 reads the tail of the file, where the truncation is
+    result = subprocess.run([sys.executable, "-m", "pp_worker"], env=real_env(1, 2, bad), cwd=REPO,
+                            stdin=subprocess.PIPE, capture_output=True, timeout=60)
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.returncode == 2
+    assert not [o for o in lines if o.get("status") == "ready"]
+    failed = [o for o in lines if o.get("event") == "model_load_failed"]
+    assert len(failed) == 1 and failed[0]["model"] == str(bad) and failed[0]["value"]
+    stderr = [line for line in result.stderr.decode().splitlines() if line.strip()]
+    assert len(stderr) == 1 and "cannot load model" in stderr[0] and str(bad) in stderr[0], stderr
+
+
+def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> None:
+    kv = read_header(model).kv
+    first, last = spawn_real(0, 2, model), spawn_real(1, 2, model)
+    try:
+        ready = [first.wait_ready(60), last.wait_ready(60)]
+        blocks = kv["llama.block_count"]
+        assert [r["layer_range"] for r in ready] == [list(compute_layer_range(s, 2, blocks)) for s in (0, 1)]
+        for r in ready:
+            assert r["hidden_dim"] == kv["llama.embedding_length"] and r["total_blocks"] == blocks
+            assert r["vocab_size"] == len(kv["tokenizer.ggml.tokens"]) and r["max_context"] == MAX_CONTEXT
+            assert kv["tokenizer.ggml.eos_token_id"] in r["eos_token_ids"]
+        tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
+        hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})
+        token = last.request({"op": "forward_and_sample", "request_id": 5, "hidden_b64": hidden["hidden_b64"],
+                              "position": 0, "seq_len": len(tokens)})
+        assert 0 <= token["token_id"] < ready[1]["vocab_size"]
+        for w in (first, last):
+            status = w.request({"op": "status", "request_id": 6})
+            assert status["sessions"] == {"5": len(tokens)} and status["requests_served"] >= 1
+            assert w.request({"op": "release", "request_id": 5})["released"] is True
+            assert w.request({"op": "status", "request_id": 7})["sessions"] == {}
+            assert w.request({"op": "ping", "request_id": 8})["pong"] is True
+        # the released session is gone: a step past position 0 is refused, by name
+        again = first.request({"op": "decode_step", "request_id": 5, "token_id": token["token_id"],
+                               "position": len(tokens)})
+        assert "unknown session 5" in again["error"]
+        overflow = first.request({"op": "embed_and_forward", "request_id": 9, "tokens": [1] * (MAX_CONTEXT + 1)})
+        assert str(MAX_CONTEXT) in overflow["error"]
+        for w in (first, last):
+            assert w.request({"op": "shutdown", "request_id": 10}) == {"request_id": 10, "ok": True}
+            assert w.rest_of_stdout()[-1]["reason"] == "shutdown" and w.wait() == 0
+    finally:
+        first.kill()
+        last.kill()
+
+
+def test_tokenize_and_detokenize_round_trip_non_ascii_and_special_tokens(model: Path) -> None:
+    text = "héllo wörld — 日本語 🙂<|eot_id|> done"
+    first, last = spawn_real(0, 2, model), spawn_real(1, 2, model)
+    try:
+        first.wait_ready(60)
+        last.wait_ready(60)
+        tokens = first.request({"op": "tokenize", "request_id": 1, "prompt": text})["tokens"]
+        eot = read_header(model).kv["tokenizer.ggml.tokens"].index("<|eot_id|>")
+        assert eot in tokens  # a special token is one token, not its characters
+        assert last.request({"op": "detokenize", "request_id": 2, "tokens": tokens})["text"] == text
+        vocab = len(read_header(model).kv["tokenizer.ggml.tokens"])
+        bad = last.request({"op": "detokenize", "request_id": 3, "tokens": [vocab]})
+        assert bad["request_id"] == 3 and "'tokens'" in bad["error"] and str(vocab - 1) in bad["error"]
+    finally:
+        first.kill()
+        last.kill()
