@@ -32,7 +32,7 @@ lint: install
 	$(BIN)/ruff check .
 
 demo: install
-	$(BIN)/pp-pipeline --stages 3 --prompt "Beautiful is better than" --max-tokens 60
+	$(BIN)/pp-pipeline --stages 3 --prompt "Beautiful is better than" --max-tokens 200
 
 bench: install
 	$(BIN)/python -m bench.run

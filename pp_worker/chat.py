@@ -7,7 +7,8 @@ import select
 import sys
 from dataclasses import dataclass
 
-from pp_worker.pipeline import Cancel, Generation, Pipeline, Sampling
+from pp_worker.generation import Generation, Sampling
+from pp_worker.pipeline import Cancel, Pipeline
 
 
 @dataclass(frozen=True)

@@ -22,16 +22,8 @@ import sys
 from typing import TextIO
 
 from pp_worker.chat import chat, chat_format
-from pp_worker.pipeline import (
-    RECENT_TOKENS,
-    Cancel,
-    Generation,
-    Pipeline,
-    PipelineError,
-    RunStats,
-    Sampling,
-    make_generations,
-)
+from pp_worker.generation import RECENT_TOKENS, Generation, Sampling
+from pp_worker.pipeline import Cancel, Pipeline, PipelineError, RunStats, make_generations
 from pp_worker.stage_proc import Launch
 
 

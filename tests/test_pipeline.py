@@ -24,14 +24,8 @@ from conftest import REPO
 
 from pp_worker.chat import chat_format, render_chat
 from pp_worker.driver import Output
-from pp_worker.pipeline import (
-    Generation,
-    Pipeline,
-    Sampling,
-    _reusable,
-    make_generations,
-    run_pipeline,
-)
+from pp_worker.generation import Generation, Sampling, _reusable
+from pp_worker.pipeline import Pipeline, make_generations, run_pipeline
 from pp_worker.stage_proc import Launch, launcher_argv
 
 PROMPTS = ["the quick brown fox", "jumps over", "the lazy dog sleeps all day", "hello"]
