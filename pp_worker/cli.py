@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -126,7 +127,7 @@ class _Stop(BaseException):
         self.signum = signum
 
 
-def _install_signals(state: LoopState, events: Events, loading: list[bool]) -> tuple[int, int]:
+def _install_signals(state: LoopState, events: Events) -> tuple[int, int]:
     """SIGTERM/SIGINT: finish the request in flight, then exit 0; a second signal meanwhile exits at once.
     Returns the wake-up pipe (read end, write end) that a signal writes to, so a blocked read wakes."""
     wake_r, wake_w = os.pipe()
@@ -135,7 +136,7 @@ def _install_signals(state: LoopState, events: Events, loading: list[bool]) -> t
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        if loading[0]:
+        if state.loading:
             raise _Stop(signum)
         if state.signum is not None and state.busy:  # a second signal while draining: leave now
             events.out.write_if_free({"event": "signal_received", "stage_index": events.stage_index,
@@ -158,13 +159,14 @@ def main(argv: list[str] | None = None) -> int:
     clock = Clock()
     events = Events(out, cfg.stage, clock)
     install_excepthook(events)
-    state, loading = LoopState(), [True]
-    wake_r, wake_w = _install_signals(state, events, loading)
-    events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
-                model=None if cfg.stub else cfg.model, python_version=sys.version.split()[0])
-    stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
-    try:
-        return _run(cfg, out, clock, events, state, loading, wake_r)
+    state = LoopState()
+    stop_heartbeat = threading.Event()
+    wake_r, wake_w = _install_signals(state, events)
+    try:  # from here on a signal may raise _Stop until the ready line is out
+        events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
+                    model=None if cfg.stub else cfg.model, python_version=sys.version.split()[0])
+        stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
+        return _run(cfg, out, clock, events, state, wake_r)
     except _Stop as stop:
         _exit_event(events, clock, "signal", stop.signum)
         return 0
@@ -202,8 +204,7 @@ def _load(cfg: Config, events: Events) -> Engine | None:
         return None
 
 
-def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, loading: list[bool],
-         wake_r: int) -> int:
+def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, wake_r: int) -> int:
     engine = _load(cfg, events)
     if engine is None:
         return 2
@@ -213,7 +214,7 @@ def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, 
     out.write(ready_line(engine, cfg, clock))
     events.emit("ready", pid=os.getpid(), stage=cfg.stage, uptime_ms=clock.uptime_ms(), rss_mb=rss_mb())
     events.emit("pp_worker_ready", pid=os.getpid(), uptime_ms=clock.uptime_ms())
-    loading[0] = False
+    state.loading = False
     reason = serve(LineReader(sys.stdin.buffer, cap, wake_fd=wake_r), out, worker, state)
     if reason == "stdout_closed":
         print(f"pp_worker: stage {cfg.stage}: stdout closed by the reader; exiting", file=sys.stderr, flush=True)

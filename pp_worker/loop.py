@@ -103,10 +103,12 @@ def _drain(fd: int) -> None:
 
 @dataclass
 class LoopState:
-    """Shared with the signal handler: which signal asked us to stop, and whether a request is in flight."""
+    """Shared with the signal handler: which signal asked us to stop, whether a request is in flight, and
+    whether we are still loading (nothing to finish: a signal then stops the process at once)."""
 
     signum: int | None = None
     busy: bool = False
+    loading: bool = True
 
 
 def serve(reader: LineReader, out: Out, worker: Worker, state: LoopState) -> str:

@@ -44,11 +44,11 @@ def _finite_float(text: str) -> float:
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj = dict(pairs)
-    if len(obj) != len(pairs):
-        seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {dup!r}")
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:  # which of two values the caller meant is a guess we refuse to make
+            raise ValueError(f"duplicate key {key[:60]!r}")
+        obj[key] = value
     return obj
 
 

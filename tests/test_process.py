@@ -252,8 +252,8 @@ class Stream(io.RawIOBase):  # stands for stdout; the second SIGTERM lands while
         return len(b)
 
 out = Out(Stream())
-state = LoopState(signum=signal.SIGTERM, busy=True)  # draining: the first signal came, an op is in flight
-_install_signals(state, Events(out, 0, Clock()), [False])
+state = LoopState(signum=signal.SIGTERM, busy=True, loading=False)  # draining: the first signal came, an op runs
+_install_signals(state, Events(out, 0, Clock()))
 out.write({"request_id": 1})
 """
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -138,3 +139,17 @@ def test_tokenize_and_detokenize_round_trip_non_ascii_and_special_tokens(model: 
     finally:
         first.kill()
         last.kill()
+
+
+def test_sigterm_while_loading_exits_at_once(model: Path) -> None:
+    w = spawn_real(0, 2, model)
+    try:
+        assert w.read_line(30)["event"] == "starting"  # the model load begins right after this line
+        w.proc.send_signal(signal.SIGTERM)
+        assert w.wait(10) == 0, w.stderr_text()
+        rest = w.rest_of_stdout()
+        assert [o["event"] for o in rest[-2:]] == ["signal_received", "exiting"] and rest[-1]["reason"] == "signal"
+        assert not [o for o in rest if o.get("status") == "ready"]
+        assert "Traceback" not in w.stderr_text()
+    finally:
+        w.kill()
