@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from npref import RefModel
 
+from pp_worker import bpe
 from pp_worker import modelgen as mg
 
 DTYPES = ("F32", "F16", "Q8_0")
@@ -97,10 +98,10 @@ def _spec_and_vocab(preset: str) -> tuple[mg.LlamaSpec, int]:
 
 def test_vocab_layout():
     vocab = mg.build_vocab(mg.builtin_text(), 100)
-    sym = mg.byte_symbols()
+    sym = bpe.byte_symbols()
     assert vocab.tokens[:256] == sym and len(set(sym)) == 256  # id b is byte b
     assert len(set(vocab.tokens)) == len(vocab.tokens)
-    assert vocab.tokens[-3:] == list(mg.DEFAULT_SPECIALS) and vocab.token_types[-3:] == [3, 3, 3]
+    assert vocab.tokens[-3:] == list(bpe.DEFAULT_SPECIALS) and vocab.token_types[-3:] == [3, 3, 3]
     assert set(vocab.token_types[:-3]) == {1}
     assert (vocab.bos_id, vocab.eos_id) == (356, 357)
     known = set(vocab.tokens)
@@ -144,7 +145,7 @@ def test_main_writes_file(tmp_path, capsys):
 def test_pretokenize_matches_tinygrad(tokenizer):
     texts = [mg.builtin_text(), "héllo wörld — 日本語 🙂", "I'LL don't  x\n\n  y\t\tz 12345 3.14 ¡ay! ", "a\r\n\r\nb  "]
     for text in texts:
-        assert mg.pretokenize(text) == tokenizer._split_to_word.findall(text)
+        assert bpe.pretokenize(text) == tokenizer._split_to_word.findall(text)
 
 
 ROUND_TRIP_TEXTS = ["héllo wörld — 日本語 🙂", "Beautiful is better than ugly.\n", " x  \n\t🙂🙂 1234567 ǅ Ωμέγα"]
@@ -161,7 +162,7 @@ def test_tokenizer_merges_and_specials(tokenizer):
     vocab = mg.builtin_vocab(mg.PRESETS["tiny"][1])
     text = "Beautiful is better than ugly."
     assert len(tokenizer.encode(text)) < len(text.encode()) // 2  # the learned merges are used
-    bos, eos, eot = (vocab.tokens.index(s) for s in mg.DEFAULT_SPECIALS)
+    bos, eos, eot = (vocab.tokens.index(s) for s in bpe.DEFAULT_SPECIALS)
     ids = tokenizer.encode("<|begin_of_text|>hi<|eot_id|>é<|end_of_text|>")
     assert ids[0] == bos and ids[-1] == eos and eot in ids
     assert tokenizer.decode(ids) == "<|begin_of_text|>hi<|eot_id|>é<|end_of_text|>"
@@ -183,7 +184,7 @@ def rank_bpe(word: bytes, ranks: dict[tuple[bytes, bytes], int], vocab: dict[byt
 def test_merges_list_encodes_like_tinygrad(tokenizer):
     """llama.cpp ranks merges by list position, tinygrad by result token id: the written merges make them agree."""
     vocab = mg.builtin_vocab(mg.PRESETS["tiny"][1])
-    to_bytes = {sym: b for b, sym in enumerate(mg.byte_symbols())}
+    to_bytes = {sym: b for b, sym in enumerate(bpe.byte_symbols())}
 
     def decode(s: str) -> bytes:
         return bytes(to_bytes[c] for c in s)
@@ -193,7 +194,7 @@ def test_merges_list_encodes_like_tinygrad(tokenizer):
     text, rng = mg.builtin_text(), np.random.default_rng(0)
     for start, length in zip(rng.integers(0, len(text) - 200, 200), rng.integers(1, 200, 200), strict=True):
         chunk = text[start : start + length] + ROUND_TRIP_TEXTS[int(start) % 3]
-        want = [t for w in mg.pretokenize(chunk) for t in rank_bpe(w.encode(), ranks, ids)]
+        want = [t for w in bpe.pretokenize(chunk) for t in rank_bpe(w.encode(), ranks, ids)]
         assert tokenizer.encode(chunk) == want, chunk
 
 

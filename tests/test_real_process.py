@@ -18,7 +18,7 @@ from conftest import REPO, WorkerProcess
 from samecast import SameCastReference
 from tinygrad.llm.cli import SimpleTokenizer
 
-from pp_worker.engines.gguf_loader import read_header
+from pp_worker.engines.gguf_file import read_header
 from pp_worker.modelgen import generate
 from pp_worker.pipeline import run_pipeline
 from pp_worker.shard import compute_layer_range

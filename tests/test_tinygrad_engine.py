@@ -19,7 +19,8 @@ from samecast import SameCastReference
 from tinygrad import dtypes
 
 from pp_worker.engines.base import EngineError
-from pp_worker.engines.gguf_loader import ModelLoadError, context_length, read_header
+from pp_worker.engines.gguf_file import ModelLoadError, read_header
+from pp_worker.engines.gguf_loader import context_length
 from pp_worker.engines.tinygrad_engine import InputBuffer, TinygradEngine
 from pp_worker.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
 

@@ -1,0 +1,115 @@
+"""GGUF header parsing: metadata and the tensor directory, read with bounds checks.
+
+Every read fails with `ModelLoadError` (one line, naming the file) rather than reading past the end of a truncated
+or malformed file, and every tensor's data is checked to lie inside the file. Tensor data itself is read by
+`gguf_loader`. tinygrad is imported only to size a tensor's data, so `ModelLoadError` can be imported cheaply.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9  # GGUF value types that are not fixed-size scalars (those are in _SCALARS)
+
+
+class ModelLoadError(Exception):
+    """The model cannot be loaded (missing, malformed, unsupported); the message is one line."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    dims: tuple[int, ...]  # GGUF order: fastest-varying first
+    ggml_type: int
+    offset: int  # absolute, in bytes from the start of the file
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(reversed(self.dims))
+
+    @property
+    def n_elements(self) -> int:
+        return int(np.prod(self.dims, dtype=np.int64)) if self.dims else 1
+
+    @property
+    def nbytes(self) -> int | None:
+        """Bytes of data, None for a GGML type tinygrad cannot read."""
+        from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+        if (dtype := _GGML_NATIVE.get(self.ggml_type)) is not None:
+            return dtype.itemsize * self.n_elements
+        if (block := _GGML_QUANT.get(self.ggml_type)) is not None:
+            return self.n_elements // block[0] * block[1]
+        return None
+
+
+@dataclass
+class GGUFHeader:
+    path: Path
+    kv: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+
+
+class _Reader:
+    """Little-endian reads that fail with ModelLoadError instead of reading past the end of the file."""
+
+    def __init__(self, f: BinaryIO, size: int, path: Path):
+        self.f, self.size, self.path = f, size, path
+
+    def bytes(self, n: int) -> bytes:
+        if n < 0 or self.f.tell() + n > self.size:
+            raise ModelLoadError(f"{self.path}: truncated or malformed GGUF header (read of {n} bytes past the end)")
+        return self.f.read(n)
+
+    def scalar(self, fmt: str) -> Any:
+        return struct.unpack(fmt, self.bytes(struct.calcsize(fmt)))[0]
+
+    def string(self) -> str:
+        raw = self.bytes(self.scalar("<Q"))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ModelLoadError(f"{self.path}: malformed GGUF header (a string is not UTF-8)") from e
+
+    def value(self, typ: int) -> Any:
+        if typ == _STRING:
+            return self.string()
+        if typ == _ARRAY:
+            item_typ, n = self.scalar("<i"), self.scalar("<Q")
+            return [self.value(item_typ) for _ in range(n)]
+        if typ not in _SCALARS:
+            raise ModelLoadError(f"{self.path}: malformed GGUF header (unknown value type {typ})")
+        return self.scalar(_SCALARS[typ])
+
+
+def read_header(path: Path) -> GGUFHeader:
+    """Metadata and tensor directory of a GGUF file; checks that every tensor's data lies inside the file."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        r = _Reader(f, size, path)
+        magic = f.read(4)
+        if magic != b"GGUF":
+            raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
+        if (version := r.scalar("<I")) not in (2, 3):
+            raise ModelLoadError(f"{path}: unsupported GGUF version {version} (supported: 2, 3)")
+        n_tensors, n_kv = r.scalar("<Q"), r.scalar("<Q")
+        kv = {r.string(): r.value(r.scalar("<i")) for _ in range(n_kv)}
+        entries = [(r.string(), tuple(r.scalar("<Q") for _ in range(r.scalar("<I"))), r.scalar("<i"), r.scalar("<Q"))
+                   for _ in range(n_tensors)]
+        if not isinstance(alignment := kv.get("general.alignment", 32), int) or alignment < 1:
+            raise ModelLoadError(f"{path}: malformed GGUF header (general.alignment {alignment!r})")
+        data_start = -(-f.tell() // alignment) * alignment
+    tensors = {name: TensorInfo(name, dims, typ, data_start + off) for name, dims, typ, off in entries}
+    for t in tensors.values():
+        if t.nbytes is not None and t.offset + t.nbytes > size:
+            raise ModelLoadError(f"{path}: truncated file: tensor {t.name} ends at byte {t.offset + t.nbytes} "
+                                 f"but the file has {size} bytes")
+    if kv.get("split.count", 1) > 1:
+        raise ModelLoadError(f"{path}: multi-part GGUF files are not supported (split.count={kv['split.count']})")
+    return GGUFHeader(path, kv, tensors)
