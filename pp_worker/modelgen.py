@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-# the tokenizer lives in bpe; the names tests reach as `modelgen.<name>` are re-exported (`x as x`)
+# the tokenizer the generated models carry
 from pp_worker.bpe import Vocab, build_vocab, builtin_text
 
 
