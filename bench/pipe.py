@@ -1,0 +1,92 @@
+"""Measurements on a real pipeline of pp_worker processes, through the driver API.
+
+Per-token times come from the driver's trace: the moment each ``forward_and_sample`` reply (one token) reaches
+the driver. Decode rates are taken between a generation's first token (which ends its prefill) and its last.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench.solo import vmhwm_mb
+from pp_worker.pipeline import Pipeline, RunStats, Sampling, make_generations
+from pp_worker.stage_proc import Launch
+
+QUIET = {"PP_WARMUP": "1", "PP_HEARTBEAT_S": "3600"}  # compiled before ready; no heartbeat lines mid-measurement
+
+
+@dataclass
+class Tokens:
+    """Arrival times (driver clock, seconds) of one generation's tokens; the first ends the prefill."""
+
+    times: list[float]
+
+    @property
+    def decoded(self) -> int:
+        return max(0, len(self.times) - 1)
+
+    @property
+    def tps(self) -> float:
+        span = self.times[-1] - self.times[0] if self.times else 0.0
+        return self.decoded / span if span > 0 else 0.0
+
+    @property
+    def p50_ms(self) -> float:
+        gaps = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+        return statistics.median(gaps) * 1000 if gaps else 0.0
+
+
+def start(model: Path, stages: int, env: dict[str, str] | None = None) -> Pipeline:
+    """A warm pipeline (PP_WARMUP=1) of local worker processes on ``model``."""
+    launch = Launch(stages, model=str(model), env={**QUIET, **(env or {})})
+    return Pipeline(launch, load_timeout=900.0, step_timeout=600.0, log=None)
+
+
+def run_traced(p: Pipeline, prompts: list[str], max_tokens: int, concurrency: int = 1) -> tuple[RunStats, list[Tokens]]:
+    """Run the prompts (``concurrency`` in flight); the stats and each generation's token arrival times."""
+    p.trace = []
+    try:
+        stats = p.run(make_generations(p, prompts, max_tokens, Sampling()), concurrency)
+        last = len(p.stages) - 1
+        times: dict[int, list[float]] = {g.request_id: [] for g in stats.generations}
+        for t, stage, rid, op, kind in p.trace:
+            if stage == last and op == "forward_and_sample" and kind == "reply" and rid in times:
+                times[rid].append(t)
+    finally:
+        p.trace = None
+    return stats, [Tokens(times[g.request_id]) for g in stats.generations]
+
+
+def decode_rate(p: Pipeline, prompt: str, decode: int) -> Tokens:
+    """One generation of ``decode`` tokens after the first; its token times."""
+    return run_traced(p, [prompt], decode + 1)[1][0]
+
+
+@dataclass
+class Aggregate:
+    tps: float  # tokens/s while all K generations were decoding
+    overall_tps: float  # every token (prefills included) over the whole wall time
+    window_s: float
+    tokens_in_window: int
+
+
+def aggregate_rate(p: Pipeline, prompts: list[str], decode: int) -> Aggregate:
+    """All ``prompts`` in flight at once; the aggregate decode rate over the window in which all of them decode
+    (from the latest first token to the earliest last token), so prefills and the ramp-down are left out."""
+    stats, gens = run_traced(p, prompts, decode + 1, concurrency=len(prompts))
+    w0, w1 = max(g.times[0] for g in gens), min(g.times[-1] for g in gens)
+    count = sum(1 for g in gens for t in g.times if w0 < t <= w1)
+    window = w1 - w0
+    return Aggregate(count / window if window > 0 else 0.0, stats.tokens / stats.wall_s, window, count)
+
+
+def time_to_first_token(p: Pipeline, prompt: str, reps: int) -> list[float]:
+    """Seconds from the generation's start (its tokenize request) to its first token, ``reps`` fresh sessions."""
+    return [run_traced(p, [prompt], 1)[0].generations[0].ttft_s for _ in range(reps)]
+
+
+def peak_rss(p: Pipeline) -> list[float | None]:
+    """VmHWM of each stage's process (local children, so /proc has them)."""
+    return [vmhwm_mb(st.proc.pid) for st in p.stages]

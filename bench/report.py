@@ -1,0 +1,157 @@
+"""The raw measurements of ``bench.run`` -> table rows, with the issue's targets next to them.
+
+Targets (issue 5): 2 stages >= 0.9x one process, 3 stages >= 0.85x; ours >= 5x the unjitted loop; K=4 in flight
+>= 1.5x K=1; a stub decode hop >= 20,000 round trips/s; the prefill payload path >= 500 MB/s; each stage's peak
+RSS <= (its weights + one session's KV) x 1.3.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from bench.models import ModelFacts
+from bench.rows import Row, number
+
+MIB = 1 << 20
+S1 = "1 single-stream decode, warm workers"
+S2 = "2 ours vs the unjitted per-block loop, 2 stages"
+S3 = "3 generations in flight through 2 stages (aggregate decode)"
+S4 = "4 time to first token, 2 stages, warm workers"
+S5 = "5 protocol overhead, no model"
+S6 = "6 peak RSS (VmHWM)"
+
+
+def get(raw: dict[str, Any], *path: str) -> Any:
+    """raw[a][b]...; None where any part is missing (a section that failed)."""
+    node: Any = raw
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return node
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[int, int]]]) -> list[Row]:
+    return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
+            *memory(raw, facts, shares)]
+
+
+def _decode_note(d: dict[str, Any] | None) -> str:
+    return f"{d['decoded']} tokens, median {d['p50_ms']:.1f} ms/token" if d else "not measured"
+
+
+SOLO_MODES = {"lazy": "lazy weights (tinygrad CLI's way)", "realize": "from_gguf(realize=True)",
+              "tuned": "realize + rope table realized"}
+
+
+def best_solo(raw: dict[str, Any]) -> float | None:
+    """The one-process bar: the fastest of the one-process variants."""
+    rates = [r for m in SOLO_MODES if (r := get(raw, "solo", m, "decode", "tps")) is not None]
+    return max(rates, default=None)
+
+
+def single(raw: dict[str, Any]) -> list[Row]:
+    rows = []
+    for mode, label in SOLO_MODES.items():
+        d = get(raw, "solo", mode, "decode")
+        rows.append(Row(S1, f"one process, {label}", get(d or {}, "tps"), "tok/s", note=_decode_note(d)))
+    base, cli = best_solo(raw), get(raw, "solo", "lazy", "decode", "tps")
+    for n, target in ((2, 0.9), (3, 0.85)):
+        tps = get(raw, f"pp{n}", "decode", "tps")
+        rows.append(Row(S1, f"pp_worker {n} stages", tps, "tok/s", note=_decode_note(get(raw, f"pp{n}", "decode"))))
+        rows.append(Row(S1, f"  {n} stages / one process", ratio(tps, base), "x", target,
+                        note=f"against the fastest variant; against the first (tinygrad as is): "
+                             f"{number(ratio(tps, cli))}x"))
+    return rows
+
+
+def unjitted(raw: dict[str, Any]) -> list[Row]:
+    d, ours = get(raw, "unjit", "decode"), get(raw, "pp2", "decode", "tps")
+    note = "JIT=0: TinyJit calls the forward eagerly, each block each token; " + _decode_note(d)
+    return [Row(S2, "2 stages, unjitted (JIT=0)", get(d or {}, "tps"), "tok/s", note=note),
+            Row(S2, "  ours / unjitted", ratio(ours, get(d or {}, "tps")), "x", 5.0,
+                note="the seed also re-traced per Python-int position: slower still than JIT=0")]
+
+
+def in_flight(raw: dict[str, Any]) -> list[Row]:
+    ks = get(raw, "pp2", "k") or {}
+    one = get(ks, "1", "tps")
+    rows = []
+    for k, a in ks.items():
+        note = f"{a['tokens_in_window']} tokens in {a['window_s']:.2f} s; prefills included: {a['overall_tps']:.1f}"
+        rows.append(Row(S3, f"K={k}", a["tps"], "tok/s", note=note))
+    for k in (k for k in ks if k != "1"):
+        rows.append(Row(S3, f"  K={k} / K=1", ratio(get(ks, k, "tps"), one), "x", 1.5 if k == "4" else None))
+    return rows
+
+
+def ttft(raw: dict[str, Any]) -> list[Row]:
+    rows = []
+    for n, times in (get(raw, "pp2", "ttft_s") or {}).items():
+        solo = [t for m in SOLO_MODES if (t := get(raw, "solo", m, "ttft_s", n)) is not None]
+        base = min(solo, default=None)
+        note = f"min {min(times):.3f} s of {len(times)}" + (f"; one process {base:.3f} s" if base else "")
+        rows.append(Row(S4, f"{n}-token prompt", statistics.median(times), "s", note=note))
+    return rows
+
+
+def protocol_rows(raw: dict[str, Any]) -> list[Row]:
+    w = raw.get("wire") or {}
+    rows = []
+    for where, rate in (w.get("pipe_floor_rt_s") or {}).items():
+        rows.append(Row(S5, f"bare pipe echo, 1 in flight, {where}", rate, "rt/s",
+                        note="the floor: a Python child copying lines back, no JSON, client and child pinned"))
+    for where, rate in (w.get("sequential_rt_s") or {}).items():
+        rows.append(Row(S5, f"decode hop, 1 in flight, {where}", rate, "rt/s", 20000,
+                        note="forward_range 1x16, stub middle stage; client encodes/parses lines as the driver"))
+    return rows + [
+        Row(S5, "decode hop, pipelined (stage capacity)", w.get("pipelined_rt_s"), "rt/s", 20000,
+            note="requests written ahead by a thread, replies counted: what one stage process can serve"),
+        Row(S5, "512-token prefill via the stub (16 KB)", get(w, "stub_prefill", "mb_per_s"), "MB/s",
+            note="hidden 16: per-request cost and the stub's SHA-256 fake compute dominate"),
+        Row(S5, "codec in-process, 512x4096 fp16", get(w, "codec", "mb_per_s"), "MB/s",
+            note="encode_hidden + decode_hidden (validating) of 4.2 MB"),
+        Row(S5, "prefill payload round trip, 512x4096", get(w, "echo", "mb_per_s"), "MB/s", 500,
+            note="payload MB per round trip (out and back) through pp_worker's loop+codec, engine echoes"),
+    ]
+
+
+def memory(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[int, int]]]) -> list[Row]:
+    floor = get(raw, "solo", "idle", "peak_rss_mb")
+    whole_kv = facts.kv_bytes(facts.n_blocks, facts.context) / MIB
+    rows = [Row(S6, "tinygrad floor: import + one kernel", floor, "MiB", note="an idle process that ran one kernel"),
+            Row(S6, "  floor + the model's tokenizer", get(raw, "solo", "idle", "with_tokenizer_peak_rss_mb"), "MiB",
+                note="SimpleTokenizer.from_gguf_kv, which the first and last stages build (middle stages don't)"),
+            Row(S6, "one process, whole model", get(raw, "solo", "lazy", "peak_rss_mb"), "MiB",
+                note=f"file {facts.file_bytes / MIB:.0f} + KV {whole_kv:.0f} MiB + tokenizer, lazy weights; "
+                     f"realized: {number(get(raw, 'solo', 'realize', 'peak_rss_mb'))}, tuned: "
+                     f"{number(get(raw, 'solo', 'tuned', 'peak_rss_mb'))} MiB")]
+    for n, share in sorted(shares.items()):
+        peaks = get(raw, f"pp{n}", "peak_rss_mb") or [None] * n
+        for i, ((w, kv), peak) in enumerate(zip(share, peaks, strict=True)):
+            rows.append(_stage_rss(n, i, w / MIB, kv / MIB, peak, floor))
+    return rows
+
+
+def _stage_rss(n: int, i: int, w: float, kv: float, peak: float | None, floor: float | None) -> Row:
+    bound = (w + kv) * 1.3
+    note = f"weights {w:.0f} + KV {kv:.0f} MiB"
+    if peak is not None and floor is not None:
+        net = peak - floor
+        note += f"; minus the floor {net:.0f} MiB ({'PASS' if net <= bound else 'MISS'} net)"
+    return Row(S6, f"{n} stages: stage {i}", peak, "MiB", bound, at_most=True, note=note)
+
+
+def machine_line(m: dict[str, Any]) -> str:
+    text = f"machine: {m.get('cpus')} CPUs ({m.get('cpu_model') or 'unknown'}), bench wall {m.get('wall_s')} s"
+    share = m.get("foreign_share")
+    if share is not None:
+        text += f"; other processes used {m['foreign_cpu_s']} CPU-s ({share:.0%} of the machine) meanwhile"
+        if share > 0.05:
+            text += " - timings are skewed, rerun on a quiet machine"
+    return text

@@ -1,0 +1,246 @@
+"""``make bench``: every measurement side by side in one run; a table on stdout, JSON under ``bench/results/``.
+
+    python -m bench.run            # the 27M-parameter bench model, ~2.5 minutes on 2 idle cores
+    python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
+
+Measurements fill a ``raw`` dict (kept whole in the JSON); ``bench.report`` turns it into table rows. A section
+that fails is reported (traceback on stderr, an error in the JSON, n/a in the table) and the rest still run.
+Progress goes to stderr; stdout gets the table only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench import models, pipe, report, solo, wire
+from bench.machine import CpuMeter, describe
+from bench.rows import render, summary, to_json, write_results
+
+RESULTS = Path(__file__).resolve().parent / "results"
+SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire")
+
+
+@dataclass(frozen=True)
+class Plan:
+    preset: str
+    prompt_tokens: int = 16  # prompt length of the decode rows
+    warm: int = 8  # tokens of the warm-up generation on every pipeline
+    decode: int = 64  # row 1: decode tokens timed after the first
+    unjit_decode: int = 8  # row 2 (~0.4 s a token)
+    k_values: tuple[int, ...] = (1, 2, 4)
+    k_decode: int = 48  # row 3: decode tokens per generation
+    ttft_lengths: tuple[int, ...] = (128, 512)
+    ttft_reps: int = 3
+    stub_sequential: int = 5000
+    stub_pipelined: int = 40000
+    payload_reps: int = 9
+    payload_shape: tuple[int, int] = (512, 4096)  # a 512-token prefill of a 4096-wide model: 4 MiB of fp16
+
+
+FULL = Plan("bench")
+QUICK = Plan("small", warm=3, decode=12, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
+             stub_sequential=300, stub_pipelined=2000, payload_reps=3)
+
+
+def say(text: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
+
+
+def attempt(raw: dict[str, Any], key: str, fn: Callable[[dict[str, Any]], None]) -> None:
+    """Run one section, which fills ``raw[key]`` as it goes; a failure is recorded and the bench goes on."""
+    section = raw.setdefault(key, {})
+    t0 = time.monotonic()
+    try:
+        fn(section)
+    except Exception as e:
+        traceback.print_exc(file=sys.stderr)
+        raw.setdefault("errors", {})[key] = f"{type(e).__name__}: {e}"
+    section["section_s"] = round(time.monotonic() - t0, 1)
+
+
+@dataclass
+class Bench:
+    plan: Plan
+    model: Path
+    facts: models.ModelFacts
+    prompts: dict[str, list[str]]
+
+    @classmethod
+    def prepare(cls, plan: Plan) -> Bench:
+        model = models.ensure_model(plan.preset)
+        facts = models.facts(model)
+        say(f"model {model.name}: {facts.params / 1e6:.1f}M parameters; building prompts")
+        short = models.fixed_length_prompts(model, plan.prompt_tokens, 3 + max(plan.k_values))
+        prompts = {"warm": short[:2], "decode": short[2:3], "k": short[3:]}
+        for length in plan.ttft_lengths:
+            prompts[f"ttft{length}"] = models.fixed_length_prompts(model, length, 1)
+        return cls(plan, model, facts, prompts)
+
+    # --- the one-process baseline --------------------------------------------------------------------------
+    def one_process(self, out: dict[str, Any]) -> None:
+        say("tinygrad's RSS floor (import + one tiny kernel)")
+        out["idle"] = _solo_json(["--idle", str(self.model)])
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+            json.dump(self._prompt_ids(), f)
+            f.flush()
+            args = [str(self.model), "--prompt-file", f.name, "--decode", str(self.plan.decode),
+                    "--max-context", str(self.facts.context)]
+            for mode in solo.MODES:  # the fastest one-process variant is the bar
+                say(f"one process: Transformer.generate ({mode}), {self.plan.decode} decode tokens")
+                res = _solo_json([*args, "--mode", mode])
+                out[mode] = res | {"decode": _tokens_dict(pipe.Tokens(res.pop("decode_token_times")))}
+
+    def _prompt_ids(self) -> dict[str, list[list[int]]]:
+        """The pipeline's prompts as token ids, for the one-process runs (same tokenizer, same ids)."""
+        tok = models.tokenizer(self.model)
+        return {"warmup": [tok.encode(p) for p in self.prompts["warm"]],
+                "decode": [tok.encode(self.prompts["decode"][0])],
+                "ttft": [tok.encode(self.prompts[f"ttft{n}"][0]) for n in self.plan.ttft_lengths]}
+
+    # --- pipelines ------------------------------------------------------------------------------------------
+    def pipeline(self, stages: int, out: dict[str, Any], *, decode: int, warm: int, full: bool = False,
+                 env: dict[str, str] | None = None) -> None:
+        """Start ``stages`` workers, warm them with a ``warm``-token generation, time ``decode`` tokens, read
+        each stage's peak RSS; ``full``: then the in-flight and time-to-first-token rows on the same workers."""
+        env = {"PP_MAX_SESSIONS": str(max(8, *self.plan.k_values)), **(env or {})}
+        say(f"{stages} stages starting{' with ' + str(env) if len(env) > 1 else ''}")
+        t0 = time.monotonic()
+        with pipe.start(self.model, stages, env) as p:
+            out["ready_s"] = round(time.monotonic() - t0, 1)
+            pipe.run_traced(p, self.prompts["warm"][:1], warm)
+            say(f"{stages} stages: single stream, {decode} decode tokens")
+            out["decode"] = _tokens_dict(pipe.decode_rate(p, self.prompts["decode"][0], decode))
+            out["peak_rss_mb"] = pipe.peak_rss(p)
+            if full:
+                self._concurrency(p, out)
+                self._ttft(p, out)
+
+    def _concurrency(self, p: pipe.Pipeline, out: dict[str, Any]) -> None:
+        out["k"] = {}
+        for k in self.plan.k_values:
+            say(f"{len(p.stages)} stages: {k} generations in flight, {self.plan.k_decode} decode tokens each")
+            out["k"][str(k)] = dataclasses.asdict(pipe.aggregate_rate(p, self.prompts["k"][:k], self.plan.k_decode))
+
+    def _ttft(self, p: pipe.Pipeline, out: dict[str, Any]) -> None:
+        out["ttft_s"] = {}
+        for n in self.plan.ttft_lengths:
+            say(f"{len(p.stages)} stages: time to first token, {n}-token prompt x {self.plan.ttft_reps}")
+            out["ttft_s"][str(n)] = pipe.time_to_first_token(p, self.prompts[f"ttft{n}"][0], self.plan.ttft_reps)
+
+    # --- protocol, no model ---------------------------------------------------------------------------------
+    def wire(self, out: dict[str, Any]) -> None:
+        self._hops(out)
+        self._payloads(out)
+
+    def _hops(self, out: dict[str, Any]) -> None:
+        n = self.plan.stub_sequential
+        out["pipe_floor_rt_s"], out["sequential_rt_s"] = {}, {}
+        for where, (mine, theirs) in wire.placements().items():
+            say(f"decode hops, one in flight, {where}: bare pipe echo, then a stub middle stage (forward_range 1x16)")
+            with wire.client_on(mine):
+                out["pipe_floor_rt_s"][where] = wire.pipe_floor_rate(n, theirs)
+                w = wire.RawWorker.stub(1, 3, cpu=theirs)
+                try:
+                    out["sequential_rt_s"][where] = wire.sequential_rate(w, n)
+                finally:
+                    w.close()
+        say(f"decode hops, {self.plan.stub_pipelined} pipelined; a 512-token prefill through the stub")
+        w = wire.RawWorker.stub(1, 3)
+        try:
+            out["pipelined_rt_s"] = wire.pipelined_rate(w, self.plan.stub_pipelined)
+            out["stub_prefill"] = _payload(wire.round_trip_rate(w, 512, wire.STUB_HIDDEN, self.plan.payload_reps))
+        finally:
+            w.close()
+
+    def _payloads(self, out: dict[str, Any]) -> None:
+        plan = self.plan
+        seq, hidden = plan.payload_shape
+        say(f"payload path: {seq} x {hidden} fp16 in-process codec and echo-worker round trip")
+        out["codec"] = _payload(wire.codec_rate(seq, hidden, plan.payload_reps))
+        e = wire.RawWorker.echo(hidden)
+        try:
+            out["echo"] = _payload(wire.round_trip_rate(e, seq, hidden, plan.payload_reps))
+        finally:
+            e.close()
+
+
+def _solo_json(args: list[str]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "bench.solo", *args], capture_output=True, text=True, timeout=900,
+                          cwd=wire.REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.solo {' '.join(args[:1])} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _payload(p: wire.Payload) -> dict[str, float]:
+    return {**dataclasses.asdict(p), "mb_per_s": p.mb_per_s}
+
+
+def _tokens_dict(t: pipe.Tokens) -> dict[str, Any]:
+    t0 = t.times[0] if t.times else 0.0
+    return {"decoded": t.decoded, "tps": t.tps, "p50_ms": t.p50_ms, "times_s": [round(x - t0, 5) for x in t.times]}
+
+
+def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
+    raw: dict[str, Any] = {}
+    plan = b.plan
+    steps: dict[str, Callable[[dict[str, Any]], None]] = {
+        "solo": b.one_process,
+        "pp2": lambda out: b.pipeline(2, out, decode=plan.decode, warm=plan.warm, full=True),
+        "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm),
+        "pp4": lambda out: b.pipeline(4, out, decode=plan.warm, warm=plan.warm),  # for its peak RSS
+        "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),
+        "wire": b.wire,
+    }
+    for key in sections:
+        attempt(raw, key, steps[key])
+    return raw
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help='the "small" model and few tokens (a smoke test)')
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
+    args = ap.parse_args(argv)
+    args.sections = tuple(s for s in args.sections.split(",") if s)
+    if unknown := set(args.sections) - set(SECTIONS):
+        ap.error(f"unknown sections: {', '.join(sorted(unknown))}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = QUICK if args.quick else FULL
+    meta = {"started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "quick": args.quick, "machine": describe(),
+            "plan": dataclasses.asdict(plan)}
+    meter = CpuMeter()
+    b = Bench.prepare(plan)
+    meta["model"] = {"path": str(b.model), **dataclasses.asdict(b.facts)}
+    raw = measure(b, args.sections)
+    meta["machine"] |= meter.read()
+    shares = {n: models.stage_shares(b.model, n, b.facts.context) for n in (2, 4)}
+    rows = report.build(raw, b.facts, shares)
+    doc = to_json(rows, meta | {"raw": raw})
+    stamp = time.strftime("%Y%m%d-%H%M%S") + ("-quick" if args.quick else "")
+    paths = write_results(doc, args.out, stamp, latest="latest-quick.json" if args.quick else "latest.json")
+    print(render(rows))
+    print(summary(rows))
+    print(report.machine_line(meta["machine"]), flush=True)
+    say(f"results: {paths[0]}")
+    return 1 if raw.get("errors") else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

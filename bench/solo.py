@@ -1,0 +1,115 @@
+"""The one-process baseline: tinygrad's own ``Transformer.from_gguf`` + ``Transformer.generate`` on the same GGUF.
+
+Run as a subprocess (``python -m bench.solo``) so its memory and JIT state never mix with the pipeline's; it
+prints one JSON object on stdout. ``--idle`` instead measures tinygrad's own floor: a process that imported
+tinygrad and ran one tiny kernel (then, given a model, built its tokenizer as the first and last stage do).
+
+    python -m bench.solo MODEL --prompt-file P.json --decode 64 --max-context 1024 [--mode lazy|realize|tuned]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Iterator
+
+
+def vmhwm_mb(pid: int | str = "self") -> float | None:
+    """Peak resident set (VmHWM) of a live process in MB, from /proc; None when it is gone or not Linux."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def idle(model: str | None) -> dict[str, float | None]:
+    """tinygrad's floor; then, with a model, the floor plus the tokenizer the first and last stages build."""
+    from tinygrad import Tensor
+
+    (Tensor.ones(4).contiguous() + 1).realize().numpy()
+    out = {"peak_rss_mb": vmhwm_mb()}
+    if model:
+        from pathlib import Path
+
+        from tinygrad.llm.cli import SimpleTokenizer
+
+        from pp_worker.engines.gguf_loader import read_header
+
+        SimpleTokenizer.from_gguf_kv(read_header(Path(model)).kv)
+        out["with_tokenizer_peak_rss_mb"] = vmhwm_mb()
+    return out
+
+
+def timed_tokens(gen: Iterator[int], n: int) -> tuple[float, list[float]]:
+    """Draw ``n`` tokens; (time of the first one after the call, arrival time of each token)."""
+    t0, times = time.perf_counter(), []
+    for _ in range(n):
+        next(gen)
+        times.append(time.perf_counter())
+    return times[0] - t0, times
+
+
+MODES = ("lazy", "realize", "tuned")
+
+
+def load(model: str, max_context: int, mode: str):
+    """``lazy``: as tinygrad's CLI loads (REALIZE unset), weights stay views of the file; ``realize``: weights
+    copied out and realized; ``tuned``: also each block's rope table and KV cache realized up front, as
+    pp_worker's engine does. Left to ``_init_state``, the table stays lazy and the JIT recomputes it (cos/sin
+    over max_context positions) in every block on every call."""
+    from tinygrad import Tensor
+    from tinygrad.llm.cli import SimpleTokenizer
+    from tinygrad.llm.model import Transformer, precompute_freqs_cis
+
+    m, kv = Transformer.from_gguf(model, max_context, realize=mode != "lazy")
+    SimpleTokenizer.from_gguf_kv(kv)  # held by a real one-process app (tinygrad's CLI): counts in its peak RSS
+    if mode == "tuned":
+        c = m.blk[0].config
+        freqs = precompute_freqs_cis(c.rope_dim, c.max_context, c.rope_theta).realize()
+        for b in m.blk:  # with cache_kv set, _init_state leaves both alone
+            b.cache_kv = Tensor.zeros(2, 1, c.n_kv_heads, c.max_context, c.head_dim).contiguous().realize()
+            b.freqs_cis = freqs
+    return m
+
+
+def baseline(model: str, prompts: dict[str, list[list[int]]], decode: int, max_context: int, mode: str) -> dict:
+    t0 = time.perf_counter()
+    m = load(model, max_context, mode)
+    out: dict = {"load_s": time.perf_counter() - t0}
+    for p in prompts["warmup"]:  # the JITs capture on their second call: two short runs, then steady state
+        timed_tokens(m.generate(list(p)), 4)
+    ttft, times = timed_tokens(m.generate(list(prompts["decode"][0])), decode + 1)
+    out |= {"decode_token_times": times, "decode_ttft_s": ttft}
+    out["ttft_s"] = {str(len(p)): timed_tokens(m.generate(list(p)), 1)[0] for p in prompts.get("ttft", [])}
+    out["peak_rss_mb"] = vmhwm_mb()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.solo")
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("--idle", action="store_true", help="tinygrad's own RSS floor: import + one tiny kernel")
+    ap.add_argument("--prompt-file", help="JSON {warmup: [[ids]], decode: [[ids]], ttft: [[ids]]}")
+    ap.add_argument("--decode", type=int, default=64, help="decode tokens to time after the first")
+    ap.add_argument("--max-context", type=int, default=1024)
+    ap.add_argument("--mode", choices=MODES, default="lazy", help="how the weights and rope tables are held (see load)")
+    args = ap.parse_args(argv)
+    real_stdout, sys.stdout = sys.stdout, sys.stderr  # tinygrad's prints (DEBUG) must not spoil the JSON line
+    if args.idle:
+        result = idle(args.model)
+    else:
+        with open(args.prompt_file) as f:
+            prompts = json.load(f)
+        result = baseline(args.model, prompts, args.decode, args.max_context, args.mode)
+    print(json.dumps(result), file=real_stdout, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""Smoke tests of the bench's pure parts: tiny counts, structure only, never a timing assertion."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import models, report, run, wire
+from bench.pipe import Tokens
+from bench.rows import Row, render, summary, to_json, write_results
+from pp_worker.modelgen import PRESETS, generate
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return generate(tmp_path_factory.mktemp("bench") / "tiny.gguf", preset="tiny")
+
+
+def test_codec_rate_round_trips_a_payload() -> None:
+    p = wire.codec_rate(seq_len=8, hidden_dim=64, reps=2)
+    assert p.mb == 8 * 64 * 2 / 1e6 and p.seconds > 0 and p.mb_per_s > 0
+
+
+def test_stub_round_trips_one_at_a_time_and_pipelined() -> None:
+    where = next(iter(wire.placements().values()), (None, None))
+    with wire.client_on(where[0]):
+        assert wire.pipe_floor_rate(20, where[1]) > 0
+        w = wire.RawWorker.stub(1, 3, cpu=where[1])
+    try:
+        assert wire.sequential_rate(w, 20) > 0
+        assert wire.pipelined_rate(w, 50) > 0
+        assert wire.round_trip_rate(w, 4, wire.STUB_HIDDEN, 2).mb_per_s > 0
+    finally:
+        w.close()
+    assert w.proc.returncode == 0
+
+
+def test_echo_worker_hands_the_payload_back() -> None:
+    e = wire.RawWorker.echo(64)
+    try:
+        assert e.request(wire.hop(3, 64))["hidden_b64"] == wire.hop(3, 64)["hidden_b64"]
+        assert "error" in json.loads(_raw_request(e, wire.hop(3, 32)))  # still validates the payload length
+    finally:
+        e.close()
+
+
+def _raw_request(w: wire.RawWorker, obj: dict) -> bytes:
+    w.stdin.write(json.dumps(obj).encode() + b"\n")
+    w.stdin.flush()
+    return w.line()
+
+
+def test_token_rates_from_arrival_times() -> None:
+    t = Tokens([1.0, 1.1, 1.2, 1.3, 1.5])
+    assert t.decoded == 4 and t.tps == pytest.approx(8.0) and t.p50_ms == pytest.approx(100.0)
+    assert Tokens([]).tps == 0.0 and Tokens([2.0]).tps == 0.0
+
+
+def test_stage_shares_add_up_to_the_model(tiny_model: Path) -> None:
+    f = models.facts(tiny_model)
+    for n in (2, 4):
+        shares = models.stage_shares(tiny_model, n, f.context)
+        assert sum(w for w, _ in shares) == f.params * models.WEIGHT_BYTES
+        assert sum(kv for _, kv in shares) == f.kv_bytes(f.n_blocks, f.context)
+
+
+def test_fixed_length_prompts(tiny_model: Path) -> None:
+    prompts = models.fixed_length_prompts(tiny_model, 12, 3)
+    tok = models.tokenizer(tiny_model)
+    assert len(set(prompts)) == 3 and all(len(tok.encode(p)) == 12 for p in prompts)
+
+
+def fake_raw() -> dict:
+    decode = {"decoded": 4, "tps": 20.0, "p50_ms": 50.0, "times_s": [0, 0.05, 0.1, 0.15, 0.2]}
+    agg = {"tps": 30.0, "overall_tps": 25.0, "window_s": 1.0, "tokens_in_window": 30}
+    return {
+        "solo": {"idle": {"peak_rss_mb": 100.0}, "lazy": {"decode": decode, "peak_rss_mb": 150.0, "ttft_s": {"8": 0.1}},
+                 "realize": {"decode": decode | {"tps": 18.0}, "peak_rss_mb": 160.0, "ttft_s": {"8": 0.2}}},
+        "pp2": {"decode": decode, "peak_rss_mb": [120.0, 121.0], "k": {"1": agg, "4": agg | {"tps": 60.0}},
+                "ttft_s": {"8": [0.1, 0.12]}},
+        "pp3": {"decode": decode | {"tps": 15.0}},
+        "unjit": {"decode": decode | {"tps": 2.0}},
+        "wire": {"pipe_floor_rt_s": {"one CPU": 9e4}, "sequential_rt_s": {"one CPU": 1e4, "two CPUs": 3e4},
+                 "pipelined_rt_s": 30000.0, "codec": {"mb_per_s": 300.0},
+                 "echo": {"mb_per_s": 600.0}},
+    }
+
+
+def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
+    f = models.facts(tiny_model)
+    shares = {n: models.stage_shares(tiny_model, n, f.context) for n in (2, 4)}
+    rows = report.build(fake_raw(), f, shares)
+    by_name = {r.name.strip(): r for r in rows}
+    two = by_name["2 stages / one process"]
+    assert two.value == pytest.approx(1.0) and two.verdict == "PASS"  # against the faster one-process mode
+    assert by_name["3 stages / one process"].verdict == "MISS"
+    assert by_name["ours / unjitted"].value == pytest.approx(10.0)
+    assert by_name["K=4 / K=1"].value == pytest.approx(2.0)
+    assert by_name["decode hop, 1 in flight, one CPU"].verdict == "MISS"
+    assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
+    assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
+    assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
+    assert {r.section[0] for r in rows} == set("123456")
+    table = render(rows)
+    assert all(r.name in table for r in rows) and "PASS" in table and "MISS" in table
+    doc = to_json(rows, {"quick": True})
+    paths = write_results(doc, tmp_path, "stamp")
+    assert [p.name for p in paths] == ["stamp.json", "latest.json"]
+    back = json.loads(paths[1].read_text())
+    assert back["summary"] == summary(rows) and len(back["rows"]) == len(rows)
+    assert set(back["rows"][0]) >= {"section", "name", "value", "unit", "target", "target_text", "verdict", "note"}
+
+
+def test_row_verdicts() -> None:
+    assert Row("s", "n", 5.0, "x", target=5.0).verdict == "PASS"
+    assert Row("s", "n", 6.0, "MiB", target=5.0, at_most=True).verdict == "MISS"
+    assert Row("s", "n", None, "x", target=1.0).verdict == "n/a"
+    assert Row("s", "n", 1.0, "x").verdict == ""
+
+
+def test_run_arguments() -> None:
+    args = run.parse_args(["--quick", "--sections", "wire,solo"])
+    assert args.quick and args.sections == ("wire", "solo")
+    with pytest.raises(SystemExit):
+        run.parse_args(["--sections", "nope"])
+    assert {run.QUICK.preset, run.FULL.preset} <= set(PRESETS)
