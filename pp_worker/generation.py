@@ -11,6 +11,8 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pp_worker.protocol import B64
+
 RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
 Reply = dict[str, Any]
 
@@ -114,7 +116,7 @@ class Generation:
         """One pass through every stage (a prefill of seq_len tokens or one decode step) -> the sampled token."""
         reply = yield Call(0, op, {**feed, "position": position})
         for s in range(1, n):
-            hop = {"hidden_b64": reply["hidden_b64"], "position": position, "seq_len": seq_len}
+            hop = {"hidden_b64": B64.checked(reply["hidden_b64"]), "position": position, "seq_len": seq_len}
             if s < n - 1:
                 reply = yield Call(s, "forward_range", hop)
             else:

@@ -176,7 +176,7 @@ class Pipeline:
             self._release(rid)
         except GenerationError as e:
             raise PipelineError(str(e)) from e
-        except (KeyError, TypeError) as e:  # the workers validate; a reply without its field is a driver bug
+        except (KeyError, TypeError, ValueError) as e:  # a reply without its field, or a payload that is not base64
             raise PipelineError(f"request {rid}: malformed reply {reply!r:.200}: {type(e).__name__} {e}") from e
 
     def _release(self, rid: int) -> None:

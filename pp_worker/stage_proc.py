@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pp_worker.events import to_line
+
 STDERR_TAIL = 50
 # Forwarded to workers started through a launcher (a local child inherits the whole environment anyway).
 PASS_THROUGH = ("MAX_CONTEXT", "PP_MAX_SESSIONS", "PP_WARMUP", "PP_HEARTBEAT_S", "PP_MAX_LINE_BYTES",
@@ -110,7 +112,7 @@ class Stage:
             self._busy_since = self.last_progress = time.monotonic()
         self.outstanding += 1
         self.requests += 1
-        self._outbuf += json.dumps(obj, separators=(",", ":")).encode() + b"\n"
+        self._outbuf += to_line(obj)
         self.flush()
 
     def flush(self) -> None:

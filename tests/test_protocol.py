@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import json
 import math
 from typing import Any
 
@@ -11,7 +12,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pp_worker.events import to_line
 from pp_worker.protocol import (
+    B64,
     Limits,
     ProtocolError,
     b64_len,
@@ -302,3 +305,20 @@ def test_round_trip_of_float16_values() -> None:
     text = encode_hidden(values.tobytes())
     back = np.frombuffer(decode_hidden({"hidden_b64": text}, 1, HIDDEN_DIM), dtype="<f2").reshape(1, 1, HIDDEN_DIM)
     assert np.array_equal(back, values)
+
+
+@given(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=20), st.booleans(), st.none()),
+                       max_size=4),
+       st.binary(max_size=64))
+def test_a_spliced_payload_line_is_exactly_what_json_dumps_writes(fields: dict, payload: bytes) -> None:
+    obj = {**fields, "hidden_b64": encode_hidden(payload), "seq_len": 1}
+    line = to_line(obj)
+    assert line == (json.dumps({k: str(v) if isinstance(v, str) else v for k, v in obj.items()}) + "\n").encode()
+    assert json.loads(line)["hidden_b64"] == base64.b64encode(payload).decode()
+
+
+@pytest.mark.parametrize("text", ['AAAA", "position": 9, "x": "', "AA\nA", "AAA\u00e9", "AA=A"])
+def test_text_from_a_worker_is_checked_before_it_is_spliced(text: str) -> None:
+    with pytest.raises(ValueError):
+        B64.checked(text)
+    assert B64.checked("QUJD") == "QUJD"
