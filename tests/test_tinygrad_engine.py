@@ -248,15 +248,17 @@ def test_bad_inputs_are_engine_errors(small_table, chain):
         engine.embed_and_forward(50, [512], 0)
     with pytest.raises(EngineError, match="no output head"):
         engine.forward_logits(50, b"", 0, 1)
-    with pytest.raises(EngineError, match="not in the vocabulary"):
-        engine.detokenize([10**6])
     last = chain("F16", 2).engines[-1]
+    with pytest.raises(EngineError, match=r"token ids must be in \[0, 512\)"):
+        last.detokenize([10**6])
+    with pytest.raises(EngineError, match="no detokenizer"):
+        engine.detokenize([1])
     with pytest.raises(EngineError, match="hidden state has 3 bytes, expected seq_len 2 x hidden_dim 64"):
         last.forward_logits(50, b"abc", 0, 2)
     middle = chain("F16", 3).engines[1]
     with pytest.raises(EngineError, match="no tokenizer"):
         middle.tokenize("hi")
-    assert engine.detokenize(engine.tokenize(TEXTS[1])) == TEXTS[1]
+    assert last.detokenize(engine.tokenize(TEXTS[1])) == TEXTS[1]
 
 
 def test_model_info(small_table):

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pp_worker.engines.detokenizer import Detokenizer
 from pp_worker.engines.gguf_file import GGUFHeader, ModelLoadError, read_header
 from pp_worker.shard import Shard
 
@@ -194,7 +195,8 @@ class StageWeights:
     token_embd: nn.Embedding | None
     output_norm: nn.RMSNorm | None
     output: nn.Linear | None
-    tokenizer: Any | None  # tinygrad.llm.cli.SimpleTokenizer on the first and last stage
+    tokenizer: Any | None  # tinygrad.llm.cli.SimpleTokenizer on the first stage (encodes)
+    detokenizer: Detokenizer | None  # on the last stage (decodes; no pre-tokenizer regex to build)
     loaded: dict[str, int]  # tensor name -> bytes read from the file
     path: Path
 
@@ -220,8 +222,9 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     emit("loading", blocks_done=len(blocks), blocks_total=len(blocks), stage_index=stage)
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
-    tokenizer = _load_tokenizer(header.kv) if shard.is_first or shard.is_last else None
-    return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer,
+    tokenizer = _load_tokenizer(header.kv, _simple_tokenizer) if shard.is_first else None
+    detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
+    return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
                         source.loaded, path)
 
 
@@ -246,10 +249,14 @@ def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSN
     return norm, head
 
 
-def _load_tokenizer(kv: dict[str, Any]) -> Any:
+def _simple_tokenizer(kv: dict[str, Any]) -> Any:
     from tinygrad.llm.cli import SimpleTokenizer
 
+    return SimpleTokenizer.from_gguf_kv(kv)
+
+
+def _load_tokenizer(kv: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> Any:
     try:
-        return SimpleTokenizer.from_gguf_kv(kv)
+        return build(kv)
     except (KeyError, ValueError) as e:
         raise ModelLoadError(f"cannot build the tokenizer: {type(e).__name__}: {e}") from e

@@ -133,16 +133,19 @@ class TinygradEngine:
         """GGUF tensor name -> bytes this stage read from the file (nothing else was read)."""
         return dict(self._w.loaded)
 
-    # ---- tokenizer (first and last stage)
+    # ---- tokenizer (encoding on the first stage, decoding on the last)
 
     def tokenize(self, text: str) -> list[int]:
-        return self._tokenizer().encode(text)
+        if self._w.tokenizer is None:
+            raise EngineError(f"stage {self.shard.stage} has no tokenizer; tokenize runs on stage 0")
+        return self._w.tokenizer.encode(text)
 
     def detokenize(self, tokens: list[int]) -> str:
-        try:
-            return self._tokenizer().decode(tokens)
-        except KeyError as e:
-            raise EngineError(f"token id {e.args[0]} is not in the vocabulary (size {self.info.vocab_size})") from e
+        if self._w.detokenizer is None:
+            raise EngineError(f"stage {self.shard.stage} has no detokenizer; detokenize runs on the last stage")
+        if any(not 0 <= t < self.info.vocab_size for t in tokens):
+            raise EngineError(f"token ids must be in [0, {self.info.vocab_size})")
+        return self._w.detokenizer.decode(tokens)
 
     # ---- forward ops
 
@@ -187,11 +190,6 @@ class TinygradEngine:
         self._sessions.release(WARMUP_SESSION)
 
     # ---- internals
-
-    def _tokenizer(self):
-        if self._w.tokenizer is None:
-            raise EngineError(f"stage {self.shard.stage} is a middle stage and has no tokenizer")
-        return self._w.tokenizer
 
     def _hidden(self, hidden: bytes, seq_len: int) -> np.ndarray:
         want = seq_len * self.info.hidden_dim * 2

@@ -1,0 +1,30 @@
+"""Token ids -> text from the GGUF vocabulary alone, for the last stage.
+
+The last stage only detokenizes. tinygrad's SimpleTokenizer, which the first stage needs for encoding, also
+compiles a pre-tokenizer regex over every Unicode letter and digit: ~66 MiB at peak and ~22 MiB kept. Decoding
+needs none of it, only each token's bytes: GPT-2's byte symbols for normal tokens (type 1), the UTF-8 of the
+token's text for the others (control and special tokens), exactly as SimpleTokenizer.decode does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pp_worker.bpe import byte_symbols
+
+NORMAL = 1  # tokenizer.ggml.token_type of a normal (byte-level BPE) token
+
+
+class Detokenizer:
+    def __init__(self, tokens: list[str], token_types: list[int]):
+        to_byte = {symbol: b for b, symbol in enumerate(byte_symbols())}
+        self._bytes = [bytes(to_byte[c] for c in tok) if kind == NORMAL else tok.encode()
+                       for tok, kind in zip(tokens, token_types, strict=True)]
+
+    @staticmethod
+    def from_gguf_kv(kv: dict[str, Any]) -> Detokenizer:
+        return Detokenizer(kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"])
+
+    def decode(self, ids: list[int]) -> str:
+        """Invalid UTF-8 (a character split across tokens) becomes U+FFFD, as in SimpleTokenizer."""
+        return b"".join(self._bytes[i] for i in ids).decode(errors="replace")
