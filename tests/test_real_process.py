@@ -6,6 +6,7 @@ gives exactly the greedy tokens of one process holding all blocks with the same 
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import signal
@@ -151,5 +152,18 @@ def test_sigterm_while_loading_exits_at_once(model: Path) -> None:
         assert [o["event"] for o in rest[-2:]] == ["signal_received", "exiting"] and rest[-1]["reason"] == "signal"
         assert not [o for o in rest if o.get("status") == "ready"]
         assert "Traceback" not in w.stderr_text()
+    finally:
+        w.kill()
+
+
+def test_warmup_before_ready_leaves_no_session_behind(model: Path) -> None:
+    w = spawn_real(1, 2, model, PP_WARMUP="1")
+    try:
+        w.wait_ready(120)
+        assert w.request({"op": "status", "request_id": 1})["sessions"] == {}  # the scratch session is gone
+        hidden = base64.b64encode(bytes(read_header(model).kv["llama.embedding_length"] * 2)).decode()  # zeros
+        reply = w.request({"op": "forward_and_sample", "request_id": 2, "hidden_b64": hidden, "position": 0,
+                           "seq_len": 1})
+        assert isinstance(reply["token_id"], int)
     finally:
         w.kill()
