@@ -64,8 +64,9 @@ def chat(p: Pipeline, fmt: ChatFormat, max_tokens: int, sampling: Sampling, canc
     turns: list[tuple[str, str]] = []
     rid, held = p.new_request_id(), []
     print(f"chat ({fmt.name} format); end with Ctrl-D", file=sys.stderr, flush=True)
-    while (line := _read_line(cancel)) is not None:
-        turns.append(("user", line.rstrip("\n")))
+    lines = _Lines(cancel)
+    while (line := lines.next()) is not None:
+        turns.append(("user", line))
         g = Generation(0, render_chat(fmt, turns), rid, max_tokens, sampling, cached=held,
                        on_text=_ChatStream(fmt.stop))
         p.run([g])
@@ -102,18 +103,25 @@ def _longest(stop: tuple[str, ...]) -> int:
     return max((len(s) for s in stop), default=0)
 
 
-def _read_line(cancel: Cancel | None) -> str | None:
-    """A line from stdin, or None at its end or on a signal (a blocked ``input()`` would not see the signal)."""
-    prompt_shown = False
-    while True:
-        if not prompt_shown:
-            print(">>> ", end="", file=sys.stderr, flush=True)
-            prompt_shown = True
-        fds = [sys.stdin.fileno()] + ([cancel.wake_fd] if cancel else [])
-        r, _, _ = select.select(fds, [], [], 1.0)
-        if cancel:
-            cancel.check(r)
-        if sys.stdin.fileno() in r:
-            line = sys.stdin.readline()
-            return line or None
+class _Lines:
+    """Lines from stdin that a signal can interrupt: it waits in select on stdin and the wake-up pipe (a blocked
+    input() would not see the signal) and reads with os.read into its own buffer (a buffered readline could hold
+    a second pasted line where select cannot see it)."""
 
+    def __init__(self, cancel: Cancel | None):
+        self.cancel, self.fd, self.buf = cancel, sys.stdin.fileno(), b""
+
+    def next(self) -> str | None:
+        print(">>> ", end="", file=sys.stderr, flush=True)
+        while b"\n" not in self.buf:
+            ready, _, _ = select.select([self.fd] + ([self.cancel.wake_fd] if self.cancel else []), [], [], 1.0)
+            if self.cancel:
+                self.cancel.check(ready)
+            if self.fd in ready:
+                chunk = os.read(self.fd, 1 << 16)
+                if not chunk:  # end of input: a last line without its newline still counts
+                    line, self.buf = self.buf, b""
+                    return line.decode(errors="replace") if line else None
+                self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line.decode(errors="replace")
