@@ -6,6 +6,8 @@
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,11 +21,17 @@ KV_BYTES = 4  # the KV caches are float32 (as tinygrad's TransformerBlock's)
 WEIGHT_BYTES = 2  # every weight is held as fp16 (HALF=1), whatever its type in the file
 
 
-def ensure_model(preset: str, seed: int = 0, dtype: str = "F16") -> Path:
+def ensure_model(preset: str, seed: int = 0, dtype: str = "F16", *, isolated: bool = False) -> Path:
+    """The cached model file, generated first if missing; ``isolated``: in a child process, so a big model's
+    float32 weights (4 bytes a parameter, all held at once by ``generate``) never stay in this one's memory."""
     path = CACHE / f"{preset}-s{seed}-{dtype}.gguf"
     if not path.exists():
         tmp = path.with_suffix(".tmp")
-        generate(tmp, preset=preset, seed=seed, dtype=dtype)
+        if isolated:
+            subprocess.run([sys.executable, "-m", "pp_worker.modelgen", str(tmp), "--preset", preset,
+                            "--seed", str(seed), "--dtype", dtype], check=True, capture_output=True, timeout=900)
+        else:
+            generate(tmp, preset=preset, seed=seed, dtype=dtype)
         tmp.rename(path)  # a run killed half-way never leaves a truncated model behind
     return path
 

@@ -1,6 +1,7 @@
 """``make bench``: every measurement side by side in one run; a table on stdout, JSON under ``bench/results/``.
 
-    python -m bench.run            # the 27M-parameter bench model, ~2.5 minutes on 2 idle cores
+    python -m bench.run            # the 27M-parameter bench model, ~2.5 minutes on 2 idle cores, then section 6
+                                   # again on the 0.73B "rss" model (~1.5 minutes; its first run generates it)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
 
 Measurements fill a ``raw`` dict (kept whole in the JSON); ``bench.report`` turns it into table rows. A section
@@ -13,7 +14,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import models, pipe, report, solo, wire
+from bench import models, pipe, report, rss, solo, wire
 from bench.machine import CpuMeter, describe
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire")
+SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire", "rss")
 
 
 @dataclass(frozen=True)
@@ -46,11 +46,12 @@ class Plan:
     stub_pipelined: int = 40000
     payload_reps: int = 9
     payload_shape: tuple[int, int] = (512, 4096)  # a 512-token prefill of a 4096-wide model: 4 MiB of fp16
+    rss: rss.RssPlan = rss.RssPlan()  # section 6 on a model whose weights dwarf tinygrad's floor
 
 
 FULL = Plan("bench")
 QUICK = Plan("small", warm=3, decode=12, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
-             stub_sequential=300, stub_pipelined=2000, payload_reps=3)
+             stub_sequential=300, stub_pipelined=2000, payload_reps=3, rss=rss.RssPlan(preset="bench"))
 
 
 def say(text: str) -> None:
@@ -90,7 +91,7 @@ class Bench:
     # --- the one-process baseline --------------------------------------------------------------------------
     def one_process(self, out: dict[str, Any]) -> None:
         say("tinygrad's RSS floor (import + one tiny kernel)")
-        out["idle"] = _solo_json(["--idle", str(self.model)])
+        out["idle"] = solo.run_json(["--idle", str(self.model)])
         with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
             json.dump(self._prompt_ids(), f)
             f.flush()
@@ -98,7 +99,7 @@ class Bench:
                     "--max-context", str(self.facts.context)]
             for mode in solo.MODES:  # the fastest one-process variant is the bar
                 say(f"one process: Transformer.generate ({mode}), {self.plan.decode} decode tokens")
-                res = _solo_json([*args, "--mode", mode])
+                res = solo.run_json([*args, "--mode", mode])
                 out[mode] = res | {"decode": _tokens_dict(pipe.Tokens(res.pop("decode_token_times")))}
 
     def _prompt_ids(self) -> dict[str, list[list[int]]]:
@@ -138,6 +139,20 @@ class Bench:
             say(f"{len(p.stages)} stages: time to first token, {n}-token prompt x {self.plan.ttft_reps}")
             out["ttft_s"][str(n)] = pipe.time_to_first_token(p, self.prompts[f"ttft{n}"][0], self.plan.ttft_reps)
 
+    # --- section 6 again, on a model whose weights dwarf tinygrad's floor ----------------------------------------
+    def big_rss(self, out: dict[str, Any]) -> None:
+        plan = self.plan.rss
+        say(f'peak RSS on the "{plan.preset}" model (generated once into bench/models/ if missing)')
+        model, out["model"] = rss.prepare(plan)
+        say(f"{plan.preset} model: {out['model']['params'] / 1e6:.0f}M parameters; tinygrad's floor again")
+        out["idle"] = solo.run_json(["--idle", str(model)])
+        text = rss.prompt(model, plan)
+        for n in plan.stages:
+            say(f"{plan.preset} model: {n} stages, MAX_CONTEXT {plan.max_context}, one {plan.tokens}-token generation")
+            out[f"pp{n}"] = rss.stage_peaks(model, n, text, plan)
+        say(f"{plan.preset} model: one process, from_gguf(realize=True) + 2 tokens")
+        out["solo"] = rss.one_process(model, text, plan)
+
     # --- protocol, no model ---------------------------------------------------------------------------------
     def wire(self, out: dict[str, Any]) -> None:
         self._hops(out)
@@ -175,14 +190,6 @@ class Bench:
             e.close()
 
 
-def _solo_json(args: list[str]) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, "-m", "bench.solo", *args], capture_output=True, text=True, timeout=900,
-                          cwd=wire.REPO)
-    if proc.returncode != 0:
-        raise RuntimeError(f"bench.solo {' '.join(args[:1])} exited {proc.returncode}: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
 def _payload(p: wire.Payload) -> dict[str, float]:
     return {**dataclasses.asdict(p), "mb_per_s": p.mb_per_s}
 
@@ -202,6 +209,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "pp4": lambda out: b.pipeline(4, out, decode=plan.warm, warm=plan.warm),  # for its peak RSS
         "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),
         "wire": b.wire,
+        "rss": b.big_rss,
     }
     for key in sections:
         attempt(raw, key, steps[key])

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent  # so ``-m bench.solo`` resolves from anywhere
 
 
 def vmhwm_mb(pid: int | str = "self") -> float | None:
@@ -36,8 +40,6 @@ def idle(model: str | None) -> dict[str, float | None]:
     (Tensor.ones(4).contiguous() + 1).realize().numpy()
     out = {"peak_rss_mb": vmhwm_mb()}
     if model:
-        from pathlib import Path
-
         from tinygrad.llm.cli import SimpleTokenizer
 
         from pp_worker.engines.gguf_loader import read_header
@@ -45,6 +47,15 @@ def idle(model: str | None) -> dict[str, float | None]:
         SimpleTokenizer.from_gguf_kv(read_header(Path(model)).kv)
         out["with_tokenizer_peak_rss_mb"] = vmhwm_mb()
     return out
+
+
+def run_json(args: list[str]) -> dict[str, Any]:
+    """Run ``python -m bench.solo ARGS`` in a child (its memory and JIT state apart); its JSON line."""
+    proc = subprocess.run([sys.executable, "-m", "bench.solo", *args], capture_output=True, text=True, timeout=900,
+                          cwd=REPO)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench.solo {' '.join(args[:1])} exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def timed_tokens(gen: Iterator[int], n: int) -> tuple[float, list[float]]:

@@ -46,6 +46,8 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     "tiny": (LlamaSpec(), 253),  # vocab 512, ~0.24M params
     "small": (LlamaSpec(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352), 509),  # vocab 768, ~0.93M
     "bench": (LlamaSpec(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, context_length=1024), 1741),  # ~27M
+    # weights that dwarf tinygrad's ~140 MiB idle floor, for the bench's per-stage peak-RSS rows: ~0.73B, 1.4 GiB F16
+    "rss": (LlamaSpec(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=5632, context_length=2048), 1741),
 }
 
 DTYPES = ("F32", "F16", "Q8_0")

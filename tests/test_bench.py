@@ -113,6 +113,25 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert set(back["rows"][0]) >= {"section", "name", "value", "unit", "target", "target_text", "verdict", "note"}
 
 
+def fake_rss(tiny_model: Path) -> dict:
+    f = models.facts(tiny_model)
+    mib = 1 << 20
+    shares = {"2": [(100 * mib, 0), (100 * mib, 0)], "4": [(50 * mib, 0)] * 4}
+    model = {"preset": "rss", "params": f.params, "max_context": 64, "kv_whole": 0, "shares": shares}
+    return {"model": model, "idle": {"peak_rss_mb": 100.0}, "solo": {"peak_rss_mb": 500.0},
+            "pp2": {"peak_rss_mb": [120.0, 300.0]}}
+
+
+def test_report_rss_model_rows(tiny_model: Path) -> None:
+    rows = {r.name: r for r in report.big_memory(fake_rss(tiny_model))}
+    assert rows["rss model, 2 stages: stage 0"].verdict == "PASS"  # 120 <= 130
+    stage1 = rows["rss model, 2 stages: stage 1"]
+    assert stage1.verdict == "MISS" and stage1.target == pytest.approx(130.0) and "(MISS net)" in stage1.note
+    assert rows["rss model, 4 stages: stage 3"].verdict == "n/a"  # no 4-stage data
+    assert rows["rss model: one process, whole model"].value == 500.0
+    assert report.big_memory(None)[0].value is None  # the section did not run: one n/a row, no crash
+
+
 def test_row_verdicts() -> None:
     assert Row("s", "n", 5.0, "x", target=5.0).verdict == "PASS"
     assert Row("s", "n", 6.0, "MiB", target=5.0, at_most=True).verdict == "MISS"
@@ -125,4 +144,4 @@ def test_run_arguments() -> None:
     assert args.quick and args.sections == ("wire", "solo")
     with pytest.raises(SystemExit):
         run.parse_args(["--sections", "nope"])
-    assert {run.QUICK.preset, run.FULL.preset} <= set(PRESETS)
+    assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
