@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from pp_worker import protocol
+from pp_worker.events import to_line, widen_pipe
 
 REPO = Path(__file__).resolve().parent.parent  # workers run from here, so ``-m bench...`` resolves anywhere
 STUB_HIDDEN = 16
@@ -67,6 +68,8 @@ class RawWorker:
                                      env={**os.environ, "PP_HEARTBEAT_S": "3600", **env}, cwd=REPO)
         assert self.proc.stdin and self.proc.stdout
         self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        for pipe in (self.stdin, self.stdout):
+            widen_pipe(pipe.fileno())  # as the driver does
         _pin(self.proc.pid, cpu)
         while json.loads(self.line()).get("status") != "ready":
             pass
@@ -90,7 +93,7 @@ class RawWorker:
                 return raw
 
     def request(self, obj: dict[str, Any]) -> dict[str, Any]:
-        self.stdin.write(json.dumps(obj, separators=(",", ":")).encode() + b"\n")
+        self.stdin.write(to_line(obj))  # as the driver writes a hop: the base64 payload spliced in, not escaped
         self.stdin.flush()
         reply = json.loads(self.line())
         if "error" in reply:
@@ -131,7 +134,7 @@ def pipe_floor_rate(n: int, cpu: int | None = None) -> float:
     proc = subprocess.Popen([sys.executable, "-c", ECHO_LINES], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin and proc.stdout
     _pin(proc.pid, cpu)
-    line = json.dumps(hop(1, STUB_HIDDEN), separators=(",", ":")).encode() + b"\n"
+    line = to_line(hop(1, STUB_HIDDEN))
     try:
         t0 = 0.0
         for i in range(n + 1):
@@ -148,7 +151,7 @@ def pipe_floor_rate(n: int, cpu: int | None = None) -> float:
 
 def pipelined_rate(w: RawWorker, n: int) -> float:
     """Round trips per second with up to ``n`` requests in flight (a writer thread keeps the pipe full)."""
-    blob = b"".join(json.dumps(hop(1, STUB_HIDDEN, i % 4000), separators=(",", ":")).encode() + b"\n"
+    blob = b"".join(to_line(hop(1, STUB_HIDDEN, i % 4000))
                     for i in range(n))
 
     def write() -> None:
@@ -182,7 +185,7 @@ def codec_rate(seq_len: int, hidden_dim: int, reps: int) -> Payload:
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        text = protocol.encode_hidden(data)
+        text = str(protocol.encode_hidden(data))
         back = protocol.decode_hidden({"hidden_b64": text}, seq_len, hidden_dim)
         best = min(best, time.perf_counter() - t0)
     assert back == data
@@ -199,6 +202,6 @@ def round_trip_rate(w: RawWorker, seq_len: int, hidden_dim: int, reps: int) -> P
         t0 = time.perf_counter()
         reply = w.request(req)
         times.append(time.perf_counter() - t0)
-    assert len(reply["hidden_b64"]) == len(req["hidden_b64"])
+    assert len(reply["hidden_b64"]) == len(str(req["hidden_b64"]))
     times.sort()
     return Payload(seq_len * hidden_dim * 2 / 1e6, times[len(times) // 2])

@@ -46,7 +46,8 @@ class LineReader:
         while True:
             nl = self._buf.find(b"\n", self._scanned)
             if nl >= 0:
-                line = bytes(self._buf[:nl])
+                with memoryview(self._buf) as view:  # one copy of a multi-MB line, not two
+                    line = bytes(view[:nl])
                 del self._buf[: nl + 1]
                 self._scanned = 0
                 if self._discarding or nl > self.cap:

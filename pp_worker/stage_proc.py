@@ -7,7 +7,6 @@ by a thread into a ring buffer, so a chatty worker can never block on it and a f
 
 from __future__ import annotations
 
-import json
 import os
 import select
 import shlex
@@ -21,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pp_worker.events import to_line
+from pp_worker.events import to_line, widen_pipe
+from pp_worker.protocol import ProtocolError, parse_json
 
 STDERR_TAIL = 50
 # Forwarded to workers started through a launcher (a local child inherits the whole environment anyway).
@@ -93,6 +93,8 @@ class Stage:
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         self.in_fd, self.out_fd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         os.set_blocking(self.in_fd, False)
+        for fd in (self.in_fd, self.out_fd):
+            widen_pipe(fd)
         self.tail: deque[str] = deque(maxlen=STDERR_TAIL)
         self._stderr_thread = threading.Thread(target=self._read_stderr, args=(echo_stderr,), daemon=True,
                                                name=f"stage{index}-stderr")
@@ -195,8 +197,8 @@ class Stage:
 def parse_line(line: bytes) -> dict[str, Any] | None:
     """A stdout line as a JSON object, or None when it is not one (noise, which the protocol forbids)."""
     try:
-        obj = json.loads(line)
-    except ValueError:
+        obj = parse_json(line)  # a reply's multi-MB hidden_b64 comes back as raw bytes, never scanned by JSON
+    except ProtocolError:
         return None
     return obj if isinstance(obj, dict) else None
 

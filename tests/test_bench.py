@@ -10,6 +10,7 @@ import pytest
 from bench import models, report, run, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
+from pp_worker.events import to_line
 from pp_worker.modelgen import PRESETS, generate
 
 
@@ -47,7 +48,7 @@ def test_echo_worker_hands_the_payload_back() -> None:
 
 
 def _raw_request(w: wire.RawWorker, obj: dict) -> bytes:
-    w.stdin.write(json.dumps(obj).encode() + b"\n")
+    w.stdin.write(to_line(obj))
     w.stdin.flush()
     return w.line()
 

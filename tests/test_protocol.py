@@ -294,7 +294,7 @@ def test_b64_len_matches_the_encoder(seq_len: int) -> None:
 @given(st.integers(1, 40).flatmap(lambda n: st.binary(min_size=n * HIDDEN_DIM * 2, max_size=n * HIDDEN_DIM * 2)))
 def test_encode_decode_round_trip(raw: bytes) -> None:
     seq_len = len(raw) // (HIDDEN_DIM * 2)
-    text = encode_hidden(raw)
+    text = str(encode_hidden(raw))
     assert text.isascii()
     assert decode_hidden({"hidden_b64": text}, seq_len, HIDDEN_DIM) == raw
     assert encode_hidden(memoryview(raw)) == text  # engines may hand over a buffer
@@ -302,7 +302,7 @@ def test_encode_decode_round_trip(raw: bytes) -> None:
 
 def test_round_trip_of_float16_values() -> None:
     values = np.array([[[0.0, -0.0, 1.0, -2.5, 65504.0, 6e-8, 0.333] + [0.125] * 9]], dtype="<f2")  # (1, 1, 16)
-    text = encode_hidden(values.tobytes())
+    text = str(encode_hidden(values.tobytes()))
     back = np.frombuffer(decode_hidden({"hidden_b64": text}, 1, HIDDEN_DIM), dtype="<f2").reshape(1, 1, HIDDEN_DIM)
     assert np.array_equal(back, values)
 
@@ -313,7 +313,7 @@ def test_round_trip_of_float16_values() -> None:
 def test_a_spliced_payload_line_is_exactly_what_json_dumps_writes(fields: dict, payload: bytes) -> None:
     obj = {**fields, "hidden_b64": encode_hidden(payload), "seq_len": 1}
     line = to_line(obj)
-    assert line == (json.dumps({k: str(v) if isinstance(v, str) else v for k, v in obj.items()}) + "\n").encode()
+    assert line == (json.dumps({k: str(v) if isinstance(v, B64) else v for k, v in obj.items()}) + "\n").encode()
     assert json.loads(line)["hidden_b64"] == base64.b64encode(payload).decode()
 
 
@@ -322,3 +322,54 @@ def test_text_from_a_worker_is_checked_before_it_is_spliced(text: str) -> None:
     with pytest.raises(ValueError):
         B64.checked(text)
     assert B64.checked("QUJD") == "QUJD"
+
+
+# --- the long-line fast path: a payload cut out before JSON sees it must change nothing but speed -------------
+def _both_ways(line: bytes) -> tuple[object, object]:
+    """(full JSON parse, parse with the payload cut out) as values or the ProtocolError message class."""
+    def run(split_from: int) -> object:
+        try:
+            obj = parse_json(line, split_from=split_from)
+        except ProtocolError:
+            return "error"
+        if isinstance(obj, dict) and isinstance(obj.get("hidden_b64"), bytes):
+            obj = {**obj, "hidden_b64": obj["hidden_b64"].decode("ascii")}
+        return obj
+
+    return run(len(line) + 1), run(0)
+
+
+@pytest.mark.parametrize("line", [
+    b'{"op": "forward_range", "request_id": 1, "hidden_b64": "QUJD", "position": 0, "seq_len": 1}',
+    b'{"hidden_b64"  :\t"QUJD"}',
+    b'{"x": {"hidden_b64": "QUJD"}, "hidden_b64": ""}',  # the one occurrence is nested: the top-level is not it
+    b'{"x": {"hidden_b64": "QUJD"}}',
+    b'{"hidden_b64": "QU\\u004aD"}',  # an escape: JSON must decode it
+    b'{"hidden_b64": "QUJD", "hidden\\u005fb64": "QUJD"}',  # a duplicate key spelled with an escape
+    b'{"hidden_b64": "QUJD", "hidden_b64": "QUJD"}',
+    b'{"hidden_b64": "QU\x01JD"}',  # a control character JSON refuses
+    b'{"hidden_b64": "QUJD\xff"}',  # not UTF-8
+    b'{"hidden_b64": "QUJD" "x"}',
+    b'["hidden_b64", "QUJD"]',
+    b'{"hidden_b64": "QUJD"',
+    b'{"note": "\\"hidden_b64\\": \\"QUJD\\"", "hidden_b64": "QUJD"}',
+    b'{"hidden_b64": 5}',
+])
+def test_cutting_the_payload_out_gives_what_a_full_parse_gives(line: bytes) -> None:
+    full, split = _both_ways(line)
+    assert split == full
+
+
+@given(st.dictionaries(st.sampled_from(["op", "request_id", "hidden_b64", "position", "seq_len", "x"]),
+                       st.one_of(st.integers(), st.text(alphabet="AB+/=\"\\ \x01é", max_size=12), st.none()),
+                       max_size=5))
+def test_cutting_the_payload_out_gives_what_a_full_parse_gives_on_random_requests(obj: dict) -> None:
+    full, split = _both_ways(json.dumps(obj).encode())
+    assert split == full
+
+
+def test_a_long_line_hands_its_payload_over_uncut_by_json() -> None:
+    payload = base64.b64encode(bytes(3 * 40_000))
+    line = b'{"op": "forward_range", "request_id": 1, "hidden_b64": "' + payload + b'", "seq_len": 1}'
+    assert parse_json(line)["hidden_b64"] == payload  # bytes: JSON never scanned it
+    assert decode_hidden(parse_json(line), 1, 60_000) == bytes(3 * 40_000)
