@@ -34,9 +34,19 @@ def check_one_reply(worker: Worker, line: bytes) -> dict[str, Any]:
     return replies[0]
 
 
+def is_strict_json(obj: Any) -> bool:
+    """Whether json.dumps(obj) is valid JSON (it writes NaN/Infinity, which the worker refuses as not JSON)."""
+    try:
+        json.dumps(obj, allow_nan=False)
+    except ValueError:
+        return False
+    return True
+
+
 def check_reply_matches(obj: Any, reply: dict[str, Any]) -> None:
-    """An error names no id unless the request had a usable one (a non-negative int); a success always echoes it."""
-    rid = obj.get("request_id") if isinstance(obj, dict) else None
+    """An error names no id unless the request had a usable one (a non-negative int in a line that is JSON at all);
+    a success always echoes it."""
+    rid = obj.get("request_id") if isinstance(obj, dict) and is_strict_json(obj) else None
     usable = type(rid) is int and rid >= 0
     if "error" in reply:
         assert isinstance(reply["error"], str) and reply["error"]
@@ -111,6 +121,7 @@ def test_random_bytes_lines(lines: list[bytes], key: tuple[int, int], final_newl
     data = b"\n".join(lines) + (b"\n" if final_newline else b"")
     if not final_newline and lines[-1] == b"":
         lines = lines[:-1]  # nothing after the last newline: no line there
+    WORKERS[key].shutdown_requested = False  # examples share the worker: start each from a serving state
     replies, reason = serve_bytes(WORKERS[key], data, cap=128)  # some lines are over the cap
     assert reason == "eof"
     assert len(replies) == len(lines)
