@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from conftest import make_worker, serve_bytes
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
 from pp_worker.dispatch import OPS, Worker
@@ -118,6 +118,9 @@ def test_random_requests(obj: dict[str, Any], key: tuple[int, int]) -> None:
 @given(lines=st.lists(st.binary(max_size=200).map(lambda b: b.replace(b"\n", b"")), min_size=1, max_size=8),
        key=st.sampled_from(sorted(WORKERS)), final_newline=st.booleans())
 def test_random_bytes_lines(lines: list[bytes], key: tuple[int, int], final_newline: bool) -> None:
+    # hypothesis mines the code's own strings, so it can write a real shutdown request, after which the worker
+    # rightly reads no further (tests of shutdown live elsewhere)
+    assume(not any(b"shutdown" in line for line in lines))
     data = b"\n".join(lines) + (b"\n" if final_newline else b"")
     if not final_newline and lines[-1] == b"":
         lines = lines[:-1]  # nothing after the last newline: no line there
@@ -132,4 +135,6 @@ def test_random_bytes_lines(lines: list[bytes], key: tuple[int, int], final_newl
 @given(line=st.binary(max_size=300).filter(lambda b: b"\n" not in b), key=st.sampled_from(sorted(WORKERS)))
 def test_random_bytes_single_line(line: bytes, key: tuple[int, int]) -> None:
     reply = check_one_reply(WORKERS[key], line)
-    assert "error" in reply  # random bytes are never a valid request
+    if "error" not in reply:  # only a real request succeeds (hypothesis mines the code's strings and can write one)
+        obj = json.loads(line)
+        assert isinstance(obj, dict) and obj.get("op") in OPS and reply["request_id"] == obj["request_id"]
