@@ -132,7 +132,7 @@ def memory(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[
     whole_kv = facts.kv_bytes(facts.n_blocks, facts.context) / MIB
     rows = [Row(sec, "tinygrad floor: import + one kernel", floor, "MiB", note="an idle process that ran one kernel"),
             Row(sec, "  floor + the model's tokenizer", get(raw, "solo", "idle", "with_tokenizer_peak_rss_mb"), "MiB",
-                note="SimpleTokenizer.from_gguf_kv, which the first and last stages build (middle stages don't)"),
+                note="SimpleTokenizer.from_gguf_kv, which only the first stage builds (the last decodes from a table)"),
             Row(sec, "one process, whole model", get(raw, "solo", "lazy", "peak_rss_mb"), "MiB",
                 note=f"file {facts.file_bytes / MIB:.0f} + KV {whole_kv:.0f} MiB + tokenizer, lazy weights; "
                      f"realized: {number(get(raw, 'solo', 'realize', 'peak_rss_mb'))}, tuned: "
