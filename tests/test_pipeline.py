@@ -95,9 +95,8 @@ def test_concurrent_generations_equal_solo_runs_and_overlap():
         trace = p.trace
     assert tokens_of(together) == [s.generations[0].tokens for s in solo]
     assert len({g.request_id for g in together.generations}) == 4
+    # the overlap, shown by the order of requests and replies (its speed-up is measured by make bench, not here)
     assert _max_stages_computing(trace) == 2, "no moment where both stages had a forward op outstanding"
-    solo_wall = sum(s.wall_s for s in solo)
-    assert solo_wall / together.wall_s > 1.3, (solo_wall, together.wall_s)
 
 
 def _max_stages_computing(trace) -> int:
