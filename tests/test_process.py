@@ -223,7 +223,7 @@ def test_sigterm_mid_op_finishes_the_op_first(spawn: Spawn) -> None:
 
 
 def test_second_sigterm_while_draining_exits_at_once(spawn: Spawn) -> None:
-    w = spawn(0, 2, env=DELAY_ENV)
+    w = spawn(0, 2, env={"PP_STUB_DELAY_MS": "20000"})  # an op far longer than any scheduling delay
     w.wait_ready()
     w.send(PREFILL)
     time.sleep(0.3)
@@ -232,7 +232,7 @@ def test_second_sigterm_while_draining_exits_at_once(spawn: Spawn) -> None:
     second = time.monotonic()
     w.proc.send_signal(signal.SIGTERM)
     assert w.wait(timeout=5) == 128 + signal.SIGTERM
-    assert time.monotonic() - second < 0.9  # well before the op's 1.5 s would have ended
+    assert time.monotonic() - second < 10  # long before the op's 20 s would have ended
     rest = w.rest_of_stdout()
     assert all("request_id" not in o for o in rest)  # the op's reply never came
 
