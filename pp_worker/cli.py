@@ -139,8 +139,7 @@ def _install_signals(state: LoopState, events: Events) -> tuple[int, int]:
         if state.loading:
             raise _Stop(signum)
         if state.signum is not None and state.busy:  # a second signal while draining: leave now
-            events.out.write_if_free({"event": "signal_received", "stage_index": events.stage_index,
-                                      "signum": signum, "name": signal.Signals(signum).name, "draining": True})
+            events.emit_if_free("signal_received", signum=signum, name=signal.Signals(signum).name, draining=True)
             os._exit(128 + signum)
         state.signum = signum
 

@@ -113,11 +113,18 @@ class Events:
         self.out, self.stage_index, self.clock = out, stage_index, clock
 
     def emit(self, kind: str, **fields: Any) -> None:
-        fields.pop("request_id", None)  # an event must never look like a reply
         try:
-            self.out.write({"event": kind, "stage_index": self.stage_index, **fields})
+            self.out.write(self._event(kind, fields))
         except StdoutClosed:
             pass
+
+    def emit_if_free(self, kind: str, **fields: Any) -> None:
+        """For a signal handler: written only if no other line is being written (``Out.write_if_free``)."""
+        self.out.write_if_free(self._event(kind, fields))
+
+    def _event(self, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+        fields.pop("request_id", None)  # an event must never look like a reply
+        return {"event": kind, "stage_index": self.stage_index, **fields}
 
     def heartbeat(self) -> None:
         self.emit("heartbeat", uptime_ms=self.clock.uptime_ms(), rss_mb=rss_mb(),
@@ -152,17 +159,14 @@ def install_excepthook(events: Events) -> None:
     sys.excepthook = hook
 
 
-F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ (Linux), spelled out: the fcntl module names it only from Python 3.10 on Linux
-
-
 def widen_pipe(fd: int, size: int = 1 << 20) -> None:
     """Ask for a 1 MiB pipe buffer (default 64 KiB): a multi-MB prefill payload then crosses in a few wake-ups
     instead of ~90. Best effort: not a pipe, another OS, or above /proc/sys/fs/pipe-max-size is fine."""
     try:
         import fcntl
 
-        fcntl.fcntl(fd, F_SETPIPE_SZ, size)
-    except (OSError, ImportError, ValueError):
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, size)
+    except (OSError, ImportError, AttributeError, ValueError):  # AttributeError: not Linux
         pass
 
 

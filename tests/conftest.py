@@ -58,10 +58,15 @@ def run_requests(stage: int, num_stages: int, requests: list[dict[str, Any]]) ->
 # --- subprocess -------------------------------------------------------------------------------------------
 
 
+def clean_env() -> dict[str, str]:
+    """The inherited environment minus anything of ours that could leak into a worker under test."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("PP_") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
+
+
 def stub_env(stage: int | None, num_stages: int | None, **extra: str) -> dict[str, str]:
-    """The caller's environment for a stub stage: inherited, minus anything of ours that could leak in."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PP_") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
+    """The caller's environment for a stub stage."""
+    env = clean_env()
     if stage is not None:
         env["STAGE"] = str(stage)
     if num_stages is not None:

@@ -332,8 +332,8 @@ def _both_ways(line: bytes) -> tuple[object, object]:
             obj = parse_json(line, split_from=split_from)
         except ProtocolError:
             return "error"
-        if isinstance(obj, dict) and isinstance(obj.get("hidden_b64"), bytes):
-            obj = {**obj, "hidden_b64": obj["hidden_b64"].decode("ascii")}
+        if isinstance(obj, dict) and isinstance(obj.get("hidden_b64"), B64):
+            obj = {**obj, "hidden_b64": str(obj["hidden_b64"])}
         return obj
 
     return run(len(line) + 1), run(0)
@@ -371,5 +371,6 @@ def test_cutting_the_payload_out_gives_what_a_full_parse_gives_on_random_request
 def test_a_long_line_hands_its_payload_over_uncut_by_json() -> None:
     payload = base64.b64encode(bytes(3 * 40_000))
     line = b'{"op": "forward_range", "request_id": 1, "hidden_b64": "' + payload + b'", "seq_len": 1}'
-    assert parse_json(line)["hidden_b64"] == payload  # bytes: JSON never scanned it
+    cut = parse_json(line)["hidden_b64"]
+    assert isinstance(cut, B64) and cut.data == payload  # JSON never scanned it
     assert decode_hidden(parse_json(line), 1, 60_000) == bytes(3 * 40_000)

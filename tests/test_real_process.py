@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, WorkerProcess
+from conftest import REPO, WorkerProcess, clean_env
 from samecast import SameCastReference
 from tinygrad.llm.cli import SimpleTokenizer
 
@@ -35,9 +34,7 @@ def model(tmp_path_factory) -> Path:
 
 
 def real_env(stage: int, num_stages: int, model: Path | str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith("PP_") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
-    return {**env, "STAGE": str(stage), "NUM_STAGES": str(num_stages), "MODEL": str(model),
+    return {**clean_env(), "STAGE": str(stage), "NUM_STAGES": str(num_stages), "MODEL": str(model),
             "MAX_CONTEXT": str(MAX_CONTEXT), **extra}
 
 
