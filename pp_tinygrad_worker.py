@@ -16,6 +16,6 @@ if __name__ == "__main__":
     if os.path.exists(VENV_PYTHON) and os.path.realpath(sys.prefix) != os.path.realpath(os.path.join(HERE, ".venv")):
         os.execv(VENV_PYTHON, [VENV_PYTHON, os.path.realpath(__file__), *sys.argv[1:]])
     sys.path.insert(0, HERE)
-    from pp_worker.cli import main
+    from pp_worker.worker.cli import main
 
     sys.exit(main())

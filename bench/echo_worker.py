@@ -13,10 +13,11 @@ import dataclasses
 import os
 import sys
 
-from pp_worker.dispatch import Worker
-from pp_worker.engines.stub import StubEngine
-from pp_worker.events import Clock, Out
-from pp_worker.loop import LineReader, LoopState, serve
+from pp_worker.worker.dispatch import Worker
+from pp_worker.worker.engines.stub import StubEngine
+from pp_worker.worker.events import Clock
+from pp_worker.worker.loop import LineReader, LoopState, serve
+from pp_worker.worker.stdout import Out
 
 LINE_CAP = 256 << 20
 

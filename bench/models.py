@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pp_worker.engines.gguf_loader import GGUFHeader, read_header
-from pp_worker.modelgen import builtin_text, generate
-from pp_worker.shard import Shard
+from pp_worker.testing.modelgen import builtin_text, generate
+from pp_worker.worker.engines.gguf_loader import GGUFHeader, read_header
+from pp_worker.worker.shard import Shard
 
 CACHE = Path(__file__).resolve().parent / "models"
 KV_BYTES = 4  # the KV caches are float32 (as tinygrad's TransformerBlock's)
@@ -28,7 +28,7 @@ def ensure_model(preset: str, seed: int = 0, dtype: str = "F16", *, isolated: bo
     if not path.exists():
         tmp = path.with_suffix(".tmp")
         if isolated:
-            subprocess.run([sys.executable, "-m", "pp_worker.modelgen", str(tmp), "--preset", preset,
+            subprocess.run([sys.executable, "-m", "pp_worker.testing.modelgen", str(tmp), "--preset", preset,
                             "--seed", str(seed), "--dtype", dtype], check=True, capture_output=True, timeout=900)
         else:
             generate(tmp, preset=preset, seed=seed, dtype=dtype)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.solo import vmhwm_mb
-from pp_worker.pipeline import Pipeline, RunStats, Sampling, make_generations
-from pp_worker.stage_proc import Launch
+from pp_worker.driver.pipeline import Pipeline, RunStats, Sampling, make_generations
+from pp_worker.driver.stage_proc import Launch
 
 QUIET = {"PP_WARMUP": "1", "PP_HEARTBEAT_S": "3600"}  # compiled before ready; no heartbeat lines mid-measurement
 

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pp_worker import protocol
-from pp_worker.events import to_line, widen_pipe
+from pp_worker.wire import encode_payload, to_line, widen_pipe
+from pp_worker.worker.protocol import decode_hidden
 
 REPO = Path(__file__).resolve().parent.parent  # workers run from here, so ``-m bench...`` resolves anywhere
 STUB_HIDDEN = 16
@@ -111,7 +111,7 @@ class RawWorker:
 
 def hop(seq_len: int, hidden_dim: int, position: int = 0) -> dict[str, Any]:
     """A forward_range request carrying a (1, seq_len, hidden_dim) fp16 payload of zeros."""
-    b64 = protocol.encode_hidden(bytes(seq_len * hidden_dim * 2))
+    b64 = encode_payload(bytes(seq_len * hidden_dim * 2))
     return {"op": "forward_range", "request_id": 1, "hidden_b64": b64, "position": position, "seq_len": seq_len}
 
 
@@ -180,13 +180,13 @@ class Payload:
 
 
 def codec_rate(seq_len: int, hidden_dim: int, reps: int) -> Payload:
-    """In-process: protocol.encode_hidden then protocol.decode_hidden (validating) of one payload, per rep."""
+    """In-process: encode_payload then decode_hidden (validating) of one payload, per rep."""
     data = os.urandom(seq_len * hidden_dim * 2)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        text = str(protocol.encode_hidden(data))
-        back = protocol.decode_hidden({"hidden_b64": text}, seq_len, hidden_dim)
+        text = str(encode_payload(data))
+        back = decode_hidden({"hidden_b64": text}, seq_len, hidden_dim)
         best = min(best, time.perf_counter() - t0)
     assert back == data
     return Payload(len(data) / 1e6, best)

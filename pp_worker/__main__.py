@@ -2,6 +2,6 @@
 
 import sys
 
-from pp_worker.cli import main
+from pp_worker.worker.cli import main
 
 sys.exit(main())

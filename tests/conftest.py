@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
-from pp_worker.dispatch import Worker
-from pp_worker.engines.stub import StubEngine
-from pp_worker.events import Clock, Out
-from pp_worker.loop import LineReader, LoopState, serve
+from pp_worker.worker.dispatch import Worker
+from pp_worker.worker.engines.stub import StubEngine
+from pp_worker.worker.events import Clock
+from pp_worker.worker.loop import LineReader, LoopState, serve
+from pp_worker.worker.stdout import Out
 
 REPO = Path(__file__).resolve().parent.parent
 VENV_BIN = REPO / ".venv" / "bin"

@@ -10,8 +10,8 @@ import pytest
 from bench import models, report, run, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
-from pp_worker.events import to_line
-from pp_worker.modelgen import PRESETS, generate
+from pp_worker.testing.modelgen import PRESETS, generate
+from pp_worker.wire import to_line
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from tinygrad.llm.cli import SimpleTokenizer
 
-from pp_worker.bpe import build_vocab
-from pp_worker.engines.detokenizer import Detokenizer
-from pp_worker.modelgen import builtin_text
+from pp_worker.testing.bpe import build_vocab
+from pp_worker.testing.modelgen import builtin_text
+from pp_worker.worker.engines.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")

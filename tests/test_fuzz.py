@@ -10,7 +10,7 @@ from conftest import make_worker, serve_bytes
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 
-from pp_worker.dispatch import OPS, Worker
+from pp_worker.worker.dispatch import OPS, Worker
 
 # one worker per role, shared by all examples: a long-lived worker must survive everything thrown at it
 WORKERS: dict[tuple[int, int], Worker] = {key: make_worker(*key) for key in [(0, 2), (1, 3), (1, 2)]}

@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from conftest import make_worker, request_line, run_requests, serve_bytes
 
-from pp_worker.engines.stub import StubEngine
-from pp_worker.events import Clock, Events, Out
-from pp_worker.loop import OVERLONG, LineReader
+from pp_worker.worker.engines.stub import StubEngine
+from pp_worker.worker.events import Clock, Events
+from pp_worker.worker.loop import OVERLONG, LineReader
+from pp_worker.worker.stdout import Out
 
 HIDDEN_DIM, VOCAB = 16, 32  # the stub's sizes, fixed by the contract
 

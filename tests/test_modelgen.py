@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 from npref import RefModel
 
-from pp_worker import bpe
-from pp_worker import modelgen as mg
+from pp_worker.testing import bpe
+from pp_worker.testing import modelgen as mg
+from pp_worker.worker.engines.detokenizer import byte_symbols
 
 DTYPES = ("F32", "F16", "Q8_0")
 MAX_REL, MEAN_REL = 4e-3, 1e-3  # logit error bounds, as a fraction of std(logits)
@@ -98,7 +99,7 @@ def _spec_and_vocab(preset: str) -> tuple[mg.LlamaSpec, int]:
 
 def test_vocab_layout():
     vocab = mg.build_vocab(mg.builtin_text(), 100)
-    sym = bpe.byte_symbols()
+    sym = byte_symbols()
     assert vocab.tokens[:256] == sym and len(set(sym)) == 256  # id b is byte b
     assert len(set(vocab.tokens)) == len(vocab.tokens)
     assert vocab.tokens[-3:] == list(bpe.DEFAULT_SPECIALS) and vocab.token_types[-3:] == [3, 3, 3]
@@ -184,7 +185,7 @@ def rank_bpe(word: bytes, ranks: dict[tuple[bytes, bytes], int], vocab: dict[byt
 def test_merges_list_encodes_like_tinygrad(tokenizer):
     """llama.cpp ranks merges by list position, tinygrad by result token id: the written merges make them agree."""
     vocab = mg.builtin_vocab(mg.PRESETS["tiny"][1])
-    to_bytes = {sym: b for b, sym in enumerate(bpe.byte_symbols())}
+    to_bytes = {sym: b for b, sym in enumerate(byte_symbols())}
 
     def decode(s: str) -> bytes:
         return bytes(to_bytes[c] for c in s)

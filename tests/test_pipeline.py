@@ -22,14 +22,13 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from pp_worker.chat import chat_format, render_chat
-from pp_worker.driver import Output
-from pp_worker.generation import Generation, Sampling, _reusable
-from pp_worker.pipeline import Pipeline, make_generations, run_pipeline
-from pp_worker.stage_proc import Launch, launcher_argv
+from pp_worker.driver.chat import chat_format, render_chat
+from pp_worker.driver.cli import Output
+from pp_worker.driver.generation import Generation, Sampling, _reusable
+from pp_worker.driver.pipeline import Pipeline, make_generations, run_pipeline
+from pp_worker.driver.stage_proc import Launch, launcher_argv
 
 PROMPTS = ["the quick brown fox", "jumps over", "the lazy dog sleeps all day", "hello"]
-ENGINE = REPO / "pp_worker" / "engines" / "tinygrad_engine.py"
 ZEN = REPO / "pp_worker" / "data" / "zen.gguf"
 PY = shlex.quote(sys.executable)
 
@@ -158,7 +157,7 @@ def test_chat_plain_format_and_session_reuse():
 
 
 def test_chat_format_follows_the_gguf_chat_template(tmp_path):
-    from pp_worker.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
+    from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
 
     spec, n_merges = PRESETS["tiny"]
     vocab = builtin_vocab(n_merges)
@@ -172,7 +171,7 @@ def test_chat_format_follows_the_gguf_chat_template(tmp_path):
 
 
 def test_chat_cli_reads_turns_from_stdin():
-    proc = subprocess.run([sys.executable, "-m", "pp_worker.pipeline", "--stub", "--chat", "--max-tokens", "4"],
+    proc = subprocess.run([sys.executable, "-m", "pp_worker.driver", "--stub", "--chat", "--max-tokens", "4"],
                           input="hello there\nand again\n", capture_output=True, text=True, timeout=60, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -199,11 +198,11 @@ def test_local_launcher_template_gives_the_same_tokens():
 
 # --- the CLI: signals and failures ---------------------------------------------------------------------------------
 class Driver:
-    """``python -m pp_worker.pipeline ARGS`` in its own process group (as a shell job); stderr read by a thread."""
+    """``python -m pp_worker.driver ARGS`` in its own process group (as a shell job); stderr read by a thread."""
 
     def __init__(self, args: list[str], **env: str):
         full_env = {k: v for k, v in os.environ.items() if not k.startswith("PP_")} | env
-        self.proc = subprocess.Popen([sys.executable, "-m", "pp_worker.pipeline", *args], cwd=REPO, env=full_env,
+        self.proc = subprocess.Popen([sys.executable, "-m", "pp_worker.driver", *args], cwd=REPO, env=full_env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      start_new_session=True, text=True)
         self.err: list[str] = []
@@ -320,7 +319,7 @@ def test_stage_errors_and_timeouts_end_the_run(mode, message):
 
 
 def test_api_raises_on_failure_and_leaves_nothing_running():
-    from pp_worker.pipeline import StageFailed
+    from pp_worker.driver.pipeline import StageFailed
 
     with pytest.raises(StageFailed, match=r"stage \d exited with code 2"):
         run_pipeline(["a"], stub=True, env={"STAGE": "9"}, load_timeout=10)
@@ -337,13 +336,10 @@ def _reference(model: Path, prompt: str, n: int) -> tuple[list[int], list[int], 
     return prompt_tokens, list(itertools.islice(net.generate(list(prompt_tokens)), n)), eos
 
 
-@pytest.mark.skipif(not ENGINE.exists(), reason="needs the tinygrad engine")
 @pytest.mark.parametrize("which", ["generated", "zen"])
 def test_real_pipeline_equals_tinygrad_generate(which, tmp_path):
     """2 and 3 stages == one process running tinygrad's own Transformer.generate, token for token (greedy)."""
-    if which == "zen" and not ZEN.exists():
-        pytest.skip("pp_worker/data/zen.gguf is not built yet (make model)")
-    from pp_worker.modelgen import generate
+    from pp_worker.testing.modelgen import generate
 
     model = ZEN if which == "zen" else generate(tmp_path / "tiny.gguf", "tiny")
     prompt, n = "Beautiful is better than", 24

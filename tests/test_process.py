@@ -239,9 +239,10 @@ def test_second_sigterm_while_draining_exits_at_once(spawn: Spawn) -> None:
 
 SIGNAL_DURING_WRITE = """
 import io, os, signal
-from pp_worker.cli import _install_signals
-from pp_worker.events import Clock, Events, Out
-from pp_worker.loop import LoopState
+from pp_worker.worker.cli import _install_signals
+from pp_worker.worker.events import Clock, Events
+from pp_worker.worker.stdout import Out
+from pp_worker.worker.loop import LoopState
 
 class Stream(io.RawIOBase):  # stands for stdout; the second SIGTERM lands while a reply is being written
     def writable(self):
@@ -304,9 +305,11 @@ def test_stdout_carries_only_json_even_with_debug(spawn: Spawn) -> None:
 
 def test_import_prints_nothing_and_the_excepthook_reports() -> None:
     code = ("import io, sys\n"
-            "import pp_worker, pp_worker.cli, pp_worker.loop, pp_worker.dispatch, pp_worker.events as ev\n"
+            "import pp_worker, pp_worker.worker.cli, pp_worker.worker.loop, pp_worker.worker.dispatch\n"
+            "import pp_worker.worker.events as ev\n"
+            "from pp_worker.worker.stdout import Out\n"
             "sys.stdout.flush()\n"
-            "ev.install_excepthook(ev.Events(ev.Out(sys.stdout.buffer), 4, ev.Clock()))\n"
+            "ev.install_excepthook(ev.Events(Out(sys.stdout.buffer), 4, ev.Clock()))\n"
             "raise ValueError('boom')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=30, cwd=REPO,
                             env=stub_env(None, None))
@@ -316,7 +319,7 @@ def test_import_prints_nothing_and_the_excepthook_reports() -> None:
     event = json.loads(lines[0])
     assert_event(event, stage=4)
     assert (event["event"], event["type"], event["value"]) == ("uncaught_exception", "ValueError", "boom")
-    assert event["traceback"].startswith("Traceback") and "line 5" in event["traceback"]  # where it was raised
+    assert event["traceback"].startswith("Traceback") and "line 7" in event["traceback"]  # where it was raised
     assert "ValueError: boom" in result.stderr.decode()  # the usual traceback still goes to stderr
 
 

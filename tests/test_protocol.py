@@ -1,9 +1,8 @@
-"""Request parsing at the edge: strict JSON, the envelope every request shares, each op's fields, the fp16 codec."""
+"""Request validation at the edge: the envelope every request shares, each op's fields, the fp16 payload."""
 
 from __future__ import annotations
 
 import base64
-import json
 import math
 from typing import Any
 
@@ -12,73 +11,27 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pp_worker.events import to_line
-from pp_worker.protocol import (
-    B64,
+from pp_worker.wire import encode_payload
+from pp_worker.worker.protocol import (
+    MAX_RECENT_TOKENS,
     Limits,
     ProtocolError,
-    b64_len,
     decode_hidden,
-    encode_hidden,
     parse_envelope,
     parse_fields,
-    parse_json,
+    parse_sampling,
     request_id_of,
 )
+from pp_worker.worker.sampling import SamplingParams
 
 HIDDEN_DIM = 16  # the stub's, fixed by the contract
-STUB = Limits(hidden_dim=HIDDEN_DIM, token_bound=None)
-REAL = Limits(hidden_dim=HIDDEN_DIM, token_bound=32)
+STUB = Limits(hidden_dim=HIDDEN_DIM, vocab_size=32, check_token_ids=False)
+REAL = Limits(hidden_dim=HIDDEN_DIM, vocab_size=32)
 
 
 def hidden_b64(seq_len: int, fill: int = 0x3C) -> str:
     """A valid payload: seq_len * hidden_dim fp16 values, base64."""
     return base64.b64encode(bytes([fill]) * (seq_len * HIDDEN_DIM * 2)).decode()
-
-
-# --- parse_json ---------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("line", [
-    b"\xff\xfe{}",  # invalid UTF-8
-    b'{"op": "ping", "request_id": 1, "x": "\xc3\x28"}',  # invalid continuation byte inside a string
-    b'{"request_id": 1, "op": "ping", "x": NaN}',
-    b'{"x": Infinity}',
-    b'{"x": -Infinity}',
-    b"NaN",
-    b'{"x": 1e400}',
-    b'{"x": -1e400}',
-    b'{"op": "ping", "op": "status", "request_id": 1}',  # duplicate keys
-    b'{"a": {"k": 1, "k": 2}}',  # duplicate keys, nested
-    b"[" * 100_000,  # 100k deep, unclosed
-    b"[" * 100_000 + b"]" * 100_000,  # 100k deep, well-formed
-    b'{"a":' * 100_000 + b"1" + b"}" * 100_000,
-    b"1" * 10_000,  # an int of 10000 digits
-    b'{"request_id": ' + b"9" * 10_000 + b"}",
-    b"{",
-    b"",
-    b"{} {}",
-    b"'single'",
-])
-def test_parse_json_rejects(line: bytes) -> None:
-    with pytest.raises(ProtocolError) as info:
-        parse_json(line)
-    assert info.value.request_id is None  # nothing could be trusted, not even an id
-
-
-def test_parse_json_message_names_the_problem() -> None:
-    with pytest.raises(ProtocolError, match="UTF-8"):
-        parse_json(b"\x80")
-    with pytest.raises(ProtocolError, match="duplicate key 'op'"):
-        parse_json(b'{"op": 1, "op": 2}')
-    with pytest.raises(ProtocolError, match="nested too deeply"):
-        parse_json(b"[" * 100_000)
-
-
-def test_parse_json_accepts_strict_json() -> None:
-    assert parse_json(b'{"op": "ping", "request_id": 3, "f": 1.5e3, "u": "\xc3\xa9"}') == {
-        "op": "ping", "request_id": 3, "f": 1500.0, "u": "\u00e9"}
-    assert parse_json(b' {"a": [1, 2, {"b": null}]}\r') == {"a": [1, 2, {"b": None}]}  # CRLF line ending
-    assert parse_json(b"1e308") == 1e308
 
 
 # --- envelope -----------------------------------------------------------------------------------------------
@@ -217,9 +170,11 @@ def test_prompt_must_be_a_string(bad: Any) -> None:
 
 
 def test_extra_fields_are_ignored() -> None:
-    extra = {"temperature": "hot", "stream": True, "nested": {"deep": [1, 2]}, "tokens_extra": None}
+    extra = {"colour": "hot", "stream": True, "nested": {"deep": [1, 2]}, "tokens_extra": None}
     for op in VALID:
         assert fields(op, **extra) == fields(op)
+        if op != "forward_and_sample":  # the one op that has sampling fields
+            assert fields(op, temperature="hot") == fields(op)
 
 
 def test_ops_without_fields_parse_to_nothing() -> None:
@@ -285,92 +240,97 @@ def test_oversized_payload_is_refused_without_echoing_it() -> None:
     assert len(str(info.value)) < 500
 
 
-@pytest.mark.parametrize("seq_len", [1, 2, 3, 5, 64])
-def test_b64_len_matches_the_encoder(seq_len: int) -> None:
-    n_bytes = seq_len * HIDDEN_DIM * 2
-    assert b64_len(n_bytes) == len(base64.b64encode(b"\0" * n_bytes))
-
 
 @given(st.integers(1, 40).flatmap(lambda n: st.binary(min_size=n * HIDDEN_DIM * 2, max_size=n * HIDDEN_DIM * 2)))
 def test_encode_decode_round_trip(raw: bytes) -> None:
     seq_len = len(raw) // (HIDDEN_DIM * 2)
-    text = str(encode_hidden(raw))
+    text = str(encode_payload(raw))
     assert text.isascii()
     assert decode_hidden({"hidden_b64": text}, seq_len, HIDDEN_DIM) == raw
-    assert encode_hidden(memoryview(raw)) == text  # engines may hand over a buffer
+    assert encode_payload(memoryview(raw)) == text  # engines may hand over a buffer
 
 
 def test_round_trip_of_float16_values() -> None:
     values = np.array([[[0.0, -0.0, 1.0, -2.5, 65504.0, 6e-8, 0.333] + [0.125] * 9]], dtype="<f2")  # (1, 1, 16)
-    text = str(encode_hidden(values.tobytes()))
+    text = str(encode_payload(values.tobytes()))
     back = np.frombuffer(decode_hidden({"hidden_b64": text}, 1, HIDDEN_DIM), dtype="<f2").reshape(1, 1, HIDDEN_DIM)
     assert np.array_equal(back, values)
 
 
-@given(st.dictionaries(st.text(max_size=8), st.one_of(st.integers(), st.text(max_size=20), st.booleans(), st.none()),
-                       max_size=4),
-       st.binary(max_size=64))
-def test_a_spliced_payload_line_is_exactly_what_json_dumps_writes(fields: dict, payload: bytes) -> None:
-    obj = {**fields, "hidden_b64": encode_hidden(payload), "seq_len": 1}
-    line = to_line(obj)
-    assert line == (json.dumps({k: str(v) if isinstance(v, B64) else v for k, v in obj.items()}) + "\n").encode()
-    assert json.loads(line)["hidden_b64"] == base64.b64encode(payload).decode()
+# --- sampling fields (parse_sampling) ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("text", ['AAAA", "position": 9, "x": "', "AA\nA", "AAA\u00e9", "AA=A"])
-def test_text_from_a_worker_is_checked_before_it_is_spliced(text: str) -> None:
-    with pytest.raises(ValueError):
-        B64.checked(text)
-    assert B64.checked("QUJD") == "QUJD"
+SAMPLING_VOCAB = 10
 
 
-# --- the long-line fast path: a payload cut out before JSON sees it must change nothing but speed -------------
-def _both_ways(line: bytes) -> tuple[object, object]:
-    """(full JSON parse, parse with the payload cut out) as values or the ProtocolError message class."""
-    def run(split_from: int) -> object:
-        try:
-            obj = parse_json(line, split_from=split_from)
-        except ProtocolError:
-            return "error"
-        if isinstance(obj, dict) and isinstance(obj.get("hidden_b64"), B64):
-            obj = {**obj, "hidden_b64": str(obj["hidden_b64"])}
-        return obj
-
-    return run(len(line) + 1), run(0)
+@pytest.mark.parametrize("req", [{}, {"op": "forward_and_sample", "session": "s", "hidden": "AAAA"}])
+def test_no_sampling_fields_means_none(req: dict) -> None:
+    assert parse_sampling(req, SAMPLING_VOCAB) is None
 
 
-@pytest.mark.parametrize("line", [
-    b'{"op": "forward_range", "request_id": 1, "hidden_b64": "QUJD", "position": 0, "seq_len": 1}',
-    b'{"hidden_b64"  :\t"QUJD"}',
-    b'{"x": {"hidden_b64": "QUJD"}, "hidden_b64": ""}',  # the one occurrence is nested: the top-level is not it
-    b'{"x": {"hidden_b64": "QUJD"}}',
-    b'{"hidden_b64": "QU\\u004aD"}',  # an escape: JSON must decode it
-    b'{"hidden_b64": "QUJD", "hidden\\u005fb64": "QUJD"}',  # a duplicate key spelled with an escape
-    b'{"hidden_b64": "QUJD", "hidden_b64": "QUJD"}',
-    b'{"hidden_b64": "QU\x01JD"}',  # a control character JSON refuses
-    b'{"hidden_b64": "QUJD\xff"}',  # not UTF-8
-    b'{"hidden_b64": "QUJD" "x"}',
-    b'["hidden_b64", "QUJD"]',
-    b'{"hidden_b64": "QUJD"',
-    b'{"note": "\\"hidden_b64\\": \\"QUJD\\"", "hidden_b64": "QUJD"}',
-    b'{"hidden_b64": 5}',
-])
-def test_cutting_the_payload_out_gives_what_a_full_parse_gives(line: bytes) -> None:
-    full, split = _both_ways(line)
-    assert split == full
+def test_all_fields_parse_to_typed_params() -> None:
+    req = {"temperature": 1, "top_k": 5, "top_p": 1, "min_p": 0, "repetition_penalty": 1.3,
+           "recent_tokens": [0, 9, 9], "seed": 2**63 - 1}
+    params = parse_sampling(req, SAMPLING_VOCAB)
+    assert params == SamplingParams(1.0, 5, 1.0, 0.0, 1.3, (0, 9, 9), 2**63 - 1)
+    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
+    assert not params.greedy
 
 
-@given(st.dictionaries(st.sampled_from(["op", "request_id", "hidden_b64", "position", "seq_len", "x"]),
-                       st.one_of(st.integers(), st.text(alphabet="AB+/=\"\\ \x01é", max_size=12), st.none()),
-                       max_size=5))
-def test_cutting_the_payload_out_gives_what_a_full_parse_gives_on_random_requests(obj: dict) -> None:
-    full, split = _both_ways(json.dumps(obj).encode())
-    assert split == full
+@pytest.mark.parametrize("req", [{"seed": 7}, {"temperature": 0}, {"recent_tokens": []}, {"top_k": 0}])
+def test_any_single_field_gives_params_with_defaults_elsewhere(req: dict) -> None:
+    params = parse_sampling(req, SAMPLING_VOCAB)
+    assert params is not None and params.greedy
+    assert params.top_p == 1.0 and params.repetition_penalty == 1.0
 
 
-def test_a_long_line_hands_its_payload_over_uncut_by_json() -> None:
-    payload = base64.b64encode(bytes(3 * 40_000))
-    line = b'{"op": "forward_range", "request_id": 1, "hidden_b64": "' + payload + b'", "seq_len": 1}'
-    cut = parse_json(line)["hidden_b64"]
-    assert isinstance(cut, B64) and cut.data == payload  # JSON never scanned it
-    assert decode_hidden(parse_json(line), 1, 60_000) == bytes(3 * 40_000)
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", 100), ("temperature", 0.0), ("top_p", 1e-9), ("min_p", 0.999), ("repetition_penalty", 100),
+     ("repetition_penalty", 1e-6), ("top_k", 10**6), ("seed", 0),
+     ("recent_tokens", [SAMPLING_VOCAB - 1] * MAX_RECENT_TOKENS)],
+)
+def test_values_on_the_edge_of_the_bounds_are_accepted(field: str, value: object) -> None:
+    assert parse_sampling({field: value}, SAMPLING_VOCAB) is not None
+
+
+NUMBER_REJECTS = [
+    ("temperature", "[0, 100]", [True, -0.1, 100.5, "1", None, [1.0], math.nan, math.inf]),
+    ("top_k", ">= 0", [True, -1, 1.0, "5", None]),
+    ("top_p", "(0, 1]", [0, 0.0, 1.5, -0.2, False, True, math.nan, math.inf, "0.9"]),
+    ("min_p", "[0, 1)", [1, 1.0, -0.01, True, math.nan, None]),
+    ("repetition_penalty", "(0, 100]", [0, -1.0, 100.01, True, math.inf, "1.1"]),
+    ("seed", "[0, 2**63)", [True, -1, 2**63, 1.0, "42", None]),
+]
+
+
+@pytest.mark.parametrize(
+    "field, bound, value", [(f, b, v) for f, b, values in NUMBER_REJECTS for v in values], ids=repr
+)
+def test_bad_numbers_are_rejected_naming_field_and_bound(field: str, bound: str, value: object) -> None:
+    with pytest.raises(ProtocolError) as err:
+        parse_sampling({"temperature": 0.7, field: value}, SAMPLING_VOCAB)
+    assert f"'{field}'" in str(err.value) and bound in str(err.value)
+
+
+def test_error_message_format() -> None:
+    with pytest.raises(ProtocolError, match=r"^'top_p' must be a number in \(0, 1\], got 1\.5$"):
+        parse_sampling({"top_p": 1.5}, SAMPLING_VOCAB)
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [("1,2", "'recent_tokens'"), (5, "'recent_tokens'"), (None, "'recent_tokens'"), ({1: 2}, "'recent_tokens'"),
+     ([0] * (MAX_RECENT_TOKENS + 1), "4097 items"), ([1, True], "'recent_tokens[1]'"), ([-1], "'recent_tokens[0]'"),
+     ([3, SAMPLING_VOCAB], "'recent_tokens[1]'"), ([1.0], "'recent_tokens[0]'"), (["3"], "'recent_tokens[0]'")],
+    ids=lambda v: repr(v)[:30],
+)
+def test_bad_recent_tokens_are_rejected(value: object, fragment: str) -> None:
+    with pytest.raises(ProtocolError, match="must be") as err:
+        parse_sampling({"recent_tokens": value}, SAMPLING_VOCAB)
+    assert fragment in str(err.value)
+
+
+def test_token_bound_follows_the_vocab_size() -> None:
+    with pytest.raises(ProtocolError, match=r"\[0, 4\)"):
+        parse_sampling({"recent_tokens": [4]}, 4)

@@ -18,10 +18,10 @@ from conftest import REPO, WorkerProcess, clean_env
 from samecast import SameCastReference
 from tinygrad.llm.cli import SimpleTokenizer
 
-from pp_worker.engines.gguf_file import read_header
-from pp_worker.modelgen import generate
-from pp_worker.pipeline import run_pipeline
-from pp_worker.shard import compute_layer_range
+from pp_worker.driver.pipeline import run_pipeline
+from pp_worker.testing.modelgen import generate
+from pp_worker.worker.engines.gguf_file import read_header
+from pp_worker.worker.shard import compute_layer_range
 
 MAX_CONTEXT = 64
 PROMPTS = ["Beautiful is better than", "Errors should never pass silently.", "Now is better than never"]

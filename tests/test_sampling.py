@@ -1,4 +1,5 @@
-"""Sampling: argmax, request validation, hand-computed distributions, seeded draws, and a filter property."""
+"""Sampling: argmax, hand-computed distributions, seeded draws, and a filter property (the fields' validation is
+tested with the rest of the request validation, in test_protocol)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pp_worker.sampling import (
-    MAX_RECENT_TOKENS,
-    SamplingError,
-    SamplingParams,
-    argmax_sample,
-    distribution,
-    parse_sampling,
-    sample,
-)
+from pp_worker.worker.sampling import SamplingParams, argmax_sample, distribution, sample
 
 LN2, LN4 = math.log(2), math.log(4)
 VOCAB = 10
@@ -64,82 +57,6 @@ def test_argmax_rejects_empty_and_all_nan(logits: list[float]) -> None:
 def test_argmax_rejects_a_2d_array() -> None:
     with pytest.raises(ValueError, match="1-D"):
         argmax_sample(np.zeros((2, 3)))
-
-
-# --- parse_sampling -------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("req", [{}, {"op": "forward_and_sample", "session": "s", "hidden": "AAAA"}])
-def test_no_sampling_fields_means_none(req: dict) -> None:
-    assert parse_sampling(req, VOCAB) is None
-
-
-def test_all_fields_parse_to_typed_params() -> None:
-    req = {"temperature": 1, "top_k": 5, "top_p": 1, "min_p": 0, "repetition_penalty": 1.3,
-           "recent_tokens": [0, 9, 9], "seed": 2**63 - 1}
-    params = parse_sampling(req, VOCAB)
-    assert params == SamplingParams(1.0, 5, 1.0, 0.0, 1.3, (0, 9, 9), 2**63 - 1)
-    assert isinstance(params.temperature, float) and isinstance(params.top_p, float)
-    assert not params.greedy
-
-
-@pytest.mark.parametrize("req", [{"seed": 7}, {"temperature": 0}, {"recent_tokens": []}, {"top_k": 0}])
-def test_any_single_field_gives_params_with_defaults_elsewhere(req: dict) -> None:
-    params = parse_sampling(req, VOCAB)
-    assert params is not None and params.greedy
-    assert params.top_p == 1.0 and params.repetition_penalty == 1.0
-
-
-@pytest.mark.parametrize(
-    "field, value",
-    [("temperature", 100), ("temperature", 0.0), ("top_p", 1e-9), ("min_p", 0.999), ("repetition_penalty", 100),
-     ("repetition_penalty", 1e-6), ("top_k", 10**6), ("seed", 0), ("recent_tokens", [VOCAB - 1] * MAX_RECENT_TOKENS)],
-)
-def test_values_on_the_edge_of_the_bounds_are_accepted(field: str, value: object) -> None:
-    assert parse_sampling({field: value}, VOCAB) is not None
-
-
-NUMBER_REJECTS = [
-    ("temperature", "[0, 100]", [True, -0.1, 100.5, "1", None, [1.0], math.nan, math.inf]),
-    ("top_k", ">= 0", [True, -1, 1.0, "5", None]),
-    ("top_p", "(0, 1]", [0, 0.0, 1.5, -0.2, False, True, math.nan, math.inf, "0.9"]),
-    ("min_p", "[0, 1)", [1, 1.0, -0.01, True, math.nan, None]),
-    ("repetition_penalty", "(0, 100]", [0, -1.0, 100.01, True, math.inf, "1.1"]),
-    ("seed", "[0, 2**63)", [True, -1, 2**63, 1.0, "42", None]),
-]
-
-
-@pytest.mark.parametrize(
-    "field, bound, value", [(f, b, v) for f, b, values in NUMBER_REJECTS for v in values], ids=repr
-)
-def test_bad_numbers_are_rejected_naming_field_and_bound(field: str, bound: str, value: object) -> None:
-    with pytest.raises(SamplingError) as err:
-        parse_sampling({"temperature": 0.7, field: value}, VOCAB)
-    assert f"'{field}'" in str(err.value) and bound in str(err.value)
-
-
-def test_error_message_format() -> None:
-    with pytest.raises(SamplingError, match=r"^'top_p' must be a number in \(0, 1\], got 1\.5$"):
-        parse_sampling({"top_p": 1.5}, VOCAB)
-    assert issubclass(SamplingError, ValueError)  # callers that catch ValueError still see it
-
-
-@pytest.mark.parametrize(
-    "value, fragment",
-    [("1,2", "'recent_tokens'"), (5, "'recent_tokens'"), (None, "'recent_tokens'"), ({1: 2}, "'recent_tokens'"),
-     ([0] * (MAX_RECENT_TOKENS + 1), "4097 items"), ([1, True], "'recent_tokens[1]'"), ([-1], "'recent_tokens[0]'"),
-     ([3, VOCAB], "'recent_tokens[1]'"), ([1.0], "'recent_tokens[0]'"), (["3"], "'recent_tokens[0]'")],
-    ids=lambda v: repr(v)[:30],
-)
-def test_bad_recent_tokens_are_rejected(value: object, fragment: str) -> None:
-    with pytest.raises(SamplingError, match="must be") as err:
-        parse_sampling({"recent_tokens": value}, VOCAB)
-    assert fragment in str(err.value)
-
-
-def test_token_bound_follows_the_vocab_size() -> None:
-    with pytest.raises(SamplingError, match=r"\[0, 4\)"):
-        parse_sampling({"recent_tokens": [4]}, 4)
 
 
 # --- greedy ---------------------------------------------------------------------------------------------------------

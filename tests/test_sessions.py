@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
-from pp_worker.engines.base import EngineError
-from pp_worker.engines.sessions import REMEMBER_EVICTED, SessionTable
+from pp_worker.worker.engines.base import EngineError
+from pp_worker.worker.engines.sessions import REMEMBER_EVICTED, SessionTable
 
 
 class Recorder:
@@ -18,10 +18,23 @@ class Recorder:
         self.events.append((kind, fields))
 
 
+class CountingPool:
+    """Caches are numbers; released ones are reused, as the engine's KVPool does."""
+
+    def __init__(self) -> None:
+        self.counter = itertools.count()
+        self.free: list[int] = []
+
+    def acquire(self) -> int:
+        return self.free.pop() if self.free else next(self.counter)
+
+    def release(self, cache: int) -> None:
+        self.free.append(cache)
+
+
 def table(max_sessions: int = 4, max_context: int = 64) -> tuple[SessionTable, Recorder]:
-    counter = itertools.count()
     rec = Recorder()
-    return SessionTable(max_sessions, max_context, new_cache=lambda: next(counter), emit=rec), rec
+    return SessionTable(max_sessions, max_context, CountingPool(), emit=rec), rec
 
 
 def step(t: SessionTable, rid: int, position: int, seq_len: int):
@@ -151,4 +164,13 @@ def test_release():
 
 def test_max_sessions_must_be_positive():
     with pytest.raises(ValueError):
-        SessionTable(0, 16, new_cache=lambda: None)
+        SessionTable(0, 16, CountingPool())
+
+
+def test_released_and_evicted_caches_go_back_to_the_pool_and_are_reused():
+    t, _ = table(max_sessions=2)
+    a, b = step(t, 1, 0, 1).cache, step(t, 2, 0, 1).cache
+    assert t.release(1)
+    assert step(t, 3, 0, 1).cache == a  # session 1's cache, reused
+    assert step(t, 4, 0, 1).cache == b  # evicts 2 (the least recently used), reuses its cache
+    assert {s.cache for s in t._live.values()} == {a, b}  # no live session shares a cache

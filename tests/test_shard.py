@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pp_worker.shard import Role, Shard, compute_layer_range
+from pp_worker.worker.shard import Role, Shard, compute_layer_range
 
 
 @pytest.mark.parametrize(("stage", "num_stages", "total", "expected"), [

@@ -31,8 +31,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from pp_worker.bpe import Vocab, build_vocab  # noqa: E402
-from pp_worker.modelgen import LlamaSpec, random_weights, write_gguf  # noqa: E402
+from pp_worker.testing.bpe import Vocab, build_vocab  # noqa: E402
+from pp_worker.testing.modelgen import LlamaSpec, random_weights, write_gguf  # noqa: E402
 
 SPEC = LlamaSpec(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, context_length=256)
 N_MERGES = 300  # more than the Zen has pairs for: build_vocab stops at the last one (vocab 550)

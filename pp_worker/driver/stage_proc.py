@@ -20,8 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pp_worker.events import to_line, widen_pipe
-from pp_worker.protocol import ProtocolError, parse_json
+from pp_worker.wire import to_line, widen_pipe
 
 STDERR_TAIL = 50
 # Forwarded to workers started through a launcher (a local child inherits the whole environment anyway).
@@ -192,15 +191,6 @@ class Stage:
     def stderr_tail(self) -> str:
         self._stderr_thread.join(1.0)  # the last lines may still be in flight after the process ended
         return "\n".join(f"  | {line}" for line in self.tail) or "  | (no stderr output)"
-
-
-def parse_line(line: bytes) -> dict[str, Any] | None:
-    """A stdout line as a JSON object, or None when it is not one (noise, which the protocol forbids)."""
-    try:
-        obj = parse_json(line)  # a reply's multi-MB hidden_b64 comes back as raw bytes, never scanned by JSON
-    except ProtocolError:
-        return None
-    return obj if isinstance(obj, dict) else None
 
 
 def stop_all(stages: list[Stage], grace_s: float = 5.0, term_s: float = 2.0,

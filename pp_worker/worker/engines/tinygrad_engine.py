@@ -21,9 +21,10 @@ import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.llm.model import precompute_freqs_cis
 
-from pp_worker.engines.base import EngineError, ModelInfo
-from pp_worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
-from pp_worker.engines.sessions import SessionTable
+from pp_worker.worker.engines.base import ModelInfo
+from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
+from pp_worker.worker.engines.kvcache import KVPool
+from pp_worker.worker.engines.sessions import SessionTable
 
 if TYPE_CHECKING:
     from tinygrad.device import Buffer
@@ -81,20 +82,14 @@ class CompiledStage:
         for block in w.blocks:
             block.freqs_cis = freqs
 
-    def new_cache(self) -> list[Tensor]:
-        """One (2, 1, KvH, max_context, Hd) KV cache per block; float32 like TransformerBlock's own."""
-        cfg = self.w.config
-        shape = (2, 1, cfg.n_kv_heads, cfg.max_context, cfg.head_dim)
-        caches = [Tensor.zeros(*shape).contiguous() for _ in self.w.blocks]
-        Tensor.realize(*caches)
-        return caches
-
     def _forward(self, inp: Tensor, caches: list[Tensor], start_pos: UOp) -> Tensor:
         w = self.w
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (1, T, D)
         for block, cache in zip(w.blocks, caches, strict=True):
             block.cache_kv = cache  # the argument's buffer: the JIT substitutes each call's session cache
             x = block(x, start_pos)
+        for block in w.blocks:  # the graph holds the caches now; a block must not keep a released session's
+            del block.cache_kv
         if w.output is None:
             return x.half()  # (1, T, D)
         T = x.shape[1]
@@ -126,45 +121,38 @@ class TinygradEngine:
                               name=kv.get("general.name") or kv.get("general.basename") or model,
                               chat_template=kv.get("tokenizer.chat_template"))
         self._stage = CompiledStage(self._w)
-        self._sessions = SessionTable(max_sessions, cfg.max_context, self._stage.new_cache, emit)
+        self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions)
+        self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
 
     @property
     def loaded_tensors(self) -> dict[str, int]:
         """GGUF tensor name -> bytes this stage read from the file (nothing else was read)."""
         return dict(self._w.loaded)
 
-    # ---- tokenizer (encoding on the first stage, decoding on the last)
+    # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
+    # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.
 
     def tokenize(self, text: str) -> list[int]:
-        if self._w.tokenizer is None:
-            raise EngineError(f"stage {self.shard.stage} has no tokenizer; tokenize runs on stage 0")
+        assert self._w.tokenizer is not None, "tokenize runs on the first stage"
         return self._w.tokenizer.encode(text)
 
     def detokenize(self, tokens: list[int]) -> str:
-        if self._w.detokenizer is None:
-            raise EngineError(f"stage {self.shard.stage} has no detokenizer; detokenize runs on the last stage")
-        if any(not 0 <= t < self.info.vocab_size for t in tokens):
-            raise EngineError(f"token ids must be in [0, {self.info.vocab_size})")
+        assert self._w.detokenizer is not None, "detokenize runs on the last stage"
         return self._w.detokenizer.decode(tokens)
 
     # ---- forward ops
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes:
-        if not self.shard.is_first:
-            raise EngineError(f"stage {self.shard.stage} has no embedding; embed_and_forward runs on stage 0")
-        ids = np.asarray(tokens, dtype=np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.info.vocab_size):
-            raise EngineError(f"token ids must be in [0, {self.info.vocab_size})")
-        return b"".join(self._run(session, ids.astype(np.int32), position, len(tokens), self._hidden_bytes))
+        assert self.shard.is_first, "embed_and_forward runs on the first stage"
+        ids = np.asarray(tokens, dtype=np.int32)
+        return b"".join(self._run(session, ids, position, len(tokens), self._hidden_bytes))
 
     def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> bytes:
-        if self.shard.is_first or self.shard.is_last:
-            raise EngineError(f"forward_range runs on middle stages, not on the {self.shard.role.value} stage")
+        assert not (self.shard.is_first or self.shard.is_last), "forward_range runs on middle stages"
         return b"".join(self._run(session, self._hidden(hidden, seq_len), position, seq_len, self._hidden_bytes))
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
-        if not self.shard.is_last:
-            raise EngineError(f"stage {self.shard.stage} has no output head; forward_logits runs on the last stage")
+        assert self.shard.is_last, "forward_logits runs on the last stage"
         outs = self._run(session, self._hidden(hidden, seq_len), position, seq_len, lambda t, n: t)
         return outs[-1].numpy().reshape(-1)  # (V,) float32 of the last position
 
@@ -192,10 +180,7 @@ class TinygradEngine:
     # ---- internals
 
     def _hidden(self, hidden: bytes, seq_len: int) -> np.ndarray:
-        want = seq_len * self.info.hidden_dim * 2
-        if len(hidden) != want:
-            raise EngineError(f"hidden state has {len(hidden)} bytes, expected seq_len {seq_len} x hidden_dim "
-                              f"{self.info.hidden_dim} x 2 = {want}")
+        assert len(hidden) == seq_len * self.info.hidden_dim * 2, "the protocol layer checks the payload size"
         return np.frombuffer(hidden, dtype="<f2").reshape(seq_len, self.info.hidden_dim)  # (T, D)
 
     def _hidden_bytes(self, out: Tensor, n: int) -> bytes:

@@ -17,6 +17,8 @@ import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 
+from pp_worker.worker.engines.detokenizer import byte_symbols
+
 DEFAULT_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
 
 
@@ -29,14 +31,6 @@ class Vocab:
     merges: list[str]  # "left right" in GPT-2 byte symbols, in rank order
     bos_id: int
     eos_id: int
-
-
-@functools.cache
-def byte_symbols() -> list[str]:
-    """GPT-2's printable stand-in for each byte, indexed by byte value (token id b is byte b)."""
-    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]  # bytes that stand for themselves
-    shifted = iter(range(256, 512))  # the rest map to U+0100.. in byte order
-    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
 
 
 def _spell(token: bytes) -> str:

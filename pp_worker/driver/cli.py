@@ -21,10 +21,10 @@ import os
 import sys
 from typing import TextIO
 
-from pp_worker.chat import chat, chat_format
-from pp_worker.generation import RECENT_TOKENS, Generation, Sampling
-from pp_worker.pipeline import Cancel, Pipeline, PipelineError, RunStats, make_generations
-from pp_worker.stage_proc import Launch
+from pp_worker.driver.chat import chat, chat_format
+from pp_worker.driver.generation import RECENT_TOKENS, Generation, Sampling
+from pp_worker.driver.pipeline import Cancel, Pipeline, PipelineError, RunStats, make_generations
+from pp_worker.driver.stage_proc import Launch
 
 
 class Output:

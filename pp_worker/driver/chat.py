@@ -7,8 +7,9 @@ import select
 import sys
 from dataclasses import dataclass
 
-from pp_worker.generation import Generation, Sampling
-from pp_worker.pipeline import Cancel, Pipeline
+from pp_worker import DEFAULT_MODEL
+from pp_worker.driver.generation import Generation, Sampling
+from pp_worker.driver.pipeline import Cancel, Pipeline
 
 
 @dataclass(frozen=True)
@@ -27,8 +28,6 @@ CHAT_FORMATS = {
                                       "<|start_header_id|>assistant<|end_header_id|>\n\n"),
     "<|im_start|>": ChatFormat("chatml", "<|im_start|>{role}\n{text}<|im_end|>\n", "<|im_start|>assistant\n",
                                ("<|im_end|>",)),
-    "<start_of_turn>": ChatFormat("gemma", "<start_of_turn>{role}\n{text}<end_of_turn>\n",
-                                  "<start_of_turn>model\n", ("<end_of_turn>",)),
 }
 PLAIN_CHAT = ChatFormat("plain", "{Role}: {text}\n", "Assistant:", ("\nUser:",))
 
@@ -40,8 +39,6 @@ def chat_format(model: str | None) -> ChatFormat:
 
 
 def _chat_template(model: str | None) -> str | None:
-    from pp_worker.cli import DEFAULT_MODEL
-
     path = model or str(DEFAULT_MODEL)
     if not os.path.isfile(path):  # a model name, or a path on another machine: we cannot look inside
         return None

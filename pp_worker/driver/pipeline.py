@@ -6,8 +6,7 @@ writes a call to its stage without waiting for that stage's earlier replies and 
 so with K generations in flight stage s computes one while stage s+1 computes another. The worker serves its
 stdin in order, so several calls queued on one stage simply run one after the other.
 
-The command line is ``pp_worker.driver`` (``pp-pipeline``; ``python -m pp_worker.pipeline`` runs it too), the
-interactive chat ``pp_worker.chat``.
+The command line is ``cli`` (``pp-pipeline``, ``python -m pp_worker.driver``), the interactive chat ``chat``.
 """
 
 from __future__ import annotations
@@ -22,8 +21,9 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TextIO
 
-from pp_worker.generation import Call, Generation, GenerationError, Reply, Sampling, TextSink
-from pp_worker.stage_proc import Launch, Stage, parse_line, stop_all, wait_io
+from pp_worker.driver.generation import Call, Generation, GenerationError, Reply, Sampling, TextSink
+from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
+from pp_worker.wire import parse_object
 
 
 class PipelineError(Exception):
@@ -216,7 +216,7 @@ class Pipeline:
                 raise StageFailed(st, f"gave no reply{what} within --step-timeout {self.step_timeout:g} s")
 
     def _on_line(self, st: Stage, line: bytes) -> None:
-        obj = parse_line(line)
+        obj = parse_object(line)  # a reply's multi-MB hidden_b64 comes back as B64, never scanned by JSON
         if obj is None:
             self._say(f"[stage {st.index}] non-JSON on stdout: {line[:200]!r}")
         elif obj.get("status") == "ready":
@@ -306,9 +306,3 @@ def make_generations(p: Pipeline, prompts: list[str], max_tokens: int, sampling:
     return [Generation(i, prompt, p.new_request_id(), max_tokens, sampling, on_text=on_text)
             for i, prompt in enumerate(prompts)]
 
-
-
-if __name__ == "__main__":
-    from pp_worker.driver import main
-
-    sys.exit(main())

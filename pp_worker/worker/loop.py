@@ -12,8 +12,8 @@ import select
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from pp_worker.dispatch import Worker
-from pp_worker.events import Out, StdoutClosed
+from pp_worker.worker.dispatch import Worker
+from pp_worker.worker.stdout import Out, StdoutClosed
 
 CHUNK = 1 << 20
 

@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pp_worker.engines.detokenizer import Detokenizer
-from pp_worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header
-from pp_worker.shard import Shard
+from pp_worker.worker.engines.detokenizer import Detokenizer
+from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header
+from pp_worker.worker.shard import Shard
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, nn
@@ -145,7 +145,7 @@ class TensorSource:
 
     def _read_into(self, t: Tensor, info: TensorInfo) -> Tensor:
         """Read the tensor's bytes from the file into ``t``'s device buffer: in place on the CPU, through one
-        staging copy elsewhere. A numpy copy plus a device copy per tensor used to stay resident (~1 block)."""
+        staging copy elsewhere. A numpy copy plus a device copy per tensor used to stay resident."""
         buf = t.uop.base.buffer.ensure_allocated()
         with open(self.header.path, "rb") as f:
             f.seek(info.offset)
@@ -231,7 +231,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
         shard = Shard.of(stage, num_stages, config.num_blocks)
     except ValueError as e:
         raise ModelLoadError(f"cannot split {config.num_blocks} blocks: {e}") from e
-    # tokenizers first: SimpleTokenizer's regex compile peaks ~50 MiB above what it keeps, better before the weights
+    # tokenizers first: SimpleTokenizer's regex compile peaks well above what it keeps, better before the weights
     tokenizer = _load_tokenizer(header.kv, _simple_tokenizer) if shard.is_first else None
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
     _return_freed_heap()
@@ -269,7 +269,7 @@ def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSN
 
 
 def _return_freed_heap() -> None:
-    """Hand memory freed by Python back to the OS (glibc keeps it otherwise): ~14 MiB after the tokenizer."""
+    """Hand memory freed by Python back to the OS (glibc keeps it otherwise), e.g. after building the tokenizer."""
     import ctypes
     import ctypes.util
     import gc

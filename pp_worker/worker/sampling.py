@@ -12,13 +12,10 @@ Filter order, the same on every path; each step means what it does in llama.cpp 
 
 from __future__ import annotations
 
-import reprlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-
-MAX_RECENT_TOKENS = 4096
 
 
 def _as_logits(logits: Sequence[float] | np.ndarray) -> np.ndarray:
@@ -38,7 +35,7 @@ def argmax_sample(logits: Sequence[float] | np.ndarray) -> int:
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling settings; build them with ``parse_sampling`` so the bounds are checked."""
+    """Per-request sampling settings; ``worker.protocol.parse_sampling`` builds them with the bounds checked."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -51,49 +48,6 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
-
-
-class SamplingError(ValueError):
-    """A sampling field of a request is invalid; the message names the field and its bound."""
-
-
-# name -> (type, bound in errors, test). Float bounds are finite and NaN fails every comparison: no NaN/inf gets by.
-_NUMBERS: dict[str, tuple[type, str, Callable[[float], bool]]] = {
-    "temperature": (float, "a number in [0, 100]", lambda v: 0 <= v <= 100),
-    "top_k": (int, "an integer >= 0", lambda v: v >= 0),
-    "top_p": (float, "a number in (0, 1]", lambda v: 0 < v <= 1),
-    "min_p": (float, "a number in [0, 1)", lambda v: 0 <= v < 1),
-    "repetition_penalty": (float, "a number in (0, 100]", lambda v: 0 < v <= 100),
-    "seed": (int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63),
-}
-
-
-def _number(name: str, value: object) -> float | int:
-    kind, bound, ok = _NUMBERS[name]
-    accepted = (int, float) if kind is float else int
-    if isinstance(value, bool) or not isinstance(value, accepted) or not ok(value):  # JSON true is not 1
-        raise SamplingError(f"'{name}' must be {bound}, got {reprlib.repr(value)}")
-    return kind(value)
-
-
-def _recent_tokens(value: object, vocab_size: int) -> tuple[int, ...]:
-    if not isinstance(value, list | tuple) or len(value) > MAX_RECENT_TOKENS:
-        got = f"{len(value)} items" if isinstance(value, list | tuple) else reprlib.repr(value)
-        raise SamplingError(f"'recent_tokens' must be a list of at most {MAX_RECENT_TOKENS} token ids, got {got}")
-    bad = next((i for i, t in enumerate(value) if type(t) is not int or not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise SamplingError(f"'recent_tokens[{bad}]' must be a token id in [0, {vocab_size}), got {value[bad]!r:.40}")
-    return tuple(value)
-
-
-def parse_sampling(req: dict, vocab_size: int) -> SamplingParams | None:
-    """Validated sampling fields of a request, or None when it carries none (the caller stays on plain argmax)."""
-    if not any(name in req for name in (*_NUMBERS, "recent_tokens")):
-        return None
-    fields: dict = {name: _number(name, req[name]) for name in _NUMBERS if name in req}
-    if "recent_tokens" in req:
-        fields["recent_tokens"] = _recent_tokens(req["recent_tokens"], vocab_size)
-    return SamplingParams(**fields)
 
 
 def _penalise(x: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -113,7 +67,7 @@ def _candidates(x: np.ndarray, top_k: int, ordered: bool) -> np.ndarray:
     if 0 < top_k < ids.size:  # pre-select in O(vocab) so only ~k ids get sorted
         kth = np.partition(x[ids], ids.size - top_k)[ids.size - top_k]
         ids = ids[x[ids] >= kth]
-    if ordered:  # a full-vocab stable sort costs ~10 ms at 128k, so only top_k/top_p pay for it
+    if ordered:  # a full-vocabulary sort is costly at a large vocab, so only top_k/top_p pay for it
         ids = ids[np.argsort(-x[ids], kind="stable")]
     return ids[:top_k] if top_k else ids
 

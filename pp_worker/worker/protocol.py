@@ -1,21 +1,25 @@
-"""The wire protocol: JSON line -> typed request (or ProtocolError), and the hidden-state codec.
+"""Request validation: a parsed line -> the op, its request id and its typed fields, or a ProtocolError.
 
-Every check lives here so handlers can trust their inputs. Messages name the field and what was expected.
+Every check of a request lives here, sampling fields included, so handlers and engines can trust their inputs.
+Messages name the field and what was expected. The line codec itself (strict JSON, base64 payloads) is
+``pp_worker.wire``.
 """
 
 from __future__ import annotations
 
 import binascii
 import json
-import math
-import re
+import reprlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import pybase64  # SIMD base64: the stdlib's is ~30x slower on a multi-MB prefill payload
+from pp_worker.wire import B64, b64_len, decode_payload
+from pp_worker.worker.sampling import SamplingParams
 
 BYTES_PER_ELEM = 2  # float16 on the wire
 MAX_INT = 2**53  # ints beyond this are not portable JSON numbers; nothing legal needs them
+MAX_RECENT_TOKENS = 4096
 
 
 class ProtocolError(Exception):
@@ -31,78 +35,12 @@ class Limits:
     """What validation needs to know about the engine."""
 
     hidden_dim: int
-    token_bound: int | None  # token ids must be < this; None: any non-negative int (stub mode)
+    vocab_size: int
+    check_token_ids: bool = True  # False: any non-negative int is a token id (stub mode, as the seed did)
 
-
-def _reject_constant(name: str) -> float:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text[:40]} is out of range")
-    return value
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    obj: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in obj:  # which of two values the caller meant is a guess we refuse to make
-            raise ValueError(f"duplicate key {key[:60]!r}")
-        obj[key] = value
-    return obj
-
-
-# built once: json.loads with hooks would build a new decoder for every line
-_DECODER = json.JSONDecoder(parse_constant=_reject_constant, parse_float=_finite_float, object_pairs_hook=_unique_keys)
-
-
-PAYLOAD_KEY = b'"hidden_b64"'
-SPLIT_PAYLOAD_FROM = 1 << 16  # lines this long have their payload cut out before JSON sees them
-_STRING_VALUE = re.compile(rb'[ \t\r]*:[ \t\r]*"')
-
-
-def split_payload(line: bytes) -> tuple[bytes, B64] | None:
-    """(the line with its hidden_b64 string emptied, that string as checked B64), so that JSON never scans megabytes
-    of base64 (~1 ms per MB). Only where the result is provably what a full parse gives: the key occurs once and
-    its value is a string of base64 characters only (no escapes, nothing JSON would refuse). None otherwise;
-    ``parse_json`` then also checks that the key was at the top level."""
-    if line.count(PAYLOAD_KEY) != 1:
-        return None
-    m = _STRING_VALUE.match(line, line.index(PAYLOAD_KEY) + len(PAYLOAD_KEY))
-    end = -1 if m is None else line.find(b'"', m.end())
-    if m is None or end < 0:
-        return None
-    try:
-        payload = B64.checked(line[m.end():end])
-    except ValueError:
-        return None
-    return line[: m.end()] + line[end:], payload
-
-
-def parse_json(line: bytes, split_from: int = SPLIT_PAYLOAD_FROM) -> Any:
-    """Strict JSON: UTF-8 only, no NaN/Infinity, no overflowing numbers, no duplicate keys.
-    Never raises anything but ProtocolError (deep nesting included). On a long line, a top-level hidden_b64
-    string comes back as a ``B64`` (already checked, spliced onward as is) instead of a str."""
-    split = split_payload(line) if len(line) >= split_from else None
-    if split is not None:
-        obj = _strict_json(split[0])
-        if isinstance(obj, dict) and obj.get("hidden_b64") == "":
-            obj["hidden_b64"] = split[1]
-            return obj
-    return _strict_json(line)
-
-
-def _strict_json(line: bytes) -> Any:
-    try:
-        return _DECODER.decode(line.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        raise ProtocolError(f"line is not valid UTF-8 (byte {e.start})") from None
-    except RecursionError:
-        raise ProtocolError("invalid JSON: nested too deeply") from None
-    except ValueError as e:  # JSONDecodeError, our hooks, int digit limit
-        raise ProtocolError(f"invalid JSON: {e}") from None
+    @property
+    def token_bound(self) -> int | None:
+        return self.vocab_size if self.check_token_ids else None
 
 
 def is_int(x: Any) -> bool:
@@ -142,10 +80,6 @@ def text_field(req: dict[str, Any], name: str) -> str:
     return value
 
 
-def b64_len(n_bytes: int) -> int:
-    return 4 * ((n_bytes + 2) // 3)
-
-
 def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
     """Strict base64 of exactly seq_len * hidden_dim * 2 bytes. The length is checked on the text first,
     so an oversized payload is refused without decoding it."""
@@ -159,48 +93,12 @@ def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
         raise ProtocolError(f"hidden length does not match seq_len*hidden_dim*2 ({seq_len}*{hidden_dim}*2 = "
                             f"{expected} bytes, {b64_len(expected)} base64 chars); got {len(text)} base64 chars")
     try:
-        data = pybase64.b64decode(text, validate=True)
+        data = decode_payload(text)
     except (binascii.Error, ValueError) as e:
         raise ProtocolError(f"invalid base64 in hidden_b64: {e}") from None
     if len(data) != expected:
         raise ProtocolError(f"hidden length {len(data)} does not match seq_len*hidden_dim*2 = {expected}")
     return data
-
-
-class B64:
-    """Base64 text held as ASCII bytes: only [A-Za-z0-9+/=], so the line writer splices it into the line as is,
-    without json.dumps's escape scan (~10 ms for a 5 MB payload) or a str copy. Compares equal to its text."""
-
-    __slots__ = ("data",)
-
-    def __init__(self, data: bytes):
-        self.data = data
-
-    def __str__(self) -> str:
-        return self.data.decode("ascii")
-
-    def __eq__(self, other: object) -> bool:
-        return str(self) == (other if isinstance(other, str) else str(other))
-
-    __hash__ = None  # type: ignore[assignment]
-
-    @classmethod
-    def checked(cls, text: str | bytes | B64) -> B64:
-        """Text from elsewhere (a worker's reply), checked to be base64 before it may be spliced into a line."""
-        if isinstance(text, B64):  # checked when it was made
-            return text
-        data = text.encode("ascii") if isinstance(text, str) and text.isascii() else text
-        if not isinstance(data, bytes):
-            raise ValueError("hidden_b64 is not base64 text")
-        try:
-            pybase64.b64decode(data, validate=True)  # ~0.1 ms per MB: cheaper than JSON's escape scan
-        except binascii.Error as e:
-            raise ValueError(f"hidden_b64 is not base64: {e}") from None
-        return cls(data)
-
-
-def encode_hidden(data: bytes | memoryview) -> B64:
-    return B64(pybase64.b64encode(data))
 
 
 def request_id_of(obj: Any) -> int | None:
@@ -240,6 +138,49 @@ def _show(x: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# --- sampling fields (forward_and_sample) -------------------------------------------------------------------------
+
+# name -> (type, bound in errors, test). Float bounds are finite and NaN fails every comparison: no NaN/inf gets by.
+_SAMPLING_NUMBERS: dict[str, tuple[type, str, Callable[[float], bool]]] = {
+    "temperature": (float, "a number in [0, 100]", lambda v: 0 <= v <= 100),
+    "top_k": (int, "an integer >= 0", lambda v: v >= 0),
+    "top_p": (float, "a number in (0, 1]", lambda v: 0 < v <= 1),
+    "min_p": (float, "a number in [0, 1)", lambda v: 0 <= v < 1),
+    "repetition_penalty": (float, "a number in (0, 100]", lambda v: 0 < v <= 100),
+    "seed": (int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63),
+}
+
+
+def _sampling_number(name: str, value: object) -> float | int:
+    kind, bound, ok = _SAMPLING_NUMBERS[name]
+    accepted = (int, float) if kind is float else int
+    if isinstance(value, bool) or not isinstance(value, accepted) or not ok(value):  # JSON true is not 1
+        raise ProtocolError(f"'{name}' must be {bound}, got {reprlib.repr(value)}")
+    return kind(value)
+
+
+def _recent_tokens(value: object, vocab_size: int) -> tuple[int, ...]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_RECENT_TOKENS:
+        got = f"{len(value)} items" if isinstance(value, list | tuple) else reprlib.repr(value)
+        raise ProtocolError(f"'recent_tokens' must be a list of at most {MAX_RECENT_TOKENS} token ids, got {got}")
+    bad = next((i for i, t in enumerate(value) if type(t) is not int or not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ProtocolError(f"'recent_tokens[{bad}]' must be a token id in [0, {vocab_size}), got {value[bad]!r:.40}")
+    return tuple(value)
+
+
+def parse_sampling(req: dict[str, Any], vocab_size: int) -> SamplingParams | None:
+    """Validated sampling fields of a request, or None when it carries none (the stage stays on plain argmax)."""
+    if not any(name in req for name in (*_SAMPLING_NUMBERS, "recent_tokens")):
+        return None
+    fields: dict[str, Any] = {name: _sampling_number(name, req[name]) for name in _SAMPLING_NUMBERS if name in req}
+    if "recent_tokens" in req:
+        fields["recent_tokens"] = _recent_tokens(req["recent_tokens"], vocab_size)
+    return SamplingParams(**fields)
+
+
+# --- each op's own fields -----------------------------------------------------------------------------------------
+
 def _positions(obj: dict[str, Any]) -> dict[str, Any]:
     return {"position": nonneg_int(obj, "position"), "seq_len": nonneg_int(obj, "seq_len", positive=True)}
 
@@ -250,23 +191,23 @@ def _hidden_fields(obj: dict[str, Any], lim: Limits) -> dict[str, Any]:
     return fields
 
 
+def _token(obj: dict[str, Any], lim: Limits) -> int:
+    token = nonneg_int(obj, "token_id")
+    if lim.token_bound is not None and token >= lim.token_bound:
+        raise ProtocolError(f"'token_id' must be in [0, {lim.token_bound - 1}], got {token}")
+    return token
+
+
 # op -> the parser of its own fields; ops absent here take no fields
-_FIELDS = {
+_FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
     "tokenize": lambda o, lim: {"prompt": text_field(o, "prompt")},
     "detokenize": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=False)},
     "embed_and_forward": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=True),
                                          "position": nonneg_int(o, "position", default=0)},
     "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},
     "forward_range": _hidden_fields,
-    "forward_and_sample": _hidden_fields,
+    "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size)},
 }
-
-
-def _token(obj: dict[str, Any], lim: Limits) -> int:
-    token = nonneg_int(obj, "token_id")
-    if lim.token_bound is not None and token >= lim.token_bound:
-        raise ProtocolError(f"'token_id' must be in [0, {lim.token_bound - 1}], got {token}")
-    return token
 
 
 def parse_fields(op: str, obj: dict[str, Any], lim: Limits) -> dict[str, Any]:

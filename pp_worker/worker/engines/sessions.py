@@ -1,8 +1,9 @@
 """Per-generation KV sessions keyed by request_id, with an LRU bound and the position rules.
 
-A session owns one KV cache (whatever the engine's factory builds) and the number of positions it holds.
-Every rule is checked in `begin`, before any compute, so a refused step leaves the session unchanged.
-No tinygrad here: the engine passes a factory, and these rules are tested without a model.
+A session owns one KV cache, taken from a pool (the engine's ``kvcache.KVPool``) and given back to it when the
+session is released or evicted, and the number of positions it holds. Every rule is checked in `begin`, before
+any compute, so a refused step leaves the session unchanged. No tinygrad here: these rules are tested with a
+pool of plain objects.
 """
 
 from __future__ import annotations
@@ -10,11 +11,19 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from pp_worker.engines.base import EngineError
+from pp_worker.worker.engines.base import EngineError
 
 REMEMBER_EVICTED = 1024  # how many evicted ids we remember, to tell "evicted" from "unknown"
+
+
+class CachePool(Protocol):
+    def acquire(self) -> Any:
+        """A cache for a new session (its contents are stale: a session only reads the positions it wrote)."""
+
+    def release(self, cache: Any) -> None:
+        """Take back a cache no session uses any more."""
 
 
 @dataclass
@@ -28,12 +37,12 @@ class Session:
 class SessionTable:
     """request_id -> Session, least recently used evicted first once ``max_sessions`` are held."""
 
-    def __init__(self, max_sessions: int, max_context: int, new_cache: Callable[[], Any],
+    def __init__(self, max_sessions: int, max_context: int, pool: CachePool,
                  emit: Callable[..., None] = lambda kind, **fields: None):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions, self.max_context = max_sessions, max_context
-        self._new_cache, self._emit = new_cache, emit
+        self._pool, self._emit = pool, emit
         self._live: OrderedDict[int, Session] = OrderedDict()  # oldest use first
         self._evicted: OrderedDict[int, None] = OrderedDict()  # a bounded ordered set
 
@@ -59,8 +68,11 @@ class SessionTable:
         session.length = position + seq_len
 
     def release(self, rid: int) -> bool:
-        """Drop a session; False when there was none."""
-        return self._live.pop(rid, None) is not None
+        """Drop a session (its cache goes back to the pool); False when there was none."""
+        session = self._live.pop(rid, None)
+        if session is not None:
+            self._pool.release(session.cache)
+        return session is not None
 
     def positions(self) -> dict[int, int]:
         """request_id -> positions held, least recently used first."""
@@ -87,11 +99,12 @@ class SessionTable:
         while len(self._live) >= self.max_sessions:
             self._evict_oldest()
         self._evicted.pop(rid, None)
-        session = self._live[rid] = Session(self._new_cache())
+        session = self._live[rid] = Session(self._pool.acquire())
         return session
 
     def _evict_oldest(self) -> None:
         rid, session = self._live.popitem(last=False)
+        self._pool.release(session.cache)
         self._evicted[rid] = None
         if len(self._evicted) > REMEMBER_EVICTED:
             self._evicted.popitem(last=False)

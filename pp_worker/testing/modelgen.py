@@ -4,7 +4,7 @@ The same arguments always give a byte-identical file: the tokenizer is a byte-le
 deterministically on a built-in text, the weights come from a seeded numpy generator, and the
 `gguf` package writes no timestamps. Files load in tinygrad (`Transformer.from_gguf`) and llama.cpp.
 
-    python -m pp_worker.modelgen OUT.gguf --preset tiny --seed 0 --dtype F16
+    python -m pp_worker.testing.modelgen OUT.gguf --preset tiny --seed 0 --dtype F16
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 # the tokenizer the generated models carry
-from pp_worker.bpe import Vocab, build_vocab, builtin_text
+from pp_worker.testing.bpe import Vocab, build_vocab, builtin_text
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     "tiny": (LlamaSpec(), 253),  # vocab 512, ~0.24M params
     "small": (LlamaSpec(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352), 509),  # vocab 768, ~0.93M
     "bench": (LlamaSpec(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, context_length=1024), 1741),  # ~27M
-    # weights that dwarf tinygrad's ~140 MiB idle floor, for the bench's per-stage peak-RSS rows: ~0.73B, 1.4 GiB F16
+    # weights that dwarf tinygrad's idle floor, for the bench's per-stage peak-RSS rows (1.4 GiB F16)
     "rss": (LlamaSpec(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=5632, context_length=2048), 1741),
 }
 
@@ -209,7 +209,7 @@ def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str =
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pp_worker.modelgen", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pp_worker.testing.modelgen", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output .gguf path")
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--seed", type=int, default=0)

@@ -11,12 +11,13 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-from pp_worker import protocol
-from pp_worker.engines.base import Engine, EngineError
-from pp_worker.events import Clock, rss_mb
-from pp_worker.protocol import ProtocolError
-from pp_worker.sampling import SamplingError, parse_sampling, sample
-from pp_worker.shard import Role
+from pp_worker.wire import WireError, encode_payload, parse_json
+from pp_worker.worker import protocol
+from pp_worker.worker.engines.base import Engine, EngineError
+from pp_worker.worker.events import Clock, rss_mb
+from pp_worker.worker.protocol import ProtocolError
+from pp_worker.worker.sampling import sample
+from pp_worker.worker.shard import Role
 
 Reply = dict[str, Any]
 ANY = frozenset(Role)
@@ -28,8 +29,8 @@ class Worker:
     def __init__(self, engine: Engine, clock: Clock, model: str):
         self.engine, self.clock, self.model = engine, clock, model
         self.shard = engine.shard
-        bound = engine.info.vocab_size if engine.info.check_token_ids else None
-        self.limits = protocol.Limits(hidden_dim=engine.info.hidden_dim, token_bound=bound)
+        info = engine.info
+        self.limits = protocol.Limits(info.hidden_dim, info.vocab_size, info.check_token_ids)
         self.shutdown_requested = False
 
     def handle_line(self, line: bytes) -> Reply:
@@ -37,10 +38,10 @@ class Worker:
         try:
             if not line.strip():
                 raise ProtocolError("empty line")
-            obj = protocol.parse_json(line)
+            obj = parse_json(line)
             op, rid, obj = protocol.parse_envelope(obj)
             return self.handle(op, rid, obj)
-        except (ProtocolError, EngineError, SamplingError) as e:
+        except (WireError, ProtocolError, EngineError) as e:
             return _error(protocol.request_id_of(obj), str(e))
         except Exception as e:  # a bug or resource failure must not take the stage down
             traceback.print_exc(file=sys.stderr)
@@ -78,18 +79,17 @@ def _detokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> 
 
 def _embed(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
     hidden = w.engine.embed_and_forward(rid, f["tokens"], f["position"])
-    return {"hidden_b64": protocol.encode_hidden(hidden), "seq_len": len(f["tokens"])}
+    return {"hidden_b64": encode_payload(hidden), "seq_len": len(f["tokens"])}
 
 
 def _forward_range(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
     hidden = w.engine.forward_range(rid, f["hidden"], f["position"], f["seq_len"])
-    return {"hidden_b64": protocol.encode_hidden(hidden), "seq_len": f["seq_len"]}
+    return {"hidden_b64": encode_payload(hidden), "seq_len": f["seq_len"]}
 
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
-    params = parse_sampling(obj, w.engine.info.vocab_size)  # validated before any compute
     logits = w.engine.forward_logits(rid, f["hidden"], f["position"], f["seq_len"])
-    return {"token_id": sample(logits, params, step_key=f["position"] + f["seq_len"])}
+    return {"token_id": sample(logits, f["sampling"], step_key=f["position"] + f["seq_len"])}
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

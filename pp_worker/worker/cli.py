@@ -13,16 +13,16 @@ import signal
 import sys
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from types import FrameType
 
-from pp_worker.dispatch import Worker
-from pp_worker.engines.base import Engine
-from pp_worker.events import Clock, Events, Out, install_excepthook, protect_stdout, rss_mb, start_heartbeat
-from pp_worker.loop import LineReader, LoopState, serve
-from pp_worker.protocol import b64_len
+from pp_worker import DEFAULT_MODEL
+from pp_worker.wire import b64_len
+from pp_worker.worker.dispatch import Worker
+from pp_worker.worker.engines.base import Engine
+from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, start_heartbeat
+from pp_worker.worker.loop import LineReader, LoopState, serve
+from pp_worker.worker.stdout import Out, protect_stdout
 
-DEFAULT_MODEL = Path(__file__).resolve().parent / "data" / "zen.gguf"
 _ASCII_INT = re.compile(r"[0-9]{1,9}")
 _LINE_HEADROOM = 1 << 20  # JSON envelope, token lists and sampling fields around the largest payload
 
@@ -100,10 +100,10 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
 def build_engine(cfg: Config, events: Events) -> Engine:
     """The stub, or the tinygrad engine (imported only here, so stub mode never loads tinygrad)."""
     if cfg.stub:
-        from pp_worker.engines.stub import StubEngine
+        from pp_worker.worker.engines.stub import StubEngine
 
         return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000)
-    from pp_worker.engines.tinygrad_engine import TinygradEngine
+    from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
                             max_sessions=cfg.max_sessions, emit=events.emit)
@@ -191,7 +191,7 @@ def _load(cfg: Config, events: Events) -> Engine | None:
     try:
         return build_engine(cfg, events)
     except Exception as e:  # any load failure is reported the same way
-        from pp_worker.engines.gguf_loader import ModelLoadError
+        from pp_worker.worker.engines.gguf_loader import ModelLoadError
 
         if not isinstance(e, ModelLoadError):  # unexpected: the traceback helps; an expected one says it all
             import traceback

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pp_worker.shard import Shard
+from pp_worker.worker.shard import Shard
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ import hashlib
 import time
 from collections import OrderedDict
 
-from pp_worker.engines.base import ModelInfo
-from pp_worker.shard import Shard
+from pp_worker.worker.engines.base import ModelInfo
+from pp_worker.worker.shard import Shard
 
 STUB_HIDDEN_DIM = 16
 STUB_VOCAB_SIZE = 32

@@ -1,18 +1,25 @@
 """Token ids -> text from the GGUF vocabulary alone, for the last stage.
 
 The last stage only detokenizes. tinygrad's SimpleTokenizer, which the first stage needs for encoding, also
-compiles a pre-tokenizer regex over every Unicode letter and digit: ~66 MiB at peak and ~22 MiB kept. Decoding
+compiles a pre-tokenizer regex over every Unicode letter and digit (tens of MiB; bench/NOTES.md). Decoding
 needs none of it, only each token's bytes: GPT-2's byte symbols for normal tokens (type 1), the UTF-8 of the
 token's text for the others (control and special tokens), exactly as SimpleTokenizer.decode does.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
-from pp_worker.bpe import byte_symbols
-
 NORMAL = 1  # tokenizer.ggml.token_type of a normal (byte-level BPE) token
+
+
+@functools.cache
+def byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte, indexed by byte value (token id b is byte b)."""
+    keep = [*range(33, 127), *range(161, 173), *range(174, 256)]  # bytes that stand for themselves
+    shifted = iter(range(256, 512))  # the rest map to U+0100.. in byte order
+    return [chr(b) if b in keep else chr(next(shifted)) for b in range(256)]
 
 
 class Detokenizer:

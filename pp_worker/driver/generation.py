@@ -1,7 +1,7 @@
 """One generation as the calls it makes: tokenize, prefill through every stage, decode steps, detokenize.
 
 ``Generation.steps`` is a coroutine that yields one ``Call`` at a time and gets each reply back; the pipeline
-(``pp_worker.pipeline``) decides when to send it, so many generations can be in flight at once.
+(``pipeline``) decides when to send it, so many generations can be in flight at once.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from pp_worker.protocol import B64
+from pp_worker.wire import B64
 
 RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
 Reply = dict[str, Any]
