@@ -36,8 +36,6 @@ class Worker:
     def handle_line(self, line: bytes) -> Reply:
         obj: Any = None
         try:
-            if not line.strip():
-                raise ProtocolError("empty line")
             obj = parse_json(line)
             op, rid, obj = protocol.parse_envelope(obj)
             return self.handle(op, rid, obj)

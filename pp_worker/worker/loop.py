@@ -123,6 +123,8 @@ def serve(reader: LineReader, out: Out, worker: Worker, state: LoopState) -> str
                 if out.closed:
                     return "stdout_closed"
                 continue
+            if isinstance(line, bytes) and is_blank(line):
+                continue  # as the seed did: a reply without a request id would desynchronise a caller matching by order
             state.busy = True
             reply = worker.handle_line(line) if isinstance(line, bytes) else _overlong(reader.cap)
             out.write(reply)
@@ -133,6 +135,18 @@ def serve(reader: LineReader, out: Out, worker: Worker, state: LoopState) -> str
         return "signal"
     except StdoutClosed:
         return "stdout_closed"
+
+
+def is_blank(line: bytes) -> bool:
+    """Whitespace only, as Python's ``str.strip`` sees it (the seed's test), without decoding a request line: one
+    that starts with a printable ASCII character after its ASCII whitespace cannot be blank."""
+    stripped = line.strip()
+    if not stripped or 0x21 <= stripped[0] <= 0x7E:
+        return not stripped
+    try:
+        return not line.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return False
 
 
 def _overlong(cap: int) -> dict[str, str]:
