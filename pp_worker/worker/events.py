@@ -42,7 +42,7 @@ def rss_mb() -> int | None:
 class Events:
     """Emits lifecycle events; best effort: a closed stdout never raises from here."""
 
-    def __init__(self, out: Out, stage_index: int, clock: Clock):
+    def __init__(self, out: Out, stage_index: int | None, clock: Clock):
         self.out, self.stage_index, self.clock = out, stage_index, clock
 
     def emit(self, kind: str, **fields: Any) -> None:

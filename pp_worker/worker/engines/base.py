@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
-
-import numpy as np
+from typing import TYPE_CHECKING, Protocol
 
 from pp_worker.worker.shard import Shard
+
+if TYPE_CHECKING:  # the stub (and the launcher's seed names) must import without numpy
+    import numpy as np
 
 
 @dataclass(frozen=True)
