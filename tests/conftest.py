@@ -122,6 +122,19 @@ class WorkerProcess:
         line, _, self._buf = self._buf.partition(b"\n")
         return line
 
+    def wait_for_bytes(self, marker: bytes, timeout: float = 10.0) -> None:
+        """Read stdout until ``marker`` has arrived (it stays buffered for the line readers); e.g. to know that the
+        worker has begun writing a line it cannot finish while we read no more."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while marker not in self._buf:
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            chunk = os.read(fd, 1 << 16) if ready else b""
+            if not chunk:
+                pytest.fail(f"no {marker!r} on stdout within {timeout}s; stderr: {self.stderr_text()[-2000:]}")
+            self._buf += chunk
+
     def read_until(self, match: Callable[[dict[str, Any]], bool], timeout: float = 10.0) -> list[dict[str, Any]]:
         """Lines up to and including the first that ``match`` accepts."""
         deadline = time.monotonic() + timeout

@@ -259,6 +259,49 @@ out.write({"request_id": 1})
 """
 
 
+def test_second_signal_during_a_long_reply_exits_after_the_line(spawn: Spawn) -> None:
+    w = spawn(0, 2)
+    w.wait_ready()
+    n = 150_000  # a 6.4 MB reply line: far more than the 1 MiB pipe holds while we read no more of it
+    w.send({"op": "embed_and_forward", "request_id": 8, "tokens": [1] * n, "position": 0})
+    w.wait_for_bytes(b'{"request_id": 8, "hidden_b64": "', timeout=30)  # the worker is now blocked mid-line
+    for _ in range(4):  # the first signal asks to drain; any later one (two sent together may merge) asks to exit
+        w.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+    rest = w.rest_of_stdout(timeout=30)  # json-parses every line: a cut line would fail here
+    assert w.wait() == 128 + signal.SIGTERM
+    assert rest[0]["request_id"] == 8 and rest[0]["seq_len"] == n
+    assert len(base64.b64decode(rest[0]["hidden_b64"])) == n * HIDDEN_DIM * 2  # the whole reply
+    assert [o["event"] for o in rest[1:]] == ["signal_received"] and rest[1]["draining"] is True
+    assert w.read_raw_line(1) is None and w._buf == b""  # nothing after it, not even half a line
+
+
+EARLY_SIGNAL = """
+import os, signal, sys
+real_signal = signal.signal
+def install_then_signal(signum, handler):  # the signal lands the moment the worker's handler is in place
+    old = real_signal(signum, handler)
+    if signum == signal.SIGTERM and callable(handler):
+        os.kill(os.getpid(), signal.SIGTERM)
+    return old
+signal.signal = install_then_signal
+from pp_worker.worker.cli import main
+sys.exit(main([]))
+"""
+
+
+def test_signal_before_the_loop_is_a_clean_shutdown() -> None:
+    result = subprocess.run([sys.executable, "-c", EARLY_SIGNAL], capture_output=True, timeout=30, cwd=REPO,
+                            env=stub_env(0, 2), stdin=subprocess.DEVNULL)
+    events = [json.loads(line) for line in result.stdout.splitlines()]
+    assert result.returncode == 0, result.stderr.decode()
+    assert [e["event"] for e in events] == ["signal_received", "exiting"], events
+    assert events[0]["signum"] == signal.SIGTERM and events[1]["reason"] == "signal"
+    for event in events:
+        assert_event(event, stage=0)
+    assert b"Traceback" not in result.stderr
+
+
 def test_second_signal_during_a_write_exits_at_once() -> None:
     try:
         result = subprocess.run([sys.executable, "-c", SIGNAL_DURING_WRITE], capture_output=True, timeout=3,

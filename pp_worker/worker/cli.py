@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import sys
-import threading
 from dataclasses import dataclass
 from types import FrameType
 
@@ -120,28 +119,28 @@ def ready_line(engine: Engine, cfg: Config, clock: Clock) -> dict[str, object]:
             "eos_token_ids": info.eos_token_ids, "max_context": info.max_context, "uptime_ms": clock.uptime_ms()}
 
 
-class _Stop(BaseException):
-    """Raised by the signal handler only while loading, when there is no request to finish."""
-
-    def __init__(self, signum: int):
-        self.signum = signum
-
-
 def _install_signals(state: LoopState, events: Events) -> tuple[int, int]:
-    """SIGTERM/SIGINT: finish the request in flight, then exit 0; a second signal meanwhile exits at once.
-    Returns the wake-up pipe (read end, write end) that a signal writes to, so a blocked read wakes."""
+    """SIGTERM/SIGINT: finish the request in flight, then exit 0; a second signal meanwhile exits at once (128 +
+    signum); before the loop runs (loading) there is nothing to finish, so a signal exits at once with status 0.
+    The handler raises nothing, so no signal can escape as an exception wherever it lands, and it never cuts a
+    line in two (``Out.exit_between_lines``). Returns the wake-up pipe (read end, write end) that a signal writes
+    to, so a blocked read wakes."""
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w, warn_on_full_buffer=False)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
+        name, uptime_ms = signal.Signals(signum).name, events.clock.uptime_ms()
         if state.loading:
-            raise _Stop(signum)
-        if state.signum is not None and state.busy:  # a second signal while draining: leave now
-            events.emit_if_free("signal_received", signum=signum, name=signal.Signals(signum).name, draining=True)
-            os._exit(128 + signum)
-        state.signum = signum
+            events.out.exit_between_lines(0, [
+                events.event("signal_received", signum=signum, name=name, uptime_ms=uptime_ms),
+                events.event("exiting", reason="signal", uptime_ms=uptime_ms, requests_served=0)])
+        elif state.signum is not None and state.busy:  # a second signal while draining: leave now
+            events.out.exit_between_lines(128 + signum, [
+                events.event("signal_received", signum=signum, name=name, draining=True)])
+        else:
+            state.signum = signum
 
     for s in (signal.SIGTERM, signal.SIGINT):
         signal.signal(s, on_signal)
@@ -159,16 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     events = Events(out, cfg.stage, clock)
     install_excepthook(events)
     state = LoopState()
-    stop_heartbeat = threading.Event()
     wake_r, wake_w = _install_signals(state, events)
-    try:  # from here on a signal may raise _Stop until the ready line is out
-        events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
-                    model=None if cfg.stub else cfg.model, python_version=sys.version.split()[0])
-        stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
+    events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
+                model=None if cfg.stub else cfg.model, python_version=sys.version.split()[0])
+    stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
+    try:
         return _run(cfg, out, clock, events, state, wake_r)
-    except _Stop as stop:
-        _exit_event(events, clock, "signal", stop.signum)
-        return 0
     finally:
         stop_heartbeat.set()
 

@@ -47,15 +47,12 @@ class Events:
 
     def emit(self, kind: str, **fields: Any) -> None:
         try:
-            self.out.write(self._event(kind, fields))
+            self.out.write(self.event(kind, **fields))
         except StdoutClosed:
             pass
 
-    def emit_if_free(self, kind: str, **fields: Any) -> None:
-        """For a signal handler: written only if no other line is being written (``Out.write_if_free``)."""
-        self.out.write_if_free(self._event(kind, fields))
-
-    def _event(self, kind: str, fields: dict[str, Any]) -> dict[str, Any]:
+    def event(self, kind: str, **fields: Any) -> dict[str, Any]:
+        """The event line as an object, for a writer other than ``emit`` (``Out.exit_between_lines``)."""
         fields.pop("request_id", None)  # an event must never look like a reply
         return {"event": kind, "stage_index": self.stage_index, **fields}
 

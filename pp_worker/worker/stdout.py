@@ -26,22 +26,36 @@ class Out:
         self._stream = stream
         self._lock = threading.Lock()
         self.closed = False
+        self._exit: tuple[int, list[bytes]] | None = None  # set by exit_between_lines: (status, last lines)
 
     def write(self, obj: dict[str, Any]) -> None:
         line = to_line(obj)
-        with self._lock:
-            self._write_locked(line)
+        try:
+            with self._lock:
+                self._write_locked(line)
+        finally:
+            if self._exit is not None:  # a signal asked for an exit while this line was being written
+                self._lock.acquire()  # held until the exit: no other thread starts a line that would be cut
+                self._exit_now()
 
-    def write_if_free(self, obj: dict[str, Any]) -> None:
-        """Write only if no other write is under way (a signal handler must never wait on the lock: the write
-        it interrupted may be holding it). Best effort; never raises."""
+    def exit_between_lines(self, status: int, last: list[dict[str, Any]]) -> None:
+        """For a signal handler: write ``last`` and exit the process with ``status``, never cutting a line in two.
+        With no line being written this happens now; otherwise the writer does it as soon as its line is complete.
+        The handler must not wait for the lock: the write it interrupted may be the one holding it."""
+        self._exit = (status, [to_line(obj) for obj in last])  # set before trying the lock: see write's finally
         if self._lock.acquire(blocking=False):
-            try:
-                self._write_locked(to_line(obj))
-            except StdoutClosed:
-                pass
-            finally:
-                self._lock.release()
+            self._exit_now()
+
+    def _exit_now(self) -> None:
+        """With the lock held: the last lines, then the exit (no unwinding, no atexit: nothing is left to finish)."""
+        assert self._exit is not None
+        status, lines = self._exit
+        try:
+            for line in lines:
+                self._write_locked(line)
+        except StdoutClosed:
+            pass
+        os._exit(status)
 
     def _write_locked(self, line: bytes) -> None:
         if self.closed:
