@@ -7,10 +7,12 @@ gives exactly the greedy tokens of one process holding all blocks with the same 
 from __future__ import annotations
 
 import base64
+import itertools
 import json
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -116,6 +118,47 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         for w in (first, last):
             assert w.request({"op": "shutdown", "request_id": 10}) == {"request_id": 10, "ok": True}
             assert w.rest_of_stdout()[-1]["reason"] == "shutdown" and w.wait() == 0
+    finally:
+        first.kill()
+        last.kill()
+
+
+def _greedy_steps(first: WorkerProcess, last: WorkerProcess, tokens: list[int], n: int,
+                  ids: Iterator[int]) -> list[int]:
+    """n greedy tokens, each request under the id ``ids`` gives (the seed's callers: a new id at every step)."""
+    hidden = first.request({"op": "embed_and_forward", "request_id": next(ids), "tokens": tokens, "position": 0})
+    out = [last.request({"op": "forward_and_sample", "request_id": next(ids), "hidden_b64": hidden["hidden_b64"],
+                         "position": 0, "seq_len": len(tokens)})["token_id"]]
+    while len(out) < n:
+        position = len(tokens) + len(out) - 1
+        hidden = first.request({"op": "decode_step", "request_id": next(ids), "token_id": out[-1],
+                                "position": position})
+        out.append(last.request({"op": "forward_and_sample", "request_id": next(ids), "position": position,
+                                 "hidden_b64": hidden["hidden_b64"], "seq_len": 1})["token_id"])
+    return out
+
+
+def test_a_new_request_id_per_step_continues_the_one_generation(model: Path) -> None:
+    """The caller's own real-mode test (written for the seed's one cache per stage): prefill id 2, sample id 3,
+    decode id 4, sample id 5, ... It gives the tokens of the same generation under one id."""
+    first, last = spawn_real(0, 2, model), spawn_real(1, 2, model)
+    try:
+        first.wait_ready(60)
+        last.wait_ready(60)
+        tokens = first.request({"op": "tokenize", "request_id": 1, "prompt": PROMPTS[0]})["tokens"]
+        caller = _greedy_steps(first, last, tokens, 6, itertools.count(2))
+        adopted = [(o["session"], o["from_session"], o["positions"]) for w in (first, last) for o in w.lines
+                   if o.get("event") == "session_adopted"]
+        p = len(tokens)
+        assert adopted == [(4, 2, p), (6, 4, p + 1), (8, 6, p + 2), (10, 8, p + 3), (12, 10, p + 4),
+                           (5, 3, p), (7, 5, p + 1), (9, 7, p + 2), (11, 9, p + 3), (13, 11, p + 4)]
+        for w, rid in ((first, 12), (last, 13)):
+            assert w.request({"op": "release", "request_id": rid})["released"] is True
+        assert _greedy_steps(first, last, tokens, 6, itertools.repeat(50)) == caller  # one id all along
+        # where it would be a guess, it stays an error: two sessions held now (50 and 60)
+        first.request({"op": "embed_and_forward", "request_id": 60, "tokens": tokens, "position": 0})
+        refused = first.request({"op": "decode_step", "request_id": 61, "token_id": caller[0], "position": p})
+        assert "unknown session 61 at position" in refused["error"]
     finally:
         first.kill()
         last.kill()

@@ -137,7 +137,7 @@ def test_evicted_ids_are_remembered_within_a_bound():
     for rid in range(REMEMBER_EVICTED + 2):
         step(t, rid, 0, 1)
     with pytest.raises(EngineError, match="unknown session 0"):  # forgotten: too long ago
-        t.begin(0, 1, 1)
+        t.begin(0, 2, 1)
     with pytest.raises(EngineError, match="session 1 was evicted"):
         t.begin(1, 1, 1)
 
@@ -174,3 +174,34 @@ def test_released_and_evicted_caches_go_back_to_the_pool_and_are_reused():
     assert step(t, 3, 0, 1).cache == a  # session 1's cache, reused
     assert step(t, 4, 0, 1).cache == b  # evicts 2 (the least recently used), reuses its cache
     assert {s.cache for s in t._live.values()} == {a, b}  # no live session shares a cache
+
+
+# --- the seed's callers: one generation, a new request id at every step ------------------------------------------
+
+def test_a_new_id_continues_the_only_session_at_its_length():
+    t, rec = table()
+    prefill = step(t, 2, 0, 7)
+    assert step(t, 4, 7, 1) is prefill  # the same cache, under the new id
+    assert step(t, 5, 8, 1) is prefill
+    assert t.positions() == {5: 9}
+    assert rec.events == [("session_adopted", {"session": 4, "from_session": 2, "positions": 7}),
+                          ("session_adopted", {"session": 5, "from_session": 4, "positions": 8})]
+    assert all("request_id" not in fields for _, fields in rec.events)
+
+
+@pytest.mark.parametrize("case", ["two sessions", "shorter", "longer", "evicted id"])
+def test_adoption_only_where_it_is_unambiguous(case):
+    t, rec = table(max_sessions=1 if case == "evicted id" else 4)
+    if case == "evicted id":
+        step(t, 9, 0, 3)
+        step(t, 1, 0, 3)  # evicts 9
+    else:
+        step(t, 1, 0, 3)
+    if case == "two sessions":
+        step(t, 2, 0, 3)
+    position = {"shorter": 2, "longer": 4}.get(case, 3)
+    before = t.positions()
+    with pytest.raises(EngineError, match="session 9 was evicted" if case == "evicted id" else "unknown session 9"):
+        t.begin(9, position, 1)
+    assert t.positions() == before
+    assert not [kind for kind, _ in rec.events if kind == "session_adopted"]

@@ -92,6 +92,9 @@ class SessionTable:
 
     def _create(self, rid: int, position: int) -> Session:
         if position > 0:
+            adopted = self._adopt(rid, position)
+            if adopted is not None:
+                return adopted
             if rid in self._evicted:
                 raise EngineError(f"session {rid} was evicted (more than max_sessions={self.max_sessions} "
                                   f"generations in flight); restart it from position 0")
@@ -100,6 +103,20 @@ class SessionTable:
             self._evict_oldest()
         self._evicted.pop(rid, None)
         session = self._live[rid] = Session(self._pool.acquire())
+        return session
+
+    def _adopt(self, rid: int, position: int) -> Session | None:
+        """The seed kept one KV cache per stage, so its callers step one generation under a new request id at every
+        step (prefill 2, then decode 3, 4, ...). Where that is unambiguous - this stage holds exactly one session,
+        of exactly ``position`` positions, and ``rid`` was never seen - that session goes on under ``rid``."""
+        if len(self._live) != 1 or rid in self._evicted:
+            return None
+        ((old, session),) = self._live.items()
+        if session.length != position:
+            return None
+        del self._live[old]
+        self._live[rid] = session
+        self._emit("session_adopted", session=rid, from_session=old, positions=position)
         return session
 
     def _evict_oldest(self) -> None:
