@@ -31,3 +31,10 @@ def test_encoded_text_with_special_tokens_round_trips(vocab_kv: dict) -> None:
     text = "héllo wörld — 日本語 🙂<|eot_id|> Beautiful is better than ugly.<|end_of_text|>"
     ids = SimpleTokenizer.from_gguf_kv(vocab_kv).encode(text)
     assert Detokenizer.from_gguf_kv(vocab_kv).decode(ids) == text
+
+
+def test_the_bos_is_never_shown(vocab_kv: dict) -> None:
+    bos = vocab_kv["tokenizer.ggml.tokens"].index("<|begin_of_text|>")
+    ours = Detokenizer.from_gguf_kv({**vocab_kv, "tokenizer.ggml.bos_token_id": bos})
+    ids = SimpleTokenizer.from_gguf_kv(vocab_kv).encode("Beautiful<|eot_id|>")
+    assert ours.decode([bos, *ids]) == ours.decode(ids) == "Beautiful<|eot_id|>"  # other control tokens stay

@@ -153,6 +153,15 @@ def test_embed_needs_tokens_but_detokenize_takes_none() -> None:
         fields("embed_and_forward", tokens=DROP)
 
 
+@pytest.mark.parametrize("op, name, default", [("tokenize", "add_special", True)])
+def test_optional_flags_default_and_must_be_booleans(op: str, name: str, default: bool) -> None:
+    assert fields(op)[name] is default  # the seed's requests, without the field, mean what they meant
+    assert fields(op, **{name: not default})[name] is (not default)
+    for bad in (1, 0, "true", None, [True]):
+        with pytest.raises(ProtocolError, match=f"'{name}' must be true or false"):
+            fields(op, **{name: bad})
+
+
 def test_token_ids_bounded_by_the_vocab_when_the_engine_asks() -> None:
     assert fields("embed_and_forward", REAL, tokens=[0, 31])["tokens"] == [0, 31]
     assert fields("decode_step", REAL, token_id=31)["tokens"] == [31]

@@ -89,7 +89,7 @@ def test_a_bad_model_fails_cleanly(model: Path, tmp_path: Path, case: str) -> No
 
 def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> None:
     kv = read_header(model).kv
-    first, last = spawn_real(0, 2, model), spawn_real(1, 2, model)
+    first, last = spawn_real(0, 2, model, PP_MAX_SESSIONS="3"), spawn_real(1, 2, model, PP_MAX_SESSIONS="3")
     try:
         ready = [first.wait_ready(60), last.wait_ready(60)]
         blocks = kv["llama.block_count"]
@@ -98,6 +98,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert r["hidden_dim"] == kv["llama.embedding_length"] and r["total_blocks"] == blocks
             assert r["vocab_size"] == len(kv["tokenizer.ggml.tokens"]) and r["max_context"] == MAX_CONTEXT
             assert kv["tokenizer.ggml.eos_token_id"] in r["eos_token_ids"]
+            assert (r["chat_template"], r["bos_token_id"], r["add_bos"], r["max_sessions"]) == \
+                (None, kv["tokenizer.ggml.bos_token_id"], False, 3)  # the generated model: no template, no BOS
         tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
         hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})
         token = last.request({"op": "forward_and_sample", "request_id": 5, "hidden_b64": hidden["hidden_b64"],
@@ -106,6 +108,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         for w in (first, last):
             status = w.request({"op": "status", "request_id": 6})
             assert status["sessions"] == {"5": len(tokens)} and status["requests_served"] >= 1
+            assert (status["bos_token_id"], status["add_bos"], status["max_sessions"]) == \
+                (kv["tokenizer.ggml.bos_token_id"], False, 3)
             assert w.request({"op": "release", "request_id": 5})["released"] is True
             assert w.request({"op": "status", "request_id": 7})["sessions"] == {}
             assert w.request({"op": "ping", "request_id": 8})["pong"] is True

@@ -125,7 +125,8 @@ def _encode_tensor(w: np.ndarray, dtype: str) -> tuple[np.ndarray, object | None
     return w.astype(np.float16), None
 
 
-def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab, dtype: str, chat_template: str | None, name: str) -> None:
+def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab, dtype: str, chat_template: str | None, name: str,
+                  add_bos: bool) -> None:
     writer.add_name(name)
     writer.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7}[dtype])  # llama_ftype ALL_F32 / MOSTLY_F16 / MOSTLY_Q8_0
     writer.add_quantization_version(2)
@@ -148,7 +149,7 @@ def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab, dtype: str, chat_templa
     writer.add_eos_token_id(vocab.eos_id)
     if "<|eot_id|>" in vocab.tokens:
         writer.add_eot_token_id(vocab.tokens.index("<|eot_id|>"))
-    writer.add_add_bos_token(False)
+    writer.add_add_bos_token(add_bos)
     writer.add_add_eos_token(False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
@@ -162,8 +163,10 @@ def write_gguf(
     dtype: str = "F16",
     chat_template: str | None = None,
     name: str = "pp-worker-test",
+    add_bos: bool = False,
 ) -> Path:
-    """Write a llama GGUF. `weights` are HF layout (see `random_weights`); Q/K rows are permuted to GGUF order here."""
+    """Write a llama GGUF. `weights` are HF layout (see `random_weights`); Q/K rows are permuted to GGUF order here.
+    ``add_bos`` is tokenizer.ggml.add_bos_token: whether a tokenizer puts the BOS in front of every text."""
     from gguf import GGUFWriter
 
     if dtype not in DTYPES:
@@ -175,7 +178,7 @@ def write_gguf(
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # readers of a shared model dir never see half a file
     writer = GGUFWriter(tmp, "llama")
-    _add_metadata(writer, spec, vocab, dtype, chat_template, name)
+    _add_metadata(writer, spec, vocab, dtype, chat_template, name, add_bos)
     for tname, shape in shapes.items():  # fixed order, whatever the dict order
         w = np.asarray(weights[tname], dtype=np.float32)
         if w.shape != shape:
@@ -198,14 +201,16 @@ def builtin_vocab(n_merges: int) -> Vocab:
     return build_vocab(builtin_text(), n_merges)
 
 
-def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "F16") -> Path:
+def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "F16", *, add_bos: bool = False,
+             chat_template: str | None = None) -> Path:
     """Write the `preset` model with weights from `seed`; the same arguments give a byte-identical file."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec, n_merges = PRESETS[preset]
     vocab = builtin_vocab(n_merges)
     weights = random_weights(spec, len(vocab.tokens), seed)
-    return write_gguf(path, spec, weights, vocab, dtype=dtype, name=f"pp-worker-{preset}-s{seed}")
+    return write_gguf(path, spec, weights, vocab, dtype=dtype, name=f"pp-worker-{preset}-s{seed}", add_bos=add_bos,
+                      chat_template=chat_template)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -214,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=DTYPES, default="F16")
+    ap.add_argument("--add-bos", action="store_true", help="tokenizer.ggml.add_bos_token = true (default false)")
     args = ap.parse_args(argv)
-    path = generate(args.out, args.preset, args.seed, args.dtype)
+    path = generate(args.out, args.preset, args.seed, args.dtype, add_bos=args.add_bos)
     spec, n_merges = PRESETS[args.preset]
     n_vocab = len(builtin_vocab(n_merges).tokens)
     print(

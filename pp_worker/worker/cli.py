@@ -16,7 +16,7 @@ from types import FrameType
 
 from pp_worker import DEFAULT_MODEL
 from pp_worker.wire import b64_len
-from pp_worker.worker.dispatch import Worker
+from pp_worker.worker.dispatch import Worker, model_fields
 from pp_worker.worker.engines.base import Engine
 from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, start_heartbeat
 from pp_worker.worker.loop import LineReader, LoopState, serve
@@ -101,7 +101,7 @@ def build_engine(cfg: Config, events: Events) -> Engine:
     if cfg.stub:
         from pp_worker.worker.engines.stub import StubEngine
 
-        return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000)
+        return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000, max_sessions=cfg.max_sessions)
     from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
@@ -116,7 +116,8 @@ def ready_line(engine: Engine, cfg: Config, clock: Clock) -> dict[str, object]:
     return {"status": "ready", "pid": os.getpid(), "stage": shard.stage, "stage_index": shard.stage,
             "num_stages": shard.num_stages, "stub": cfg.stub, "model": info.name, "hidden_dim": info.hidden_dim,
             "vocab_size": info.vocab_size, "total_blocks": info.total_blocks, "layer_range": [shard.start, shard.end],
-            "eos_token_ids": info.eos_token_ids, "max_context": info.max_context, "uptime_ms": clock.uptime_ms()}
+            "eos_token_ids": info.eos_token_ids, "max_context": info.max_context, **model_fields(engine),
+            "uptime_ms": clock.uptime_ms()}
 
 
 def _install_signals(state: LoopState, events: Events) -> tuple[int, int]:

@@ -68,7 +68,7 @@ def _error(rid: int | None, message: str) -> Reply:
 # --- handlers: (worker, request id, raw request, validated fields) -> reply fields -------------------------
 
 def _tokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
-    return {"tokens": w.engine.tokenize(f["prompt"])}
+    return {"tokens": w.engine.tokenize(f["prompt"], f["add_special"])}
 
 
 def _detokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -94,7 +94,15 @@ def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Repl
     s = w.shard
     return {"stage": s.stage, "num_stages": s.num_stages, "role": s.role.value, "layer_range": [s.start, s.end],
             "model": w.model, "pid": os.getpid(), "sessions": {str(k): v for k, v in w.engine.sessions().items()},
-            "requests_served": w.clock.requests_served, "uptime_ms": w.clock.uptime_ms(), "rss_mb": rss_mb()}
+            "requests_served": w.clock.requests_served, "uptime_ms": w.clock.uptime_ms(), "rss_mb": rss_mb(),
+            **model_fields(w.engine)}
+
+
+def model_fields(engine: Engine) -> Reply:
+    """What a driver needs beyond the shapes, so it needs no copy of the GGUF (ready line and status)."""
+    info = engine.info
+    return {"chat_template": info.chat_template, "bos_token_id": info.bos_token_id, "add_bos": info.add_bos,
+            "max_sessions": engine.max_sessions}
 
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

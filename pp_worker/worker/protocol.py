@@ -80,6 +80,13 @@ def text_field(req: dict[str, Any], name: str) -> str:
     return value
 
 
+def flag(req: dict[str, Any], name: str, default: bool) -> bool:
+    value = req.get(name, default)
+    if not isinstance(value, bool):
+        raise ProtocolError(f"'{name}' must be true or false, got {_show(value)}")
+    return value
+
+
 def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
     """Strict base64 of exactly seq_len * hidden_dim * 2 bytes. The length is checked on the text first,
     so an oversized payload is refused without decoding it."""
@@ -200,7 +207,7 @@ def _token(obj: dict[str, Any], lim: Limits) -> int:
 
 # op -> the parser of its own fields; ops absent here take no fields
 _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
-    "tokenize": lambda o, lim: {"prompt": text_field(o, "prompt")},
+    "tokenize": lambda o, lim: {"prompt": text_field(o, "prompt"), "add_special": flag(o, "add_special", True)},
     "detokenize": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=False)},
     "embed_and_forward": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=True),
                                          "position": nonneg_int(o, "position", default=0)},

@@ -28,6 +28,8 @@ class ModelInfo:
     max_context: int = 0
     name: str = ""
     chat_template: str | None = None
+    bos_token_id: int | None = None
+    add_bos: bool = False  # tokenize puts bos_token_id first (the GGUF's flag; see gguf_loader.bos_token)
     check_token_ids: bool = True  # token ids must be < vocab_size (the stub accepts any, as the seed did)
 
 
@@ -38,8 +40,10 @@ class EngineError(Exception):
 class Engine(Protocol):
     info: ModelInfo
     shard: Shard
+    max_sessions: int  # KV sessions held at once (PP_MAX_SESSIONS)
 
-    def tokenize(self, text: str) -> list[int]: ...
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """Token ids of ``text``, with the BOS first when the model asks for it and ``add_special`` is true."""
 
     def detokenize(self, tokens: list[int]) -> str: ...
 

@@ -3,12 +3,14 @@
 The last stage only detokenizes. tinygrad's SimpleTokenizer, which the first stage needs for encoding, also
 compiles a pre-tokenizer regex over every Unicode letter and digit (tens of MiB; bench/NOTES.md). Decoding
 needs none of it, only each token's bytes: GPT-2's byte symbols for normal tokens (type 1), the UTF-8 of the
-token's text for the others (control and special tokens), exactly as SimpleTokenizer.decode does.
+token's text for the others (control and special tokens), exactly as SimpleTokenizer.decode does - except the BOS,
+which is never shown (the first stage may put it in front of every prompt).
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from typing import Any
 
 NORMAL = 1  # tokenizer.ggml.token_type of a normal (byte-level BPE) token
@@ -23,14 +25,18 @@ def byte_symbols() -> list[str]:
 
 
 class Detokenizer:
-    def __init__(self, tokens: list[str], token_types: list[int]):
+    def __init__(self, tokens: list[str], token_types: list[int], hidden: Iterable[int] = ()):
         to_byte = {symbol: b for b, symbol in enumerate(byte_symbols())}
         self._bytes = [bytes(to_byte[c] for c in tok) if kind == NORMAL else tok.encode()
                        for tok, kind in zip(tokens, token_types, strict=True)]
+        for i in hidden:  # tokens that decode to nothing
+            self._bytes[i] = b""
 
     @staticmethod
     def from_gguf_kv(kv: dict[str, Any]) -> Detokenizer:
-        return Detokenizer(kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"])
+        bos = kv.get("tokenizer.ggml.bos_token_id")
+        return Detokenizer(kv["tokenizer.ggml.tokens"], kv["tokenizer.ggml.token_type"],
+                           hidden=() if bos is None else (bos,))
 
     def decode(self, ids: list[int]) -> str:
         """Invalid UTF-8 (a character split across tokens) becomes U+FFFD, as in SimpleTokenizer."""

@@ -113,6 +113,24 @@ def eos_token_ids(kv: dict[str, Any]) -> list[int]:
     return sorted(ids)
 
 
+# llama.cpp's tokenizer.ggml.pre values whose BPE vocabularies add a BOS when the GGUF does not say
+BOS_BY_DEFAULT_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken", "chameleon")
+
+
+def bos_token(kv: dict[str, Any]) -> tuple[int | None, bool]:
+    """(BOS id or None, whether tokenizing adds it), by llama.cpp's rule (src/llama-vocab.cpp): the GGUF's
+    tokenizer.ggml.add_bos_token when present; otherwise yes for SentencePiece ("llama") and WordPiece ("bert")
+    vocabularies and for BPE ("gpt2") ones with a pre-tokenizer in BOS_BY_DEFAULT_PRE, no for the rest. Without a
+    tokenizer.ggml.bos_token_id nothing is added."""
+    bos = kv.get("tokenizer.ggml.bos_token_id")
+    if "tokenizer.ggml.add_bos_token" in kv:
+        add = bool(kv["tokenizer.ggml.add_bos_token"])
+    else:
+        model = kv.get("tokenizer.ggml.model")
+        add = model in ("llama", "bert") or (model == "gpt2" and kv.get("tokenizer.ggml.pre") in BOS_BY_DEFAULT_PRE)
+    return bos, add and bos is not None
+
+
 # ---------------------------------------------------------------- tensors
 
 

@@ -42,15 +42,16 @@ def _fp16_stream(seed: bytes, n_values: int) -> bytes:
 class StubEngine:
     """Implements engines.base.Engine with no model at all."""
 
-    def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0):
+    def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0, max_sessions: int = 8):
         self.delay_s = delay_s  # simulated compute time per forward op (PP_STUB_DELAY_MS), for latency tests
+        self.max_sessions = max_sessions  # reported (ready line, status) like a real stage's; the stub evicts none
         self.shard = Shard.of(stage, num_stages, STUB_BLOCKS)
         self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,
                               eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
         self._sessions: OrderedDict[int, int] = OrderedDict()
 
-    def tokenize(self, text: str) -> list[int]:
-        """One token per whitespace-separated word, a stable hash of the word and its index."""
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        """One token per whitespace-separated word, a stable hash of the word and its index (no BOS)."""
         return [hashlib.sha256(f"{i}:{w}".encode()).digest()[0] % STUB_VOCAB_SIZE for i, w in enumerate(text.split())]
 
     def detokenize(self, tokens: list[int]) -> str:

@@ -22,7 +22,7 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.llm.model import precompute_freqs_cis
 
 from pp_worker.worker.engines.base import ModelInfo
-from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
+from pp_worker.worker.engines.gguf_loader import StageWeights, bos_token, eos_token_ids, load_stage
 from pp_worker.worker.engines.kvcache import KVPool
 from pp_worker.worker.engines.sessions import SessionTable
 
@@ -116,10 +116,12 @@ class TinygradEngine:
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit)
         cfg, kv = self._w.config, self._w.kv
         self.shard = self._w.shard
+        bos, add_bos = bos_token(kv)
         self.info = ModelInfo(hidden_dim=cfg.dim, vocab_size=cfg.vocab_size, total_blocks=cfg.num_blocks,
                               eos_token_ids=eos_token_ids(kv), max_context=cfg.max_context,
                               name=kv.get("general.name") or kv.get("general.basename") or model,
-                              chat_template=kv.get("tokenizer.chat_template"))
+                              chat_template=kv.get("tokenizer.chat_template"), bos_token_id=bos, add_bos=add_bos)
+        self.max_sessions = max_sessions
         self._stage = CompiledStage(self._w)
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions)
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
@@ -132,9 +134,10 @@ class TinygradEngine:
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.
 
-    def tokenize(self, text: str) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         assert self._w.tokenizer is not None, "tokenize runs on the first stage"
-        return self._w.tokenizer.encode(text)
+        ids = self._w.tokenizer.encode(text)  # SimpleTokenizer never adds a BOS itself
+        return [self.info.bos_token_id, *ids] if add_special and self.info.add_bos else ids
 
     def detokenize(self, tokens: list[int]) -> str:
         assert self._w.detokenizer is not None, "detokenize runs on the last stage"
