@@ -153,7 +153,7 @@ def test_embed_needs_tokens_but_detokenize_takes_none() -> None:
         fields("embed_and_forward", tokens=DROP)
 
 
-@pytest.mark.parametrize("op, name, default", [("tokenize", "add_special", True)])
+@pytest.mark.parametrize("op, name, default", [("tokenize", "add_special", True), ("detokenize", "partial", False)])
 def test_optional_flags_default_and_must_be_booleans(op: str, name: str, default: bool) -> None:
     assert fields(op)[name] is default  # the seed's requests, without the field, mean what they meant
     assert fields(op, **{name: not default})[name] is (not default)

@@ -72,7 +72,10 @@ def _tokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Re
 
 
 def _detokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
-    return {"text": w.engine.detokenize(f["tokens"])}
+    if not f["partial"]:
+        return {"text": w.engine.detokenize(f["tokens"])}
+    text, pending = w.engine.detokenize_partial(f["tokens"])
+    return {"text": text, "pending": pending}
 
 
 def _embed(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

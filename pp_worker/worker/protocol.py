@@ -208,7 +208,8 @@ def _token(obj: dict[str, Any], lim: Limits) -> int:
 # op -> the parser of its own fields; ops absent here take no fields
 _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
     "tokenize": lambda o, lim: {"prompt": text_field(o, "prompt"), "add_special": flag(o, "add_special", True)},
-    "detokenize": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=False)},
+    "detokenize": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=False),
+                                  "partial": flag(o, "partial", False)},
     "embed_and_forward": lambda o, lim: {"tokens": token_list(o, "tokens", lim.token_bound, nonempty=True),
                                          "position": nonneg_int(o, "position", default=0)},
     "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},

@@ -47,6 +47,9 @@ class Engine(Protocol):
 
     def detokenize(self, tokens: list[int]) -> str: ...
 
+    def detokenize_partial(self, tokens: list[int]) -> tuple[str, int]:
+        """For streaming: (text of every id but the last n, n), the last n ending in an unfinished character."""
+
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes | memoryview:
         """First stage: embed ``tokens`` at ``position`` and run this stage's blocks. (1, T, D) fp16."""
 

@@ -9,6 +9,7 @@ which is never shown (the first stage may put it in front of every prompt).
 
 from __future__ import annotations
 
+import codecs
 import functools
 from collections.abc import Iterable
 from typing import Any
@@ -41,3 +42,15 @@ class Detokenizer:
     def decode(self, ids: list[int]) -> str:
         """Invalid UTF-8 (a character split across tokens) becomes U+FFFD, as in SimpleTokenizer."""
         return b"".join(self._bytes[i] for i in ids).decode(errors="replace")
+
+    def decode_partial(self, ids: list[int]) -> tuple[str, int]:
+        """For streaming: (the text of ``ids`` up to the last one after which no UTF-8 character is unfinished, how
+        many ids follow that one). Sending those again, first, with the next ids, and so on, the pieces add up to
+        exactly ``decode`` of all the ids: a character split across tokens is held back, never replaced."""
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        pieces, done = [], 0
+        for n, i in enumerate(ids, start=1):
+            pieces.append(decoder.decode(self._bytes[i]))
+            if not decoder.getstate()[0]:  # no byte of an unfinished character held: a clean cut
+                done = n
+        return "".join(pieces[:done]), len(ids) - done

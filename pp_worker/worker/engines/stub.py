@@ -55,7 +55,11 @@ class StubEngine:
         return [hashlib.sha256(f"{i}:{w}".encode()).digest()[0] % STUB_VOCAB_SIZE for i, w in enumerate(text.split())]
 
     def detokenize(self, tokens: list[int]) -> str:
-        return " ".join(str(t) for t in tokens)
+        """Each id as a word after a space (" 3 14"): the text of a list is the text of its parts, end to end."""
+        return "".join(f" {t}" for t in tokens)
+
+    def detokenize_partial(self, tokens: list[int]) -> tuple[str, int]:
+        return self.detokenize(tokens), 0  # no word is ever split
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes:
         self._track(session, position + len(tokens))

@@ -143,6 +143,10 @@ class TinygradEngine:
         assert self._w.detokenizer is not None, "detokenize runs on the last stage"
         return self._w.detokenizer.decode(tokens)
 
+    def detokenize_partial(self, tokens: list[int]) -> tuple[str, int]:
+        assert self._w.detokenizer is not None, "detokenize runs on the last stage"
+        return self._w.detokenizer.decode_partial(tokens)
+
     # ---- forward ops
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes:
