@@ -123,6 +123,15 @@ def test_streamed_text_is_the_final_text_in_prompt_order():
     assert out.getvalue() == "".join(g.text + "\n" for g in stats.generations)
 
 
+def test_a_prompt_without_tokens_fails_alone():
+    stats = run_pipeline([PROMPTS[0], "   ", PROMPTS[1]], stub=True, max_tokens=5, concurrency=2)
+    ok1, empty, ok2 = stats.generations
+    assert (empty.stop_reason, empty.error) == ("error", "prompt is empty (no tokens)")
+    assert (empty.tokens, empty.text) == ([], "")
+    assert (ok1.tokens, ok2.tokens) == tuple(tokens_of(run_pipeline([p], stub=True, max_tokens=5))[0]
+                                             for p in PROMPTS[:2])
+
+
 def test_output_holds_later_prompts_and_half_characters():
     gens = [Generation(i, f"p{i}", i + 1) for i in range(2)]
     out = io.StringIO()
@@ -136,7 +145,7 @@ def test_output_holds_later_prompts_and_half_characters():
 
 
 def test_chat_plain_format_and_session_reuse():
-    fmt = chat_format("/nonexistent.gguf")
+    fmt = chat_format(None)
     assert fmt.name == "plain"
     assert render_chat(fmt, [("user", "hi"), ("assistant", "yo"), ("user", "ok")]) == \
         "User: hi\nAssistant: yo\nUser: ok\nAssistant:"
@@ -156,15 +165,9 @@ def test_chat_plain_format_and_session_reuse():
     assert _reusable([1, 2], [3, 4]) == 0
 
 
-def test_chat_format_follows_the_gguf_chat_template(tmp_path):
-    from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
-
-    spec, n_merges = PRESETS["tiny"]
-    vocab = builtin_vocab(n_merges)
+def test_chat_format_follows_the_chat_template():
     template = "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{% endfor %}"
-    path = write_gguf(tmp_path / "chat.gguf", spec, random_weights(spec, len(vocab.tokens), 0), vocab,
-                      chat_template=template)
-    fmt = chat_format(str(path))
+    fmt = chat_format(template)
     assert fmt.name == "llama3"
     assert render_chat(fmt, [("user", "hi")]) == ("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
                                                   "<|start_header_id|>assistant<|end_header_id|>\n\n")
@@ -271,6 +274,12 @@ def test_stage_that_exits_at_start_is_reported_with_its_stderr():
     rc, err = Driver(["--stub", "--launcher", launcher, "a b"]).finish()
     assert rc == 1
     assert "stage 1 exited with code 3" in err and "| boom" in err, err
+
+
+def test_an_empty_prompt_is_refused_before_any_worker_starts():
+    rc, err = Driver(["--stub", "a b", "", "c"]).finish()
+    assert rc == 2 and "prompt 2 is empty" in err, err
+    assert "ready" not in err  # no stage was started
 
 
 def test_misconfigured_stage_is_caught_before_any_request():

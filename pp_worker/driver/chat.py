@@ -1,4 +1,5 @@
-"""Interactive chat over a running pipeline: one KV session per conversation, growing turn by turn."""
+"""Interactive chat over a running pipeline: one KV session per conversation, kept on the stages from turn to
+turn, so each turn prefills only what is new."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import select
 import sys
 from dataclasses import dataclass
 
-from pp_worker import DEFAULT_MODEL
-from pp_worker.driver.generation import Generation, Sampling
+from pp_worker.driver.generation import Generation, Sampling, TextSink
 from pp_worker.driver.pipeline import Cancel, Pipeline
 
 
@@ -22,7 +22,7 @@ class ChatFormat:
     stop: tuple[str, ...] = ()  # text that ends the answer when the model does not emit an EOS id
 
 
-# Recognised by a marker in the GGUF's tokenizer.chat_template (a Jinja program; we do not run Jinja).
+# Recognised by a marker in the model's tokenizer.chat_template (a Jinja program; we do not run Jinja).
 CHAT_FORMATS = {
     "<|start_header_id|>": ChatFormat("llama3", "<|start_header_id|>{role}<|end_header_id|>\n\n{text}<|eot_id|>",
                                       "<|start_header_id|>assistant<|end_header_id|>\n\n"),
@@ -32,23 +32,10 @@ CHAT_FORMATS = {
 PLAIN_CHAT = ChatFormat("plain", "{Role}: {text}\n", "Assistant:", ("\nUser:",))
 
 
-def chat_format(model: str | None) -> ChatFormat:
-    """The format for a local GGUF's chat template, or the plain "User: ...\\nAssistant:" one."""
-    template = _chat_template(model)
+def chat_format(template: str | None) -> ChatFormat:
+    """The format for a chat template (stage 0's ready line carries the model's), or the plain
+    "User: ...\\nAssistant:" one."""
     return next((f for marker, f in CHAT_FORMATS.items() if template and marker in template), PLAIN_CHAT)
-
-
-def _chat_template(model: str | None) -> str | None:
-    path = model or str(DEFAULT_MODEL)
-    if not os.path.isfile(path):  # a model name, or a path on another machine: we cannot look inside
-        return None
-    try:
-        from gguf import GGUFReader
-
-        f = GGUFReader(path).fields.get("tokenizer.chat_template")
-        return None if f is None else str(f.contents())
-    except Exception:  # an unreadable file: the stage workers will report it properly
-        return None
 
 
 def render_chat(fmt: ChatFormat, turns: list[tuple[str, str]]) -> str:
@@ -56,20 +43,45 @@ def render_chat(fmt: ChatFormat, turns: list[tuple[str, str]]) -> str:
     return text + fmt.reply
 
 
-def chat(p: Pipeline, fmt: ChatFormat, max_tokens: int, sampling: Sampling, cancel: Cancel | None) -> None:
-    """Read a user line, answer it in one KV session that grows turn by turn (only new tokens are prefilled)."""
-    turns: list[tuple[str, str]] = []
-    rid, held = p.new_request_id(), []
+class Conversation:
+    """One chat's turns and its KV session. The session stays on the stages between turns; each turn renders the
+    whole conversation (one BOS, at its start, when the model wants one) and prefills only what the session does
+    not hold yet."""
+
+    def __init__(self, p: Pipeline, fmt: ChatFormat, max_tokens: int, sampling: Sampling):
+        self.p, self.fmt, self.max_tokens, self.sampling = p, fmt, max_tokens, sampling
+        self.request_id = p.new_request_id()
+        self.turns: list[tuple[str, str]] = []
+        self.held: list[int] = []  # the tokens the session's KV cache holds
+
+    def ask(self, text: str, on_text: TextSink | None = None) -> Generation:
+        """One turn; a turn that cannot run (the conversation no longer fits in max_context) leaves no trace."""
+        turns = [*self.turns, ("user", text)]
+        g = Generation(0, render_chat(self.fmt, turns), self.request_id, self.max_tokens, self.sampling,
+                       cached=self.held, on_text=on_text, keep_session=True)
+        self.p.run([g])
+        if g.stop_reason != "error":
+            self.turns = [*turns, ("assistant", _cut(g.text, self.fmt.stop).strip())]
+            self.held = g.prompt_tokens + g.tokens[:-1]  # the last token was sampled, never fed
+        return g
+
+    def close(self) -> None:
+        """Release the conversation's KV session on every stage."""
+        self.p.release(self.request_id)
+
+
+def chat(p: Pipeline, max_tokens: int, sampling: Sampling, cancel: Cancel | None) -> None:
+    """Read user lines from stdin and answer each in one conversation, until end of input."""
+    fmt = chat_format(p.chat_template)
+    conversation = Conversation(p, fmt, max_tokens, sampling)
     print(f"chat ({fmt.name} format); end with Ctrl-D", file=sys.stderr, flush=True)
     lines = _Lines(cancel)
     while (line := lines.next()) is not None:
-        turns.append(("user", line))
-        g = Generation(0, render_chat(fmt, turns), rid, max_tokens, sampling, cached=held,
-                       on_text=_ChatStream(fmt.stop))
-        p.run([g])
-        answer = _cut(g.text, fmt.stop)
-        turns.append(("assistant", answer.strip()))
-        held = g.prompt_tokens + g.tokens[:-1]  # what the session's KV cache holds now
+        g = conversation.ask(line, _ChatStream(fmt.stop))
+        if g.error:
+            print(f"pp-pipeline: {g.error}: the conversation is full; end it (Ctrl-D) to start another",
+                  file=sys.stderr, flush=True)
+    conversation.close()
 
 
 class _ChatStream:

@@ -11,7 +11,9 @@ stdout carries the generated text only; progress, headers and the summary go to 
 Launcher placeholders: {stage}, {num_stages}, {python} (this interpreter) and {env}, where the
 ``env STAGE=.. NUM_STAGES=.. MODEL=..`` words go; without {env} they go right after ssh's destination, or in
 front of the whole command. Exit status: 0; 1 when a stage dies, answers an error or times out (stderr names
-the stage, its exit code and its stderr tail); 128 + the signal (130 for Ctrl-C) when interrupted.
+the stage, its exit code and its stderr tail), or when a generation could not run (its prompt does not fit in
+max_context; the other prompts still run); 2 for bad arguments (an empty prompt among them); 128 + the signal
+(130 for Ctrl-C) when interrupted.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import os
 import sys
 from typing import TextIO
 
-from pp_worker.driver.chat import chat, chat_format
+from pp_worker.driver.chat import chat
 from pp_worker.driver.generation import RECENT_TOKENS, Generation, Sampling
 from pp_worker.driver.pipeline import Cancel, Pipeline, PipelineError, RunStats, make_generations
 from pp_worker.driver.stage_proc import Launch
@@ -62,10 +64,14 @@ class Output:
 
 
 def summary(stats: RunStats) -> str:
+    """Per generation: its tokens, why it stopped (eos, max_tokens, length, stop) or why it could not run."""
     lines = []
     for g in stats.generations:
+        if g.stop_reason == "error":
+            lines.append(f"[{g.index + 1}] error: {g.error}")
+            continue
         lines.append(f"[{g.index + 1}] prompt {len(g.prompt_tokens)} tokens, generated {len(g.tokens)} "
-                     f"({g.stop_reason}), time to first token {g.ttft_s * 1000:.1f} ms, "
+                     f"(stopped: {g.stop_reason}), time to first token {g.ttft_s * 1000:.1f} ms, "
                      f"decode {g.decode_tps:.1f} tok/s")
     lines.append(f"total: {len(stats.generations)} generation(s), {stats.tokens} tokens in {stats.wall_s:.2f} s "
                  f"({stats.tokens / stats.wall_s if stats.wall_s else 0:.1f} tok/s aggregate)")
@@ -104,6 +110,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prompts = args.prompt + args.prompts
     if not args.chat and not args.prompts:
         ap.error("give a prompt (positional or --prompt), or --chat")
+    empty = next((i for i, prompt in enumerate(args.prompts, start=1) if not prompt), None)
+    if empty is not None:  # refused before any worker starts: a generation needs something to continue
+        ap.error(f"prompt {empty} is empty")
     if args.stages < 2 or args.max_tokens < 1 or args.concurrency < 1:
         ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
     if any("=" not in kv for kv in args.env):
@@ -129,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         with Pipeline(_launch(args), load_timeout=args.load_timeout, step_timeout=args.step_timeout,
                       cancel=cancel, echo_stderr=args.verbose) as p:
             if args.chat:
-                chat(p, chat_format(args.model), args.max_tokens, _sampling(args), cancel)
+                chat(p, args.max_tokens, _sampling(args), cancel)
                 return 0
             gens = make_generations(p, args.prompts, args.max_tokens, _sampling(args))
             output = Output(gens, sys.stdout, sys.stderr)
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 g.on_text = output
             stats = p.run(gens, args.concurrency)
         print(summary(stats), file=sys.stderr, flush=True)
-        return 0
+        return 1 if any(g.stop_reason == "error" for g in stats.generations) else 0
     except PipelineError as e:
         sys.stdout.flush()
         print(f"\npp-pipeline: {e}", file=sys.stderr, flush=True)

@@ -17,10 +17,6 @@ RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's
 Reply = dict[str, Any]
 
 
-class GenerationError(Exception):
-    """A generation cannot go on (e.g. an empty prompt)."""
-
-
 @dataclass(frozen=True)
 class Sampling:
     """Optional fields of forward_and_sample; all None means argmax, exactly as without them."""
@@ -63,14 +59,21 @@ class Generation:
     max_tokens: int = 64
     sampling: Sampling = field(default_factory=Sampling)
     cached: list[int] = field(default_factory=list)  # tokens the session already holds (a chat's earlier turns)
-    on_text: TextSink | None = None  # set: stream the text (one detokenize per token, off the critical path)
+    on_text: TextSink | None = None  # set: stream the text (partial detokenize of the new ids, off the critical path)
+    keep_session: bool = False  # a chat's turn: its KV session stays on the stages for the next turn
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     text: str = ""
-    stop_reason: str = ""  # "eos", "max_tokens" or "stop" (asked to stop, e.g. a chat stop string)
+    # "eos", "max_tokens", "length" (max_context reached), "stop" (asked to stop, e.g. a chat stop string) or
+    # "error" (this generation could not run; ``error`` says why, the others go on)
+    stop_reason: str = ""
+    error: str = ""
     stop_requested: bool = False
-    # a streaming detokenize is in flight: later tokens do not queue more of them, the updates coalesce
+    # streaming: a detokenize is in flight (later tokens do not queue more, the updates coalesce), the text streamed
+    # so far, and how many tokens it covers (the rest end in an unfinished character or are not sent yet)
     _streaming: bool = field(default=False, init=False, repr=False)
+    _streamed: str = field(default="", init=False, repr=False)
+    _covered: int = field(default=0, init=False, repr=False)
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
@@ -84,13 +87,18 @@ class Generation:
         n, dt = len(self.tokens) - 1, self.t_end - self.t_first
         return n / dt if n > 0 and dt > 0 else 0.0
 
-    def steps(self, num_stages: int, eos: frozenset[int]) -> Generator[Call, Reply | None, None]:
-        """The whole generation as the calls it makes, top to bottom."""
+    def steps(self, num_stages: int, eos: frozenset[int],
+              max_context: int | None = None) -> Generator[Call, Reply | None, None]:
+        """The whole generation as the calls it makes, top to bottom. ``max_context``: positions a KV session
+        holds (the stages' ready lines); the generation stops there with reason "length"."""
         self.t_start = time.monotonic()
         reply = yield Call(0, "tokenize", {"prompt": self.prompt})
         self.prompt_tokens = reply["tokens"]
-        if not self.prompt_tokens:
-            raise GenerationError(f"prompt {self.index + 1} is empty after tokenization")
+        self.error = _refusal(self.prompt_tokens, max_context)
+        if self.error:  # this generation alone cannot run; it never touches a KV session
+            self.stop_reason = "error"
+            self._finish("")
+            return
         start = _reusable(self.cached, self.prompt_tokens)  # a chat turn recomputes only what is new
         op, feed, position = "embed_and_forward", {"tokens": self.prompt_tokens[start:]}, start
         seq_len = len(self.prompt_tokens) - start
@@ -99,17 +107,17 @@ class Generation:
             self.tokens.append(token)
             self.t_first = self.t_first or time.monotonic()
             self.t_end = time.monotonic()
-            if token in eos or len(self.tokens) >= self.max_tokens or self.stop_requested:
+            position += seq_len  # where the next step would write: checked before it is sent, never refused
+            full = max_context is not None and position + 1 > max_context
+            if token in eos or len(self.tokens) >= self.max_tokens or full or self.stop_requested:
                 break
             if self.on_text and not self._streaming:
-                self._streaming = True
-                yield Call(num_stages - 1, "detokenize", {"tokens": self.tokens}, wait=False, on_reply=self._stream)
-            op, feed, position, seq_len = "decode_step", {"token_id": token}, position + seq_len, 1
-        self.stop_reason = "eos" if token in eos else "max_tokens" if len(self.tokens) >= self.max_tokens else "stop"
+                yield self._stream_call(num_stages - 1)
+            op, feed, seq_len = "decode_step", {"token_id": token}, 1
+        self.stop_reason = ("eos" if token in eos else "max_tokens" if len(self.tokens) >= self.max_tokens
+                            else "length" if full else "stop")
         shown = self.tokens[:-1] if token in eos else self.tokens
-        self.text = (yield Call(num_stages - 1, "detokenize", {"tokens": shown}))["text"]
-        if self.on_text:
-            self.on_text(self, self.text, True)
+        self._finish((yield Call(num_stages - 1, "detokenize", {"tokens": shown}))["text"])
 
     def _forward(self, op: str, feed: dict[str, Any], position: int, seq_len: int,
                  n: int) -> Generator[Call, Reply | None, int]:
@@ -124,10 +132,35 @@ class Generation:
                 reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context))
         return reply["token_id"]
 
-    def _stream(self, reply: Reply) -> None:
-        self._streaming = False
+    def _stream_call(self, last_stage: int) -> Call:
+        """A partial detokenize of the ids the streamed text does not cover yet: the new ones, plus the few held
+        back last time because they end in an unfinished character. Linear in the generation's length."""
+        self._streaming = True
+        upto = len(self.tokens)
+
+        def on_reply(reply: Reply) -> None:
+            self._streaming = False
+            self._streamed += reply["text"]
+            self._covered = upto - reply.get("pending", 0)
+            if self.on_text:
+                self.on_text(self, self._streamed, False)
+
+        return Call(last_stage, "detokenize", {"tokens": self.tokens[self._covered:upto], "partial": True},
+                    wait=False, on_reply=on_reply)
+
+    def _finish(self, text: str) -> None:
+        self.text = text
         if self.on_text:
-            self.on_text(self, reply["text"], False)
+            self.on_text(self, text, True)
+
+
+def _refusal(prompt_tokens: list[int], max_context: int | None) -> str:
+    """Why a prompt cannot be generated from ("" when it can)."""
+    if not prompt_tokens:
+        return "prompt is empty (no tokens)"
+    if max_context is not None and len(prompt_tokens) > max_context:
+        return f"prompt of {len(prompt_tokens)} tokens exceeds max_context {max_context}"
+    return ""
 
 
 def _reusable(cached: list[int], tokens: list[int]) -> int:

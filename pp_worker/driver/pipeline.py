@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TextIO
 
-from pp_worker.driver.generation import Call, Generation, GenerationError, Reply, Sampling, TextSink
+from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import parse_object
 
@@ -100,7 +100,8 @@ class Pipeline:
         self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
         self.stages: list[Stage] = []
         self._pending: dict[tuple[int, int], deque[_Pending]] = {}
-        self._active: dict[int, Generator[Call, Reply | None, None]] = {}  # request_id -> its coroutine
+        self._active: dict[int, tuple[Generation, Generator[Call, Reply | None, None]]] = {}  # by request_id
+        self._kept: set[int] = set()  # sessions left on the stages between runs (a chat's conversation)
         self._loading_shown: dict[int, float] = {}
         self._next_id = 1  # 0 is the driver's own control id (shutdown)
         # set to a list to record (time, stage, request_id, op, "send" or "reply"), e.g. to check the overlap
@@ -126,6 +127,26 @@ class Pipeline:
     def eos(self) -> frozenset[int]:
         return frozenset(self.stages[-1].ready.get("eos_token_ids") or [])  # type: ignore[union-attr]
 
+    @property
+    def max_context(self) -> int | None:
+        """Positions a KV session holds on every stage (the smallest a ready line reports), None if none says."""
+        return self._smallest("max_context")
+
+    @property
+    def max_sessions(self) -> int | None:
+        """KV sessions every stage holds at once (PP_MAX_SESSIONS), None if no ready line says."""
+        return self._smallest("max_sessions")
+
+    @property
+    def chat_template(self) -> str | None:
+        """The model's chat template, from stage 0's ready line: the driver needs no copy of the GGUF."""
+        template = (self.stages[0].ready or {}).get("chat_template")
+        return template if isinstance(template, str) else None
+
+    def _smallest(self, key: str) -> int | None:
+        values = [v for st in self.stages if isinstance(v := (st.ready or {}).get(key), int) and v > 0]
+        return min(values, default=None)
+
     def new_request_id(self) -> int:
         self._next_id += 1
         return self._next_id - 1
@@ -142,13 +163,14 @@ class Pipeline:
         gens, t0 = list(gens), time.monotonic()
         if len({g.request_id for g in gens}) < len(gens):
             raise ValueError("two generations share a request_id (it is their KV session)")
+        concurrency = self._within_sessions(max(1, concurrency), {g.request_id for g in gens})
         busy0, req0 = [st.busy_s for st in self.stages], [st.requests for st in self.stages]
         waiting = deque(gens)
         try:
             while waiting or self._active:
-                while waiting and len(self._active) < max(1, concurrency):
+                while waiting and len(self._active) < concurrency:
                     g = waiting.popleft()
-                    self._active[g.request_id] = g.steps(len(self.stages), self.eos)
+                    self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context))
                     self._advance(g.request_id, None)
                 self._pump(time.monotonic() + self.step_timeout)
             while self._pending:  # the releases' acknowledgements: no stray reply later
@@ -162,9 +184,28 @@ class Pipeline:
         return RunStats(gens, time.monotonic() - t0, [st.busy_s - b for st, b in zip(self.stages, busy0, strict=True)],
                         [st.requests - r for st, r in zip(self.stages, req0, strict=True)])
 
+    def release(self, rid: int) -> None:
+        """Drop a kept session (a chat's, when the chat ends) on every stage, and wait for the acknowledgements."""
+        self._kept.discard(rid)
+        self._release(rid)
+        while self._pending:
+            self._pump(time.monotonic() + self.step_timeout)
+
+    def _within_sessions(self, concurrency: int, run_ids: set[int]) -> int:
+        """At most as many generations in flight as the stages hold sessions (beside the kept ones): one more would
+        evict a live generation's KV cache and fail the run."""
+        if self.max_sessions is None:
+            return concurrency
+        room = max(1, self.max_sessions - len(self._kept - run_ids))
+        if concurrency > room:
+            self._say(f"pp-pipeline: concurrency {concurrency} is more than the stages' sessions allow "
+                      f"(max_sessions {self.max_sessions}, PP_MAX_SESSIONS); running {room} at a time")
+        return min(concurrency, room)
+
     def _advance(self, rid: int, reply: Reply | None) -> None:
-        """Give a generation its reply and send what it asks for next (its release when it is done)."""
-        coro = self._active[rid]
+        """Give a generation its reply and send what it asks for next (its release when it is done, unless its
+        session is to be kept)."""
+        g, coro = self._active[rid]
         try:
             call = coro.send(reply)
             while not call.wait:
@@ -173,9 +214,10 @@ class Pipeline:
             self._send(rid, call, rid)
         except StopIteration:
             del self._active[rid]
-            self._release(rid)
-        except GenerationError as e:
-            raise PipelineError(str(e)) from e
+            if g.keep_session:
+                self._kept.add(rid)
+            else:
+                self._release(rid)
         except (KeyError, TypeError, ValueError) as e:  # a reply without its field, or a payload that is not base64
             raise PipelineError(f"request {rid}: malformed reply {reply!r:.200}: {type(e).__name__} {e}") from e
 
