@@ -93,7 +93,7 @@ class _ChatStream:
     def __call__(self, g: Generation, text: str, finished: bool) -> None:
         cut = _cut(text, self.stop)
         g.stop_requested = g.stop_requested or cut != text
-        # hold back a possible start of a stop text, and half a UTF-8 character
+        # hold back a possible start of a stop text (and a trailing U+FFFD, as Output does)
         safe = cut if finished or cut != text else cut.rstrip("\ufffd")[: max(0, len(cut) - _longest(self.stop))]
         if len(safe) > self.shown:
             sys.stdout.write(safe[self.shown:])

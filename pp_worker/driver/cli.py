@@ -31,7 +31,8 @@ from pp_worker.driver.stage_proc import Launch
 
 class Output:
     """Streams generations' text to stdout in prompt order: the earliest unfinished one streams live, later ones
-    are held until it is done. A trailing U+FFFD (half a UTF-8 character) waits for the next token."""
+    are held until it is done. The stages hold back a character split across tokens (partial detokenize); a
+    trailing U+FFFD still waits for the next token, in case a worker without that field sent half of one."""
 
     def __init__(self, gens: list[Generation], out: TextIO = sys.stdout, headers: TextIO | None = None):
         self.gens, self.out, self.headers = gens, out, headers
