@@ -136,7 +136,8 @@ def _install_signals(state: LoopState, events: Events) -> tuple[int, int]:
         if state.loading:
             events.out.exit_between_lines(0, [
                 events.event("signal_received", signum=signum, name=name, uptime_ms=uptime_ms),
-                events.event("exiting", reason="signal", uptime_ms=uptime_ms, requests_served=0)])
+                events.event("exiting", reason="signal", uptime_ms=uptime_ms,
+                             requests_served=events.clock.requests_served)])
         elif state.signum is not None and state.busy:  # a second signal while draining: leave now
             events.out.exit_between_lines(128 + signum, [
                 events.event("signal_received", signum=signum, name=name, draining=True)])
