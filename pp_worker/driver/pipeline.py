@@ -162,6 +162,22 @@ class Pipeline:
         return RunStats(gens, time.monotonic() - t0, [st.busy_s - b for st, b in zip(self.stages, busy0, strict=True)],
                         [st.requests - r for st, r in zip(self.stages, req0, strict=True)])
 
+    # --- one generation at a time, as they come (driver.service runs these in its own thread) ------------------------
+    def start(self, g: Generation) -> None:
+        """Put one more generation in flight; ``pump`` then moves it along with the others."""
+        if g.request_id in self._active:
+            raise ValueError(f"request_id {g.request_id} is already in flight (it is its KV session)")
+        self._active[g.request_id] = g.steps(len(self.stages), self.eos)
+        self._advance(g.request_id, None)
+
+    def pump(self) -> None:
+        """One round of the select loop: at most about a second, less when a stage or the wake-up pipe stirs."""
+        self._pump(time.monotonic() + self.step_timeout)
+
+    def ask(self, stage: int, op: str, request_id: int, on_reply: Callable[[Reply], None]) -> None:
+        """Send a control op (``status``, ``ping``) to one stage; ``on_reply`` gets its reply from ``pump``."""
+        self._send(request_id, Call(stage, op, {}), on_reply)
+
     def _advance(self, rid: int, reply: Reply | None) -> None:
         """Give a generation its reply and send what it asks for next (its release when it is done)."""
         coro = self._active[rid]
