@@ -33,7 +33,7 @@ QUIET = {"PP_WARMUP": "1", "PP_HEARTBEAT_S": "3600"}
 class ServePlan:
     stages: int = 2
     levels: tuple[int, ...] = (1, 4, 8)  # concurrent clients
-    requests_per_client: int = 4
+    requests_per_client: int = 8
     max_tokens: int = 32
 
 

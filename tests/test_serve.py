@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +22,7 @@ from serving import Server, request_id
 from pp_worker.driver.chat import chat_format, render_chat
 from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import run_pipeline
+from pp_worker.serve.cli import _launch, parse_args
 
 PROMPTS = [f"prompt {i} " + " ".join(f"w{i * j}" for j in range(i + 1)) for i in range(8)]
 STAGES = 3
@@ -196,3 +200,18 @@ def test_sigterm_shuts_the_stages_down() -> None:
     for pid in pids:  # reaped by the server before it exited
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_workers_get_a_session_for_every_generation_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PP_MAX_SESSIONS", raising=False)
+    assert _launch(parse_args(["--stub", "--concurrency", "12"])).env["PP_MAX_SESSIONS"] == "12"
+    assert _launch(parse_args(["--stub", "--env", "PP_MAX_SESSIONS=3"])).env["PP_MAX_SESSIONS"] == "3"
+
+
+def test_a_port_in_use_fails_before_any_stage_starts() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "pp_worker.serve", "--stub", "--port", str(port)],
+                              capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in proc.stderr
+    assert "stage 0 ready" not in proc.stderr  # it did not load the stages first

@@ -14,6 +14,8 @@ SIGTERM) after a signal, once the stages are shut down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 import signal
 import socket
 import sys
@@ -25,6 +27,7 @@ from pp_worker.driver.chat import chat_format
 from pp_worker.driver.flags import add_pipeline_flags, check_pipeline_flags, launch_from, sampling_from
 from pp_worker.driver.pipeline import PipelineError
 from pp_worker.driver.service import PipelineService
+from pp_worker.driver.stage_proc import Launch
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
 
@@ -53,6 +56,15 @@ def listen(host: str, port: int) -> socket.socket:
     return socket.create_server((host, port), family=family)
 
 
+def _launch(args: argparse.Namespace) -> Launch:
+    """As pp-pipeline's, with room for every generation in flight: each holds a KV session on every stage, and a
+    worker evicting one that is still running would fail its next step (and with it the pipeline)."""
+    launch = launch_from(args)
+    if "PP_MAX_SESSIONS" in launch.env or "PP_MAX_SESSIONS" in os.environ:  # the operator's choice
+        return launch
+    return dataclasses.replace(launch, env={**launch.env, "PP_MAX_SESSIONS": str(args.concurrency)})
+
+
 def _exit_on(signum: int, frame: FrameType | None) -> None:
     raise SystemExit(128 + signum)
 
@@ -68,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     # through the finally below, which shuts the stages down
     signal.signal(signal.SIGTERM, _exit_on)
     try:
-        service = PipelineService(launch_from(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
+        service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
                                   step_timeout=args.step_timeout, echo_stderr=args.verbose)
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
