@@ -53,7 +53,7 @@ class Plan:
 FULL = Plan("bench")
 QUICK = Plan("small", warm=3, decode=12, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
              stub_sequential=300, stub_pipelined=2000, payload_reps=3, rss=rss.RssPlan(preset="bench"),
-             serve=serve.ServePlan(requests_per_client=1, max_tokens=8))
+             serve=serve.ServePlan(requests=8, max_tokens=8))
 
 
 def say(text: str) -> None:

@@ -2,8 +2,9 @@
 
 The server runs as a user runs it (``python -m pp_worker.serve`` in its own process, the embedded model, warm
 workers); each client thread sends non-streamed greedy completions back to back over HTTP on 127.0.0.1 with the
-standard library (a light client: on 2 cores the client's own CPU time competes with the server's). A level's rates
-are counted over its wall time, from the first request sent to the last answer received.
+standard library (a light client: on 2 cores the client's own CPU time competes with the server's). Every level
+sends the same requests, shared out among its clients; its rates are counted over its wall time, from the first
+request sent to the last answer received.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ QUIET = {"PP_WARMUP": "1", "PP_HEARTBEAT_S": "3600"}
 class ServePlan:
     stages: int = 2
     levels: tuple[int, ...] = (1, 4, 8)  # concurrent clients
-    requests_per_client: int = 8
+    requests: int = 32  # per level, shared out among its clients: every level does the same work
     max_tokens: int = 32
 
 
@@ -91,7 +92,7 @@ def _level(e: Endpoint, clients: int, plan: ServePlan) -> dict[str, Any]:
     lock = threading.Lock()
 
     def client(i: int) -> None:
-        for r in range(plan.requests_per_client):
+        for r in range(plan.requests // clients):
             t = time.monotonic()
             reply = e.complete(PROMPTS[(i + r) % len(PROMPTS)], plan.max_tokens)
             with lock:

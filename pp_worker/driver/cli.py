@@ -6,6 +6,7 @@ stdout carries the generated text only; progress, headers and the summary go to 
     pp-pipeline --stages 3 --model my.gguf --max-tokens 128 "Once upon a time"
     pp-pipeline --stub --concurrency 4 "a b" "c d" "e f" "g h"  # 4 generations in flight, printed in order
     pp-pipeline --launcher 'ssh node{stage} python3 -m pp_worker' --model /models/m.gguf "Hello"
+    pp-pipeline --launcher ray --ray-num-gpus 1 --model /models/m.gguf "Hello"   # stages placed by Ray
     pp-pipeline --chat                                          # interactive, one KV session per conversation
 
 Launcher placeholders: {stage}, {num_stages}, {python} (this interpreter) and {env}, where the
