@@ -100,7 +100,7 @@ class PipelineService:
     """A running pipeline that generations can be submitted to from any thread."""
 
     def __init__(self, launch: Launch, *, concurrency: int, load_timeout: float = 600.0,
-                 step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO = sys.stderr):
+                 step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO | None = sys.stderr):
         self.log = log
         self._wake = _Wake()
         self.pipeline = Pipeline(launch, load_timeout=load_timeout, step_timeout=step_timeout, cancel=self._wake,
@@ -143,8 +143,8 @@ class PipelineService:
 
     @property
     def load(self) -> tuple[int, int]:
-        """(running, waiting) generations: a snapshot for /health."""
-        return len(self._running), len(self._waiting)
+        """(running, waiting) generations: a snapshot for /health (list() copies in one step under the GIL)."""
+        return sum(not g.ended for g in list(self._running.values())), len(self._waiting)
 
     def close(self, timeout: float = 30.0) -> None:
         """End every generation, shut the stages down and wait for that (idempotent)."""
@@ -169,7 +169,7 @@ class PipelineService:
         except PipelineError as e:
             self._fail(str(e))
         except Exception as e:  # a bug: the same treatment, with its traceback
-            traceback.print_exc(file=self.log)
+            self._say(traceback.format_exc())
             self._fail(f"internal error: {type(e).__name__}: {e}")
         finally:
             self.pipeline.close(failed=bool(self.failure))
@@ -210,9 +210,9 @@ class PipelineService:
 
     def _fail(self, message: str) -> None:
         first, _, rest = message.partition("\n")
-        print(f"pipeline down, every request now fails: {first}", file=self.log, flush=True)
+        self._say(f"pipeline down, every request now fails: {first}")
         if rest:
-            print(rest, file=self.log, flush=True)
+            self._say(rest)
         with self._lock:
             self.failure = first
         self._end_all(f"the pipeline is down: {first}")
@@ -220,7 +220,14 @@ class PipelineService:
     def _end_all(self, error: str) -> None:
         with self._lock:
             self._closing = True  # nothing more is taken in
+            inbox, self._inbox = self._inbox, deque()
+        for work in inbox:  # a generation submitted meanwhile is queued here, and so ends below with the rest
+            work()
         for g in [*self._waiting, *self._running.values()]:
             g.end(error, unavailable=True)
         self._waiting.clear()
         self._running.clear()
+
+    def _say(self, text: str) -> None:
+        if self.log:
+            print(text, file=self.log, flush=True)
