@@ -12,8 +12,8 @@ $(STAMP): pyproject.toml
 	@command -v clang >/dev/null 2>&1 || $(MAKE) --no-print-directory clang
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
-	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy"
+	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
+	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, starlette, uvicorn, openai, ray"
 	touch $(STAMP)
 
 # tinygrad's CPU device compiles its kernels with clang; without it tinygrad finds "no usable devices".

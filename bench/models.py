@@ -26,6 +26,7 @@ def ensure_model(preset: str, seed: int = 0, dtype: str = "F16", *, isolated: bo
     float32 weights (4 bytes a parameter, all held at once by ``generate``) never stay in this one's memory."""
     path = CACHE / f"{preset}-s{seed}-{dtype}.gguf"
     if not path.exists():
+        CACHE.mkdir(exist_ok=True)  # ignored by git: a fresh checkout has no such folder
         tmp = path.with_suffix(".tmp")
         if isolated:
             subprocess.run([sys.executable, "-m", "pp_worker.testing.modelgen", str(tmp), "--preset", preset,

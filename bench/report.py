@@ -3,7 +3,7 @@
 Targets (issue 5): 2 stages >= 0.9x one process, 3 stages >= 0.85x; ours >= 5x the unjitted loop; K=4 in flight
 >= 1.5x K=1; a stub decode hop >= 20,000 round trips/s; the prefill payload path >= 500 MB/s; each stage's peak
 RSS <= (its weights + one session's KV) x 1.3, on the bench model and again (``bench.rss``) on a model whose weights
-dwarf tinygrad's own idle floor.
+dwarf tinygrad's own idle floor. Section 7 (issue 11, no target): pp-serve's requests/s and tokens/s.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ S3 = "3 generations in flight through 2 stages (aggregate decode)"
 S4 = "4 time to first token, 2 stages, warm workers"
 S5 = "5 protocol overhead, no model"
 S6 = "6 peak RSS (VmHWM)"
+S7 = "7 pp-serve endpoint, embedded model"
 
 
 def get(raw: dict[str, Any], *path: str) -> Any:
@@ -39,7 +40,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[int, int]]]) -> list[Row]:
     return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
-            *memory(raw, facts, shares)]
+            *memory(raw, facts, shares), *endpoint(raw.get("serve"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -188,3 +189,18 @@ def machine_line(m: dict[str, Any]) -> str:
         if share > 0.05:
             text += " - timings are skewed, rerun on a quiet machine"
     return text
+
+
+def endpoint(serve: dict[str, Any] | None) -> list[Row]:
+    """Section 7: greedy non-streamed completions back to back from each of N client threads."""
+    levels = get(serve or {}, "levels") or {}
+    if not levels:
+        return [Row(S7, "pp-serve", None, "req/s", note="not measured (section serve not run, or it failed)")]
+    assert serve is not None
+    sec = f"{S7} ({serve['model']}), {serve['stages']} stages, max_tokens {serve['max_tokens']}"
+    rows = []
+    for clients, m in levels.items():
+        note = f"{m['requests']} requests, {m['tokens']} tokens in {m['wall_s']:.2f} s; median {m['p50_s']:.2f} s each"
+        rows.append(Row(sec, f"{clients} concurrent client(s)", m["rps"], "req/s", note=note))
+        rows.append(Row(sec, f"  {clients} client(s): generated tokens", m["tps"], "tok/s"))
+    return rows

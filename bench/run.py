@@ -23,12 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import models, pipe, report, rss, solo, wire
+from bench import models, pipe, report, rss, serve, solo, wire
 from bench.machine import CpuMeter, describe
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire", "rss")
+SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire", "rss", "serve")
 
 
 @dataclass(frozen=True)
@@ -47,11 +47,13 @@ class Plan:
     payload_reps: int = 9
     payload_shape: tuple[int, int] = (512, 4096)  # a 512-token prefill of a 4096-wide model: 4 MiB of fp16
     rss: rss.RssPlan = rss.RssPlan()  # section 6 on a model whose weights dwarf tinygrad's floor
+    serve: serve.ServePlan = serve.ServePlan()  # section 7: pp-serve on the embedded model
 
 
 FULL = Plan("bench")
 QUICK = Plan("small", warm=3, decode=12, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
-             stub_sequential=300, stub_pipelined=2000, payload_reps=3, rss=rss.RssPlan(preset="bench"))
+             stub_sequential=300, stub_pipelined=2000, payload_reps=3, rss=rss.RssPlan(preset="bench"),
+             serve=serve.ServePlan(requests=8, max_tokens=8))
 
 
 def say(text: str) -> None:
@@ -210,6 +212,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),
         "wire": b.wire,
         "rss": b.big_rss,
+        "serve": lambda out: out.update(serve.measure(plan.serve)),
     }
     for key in sections:
         attempt(raw, key, steps[key])

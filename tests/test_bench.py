@@ -103,7 +103,8 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section[0] for r in rows} == set("123456")
+    assert {r.section[0] for r in rows} == set("1234567")
+    assert report.endpoint(None)[0].value is None  # section 7 not run: one n/a row
     table = render(rows)
     assert all(r.name in table for r in rows) and "PASS" in table and "MISS" in table
     doc = to_json(rows, {"quick": True})
@@ -131,6 +132,14 @@ def test_report_rss_model_rows(tiny_model: Path) -> None:
     assert rows["rss model, 4 stages: stage 3"].verdict == "n/a"  # no 4-stage data
     assert rows["rss model: one process, whole model"].value == 500.0
     assert report.big_memory(None)[0].value is None  # the section did not run: one n/a row, no crash
+
+
+def test_report_endpoint_rows() -> None:
+    level = {"requests": 8, "tokens": 200, "wall_s": 4.0, "rps": 2.0, "tps": 50.0, "p50_s": 1.5}
+    serve = {"model": "zen.gguf", "stages": 2, "max_tokens": 32, "levels": {"1": level, "8": level | {"rps": 6.0}}}
+    rows = {r.name.strip(): r for r in report.endpoint(serve)}
+    assert rows["8 concurrent client(s)"].value == 6.0 and rows["1 client(s): generated tokens"].value == 50.0
+    assert "8 requests, 200 tokens in 4.00 s" in rows["1 concurrent client(s)"].note
 
 
 def test_row_verdicts() -> None:

@@ -6,6 +6,7 @@ stdout carries the generated text only; progress, headers and the summary go to 
     pp-pipeline --stages 3 --model my.gguf --max-tokens 128 "Once upon a time"
     pp-pipeline --stub --concurrency 4 "a b" "c d" "e f" "g h"  # 4 generations in flight, printed in order
     pp-pipeline --launcher 'ssh node{stage} python3 -m pp_worker' --model /models/m.gguf "Hello"
+    pp-pipeline --launcher ray --ray-num-gpus 1 --model /models/m.gguf "Hello"   # stages placed by Ray
     pp-pipeline --chat                                          # interactive, one KV session per conversation
 
 Launcher placeholders: {stage}, {num_stages}, {python} (this interpreter) and {env}, where the
@@ -24,9 +25,9 @@ import sys
 from typing import TextIO
 
 from pp_worker.driver.chat import chat
-from pp_worker.driver.generation import RECENT_TOKENS, Generation, Sampling
+from pp_worker.driver.flags import add_pipeline_flags, check_pipeline_flags, launch_from, sampling_from
+from pp_worker.driver.generation import Generation
 from pp_worker.driver.pipeline import Cancel, Pipeline, PipelineError, RunStats, make_generations
-from pp_worker.driver.stage_proc import Launch
 
 
 class Output:
@@ -88,25 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                  "text; stdout gets the text only, stderr the progress and the summary")
     ap.add_argument("prompts", nargs="*", help="prompts (also --prompt)")
     ap.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
-    ap.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
-    ap.add_argument("--model", help="GGUF path or tinygrad model name (default: the worker's embedded model)")
-    ap.add_argument("--stub", action="store_true", help="stub workers (PP_WORKER_STUB=1): no model, fake tensors")
-    ap.add_argument("--launcher", help="command template per stage, e.g. 'ssh node{stage} python3 -m pp_worker'; "
-                    "placeholders {stage} {num_stages} {python} {env} (where the env K=V words go)")
-    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra variable for every worker")
-    ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
-    ap.add_argument("--concurrency", type=int, default=1, help="generations in flight at once (default 1)")
     ap.add_argument("--chat", action="store_true", help="interactive chat on stdin")
-    ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
-    ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
-    ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")
-    ap.add_argument("--temperature", type=float)
-    ap.add_argument("--top-k", type=int)
-    ap.add_argument("--top-p", type=float)
-    ap.add_argument("--min-p", type=float)
-    ap.add_argument("--repetition-penalty", type=float, help=f"over the last {RECENT_TOKENS} tokens")
-    ap.add_argument("--seed", type=int)
+    add_pipeline_flags(ap, concurrency=1, max_tokens_help="tokens to generate per prompt (default 64)")
     args = ap.parse_args(argv)
     args.prompts = args.prompt + args.prompts
     if not args.chat and not args.prompts:
@@ -114,34 +98,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     empty = next((i for i, prompt in enumerate(args.prompts, start=1) if not prompt), None)
     if empty is not None:  # refused before any worker starts: a generation needs something to continue
         ap.error(f"prompt {empty} is empty")
-    if args.stages < 2 or args.max_tokens < 1 or args.concurrency < 1:
-        ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
-    if any("=" not in kv for kv in args.env):
-        ap.error("--env takes K=V")
+    check_pipeline_flags(ap, args)
     return args
-
-
-def _launch(args: argparse.Namespace) -> Launch:
-    env = dict(kv.split("=", 1) for kv in args.env)
-    if args.max_context:
-        env["MAX_CONTEXT"] = str(args.max_context)
-    return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env)
-
-
-def _sampling(args: argparse.Namespace) -> Sampling:
-    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cancel = Cancel()
     try:
-        with Pipeline(_launch(args), load_timeout=args.load_timeout, step_timeout=args.step_timeout,
+        with Pipeline(launch_from(args), load_timeout=args.load_timeout, step_timeout=args.step_timeout,
                       cancel=cancel, echo_stderr=args.verbose) as p:
             if args.chat:
-                chat(p, args.max_tokens, _sampling(args), cancel)
+                chat(p, args.max_tokens, sampling_from(args), cancel)
                 return 0
-            gens = make_generations(p, args.prompts, args.max_tokens, _sampling(args))
+            gens = make_generations(p, args.prompts, args.max_tokens, sampling_from(args))
             output = Output(gens, sys.stdout, sys.stderr)
             for g in gens:
                 g.on_text = output

@@ -169,9 +169,7 @@ class Pipeline:
         try:
             while waiting or self._active:
                 while waiting and len(self._active) < concurrency:
-                    g = waiting.popleft()
-                    self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context))
-                    self._advance(g.request_id, None)
+                    self.start(waiting.popleft())
                 self._pump(time.monotonic() + self.step_timeout)
             while self._pending:  # the releases' acknowledgements: no stray reply later
                 self._pump(time.monotonic() + self.step_timeout)
@@ -201,6 +199,22 @@ class Pipeline:
             self._say(f"pp-pipeline: concurrency {concurrency} is more than the stages' sessions allow "
                       f"(max_sessions {self.max_sessions}, PP_MAX_SESSIONS); running {room} at a time")
         return min(concurrency, room)
+
+    # --- one generation at a time, as they come (driver.service runs these in its own thread) ------------------------
+    def start(self, g: Generation) -> None:
+        """Put one more generation in flight; ``pump`` then moves it along with the others."""
+        if g.request_id in self._active:
+            raise ValueError(f"request_id {g.request_id} is already in flight (it is its KV session)")
+        self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context))
+        self._advance(g.request_id, None)
+
+    def pump(self) -> None:
+        """One round of the select loop: at most about a second, less when a stage or the wake-up pipe stirs."""
+        self._pump(time.monotonic() + self.step_timeout)
+
+    def ask(self, stage: int, op: str, request_id: int, on_reply: Callable[[Reply], None]) -> None:
+        """Send a control op (``status``, ``ping``) to one stage; ``on_reply`` gets its reply from ``pump``."""
+        self._send(request_id, Call(stage, op, {}), on_reply)
 
     def _advance(self, rid: int, reply: Reply | None) -> None:
         """Give a generation its reply and send what it asks for next (its release when it is done, unless its

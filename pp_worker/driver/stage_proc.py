@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement, RayProcess
 from pp_worker.wire import to_line, widen_pipe
 
 STDERR_TAIL = 50
@@ -31,13 +32,15 @@ _SSH_OPTS_WITH_ARG = set("BbcDEeFIiJLlmOopQRSWw")  # ssh(1): the options that ta
 
 @dataclass(frozen=True)
 class Launch:
-    """How to start the workers: locally with ``sys.executable -m pp_worker``, or through a launcher template."""
+    """How to start the workers: locally with ``sys.executable -m pp_worker``, through a launcher template, or in
+    Ray actors (launcher ``"ray"``)."""
 
     num_stages: int
     model: str | None = None
     stub: bool = False
     launcher: str | None = None  # placeholders: {stage} {num_stages} {python} {env}
     env: dict[str, str] = field(default_factory=dict)  # extra variables for every worker
+    ray: RayPlacement | None = None  # with launcher "ray": where the actors go (None: RayPlacement's defaults)
 
     def worker_env(self, stage: int) -> dict[str, str]:
         """The variables a worker needs, beyond what it inherits."""
@@ -48,12 +51,16 @@ class Launch:
             env["PP_WORKER_STUB"] = "1"
         return {**env, **self.env}
 
+    def remote_env(self, stage: int) -> dict[str, str]:
+        """What a worker started elsewhere (ssh, a Ray node) needs: it inherits nothing of ours."""
+        env = self.worker_env(stage)
+        env.update({k: os.environ[k] for k in PASS_THROUGH if k in os.environ and k not in env})
+        return env
+
     def argv(self, stage: int) -> list[str]:
         if not self.launcher:
             return [sys.executable, "-m", "pp_worker"]
-        env = self.worker_env(stage)
-        env.update({k: os.environ[k] for k in PASS_THROUGH if k in os.environ and k not in env})
-        return launcher_argv(self.launcher, stage, self.num_stages, env)
+        return launcher_argv(self.launcher, stage, self.num_stages, self.remote_env(stage))
 
 
 def launcher_argv(template: str, stage: int, num_stages: int, env: dict[str, str]) -> list[str]:
@@ -85,10 +92,14 @@ class Stage:
 
     def __init__(self, index: int, launch: Launch, echo_stderr: bool = False):
         self.index = index
-        env = {**os.environ, **launch.worker_env(index)}
-        # Own session: the terminal's Ctrl-C reaches only the driver, which then stops the stages in order.
-        self.proc = subprocess.Popen(launch.argv(index), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.PIPE, env=env, start_new_session=True, bufsize=0)
+        self.proc: subprocess.Popen[bytes] | RayProcess
+        if launch.launcher == RAY_LAUNCHER:
+            self.proc = RayProcess(index, launch.num_stages, launch.remote_env(index), launch.ray or RayPlacement())
+        else:
+            env = {**os.environ, **launch.worker_env(index)}
+            # Own session: the terminal's Ctrl-C reaches only the driver, which then stops the stages in order.
+            self.proc = subprocess.Popen(launch.argv(index), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                         stderr=subprocess.PIPE, env=env, start_new_session=True, bufsize=0)
         assert self.proc.stdin and self.proc.stdout and self.proc.stderr
         self.in_fd, self.out_fd = self.proc.stdin.fileno(), self.proc.stdout.fileno()
         os.set_blocking(self.in_fd, False)
@@ -179,6 +190,17 @@ class Stage:
                 print(f"[stage {self.index}] {line}", file=sys.stderr, flush=True)
 
     # --- reporting --------------------------------------------------------------------------------------------
+    def signal(self, sig: int) -> None:
+        """Signal the worker and whatever its launcher started (its process group), unless it is reaped."""
+        if isinstance(self.proc, RayProcess):
+            self.proc.send_signal(sig)  # signalled on its node, by its actor
+            return
+        if self.proc.poll() is None:  # not reaped, so its pid (= group id) is still ours to signal
+            try:
+                os.killpg(self.proc.pid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def exit_description(self, wait_s: float = 2.0) -> str:
         try:
             code = self.proc.wait(wait_s)
@@ -202,11 +224,8 @@ def stop_all(stages: list[Stage], grace_s: float = 5.0, term_s: float = 2.0,
     _wait_exit(stages, grace_s, hurry)
     for sig, wait_s in ((signal.SIGTERM, term_s), (signal.SIGKILL, 5.0)):
         for st in stages:
-            if st.proc.poll() is None:  # not reaped, so its pid (= group id) is still ours to signal
-                try:
-                    os.killpg(st.proc.pid, sig)
-                except (ProcessLookupError, PermissionError):
-                    pass
+            if st.proc.poll() is None:
+                st.signal(sig)
         _wait_exit(stages, 0.0 if sig == signal.SIGTERM and hurry() else wait_s, lambda: False)
     for st in stages:
         st.close_stdin()

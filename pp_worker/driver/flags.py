@@ -1,0 +1,62 @@
+"""The command-line flags ``pp-pipeline`` and ``pp-serve`` share: how the stages start and how they sample."""
+
+from __future__ import annotations
+
+import argparse
+
+from pp_worker.driver.generation import RECENT_TOKENS, Sampling
+from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
+from pp_worker.driver.stage_proc import Launch
+
+
+def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tokens_help: str) -> None:
+    """The stages (how many, which model, how started), the limits, and the sampling defaults."""
+    ap.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
+    ap.add_argument("--model", help="GGUF path or tinygrad model name (default: the worker's embedded model)")
+    ap.add_argument("--stub", action="store_true", help="stub workers (PP_WORKER_STUB=1): no model, fake tensors")
+    ap.add_argument("--launcher", help="command template per stage, e.g. 'ssh node{stage} python3 -m pp_worker'; "
+                    "placeholders {stage} {num_stages} {python} {env} (where the env K=V words go); "
+                    f"'{RAY_LAUNCHER}': each stage in a Ray actor (pip install pp_worker[ray])")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra variable for every worker")
+    ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
+    ap.add_argument("--max-tokens", type=int, default=64, help=max_tokens_help)
+    ap.add_argument("--concurrency", type=int, default=concurrency,
+                    help=f"generations in flight at once (default {concurrency})")
+    ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
+    ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
+    ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")
+    ray = ap.add_argument_group(f"Ray placement (--launcher {RAY_LAUNCHER})")
+    ray.add_argument("--ray-address", help="a running cluster (ray start --head prints it); default: RAY_ADDRESS, "
+                     "else a new local cluster")
+    ray.add_argument("--ray-num-cpus", type=float, default=1.0, help="CPUs each stage asks for (default 1)")
+    ray.add_argument("--ray-num-gpus", type=float, default=0.0, help="GPUs each stage asks for (default 0)")
+    sampling = ap.add_argument_group("sampling (default: argmax)")
+    sampling.add_argument("--temperature", type=float)
+    sampling.add_argument("--top-k", type=int)
+    sampling.add_argument("--top-p", type=float)
+    sampling.add_argument("--min-p", type=float)
+    sampling.add_argument("--repetition-penalty", type=float, help=f"over the last {RECENT_TOKENS} tokens")
+    sampling.add_argument("--seed", type=int)
+
+
+def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse (through ``ap.error``, exit 2) what would only fail later, once the workers are loading."""
+    if args.stages < 2 or args.max_tokens < 1 or args.concurrency < 1:
+        ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
+    if any("=" not in kv for kv in args.env):
+        ap.error("--env takes K=V")
+    if args.ray_num_cpus < 0 or args.ray_num_gpus < 0:
+        ap.error("--ray-num-cpus and --ray-num-gpus must be >= 0")
+
+
+def launch_from(args: argparse.Namespace) -> Launch:
+    env = dict(kv.split("=", 1) for kv in args.env)
+    if args.max_context:
+        env["MAX_CONTEXT"] = str(args.max_context)
+    ray = RayPlacement(args.ray_address, args.ray_num_cpus, args.ray_num_gpus) if args.launcher == RAY_LAUNCHER \
+        else None
+    return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray)
+
+
+def sampling_from(args: argparse.Namespace) -> Sampling:
+    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)

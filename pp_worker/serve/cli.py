@@ -1,0 +1,102 @@
+"""``pp-serve``: start N stage workers (the same flags as ``pp-pipeline``, launcher included) and serve OpenAI's
+completions API in front of them.
+
+    pp-serve --stages 3 --port 8000                       # the embedded model on http://127.0.0.1:8000/v1
+    pp-serve --model my.gguf --stages 4 --host 0.0.0.0 --concurrency 8
+    pp-serve --launcher ray --ray-num-gpus 1 --model /models/m.gguf --stages 4
+
+The stages load before the port answers (progress on stderr); ``--port 0`` picks a free port. The sampling flags
+and ``--max-tokens`` are the defaults for requests that leave those fields out (with neither: argmax, 64 tokens).
+Exit status: 0 after a clean stop; 1 when the stages cannot start; 128 + the signal (130 for Ctrl-C, 143 for
+SIGTERM) after a signal, once the stages are shut down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+
+import uvicorn
+
+from pp_worker.driver.chat import chat_format
+from pp_worker.driver.flags import add_pipeline_flags, check_pipeline_flags, launch_from, sampling_from
+from pp_worker.driver.pipeline import PipelineError
+from pp_worker.driver.service import PipelineService
+from pp_worker.driver.stage_proc import Launch
+from pp_worker.serve.api import Defaults
+from pp_worker.serve.app import build_app
+
+DEFAULT_CONCURRENCY = 8  # the workers' default PP_MAX_SESSIONS: every generation in flight holds one session
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="pp-serve", description="serve OpenAI's completions API in front of a "
+                                 "pipeline of pp_worker stages")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed)")
+    ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                    help="uvicorn's log level (info: one line per request)")
+    add_pipeline_flags(ap, concurrency=DEFAULT_CONCURRENCY,
+                       max_tokens_help="max_tokens of a request that does not say (default 64)")
+    args = ap.parse_args(argv)
+    check_pipeline_flags(ap, args)
+    if not 0 <= args.port < 65536:
+        ap.error("--port must be in [0, 65535]")
+    return args
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bound before the stages load, so a port in use fails at once rather than after minutes of loading."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family)
+
+
+def _launch(args: argparse.Namespace) -> Launch:
+    """As pp-pipeline's, with room for every generation in flight: each holds a KV session on every stage, and a
+    worker evicting one that is still running would fail its next step (and with it the pipeline)."""
+    launch = launch_from(args)
+    if "PP_MAX_SESSIONS" in launch.env or "PP_MAX_SESSIONS" in os.environ:  # the operator's choice
+        return launch
+    return dataclasses.replace(launch, env={**launch.env, "PP_MAX_SESSIONS": str(args.concurrency)})
+
+
+def _exit_on(signum: int, frame: FrameType | None) -> None:
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        print(f"pp-serve: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    # uvicorn handles SIGTERM while serving, then raises it again: this makes that (or one while loading) an exit
+    # through the finally below, which shuts the stages down
+    signal.signal(signal.SIGTERM, _exit_on)
+    try:
+        service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
+                                  step_timeout=args.step_timeout, echo_stderr=args.verbose)
+    except PipelineError as e:
+        print(f"pp-serve: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    try:
+        fmt = chat_format(service.pipeline.chat_template)  # from stage 0's ready line
+        app = build_app(service, fmt, Defaults(args.max_tokens, sampling_from(args)))
+        host, port = sock.getsockname()[:2]
+        print(f"pp-serve: listening on http://{host}:{port} (model {service.model}, {args.stages} stages, up to "
+              f"{service.concurrency} generations at once)", file=sys.stderr, flush=True)
+        config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off")
+        uvicorn.Server(config).run(sockets=[sock])
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        service.close()

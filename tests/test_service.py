@@ -1,0 +1,48 @@
+"""The pipeline service in-process (stub stages): generations submitted from another thread, the concurrency cap,
+a queued generation cancelled, and every generation's end reported exactly once."""
+
+from __future__ import annotations
+
+import threading
+
+from pp_worker.driver.pipeline import run_pipeline
+from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
+from pp_worker.driver.stage_proc import Launch
+
+PROMPTS = ["one two three", "four five", "six seven eight nine"]
+
+
+def test_submitted_generations_run_one_at_a_time_and_a_queued_one_can_be_cancelled() -> None:
+    expected = run_pipeline(PROMPTS[:2], stages=2, stub=True, max_tokens=6).generations
+    ended: list[ServedGeneration] = []
+    all_ended = threading.Event()
+
+    def on_end(g: ServedGeneration) -> None:
+        ended.append(g)
+        if len(ended) == 3:
+            all_ended.set()
+
+    service = PipelineService(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "20"}), concurrency=1, log=None)
+    service.pipeline.trace = []  # (time, stage, request_id, op, send/reply), appended by the pipeline thread
+    try:
+        gens = [ServedGeneration(i, p, service.new_request_id(), 6, on_end=on_end) for i, p in enumerate(PROMPTS)]
+        for g in gens:
+            service.submit(g)
+        service.cancel(gens[2].request_id)  # still queued behind the first two: it never starts
+        assert all_ended.wait(30), [g.request_id for g in ended]
+        assert service.load == (0, 0)
+    finally:
+        service.close()
+    # the cancelled one ended at once; the others one at a time, in order; each exactly once
+    assert [g.request_id for g in ended] == [gens[2].request_id, gens[0].request_id, gens[1].request_id]
+    trace = service.pipeline.trace
+    first_of_second = min(i for i, t in enumerate(trace) if t[2] == gens[1].request_id)
+    last_forward_of_first = max(i for i, t in enumerate(trace) if t[2] == gens[0].request_id and t[3] != "release")
+    assert last_forward_of_first < first_of_second, "concurrency 1, yet the second started before the first ended"
+    assert [g.tokens for g in gens[:2]] == [g.tokens for g in expected] and not gens[0].error
+    assert gens[2].error == "cancelled before it started" and gens[2].unavailable and not gens[2].prompt_tokens
+    try:
+        service.submit(ServedGeneration(0, "late", service.new_request_id(), 2))
+        raise AssertionError("a closed service took a generation")
+    except Unavailable as e:
+        assert "shutting down" in str(e)
