@@ -22,9 +22,10 @@ from tinygrad import Tensor, TinyJit, UOp, dtypes
 from tinygrad.llm.model import precompute_freqs_cis
 
 from pp_worker.worker.engines.base import ModelInfo
-from pp_worker.worker.engines.gguf_loader import StageWeights, bos_token, eos_token_ids, load_stage
+from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.kvcache import KVPool
 from pp_worker.worker.engines.sessions import SessionTable
+from pp_worker.worker.engines.vocab import bos_token
 
 if TYPE_CHECKING:
     from tinygrad.device import Buffer
@@ -136,8 +137,7 @@ class TinygradEngine:
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         assert self._w.tokenizer is not None, "tokenize runs on the first stage"
-        ids = self._w.tokenizer.encode(text)  # SimpleTokenizer never adds a BOS itself
-        return [self.info.bos_token_id, *ids] if add_special and self.info.add_bos else ids
+        return self._w.tokenizer.encode(text, add_special)
 
     def detokenize(self, tokens: list[int]) -> str:
         assert self._w.detokenizer is not None, "detokenize runs on the last stage"
