@@ -20,8 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pp_worker.worker.engines.detokenizer import Detokenizer
 from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header
+from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.shard import Shard
 
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     from tinygrad.llm.model import TransformerBlock, TransformerConfig
 
 CONTEXT_CAP = 4096
-GGML_F16 = 1  # ggml type id of float16 data
+GGML_F32, GGML_F16 = 0, 1  # ggml type ids of float32 and float16 data
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # plain attention + dense FFN, tinygrad's TransformerBlock
 END_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
                    "</s>", "<end_of_turn>")
@@ -215,6 +218,7 @@ class StageWeights:
     output: nn.Linear | None
     tokenizer: Tokenizer | None  # on the first stage (encodes)
     detokenizer: Detokenizer | None  # on the last stage (decodes from a table; no tokenizer library)
+    rope: RopeParams  # how every block rotates Q and K, scaling included
     loaded: dict[str, int]  # tensor name -> bytes read from the file
     path: Path
 
@@ -237,6 +241,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
     _return_freed_heap()
     source = TensorSource(header, half=bool(getenv("HALF", 1)))
+    rope = RopeParams.from_gguf(header.kv, config.rope_dim, _rope_freqs(source))
     blocks = []
     for j, i in enumerate(range(shard.start, shard.end)):
         emit("loading", blocks_done=j, blocks_total=shard.end - shard.start, stage_index=stage)
@@ -245,7 +250,19 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
     return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
-                        source.loaded, path)
+                        rope, source.loaded, path)
+
+
+def _rope_freqs(source: TensorSource) -> np.ndarray | None:
+    """rope_freqs.weight (Llama 3.1+'s per-frequency RoPE factors) as float32, on every stage: every block ropes.
+    Not through ``tensor()``: its fp16 cast would round the factors."""
+    info = source.header.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.ggml_type != GGML_F32:
+        raise ModelLoadError(f"{source.header.path}: rope_freqs.weight has GGML type {info.ggml_type}, expected F32")
+    source.loaded[info.name] = info.n_elements * 4
+    return np.fromfile(source.header.path, np.float32, info.n_elements, offset=info.offset)
 
 
 def _load_embedding(source: TensorSource, config: TransformerConfig) -> nn.Embedding:

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
-from tinygrad.llm.model import precompute_freqs_cis
 
 from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.kvcache import KVPool
+from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import SessionTable
 from pp_worker.worker.engines.vocab import bos_token
 
@@ -79,7 +79,7 @@ class CompiledStage:
         self.decode = TinyJit(self._forward)
         self.prefill = TinyJit(self._forward)
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
-        freqs = precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta).realize()
+        freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
             block.freqs_cis = freqs
 
