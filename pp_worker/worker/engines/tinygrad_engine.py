@@ -118,10 +118,13 @@ class TinygradEngine:
         cfg, kv = self._w.config, self._w.kv
         self.shard = self._w.shard
         bos, add_bos = bos_token(kv)
+        eos, tokens = kv.get("tokenizer.ggml.eos_token_id"), kv["tokenizer.ggml.tokens"]
         self.info = ModelInfo(hidden_dim=cfg.dim, vocab_size=cfg.vocab_size, total_blocks=cfg.num_blocks,
                               eos_token_ids=eos_token_ids(kv), max_context=cfg.max_context,
                               name=kv.get("general.name") or kv.get("general.basename") or model,
-                              chat_template=kv.get("tokenizer.chat_template"), bos_token_id=bos, add_bos=add_bos)
+                              chat_template=kv.get("tokenizer.chat_template"), bos_token_id=bos, add_bos=add_bos,
+                              bos_token=None if bos is None else tokens[bos],
+                              eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
         self._stage = CompiledStage(self._w)
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions)
