@@ -18,8 +18,13 @@ import re
 import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pp_worker.worker.engines.detokenizer import byte_symbols
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
+    from tokenizers.pre_tokenizers import PreTokenizer
 
 DEFAULT_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
 
@@ -35,7 +40,7 @@ class Vocab:
     eos_id: int
     pre: str = "llama-bpe"  # tokenizer.ggml.pre: how text is split into words before merging
 
-    def write_tokenizer(self, writer) -> None:
+    def write_tokenizer(self, writer: GGUFWriter) -> None:
         """The tokenizer keys of a GGUF (not add_bos/add_eos: the model's writer decides those)."""
         writer.add_tokenizer_model("gpt2")
         writer.add_tokenizer_pre(self.pre)
@@ -83,7 +88,7 @@ def pretokenize(text: str, pre: str = "llama-bpe") -> list[str]:
 
 
 @functools.cache
-def _split_by(pre: str):
+def _split_by(pre: str) -> PreTokenizer:
     """llama.cpp's regexes for ``pre`` as the worker's tokenizer applies them, without the byte mapping."""
     from tokenizers import Regex, pre_tokenizers
 

@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
 
 
 @dataclass(frozen=True)
@@ -23,7 +27,7 @@ class RopeScaling:
     attn_factor: float | None = None  # {arch}.rope.scaling.attn_factor
     freq_factors: tuple[float, ...] | None = None  # the rope_freqs.weight tensor (head_dim / 2 floats)
 
-    def write(self, writer, arch: str = "llama") -> None:
+    def write(self, writer: GGUFWriter, arch: str = "llama") -> None:
         """The keys and the tensor; call before the model's other tensors are added."""
         for key, value in (("type", self.type), ("factor", self.factor),
                            ("original_context_length", self.original_context_length),

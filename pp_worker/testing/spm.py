@@ -10,9 +10,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pp_worker.testing.bpe import builtin_text
 from pp_worker.worker.engines.vocab import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
 
 EXTRA_TEXT = "Grüße aus Köln, naïve café. Καλημέρα κόσμε. Привет, мир! Numbers 1234 5678 90.\n"
 
@@ -29,7 +33,7 @@ class SpmVocab:
     unk_id: int = 0
     add_space_prefix: bool = True  # sentencepiece's add_dummy_prefix
 
-    def write_tokenizer(self, writer) -> None:
+    def write_tokenizer(self, writer: GGUFWriter) -> None:
         """The tokenizer keys (not add_bos/add_eos: the model's writer decides those)."""
         writer.add_tokenizer_model("llama")
         writer.add_tokenizer_pre("default")
