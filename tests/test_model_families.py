@@ -105,6 +105,13 @@ def test_rope_scaling_that_cannot_be_reproduced_is_refused(tmp_path, rope, messa
             TinygradEngine(str(path), stage, 2)
 
 
+def test_rope_settings_at_the_values_applied_anyway_are_accepted(tmp_path):
+    yarn = rs.RopeScaling(type="yarn", factor=4.0, original_context_length=64)
+    path = generate(tmp_path / "explicit.gguf", "tiny", rope=replace(yarn, attn_factor=1.0))
+    plain = generate(tmp_path / "yarn.gguf", "tiny", rope=yarn)
+    assert TinygradEngine(str(path), 1, 2)._w.rope == TinygradEngine(str(plain), 1, 2)._w.rope
+
+
 def test_rope_freqs_is_read_as_float32_by_every_stage(tmp_path):
     factors = rs.llama3_rope_factors(16, 10000.0, 4.0, original_context=32)
     path = generate(tmp_path / "l3.gguf", "tiny", rope=rs.RopeScaling(freq_factors=factors))

@@ -29,10 +29,13 @@ if TYPE_CHECKING:
     from tinygrad import Tensor
 
 SCALING_TYPES = ("none", "linear", "yarn")
-# rope.scaling.* keys understood here; "finetuned" is informational. Any other (attn_factor, yarn_beta_fast...)
-# changes the numbers in ways not checked against llama.cpp, so it is refused by name.
+# rope.scaling.* keys understood here; "finetuned" is informational
 SCALING_KEYS = ("type", "factor", "original_context_length", "finetuned")
 YARN_BETA_FAST, YARN_BETA_SLOW = 32.0, 1.0  # llama.cpp's defaults; the llama architecture reads no others
+# keys accepted only at the value this module applies anyway: another value would change the numbers in a way not
+# checked against llama.cpp, so it is refused by name, as is any key not listed (alpha, yarn_log_multiplier...)
+NEUTRAL = {"attn_factor": 1.0, "yarn_attn_factor": 1.0, "yarn_beta_fast": YARN_BETA_FAST,
+           "yarn_beta_slow": YARN_BETA_SLOW}
 
 
 @dataclass(frozen=True)
@@ -49,9 +52,10 @@ class RopeParams:
         """From the GGUF's {arch}.rope.* keys (llama.cpp's defaults for absent ones) and rope_freqs.weight."""
         arch = kv["general.architecture"]
         scaling = {k.rsplit(".", 1)[1]: v for k, v in kv.items() if k.startswith(f"{arch}.rope.scaling.")}
-        if unknown := sorted(set(scaling) - set(SCALING_KEYS)):
+        if unknown := sorted(k for k, v in scaling.items() if k not in SCALING_KEYS and NEUTRAL.get(k) != v):
             raise ModelLoadError(f"unsupported RoPE setting {arch}.rope.scaling.{unknown[0]}="
-                                 f"{scaling[unknown[0]]!r} (understood: {', '.join(SCALING_KEYS)})")
+                                 f"{scaling[unknown[0]]!r} (understood: {', '.join(SCALING_KEYS)}, and "
+                                 f"{', '.join(f'{k}={v}' for k, v in NEUTRAL.items())})")
         kind = scaling.get("type", "linear")  # llama.cpp's reading of a file without the key
         if kind not in SCALING_TYPES:
             raise ModelLoadError(f"unsupported RoPE scaling {kind!r} ({arch}.rope.scaling.type; supported: "
