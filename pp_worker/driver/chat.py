@@ -137,7 +137,8 @@ def chat(p: Pipeline, max_tokens: int, sampling: Sampling, cancel: Cancel | None
     """Read user lines from stdin and answer each in one conversation, until end of input."""
     fmt = pipeline_chat_format(p, log=lambda msg: print(f"pp-pipeline: {msg}", file=sys.stderr, flush=True))
     conversation = Conversation(p, fmt, max_tokens, sampling)
-    print(f"chat ({fmt.name}); end with Ctrl-D", file=sys.stderr, flush=True)
+    label = fmt.name if isinstance(fmt, TemplateFormat) else f"{fmt.name} format"
+    print(f"chat ({label}); end with Ctrl-D", file=sys.stderr, flush=True)
     lines = _Lines(cancel)
     while (line := lines.next()) is not None:
         g = conversation.ask(line, _ChatStream(fmt.stop))
