@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
-	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, starlette, uvicorn, openai, ray"
+	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, tokenizers, jinja2, starlette, uvicorn, openai, ray"
 	touch $(STAMP)
 
 # tinygrad's CPU device compiles its kernels with clang; without it tinygrad finds "no usable devices".

@@ -1,9 +1,10 @@
 """An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against.
 
-It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad or pp_worker.modelgen: it dequantizes
-F32/F16/Q8_0 itself and applies ggml's rope (adjacent pairs, "normal" mode) to the raw GGUF Q/K weights. Built
-from HF-layout weights (`from_weights`) it uses HF's half-split rope instead, which checks the writer's permute.
-Every call recomputes the whole sequence; the models are tiny.
+It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad or pp_worker: it dequantizes
+F32/F16/Q8_0 itself and applies ggml's rope (adjacent pairs, "normal" mode) to the raw GGUF Q/K weights, with
+ggml's RoPE scaling (`RopeScaling`: rope_freqs.weight factors, linear, yarn) as ggml-cpu's rope_yarn computes it.
+Built from HF-layout weights (`from_weights`) it uses HF's half-split rope instead, which checks the writer's
+permute. Every call recomputes the whole sequence; the models are tiny.
 """
 
 from __future__ import annotations
@@ -36,11 +37,37 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
 
 
-def rope(x: np.ndarray, pos: np.ndarray, theta: float, interleaved: bool) -> np.ndarray:
+@dataclass(frozen=True)
+class RopeScaling:
+    """ggml's rope_ext parameters beyond the base (llama.cpp reads them from the GGUF; see `from_gguf`)."""
+
+    freq_factors: np.ndarray | None = None  # rope_freqs.weight: pair i's angle is divided by factor i
+    freq_scale: float = 1.0  # 1 / rope.scaling.factor for linear and yarn
+    yarn_original_context: int = 0  # > 0: yarn, with this original context
+
+
+def _yarn(hd: int, theta: float, original_context: int, freq_scale: float) -> tuple[np.ndarray, float]:
+    """ggml's rope_yarn: per pair, the weight of the unscaled angle, and the magnitude of cos and sin."""
+    def corr_dim(n_rot: float) -> float:  # the pair whose wavelength makes n_rot turns in the original context
+        return hd * np.log(original_context / (n_rot * 2 * np.pi)) / (2 * np.log(theta))
+
+    low, high = max(0.0, np.floor(corr_dim(32.0))), min(hd - 1.0, np.ceil(corr_dim(1.0)))  # beta_fast, beta_slow
+    y = (np.arange(hd // 2) - low) / max(0.001, high - low)
+    return 1.0 - np.minimum(1.0, np.maximum(0.0, y)), 1.0 + 0.1 * np.log(1.0 / freq_scale)
+
+
+def rope(x: np.ndarray, pos: np.ndarray, theta: float, interleaved: bool,
+         scaling: RopeScaling = RopeScaling()) -> np.ndarray:
     """Rotate x (T, H, Hd) at positions pos (T,). Pair i is (2i, 2i+1) if interleaved (ggml), else (i, i + Hd/2)."""
     hd = x.shape[-1]
-    angle = pos[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]  # (T, Hd/2)
-    cos, sin = np.cos(angle)[:, None, :], np.sin(angle)[:, None, :]  # (T, 1, Hd/2)
+    unscaled = pos[:, None] * theta ** (-np.arange(0, hd, 2) / hd)[None, :]  # (T, Hd/2)
+    if scaling.freq_factors is not None:
+        unscaled = unscaled / scaling.freq_factors[None, :]
+    angle, magnitude = scaling.freq_scale * unscaled, 1.0
+    if scaling.yarn_original_context:
+        keep, magnitude = _yarn(hd, theta, scaling.yarn_original_context, scaling.freq_scale)
+        angle = angle * (1 - keep) + unscaled * keep
+    cos, sin = magnitude * np.cos(angle)[:, None, :], magnitude * np.sin(angle)[:, None, :]  # (T, 1, Hd/2)
     x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : hd // 2], x[..., hd // 2 :])
     r1, r2 = x1 * cos - x2 * sin, x1 * sin + x2 * cos
     return np.stack([r1, r2], axis=-1).reshape(x.shape) if interleaved else np.concatenate([r1, r2], axis=-1)
@@ -59,13 +86,14 @@ class RefModel:
     norm_eps: float
     rope_theta: float
     interleaved_rope: bool = True  # True for GGUF-order Q/K rows, False for HF (half-split) order
+    rope_scaling: RopeScaling = RopeScaling()
 
     @staticmethod
     def from_gguf(path: str | Path) -> RefModel:
         reader = GGUFReader(str(path))
 
-        def kv(key: str):
-            return reader.fields[key].contents()
+        def kv(key: str, default=None):
+            return reader.fields[key].contents() if key in reader.fields else default
 
         assert kv("general.architecture") == "llama"
         weights = {
@@ -78,7 +106,18 @@ class RefModel:
             kv("llama.attention.head_count_kv"),
             kv("llama.attention.layer_norm_rms_epsilon"),
             kv("llama.rope.freq_base"),
+            rope_scaling=RefModel._rope_scaling(kv, weights.pop("rope_freqs.weight", None)),
         )
+
+    @staticmethod
+    def _rope_scaling(kv, freq_factors: np.ndarray | None) -> RopeScaling:
+        """As llama.cpp reads the keys: no type means linear; factor 0 or absent means unscaled."""
+        kind, factor = kv("llama.rope.scaling.type", "linear"), kv("llama.rope.scaling.factor", 0.0)
+        if kind not in ("none", "linear", "yarn"):
+            raise NotImplementedError(f"npref has no {kind} RoPE scaling")
+        scale = 1.0 if kind == "none" or not factor else 1.0 / factor
+        original = kv("llama.rope.scaling.original_context_length") or kv("llama.context_length")
+        return RopeScaling(freq_factors, scale, original if kind == "yarn" else 0)
 
     @staticmethod
     def from_weights(
@@ -102,8 +141,8 @@ class RefModel:
         k = (x @ w[f"blk.{i}.attn_k.weight"].T).reshape(T, self.n_kv_heads, -1)  # (T, KvH, Hd)
         v = (x @ w[f"blk.{i}.attn_v.weight"].T).reshape(T, self.n_kv_heads, -1)
         pos = np.arange(T, dtype=np.float64)
-        q = rope(q, pos, self.rope_theta, self.interleaved_rope)
-        k = rope(k, pos, self.rope_theta, self.interleaved_rope)
+        q = rope(q, pos, self.rope_theta, self.interleaved_rope, self.rope_scaling)
+        k = rope(k, pos, self.rope_theta, self.interleaved_rope, self.rope_scaling)
         group = self.n_heads // self.n_kv_heads  # query head h reads kv head h // group
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)  # (T, H, Hd)
         scores = np.einsum("thd,shd->hts", q, k) / np.sqrt(q.shape[-1])  # (H, T, T)

@@ -14,7 +14,8 @@ from pp_worker.worker.engines.detokenizer import Detokenizer
 @pytest.fixture(scope="module")
 def vocab_kv() -> dict:
     vocab = build_vocab(builtin_text() + " héllo wörld — 日本語 🙂", 300)
-    return {"tokenizer.ggml.tokens": vocab.tokens, "tokenizer.ggml.token_type": vocab.token_types,
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": vocab.tokens,
+            "tokenizer.ggml.token_type": vocab.token_types,
             "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.eos_token_id": vocab.eos_id}
 
 

@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, clean_env
 from tinygrad.llm.cli import SimpleTokenizer
 
-from pp_worker.driver.chat import Conversation, chat_format, render_chat
+from pp_worker.driver.chat import Conversation, TemplateFormat, pipeline_chat_format
 from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
@@ -25,9 +25,12 @@ from pp_worker.worker.engines.gguf_file import read_header
 
 ZEN = REPO / "pp_worker" / "data" / "zen.gguf"
 
-MAX_CONTEXT = 320  # a conversation of three turns fits (its template is spelled out byte by byte)
+MAX_CONTEXT = 320  # a conversation of three turns fits (its headers are spelled out byte by byte)
 MAX_SESSIONS = 2
-TEMPLATE = "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}{% endfor %}"
+# Llama 3's template, shortened: it writes the BOS itself, as the real one does
+TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+            "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+            "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
 BOS = builtin_vocab(PRESETS["tiny"][1]).bos_id
 PROMPTS = ["Beautiful is better than", "Flat is better", "Errors should never", "Now is better than never"]
 
@@ -57,7 +60,8 @@ def solo(p: Pipeline, prompt: str, max_tokens: int, sampling: Sampling | None = 
 def test_the_ready_lines_carry_what_the_driver_needs(pipeline):
     ready = pipeline.stages[0].ready
     assert (ready["bos_token_id"], ready["add_bos"], ready["max_sessions"]) == (BOS, True, MAX_SESSIONS)
-    assert pipeline.chat_template == TEMPLATE and chat_format(pipeline.chat_template).name == "llama3"
+    assert (ready["bos_token"], ready["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+    assert pipeline.chat_template == TEMPLATE and isinstance(pipeline_chat_format(pipeline), TemplateFormat)
     assert (pipeline.max_context, pipeline.max_sessions) == (MAX_CONTEXT, MAX_SESSIONS)
 
 
@@ -134,7 +138,7 @@ def test_a_conversation_keeps_its_session_between_turns(pipeline, monkeypatch):
     send = first.send
     monkeypatch.setattr(first, "send", lambda obj: (prefills.append((obj["request_id"], obj["position"]))
                                                     if obj["op"] == "embed_and_forward" else None, send(obj)))
-    conversation = Conversation(pipeline, chat_format(pipeline.chat_template), 6, Sampling())
+    conversation = Conversation(pipeline, pipeline_chat_format(pipeline), 6, Sampling())
     pipeline.trace = []
     turns = [conversation.ask(text) for text in ("Beautiful is", "Flat is", "Sparse is")]
     released_early = [t for t in pipeline.trace if t[3] == "release"]
@@ -146,10 +150,11 @@ def test_a_conversation_keeps_its_session_between_turns(pipeline, monkeypatch):
     # turns 2 and 3 prefill from where they part from what the session holds: its earlier turns are kept
     starts = [_common(t.cached, t.prompt_tokens) for t in turns]
     assert prefills == [(rid, 0), (rid, starts[1]), (rid, starts[2])] and 0 < starts[1] < starts[2]
-    for t in turns:  # one BOS, at the start of the whole conversation
+    for t in turns:  # one BOS, at the start of the whole conversation, although the template writes one too
         assert t.prompt_tokens[0] == BOS and t.prompt_tokens.count(BOS) == 1
+        assert t.prompt.startswith("<|start_header_id|>user")
     # the third answer is what a fresh session gives for the same conversation
-    fresh = solo(pipeline, render_chat(conversation.fmt, conversation.turns[:-1]), 6)
+    fresh = solo(pipeline, conversation.fmt.render(conversation.turns[:-1]), 6)
     assert fresh.prompt_tokens == turns[2].prompt_tokens and fresh.tokens == turns[2].tokens
 
 

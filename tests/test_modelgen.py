@@ -77,6 +77,21 @@ def test_same_seed_is_byte_identical(tmp_path, tiny_models, dtype):
     assert again.read_bytes() == tiny_models[dtype].read_bytes()
 
 
+def test_other_families_are_byte_identical_too(tmp_path, tiny_models):
+    from pp_worker.testing.rope_scaling import RopeScaling, llama3_rope_factors
+
+    rope = RopeScaling(type="yarn", factor=4.0, original_context_length=64,
+                       freq_factors=llama3_rope_factors(16, 10000.0, 4.0, original_context=32))
+    kinds = {"spm": {"tokenizer": mg.SPM, "rope": rope}, "smollm": {"tokenizer": "smollm"}}
+    first = {k: mg.generate(tmp_path / f"{k}-1.gguf", "tiny", **kw).read_bytes() for k, kw in kinds.items()}
+    mg.builtin_vocab.cache_clear()
+    for k, kw in kinds.items():
+        assert mg.generate(tmp_path / f"{k}-2.gguf", "tiny", **kw).read_bytes() == first[k], k
+    assert first["smollm"] != tiny_models["F16"].read_bytes()
+    scaling = RefModel.from_gguf(tmp_path / "spm-1.gguf").rope_scaling  # what was written reads back
+    assert scaling.yarn_original_context == 64 and scaling.freq_scale == 0.25 and len(scaling.freq_factors) == 8
+
+
 def test_different_seed_differs(tmp_path, tiny_models):
     other = mg.generate(tmp_path / "seed1.gguf", "tiny", seed=1, dtype="F16")
     assert other.read_bytes() != tiny_models["F16"].read_bytes()

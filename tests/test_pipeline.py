@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO
 
-from pp_worker.driver.chat import chat_format, render_chat
+from pp_worker.driver.chat import CHAT_FORMATS, chat_format
 from pp_worker.driver.cli import Output
 from pp_worker.driver.generation import Generation, Sampling, _reusable
 from pp_worker.driver.pipeline import Pipeline, make_generations, run_pipeline
@@ -147,7 +147,7 @@ def test_output_holds_later_prompts_and_half_characters():
 def test_chat_plain_format_and_session_reuse():
     fmt = chat_format(None)
     assert fmt.name == "plain"
-    assert render_chat(fmt, [("user", "hi"), ("assistant", "yo"), ("user", "ok")]) == \
+    assert fmt.render([("user", "hi"), ("assistant", "yo"), ("user", "ok")]) == \
         "User: hi\nAssistant: yo\nUser: ok\nAssistant:"
     with Pipeline(Launch(2, stub=True), log=None) as p:
         p.trace = []
@@ -165,12 +165,13 @@ def test_chat_plain_format_and_session_reuse():
     assert _reusable([1, 2], [3, 4]) == 0
 
 
-def test_chat_format_follows_the_chat_template():
-    template = "{% for m in messages %}<|start_header_id|>{{ m.role }}<|end_header_id|>{% endfor %}"
-    fmt = chat_format(template)
-    assert fmt.name == "llama3"
-    assert render_chat(fmt, [("user", "hi")]) == ("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
-                                                  "<|start_header_id|>assistant<|end_header_id|>\n\n")
+def test_a_template_that_does_not_render_falls_back_to_the_format_its_markers_name():
+    template = "{{ raise_exception('no') }}<|start_header_id|>{% for m in messages %}{{ m.role }}{% endfor %}"
+    logged: list[str] = []
+    fmt = chat_format(template, log=logged.append)
+    assert fmt is CHAT_FORMATS["<|start_header_id|>"] and "TemplateError: no" in logged[0]
+    assert fmt.render([("user", "hi")]) == ("<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>"
+                                            "<|start_header_id|>assistant<|end_header_id|>\n\n")
 
 
 def test_chat_cli_reads_turns_from_stdin():

@@ -86,7 +86,8 @@ def test_entry_points_start_and_report_ready(spawn: Spawn, tmp_path: Path, name:
     assert ready["layer_range"] == layer_range(1, 3, ready["total_blocks"])
     assert isinstance(ready["eos_token_ids"], list)
     # what a remote driver needs (no GGUF in the stub): no template, no BOS, PP_MAX_SESSIONS' default
-    model_fields = {"chat_template": None, "bos_token_id": None, "add_bos": False, "max_sessions": 8}
+    model_fields = {"chat_template": None, "bos_token_id": None, "add_bos": False, "bos_token": None,
+                    "eos_token": None, "max_sessions": 8}
     assert {k: ready.get(k, "absent") for k in model_fields} == model_fields
     status = w.request({"op": "status", "request_id": 3})
     assert {k: status.get(k, "absent") for k in model_fields} == model_fields

@@ -100,6 +100,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert kv["tokenizer.ggml.eos_token_id"] in r["eos_token_ids"]
             assert (r["chat_template"], r["bos_token_id"], r["add_bos"], r["max_sessions"]) == \
                 (None, kv["tokenizer.ggml.bos_token_id"], False, 3)  # the generated model: no template, no BOS
+            assert (r["bos_token"], r["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
         tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
         hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})
         token = last.request({"op": "forward_and_sample", "request_id": 5, "hidden_b64": hidden["hidden_b64"],

@@ -19,7 +19,7 @@ import openai
 import pytest
 from serving import Server, request_id
 
-from pp_worker.driver.chat import chat_format, render_chat
+from pp_worker.driver.chat import chat_format
 from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.serve.cli import _launch, parse_args
@@ -65,7 +65,7 @@ def test_completion_streamed_or_not_equals_the_driver(server: Server) -> None:
 
 def test_chat_renders_the_model_format(server: Server) -> None:
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there pipeline"}]
-    prompt = render_chat(chat_format(None), [("system", "be brief"), ("user", "hello there pipeline")])
+    prompt = chat_format(None).render([("system", "be brief"), ("user", "hello there pipeline")])
     text, n_prompt, _ = driver_text(prompt, 6)
     client = server.client()
     r = client.chat.completions.create(model="m", messages=messages, max_tokens=6)

@@ -21,7 +21,7 @@ from tinygrad import dtypes
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate, random_weights, write_gguf
 from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
-from pp_worker.worker.engines.gguf_loader import bos_token, context_length
+from pp_worker.worker.engines.gguf_loader import context_length
 from pp_worker.worker.engines.tinygrad_engine import InputBuffer, TinygradEngine
 
 MAX_CONTEXT = 64
@@ -348,24 +348,6 @@ def test_context_length_rule():
     assert context_length({**kv, "llama.context_length": 131072}, 8192, cap=8192) == 8192
     with pytest.raises(ModelLoadError):
         context_length(kv, 0)
-
-
-GPT2, SPM = {"tokenizer.ggml.model": "gpt2"}, {"tokenizer.ggml.model": "llama"}
-
-
-@pytest.mark.parametrize("kv, expected", [
-    ({**GPT2, "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.bos_token_id": 5}, (5, True)),  # Llama 3
-    ({**GPT2, "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.bos_token_id": 5}, (5, False)),
-    ({**GPT2, "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.bos_token_id": 5,
-      "tokenizer.ggml.add_bos_token": False}, (5, False)),  # the GGUF's flag wins
-    ({**GPT2, "tokenizer.ggml.pre": "qwen2", "tokenizer.ggml.bos_token_id": 5,
-      "tokenizer.ggml.add_bos_token": True}, (5, True)),
-    ({**SPM, "tokenizer.ggml.bos_token_id": 1}, (1, True)),  # SentencePiece: yes by default
-    ({**SPM, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.add_bos_token": False}, (1, False)),
-    ({**SPM}, (None, False)),  # no BOS id: nothing to add
-])
-def test_bos_rule_is_llama_cpps(kv, expected):
-    assert bos_token(kv) == expected
 
 
 def test_tokenize_puts_the_bos_first_when_the_gguf_says_so(tmp_path):

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pp_worker.driver.chat import ChatFormat, render_chat
+from pp_worker.driver.chat import Format
 from pp_worker.driver.generation import Sampling
 from pp_worker.wire import WireError, parse_json
 
@@ -81,7 +81,7 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
     return _ask(body, _prompt(prompt), defaults, chat=False, max_tokens_field="max_tokens")
 
 
-def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: ChatFormat) -> Ask:
+def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: Format) -> Ask:
     """POST /v1/chat/completions: the messages rendered with the model's chat format."""
     messages = _required(body, "messages")
     if not isinstance(messages, list):
@@ -91,7 +91,7 @@ def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: ChatFormat) -> Ask:
     turns = [_turn(m, i) for i, m in enumerate(messages)]
     _unsupported(body, tools=None, functions=None, top_logprobs=None, response_format=None)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    ask = _ask(body, _prompt(render_chat(fmt, turns)), defaults, chat=True, max_tokens_field=field)
+    ask = _ask(body, _prompt(fmt.render(turns)), defaults, chat=True, max_tokens_field=field)
     return replace(ask, stop=tuple(dict.fromkeys(ask.stop + fmt.stop)))  # the format's end-of-turn text ends it
 
 

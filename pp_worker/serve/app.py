@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from pp_worker.driver.chat import ChatFormat
+from pp_worker.driver.chat import Format
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
 from pp_worker.serve.api import ApiError, Ask, Defaults, chat_ask, completion_ask, parse_body, unavailable
 from pp_worker.serve.feed import Feed, Update
@@ -32,12 +32,12 @@ MAX_BODY_BYTES = 1 << 22  # far above any prompt we accept (api.MAX_PROMPT_CHARS
 @dataclass(frozen=True)
 class Api:
     service: PipelineService
-    chat_format: ChatFormat
+    chat_format: Format
     defaults: Defaults
     created: int  # when the server started: the model's "created"
 
 
-def build_app(service: PipelineService, chat_format: ChatFormat, defaults: Defaults) -> Starlette:
+def build_app(service: PipelineService, chat_format: Format, defaults: Defaults) -> Starlette:
     api = Api(service, chat_format, defaults, int(time.time()))
 
     async def completions(request: Request) -> Response:

@@ -23,7 +23,7 @@ from types import FrameType
 
 import uvicorn
 
-from pp_worker.driver.chat import chat_format
+from pp_worker.driver.chat import pipeline_chat_format
 from pp_worker.driver.flags import add_pipeline_flags, check_pipeline_flags, launch_from, sampling_from
 from pp_worker.driver.pipeline import PipelineError
 from pp_worker.driver.service import PipelineService
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     try:
-        fmt = chat_format(service.pipeline.chat_template)  # from stage 0's ready line
+        fmt = pipeline_chat_format(service.pipeline, log=lambda msg: print(f"pp-serve: {msg}", file=sys.stderr))
         app = build_app(service, fmt, Defaults(args.max_tokens, sampling_from(args)))
         host, port = sock.getsockname()[:2]
         print(f"pp-serve: listening on http://{host}:{port} (model {service.model}, {args.stages} stages, up to "

@@ -1,8 +1,10 @@
-"""Deterministic byte-level BPE tokenizer building, in the GGUF `gpt2` / `llama-bpe` format.
+"""Deterministic byte-level BPE tokenizer building, in the GGUF `gpt2` format.
 
 `build_vocab` trains on a text and returns a `Vocab` whose ids both tinygrad's SimpleTokenizer and llama.cpp
 encode alike; `builtin_text` is the fixed training text that `modelgen` uses, so the same arguments always give
-the same vocabulary.
+the same vocabulary. Words are split as the vocabulary's pre-tokenizer (`tokenizer.ggml.pre`) will split them:
+llama-bpe by the regex below (tinygrad's spelling), any other name by llama.cpp's regexes as the worker applies
+them (`engines.pretok`), so no token spans what the encoder keeps apart.
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ import re
 import unicodedata
 from collections import Counter, defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pp_worker.worker.engines.detokenizer import byte_symbols
+
+if TYPE_CHECKING:
+    from gguf import GGUFWriter
+    from tokenizers.pre_tokenizers import PreTokenizer
 
 DEFAULT_SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
 
@@ -31,6 +38,17 @@ class Vocab:
     merges: list[str]  # "left right" in GPT-2 byte symbols, in rank order
     bos_id: int
     eos_id: int
+    pre: str = "llama-bpe"  # tokenizer.ggml.pre: how text is split into words before merging
+
+    def write_tokenizer(self, writer: GGUFWriter) -> None:
+        """The tokenizer keys of a GGUF (not add_bos/add_eos: the model's writer decides those)."""
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre(self.pre)
+        writer.add_token_list(self.tokens)
+        writer.add_token_types(self.token_types)
+        writer.add_token_merges(self.merges)
+        writer.add_bos_token_id(self.bos_id)
+        writer.add_eos_token_id(self.eos_id)
 
 
 def _spell(token: bytes) -> str:
@@ -62,9 +80,22 @@ def _word_regex() -> re.Pattern[str]:
     )
 
 
-def pretokenize(text: str) -> list[str]:
-    """Split text into the words a llama-bpe tokenizer encodes separately (merges never cross them)."""
-    return _word_regex().findall(text)
+def pretokenize(text: str, pre: str = "llama-bpe") -> list[str]:
+    """Split text into the words a ``pre`` tokenizer encodes separately (merges never cross them)."""
+    if pre == "llama-bpe":
+        return _word_regex().findall(text)
+    return [w for w, _ in _split_by(pre).pre_tokenize_str(text)]
+
+
+@functools.cache
+def _split_by(pre: str) -> PreTokenizer:
+    """llama.cpp's regexes for ``pre`` as the worker's tokenizer applies them, without the byte mapping."""
+    from tokenizers import Regex, pre_tokenizers
+
+    from pp_worker.worker.engines.pretok import pre_tokenizer
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
+                                    for r in pre_tokenizer(pre).regexes])
 
 
 def _merge_word(word: list[int], a: int, b: int, new: int) -> list[int]:
@@ -134,18 +165,19 @@ def _merge_list(tokens: list[bytes]) -> list[str]:
     return merges
 
 
-def build_vocab(text: str, n_merges: int, specials: tuple[str, ...] = DEFAULT_SPECIALS) -> Vocab:
+def build_vocab(text: str, n_merges: int, specials: tuple[str, ...] = DEFAULT_SPECIALS,
+                pre: str = "llama-bpe") -> Vocab:
     """Byte-level BPE trained deterministically on `text`.
 
     Ids: 0..255 are the single bytes *by byte value* (token b is GPT-2's symbol for byte b), then the learned
     tokens in merge order (tinygrad merges by lowest token id), then `specials` (type 3; the first is BOS, the
-    second EOS). Words are pre-split the llama-bpe way and special strings are cut out first, as the encoders do.
+    second EOS). Words are pre-split the ``pre`` way and special strings are cut out first, as the encoders do.
     Fewer than `n_merges` tokens are learned only if the text runs out of pairs.
     """
     if len(specials) < 2:
         raise ValueError(f"specials must name at least BOS and EOS, got {specials!r}")
     pieces = re.split("|".join(map(re.escape, specials)), text)
-    word_counts = Counter(w.encode() for piece in pieces for w in pretokenize(piece))
+    word_counts = Counter(w.encode() for piece in pieces for w in pretokenize(piece, pre))
     byte_tokens = _learn_tokens(word_counts, n_merges)
     normal = [_spell(t) for t in byte_tokens]
     return Vocab(
@@ -154,6 +186,7 @@ def build_vocab(text: str, n_merges: int, specials: tuple[str, ...] = DEFAULT_SP
         merges=_merge_list(byte_tokens),
         bos_id=len(normal),
         eos_id=len(normal) + 1,
+        pre=pre,
     )
 
 

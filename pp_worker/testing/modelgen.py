@@ -1,10 +1,12 @@
 """Deterministic generator of small llama-architecture GGUF models for tests, benches and demos.
 
-The same arguments always give a byte-identical file: the tokenizer is a byte-level BPE trained
-deterministically on a built-in text, the weights come from a seeded numpy generator, and the
-`gguf` package writes no timestamps. Files load in tinygrad (`Transformer.from_gguf`) and llama.cpp.
+The same arguments always give a byte-identical file: the tokenizer is trained deterministically on a
+built-in text (a byte-level BPE for any `tokenizer.ggml.pre` name, or a SentencePiece vocabulary), the weights
+come from a seeded numpy generator, and the `gguf` package writes no timestamps. Files load in tinygrad
+(`Transformer.from_gguf`, byte-level BPE only) and llama.cpp. RoPE scaling (llama3 `rope_freqs.weight`, linear,
+yarn) is optional (`rope_scaling.RopeScaling`).
 
-    python -m pp_worker.testing.modelgen OUT.gguf --preset tiny --seed 0 --dtype F16
+    python -m pp_worker.testing.modelgen OUT.gguf --preset tiny --seed 0 --dtype F16 [--tokenizer spm|smollm|...]
 """
 
 from __future__ import annotations
@@ -18,8 +20,12 @@ from pathlib import Path
 
 import numpy as np
 
-# the tokenizer the generated models carry
+# the tokenizers the generated models carry
 from pp_worker.testing.bpe import Vocab, build_vocab, builtin_text
+from pp_worker.testing.rope_scaling import RopeScaling
+from pp_worker.testing.spm import SpmVocab, build_spm_vocab
+
+SPM = "spm"  # `tokenizer` value for a SentencePiece vocabulary; any other is a byte-level BPE's pre name
 
 
 @dataclass(frozen=True)
@@ -125,8 +131,8 @@ def _encode_tensor(w: np.ndarray, dtype: str) -> tuple[np.ndarray, object | None
     return w.astype(np.float16), None
 
 
-def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab, dtype: str, chat_template: str | None, name: str,
-                  add_bos: bool) -> None:
+def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab | SpmVocab, dtype: str, chat_template: str | None, name: str,
+                  add_bos: bool | None) -> None:
     writer.add_name(name)
     writer.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7}[dtype])  # llama_ftype ALL_F32 / MOSTLY_F16 / MOSTLY_Q8_0
     writer.add_quantization_version(2)
@@ -140,17 +146,12 @@ def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab, dtype: str, chat_templa
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_rope_dimension_count(spec.head_dim)
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("llama-bpe")
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types(vocab.token_types)
-    writer.add_token_merges(vocab.merges)
-    writer.add_bos_token_id(vocab.bos_id)
-    writer.add_eos_token_id(vocab.eos_id)
+    vocab.write_tokenizer(writer)
     if "<|eot_id|>" in vocab.tokens:
         writer.add_eot_token_id(vocab.tokens.index("<|eot_id|>"))
-    writer.add_add_bos_token(add_bos)
-    writer.add_add_eos_token(False)
+    if add_bos is not None:  # absent: the tokenizer's default rule decides (llama.cpp's, see engines.vocab)
+        writer.add_add_bos_token(add_bos)
+        writer.add_add_eos_token(False)
     if chat_template is not None:
         writer.add_chat_template(chat_template)
 
@@ -159,14 +160,16 @@ def write_gguf(
     path: str | Path,
     spec: LlamaSpec,
     weights: dict[str, np.ndarray],
-    vocab: Vocab,
+    vocab: Vocab | SpmVocab,
     dtype: str = "F16",
     chat_template: str | None = None,
     name: str = "pp-worker-test",
-    add_bos: bool = False,
+    add_bos: bool | None = False,
+    rope: RopeScaling | None = None,
 ) -> Path:
     """Write a llama GGUF. `weights` are HF layout (see `random_weights`); Q/K rows are permuted to GGUF order here.
-    ``add_bos`` is tokenizer.ggml.add_bos_token: whether a tokenizer puts the BOS in front of every text."""
+    ``add_bos`` is tokenizer.ggml.add_bos_token: whether a tokenizer puts the BOS in front of every text (None:
+    no key). ``rope``: RoPE scaling keys and the llama3 rope_freqs.weight tensor."""
     from gguf import GGUFWriter
 
     if dtype not in DTYPES:
@@ -179,6 +182,8 @@ def write_gguf(
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # readers of a shared model dir never see half a file
     writer = GGUFWriter(tmp, "llama")
     _add_metadata(writer, spec, vocab, dtype, chat_template, name, add_bos)
+    if rope is not None:
+        rope.write(writer)
     for tname, shape in shapes.items():  # fixed order, whatever the dict order
         w = np.asarray(weights[tname], dtype=np.float32)
         if w.shape != shape:
@@ -196,21 +201,25 @@ def write_gguf(
 
 
 @functools.cache
-def builtin_vocab(n_merges: int) -> Vocab:
-    """The vocabulary `generate` uses (cached: shared object, do not mutate)."""
-    return build_vocab(builtin_text(), n_merges)
+def builtin_vocab(n_merges: int, tokenizer: str = "llama-bpe") -> Vocab | SpmVocab:
+    """The vocabulary `generate` uses (cached: shared object, do not mutate): SentencePiece for ``tokenizer`` "spm",
+    else byte-level BPE split by the ``tokenizer`` pre-tokenizer."""
+    if tokenizer == SPM:
+        return build_spm_vocab(n_merges)
+    return build_vocab(builtin_text(), n_merges, pre=tokenizer)
 
 
-def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "F16", *, add_bos: bool = False,
-             chat_template: str | None = None) -> Path:
+def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "F16", *,
+             add_bos: bool | None = False, chat_template: str | None = None, tokenizer: str = "llama-bpe",
+             rope: RopeScaling | None = None) -> Path:
     """Write the `preset` model with weights from `seed`; the same arguments give a byte-identical file."""
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec, n_merges = PRESETS[preset]
-    vocab = builtin_vocab(n_merges)
+    vocab = builtin_vocab(n_merges, tokenizer)
     weights = random_weights(spec, len(vocab.tokens), seed)
     return write_gguf(path, spec, weights, vocab, dtype=dtype, name=f"pp-worker-{preset}-s{seed}", add_bos=add_bos,
-                      chat_template=chat_template)
+                      chat_template=chat_template, rope=rope)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,10 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=DTYPES, default="F16")
     ap.add_argument("--add-bos", action="store_true", help="tokenizer.ggml.add_bos_token = true (default false)")
+    ap.add_argument("--tokenizer", default="llama-bpe",
+                    help="'spm' (SentencePiece) or a byte-level BPE's tokenizer.ggml.pre name (default llama-bpe)")
     args = ap.parse_args(argv)
-    path = generate(args.out, args.preset, args.seed, args.dtype, add_bos=args.add_bos)
+    path = generate(args.out, args.preset, args.seed, args.dtype, add_bos=args.add_bos, tokenizer=args.tokenizer)
     spec, n_merges = PRESETS[args.preset]
-    n_vocab = len(builtin_vocab(n_merges).tokens)
+    n_vocab = len(builtin_vocab(n_merges, args.tokenizer).tokens)
     print(
         f"{path}: {args.preset} {args.dtype} vocab={n_vocab} params={param_count(spec, n_vocab)} "
         f"bytes={path.stat().st_size}",

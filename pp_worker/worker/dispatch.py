@@ -105,7 +105,7 @@ def model_fields(engine: Engine) -> Reply:
     """What a driver needs beyond the shapes, so it needs no copy of the GGUF (ready line and status)."""
     info = engine.info
     return {"chat_template": info.chat_template, "bos_token_id": info.bos_token_id, "add_bos": info.add_bos,
-            "max_sessions": engine.max_sessions}
+            "bos_token": info.bos_token, "eos_token": info.eos_token, "max_sessions": engine.max_sessions}
 
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

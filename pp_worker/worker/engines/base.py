@@ -29,7 +29,9 @@ class ModelInfo:
     name: str = ""
     chat_template: str | None = None
     bos_token_id: int | None = None
-    add_bos: bool = False  # tokenize puts bos_token_id first (the GGUF's flag; see gguf_loader.bos_token)
+    add_bos: bool = False  # tokenize puts bos_token_id first (the GGUF's flag; see engines.vocab.bos_token)
+    bos_token: str | None = None  # the BOS's and EOS's texts: what a chat template calls bos_token / eos_token
+    eos_token: str | None = None
     check_token_ids: bool = True  # token ids must be < vocab_size (the stub accepts any, as the seed did)
 
 

@@ -20,8 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from pp_worker.worker.engines.detokenizer import Detokenizer
 from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header
+from pp_worker.worker.engines.rope import RopeParams
+from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.shard import Shard
 
 if TYPE_CHECKING:
@@ -29,7 +33,7 @@ if TYPE_CHECKING:
     from tinygrad.llm.model import TransformerBlock, TransformerConfig
 
 CONTEXT_CAP = 4096
-GGML_F16 = 1  # ggml type id of float16 data
+GGML_F32, GGML_F16 = 0, 1  # ggml type ids of float32 and float16 data
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # plain attention + dense FFN, tinygrad's TransformerBlock
 END_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
                    "</s>", "<end_of_turn>")
@@ -111,24 +115,6 @@ def eos_token_ids(kv: dict[str, Any]) -> list[int]:
     tokens = kv.get("tokenizer.ggml.tokens", [])
     ids |= {i for i, tok in enumerate(tokens) if tok in END_TOKEN_NAMES}
     return sorted(ids)
-
-
-# llama.cpp's tokenizer.ggml.pre values whose BPE vocabularies add a BOS when the GGUF does not say
-BOS_BY_DEFAULT_PRE = ("llama3", "llama-v3", "llama-bpe", "falcon3", "tekken", "chameleon")
-
-
-def bos_token(kv: dict[str, Any]) -> tuple[int | None, bool]:
-    """(BOS id or None, whether tokenizing adds it), by llama.cpp's rule (src/llama-vocab.cpp): the GGUF's
-    tokenizer.ggml.add_bos_token when present; otherwise yes for SentencePiece ("llama") and WordPiece ("bert")
-    vocabularies and for BPE ("gpt2") ones with a pre-tokenizer in BOS_BY_DEFAULT_PRE, no for the rest. Without a
-    tokenizer.ggml.bos_token_id nothing is added."""
-    bos = kv.get("tokenizer.ggml.bos_token_id")
-    if "tokenizer.ggml.add_bos_token" in kv:
-        add = bool(kv["tokenizer.ggml.add_bos_token"])
-    else:
-        model = kv.get("tokenizer.ggml.model")
-        add = model in ("llama", "bert") or (model == "gpt2" and kv.get("tokenizer.ggml.pre") in BOS_BY_DEFAULT_PRE)
-    return bos, add and bos is not None
 
 
 # ---------------------------------------------------------------- tensors
@@ -230,8 +216,9 @@ class StageWeights:
     token_embd: nn.Embedding | None
     output_norm: nn.RMSNorm | None
     output: nn.Linear | None
-    tokenizer: Any | None  # tinygrad.llm.cli.SimpleTokenizer on the first stage (encodes)
-    detokenizer: Detokenizer | None  # on the last stage (decodes; no pre-tokenizer regex to build)
+    tokenizer: Tokenizer | None  # on the first stage (encodes)
+    detokenizer: Detokenizer | None  # on the last stage (decodes from a table; no tokenizer library)
+    rope: RopeParams  # how every block rotates Q and K, scaling included
     loaded: dict[str, int]  # tensor name -> bytes read from the file
     path: Path
 
@@ -249,11 +236,12 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
         shard = Shard.of(stage, num_stages, config.num_blocks)
     except ValueError as e:
         raise ModelLoadError(f"cannot split {config.num_blocks} blocks: {e}") from e
-    # tokenizers first: SimpleTokenizer's regex compile peaks well above what it keeps, better before the weights
-    tokenizer = _load_tokenizer(header.kv, _simple_tokenizer) if shard.is_first else None
+    # tokenizers first: building one peaks above what it keeps (freed heap goes back below), better before the weights
+    tokenizer = _load_tokenizer(header.kv, Tokenizer.from_gguf_kv) if shard.is_first else None
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
     _return_freed_heap()
     source = TensorSource(header, half=bool(getenv("HALF", 1)))
+    rope = RopeParams.from_gguf(header.kv, config.rope_dim, _rope_freqs(source))
     blocks = []
     for j, i in enumerate(range(shard.start, shard.end)):
         emit("loading", blocks_done=j, blocks_total=shard.end - shard.start, stage_index=stage)
@@ -262,7 +250,19 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
     return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
-                        source.loaded, path)
+                        rope, source.loaded, path)
+
+
+def _rope_freqs(source: TensorSource) -> np.ndarray | None:
+    """rope_freqs.weight (Llama 3.1+'s per-frequency RoPE factors) as float32, on every stage: every block ropes.
+    Not through ``tensor()``: its fp16 cast would round the factors."""
+    info = source.header.tensors.get("rope_freqs.weight")
+    if info is None:
+        return None
+    if info.ggml_type != GGML_F32:
+        raise ModelLoadError(f"{source.header.path}: rope_freqs.weight has GGML type {info.ggml_type}, expected F32")
+    source.loaded[info.name] = info.n_elements * 4
+    return np.fromfile(source.header.path, np.float32, info.n_elements, offset=info.offset)
 
 
 def _load_embedding(source: TensorSource, config: TransformerConfig) -> nn.Embedding:
@@ -299,14 +299,8 @@ def _return_freed_heap() -> None:
         pass
 
 
-def _simple_tokenizer(kv: dict[str, Any]) -> Any:
-    from tinygrad.llm.cli import SimpleTokenizer
-
-    return SimpleTokenizer.from_gguf_kv(kv)
-
-
 def _load_tokenizer(kv: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> Any:
     try:
         return build(kv)
-    except (KeyError, ValueError) as e:
+    except Exception as e:  # KeyError, ValueError, or the tokenizer library's own on a malformed vocabulary
         raise ModelLoadError(f"cannot build the tokenizer: {type(e).__name__}: {e}") from e

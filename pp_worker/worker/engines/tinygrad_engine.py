@@ -19,12 +19,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp, dtypes
-from tinygrad.llm.model import precompute_freqs_cis
 
 from pp_worker.worker.engines.base import ModelInfo
-from pp_worker.worker.engines.gguf_loader import StageWeights, bos_token, eos_token_ids, load_stage
+from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.kvcache import KVPool
+from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import SessionTable
+from pp_worker.worker.engines.vocab import bos_token
 
 if TYPE_CHECKING:
     from tinygrad.device import Buffer
@@ -78,7 +79,7 @@ class CompiledStage:
         self.decode = TinyJit(self._forward)
         self.prefill = TinyJit(self._forward)
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
-        freqs = precompute_freqs_cis(cfg.rope_dim, cfg.max_context, cfg.rope_theta).realize()
+        freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
             block.freqs_cis = freqs
 
@@ -117,10 +118,13 @@ class TinygradEngine:
         cfg, kv = self._w.config, self._w.kv
         self.shard = self._w.shard
         bos, add_bos = bos_token(kv)
+        eos, tokens = kv.get("tokenizer.ggml.eos_token_id"), kv["tokenizer.ggml.tokens"]
         self.info = ModelInfo(hidden_dim=cfg.dim, vocab_size=cfg.vocab_size, total_blocks=cfg.num_blocks,
                               eos_token_ids=eos_token_ids(kv), max_context=cfg.max_context,
                               name=kv.get("general.name") or kv.get("general.basename") or model,
-                              chat_template=kv.get("tokenizer.chat_template"), bos_token_id=bos, add_bos=add_bos)
+                              chat_template=kv.get("tokenizer.chat_template"), bos_token_id=bos, add_bos=add_bos,
+                              bos_token=None if bos is None else tokens[bos],
+                              eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
         self._stage = CompiledStage(self._w)
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions)
@@ -136,8 +140,7 @@ class TinygradEngine:
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         assert self._w.tokenizer is not None, "tokenize runs on the first stage"
-        ids = self._w.tokenizer.encode(text)  # SimpleTokenizer never adds a BOS itself
-        return [self.info.bos_token_id, *ids] if add_special and self.info.add_bos else ids
+        return self._w.tokenizer.encode(text, add_special)
 
     def detokenize(self, tokens: list[int]) -> str:
         assert self._w.detokenizer is not None, "detokenize runs on the last stage"
