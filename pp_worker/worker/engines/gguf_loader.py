@@ -144,18 +144,21 @@ class TensorSource:
         return t.cast(dtypes.float16) if self.half else t
 
     def _read_into(self, t: Tensor, info: TensorInfo) -> Tensor:
-        """Read the tensor's bytes from the file into ``t``'s device buffer: in place on the CPU, through one
-        staging copy elsewhere. A numpy copy plus a device copy per tensor used to stay resident."""
+        """Read the tensor's bytes from the file into ``t``'s device buffer: in place when the device memory is
+        host memory (CPU), else through one staging copy. A numpy copy plus a device copy per tensor used to stay
+        resident."""
         buf = t.uop.base.buffer.ensure_allocated()
         with open(self.header.path, "rb") as f:
             f.seek(info.offset)
             if hasattr(buf.allocator, "_as_buffer") and buf.options is None:  # host memory we may write
                 got = f.readinto(buf.as_memoryview(force_zero_copy=True).cast("B"))
             else:
-                data = f.read(info.nbytes)
-                got = len(data)
+                # writable: CUDA's copyin takes the address of its source, which a bytes object cannot give.
+                # One per tensor, freed at once: copyin has copied it out (into pinned memory on CUDA) on return.
+                staging = bytearray(info.nbytes)
+                got = f.readinto(staging)
                 if got == info.nbytes:
-                    buf.copyin(memoryview(data))
+                    buf.copyin(memoryview(staging))
         if got != info.nbytes:
             raise ModelLoadError(f"{self.header.path}: truncated file: tensor {info.name} is short of data")
         return t
