@@ -6,8 +6,8 @@ dequantized with tinygrad's `ggml_data_to_tensor`, cast to fp16 (`HALF=1`, tinyg
 un-permuted for llama exactly as `from_gguf` does, and realized block by block.
 
 Context: ``max_context = min(requested or context_length, context_length, cap)`` with ``cap`` 4096 by default.
-Every session holds a float32 KV cache of max_context positions per block, so an uncapped 128k-context model
-would need gigabytes per generation.
+Every session holds a KV cache of max_context positions per block, so an uncapped 128k-context model would need
+gigabytes per generation.
 
 tinygrad is imported inside the functions that need it; `ModelLoadError` and `read_header` (from `gguf_file`)
 are importable from here too.
@@ -26,7 +26,9 @@ from pp_worker.worker.shard import Shard
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, nn
-    from tinygrad.llm.model import TransformerBlock, TransformerConfig
+    from tinygrad.llm.model import TransformerConfig
+
+    from pp_worker.worker.engines.kvcache import CacheBlock
 
 CONTEXT_CAP = 4096
 GGML_F16 = 1  # ggml type id of float16 data
@@ -182,12 +184,13 @@ def _realize(obj: object) -> None:
     Tensor.realize(*params)
 
 
-def load_block(source: TensorSource, config: TransformerConfig, i: int) -> TransformerBlock:
+def load_block(source: TensorSource, config: TransformerConfig, i: int) -> CacheBlock:
     """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), realized."""
     from tinygrad import nn
-    from tinygrad.llm.model import TransformerBlock
 
-    block = TransformerBlock(config)
+    from pp_worker.worker.engines.kvcache import CacheBlock
+
+    block = CacheBlock(config)
     weights = {k: source.tensor(f"blk.{i}.{k}") for k in nn.state.get_state_dict(block)}
     if source.header.kv["general.architecture"] == "llama":
         weights["attn_q.weight"] = _unpermute_rows(weights["attn_q.weight"], config.n_heads,
@@ -211,7 +214,7 @@ class StageWeights:
     shard: Shard
     config: TransformerConfig
     kv: dict[str, Any]
-    blocks: list[TransformerBlock]  # blocks[j] is block shard.start + j
+    blocks: list[CacheBlock]  # blocks[j] is block shard.start + j
     token_embd: nn.Embedding | None
     output_norm: nn.RMSNorm | None
     output: nn.Linear | None
