@@ -96,7 +96,8 @@ def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Repl
     s = w.shard
     return {"stage": s.stage, "num_stages": s.num_stages, "role": s.role.value, "layer_range": [s.start, s.end],
             "model": w.model, "pid": os.getpid(), "sessions": {str(k): v for k, v in w.engine.sessions().items()},
-            "requests_served": w.clock.requests_served, "uptime_ms": w.clock.uptime_ms(), "rss_mb": rss_mb()}
+            "requests_served": w.clock.requests_served, "uptime_ms": w.clock.uptime_ms(), "rss_mb": rss_mb(),
+            **w.engine.describe()}
 
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
