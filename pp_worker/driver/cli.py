@@ -86,7 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--stub", action="store_true", help="stub workers (PP_WORKER_STUB=1): no model, fake tensors")
     ap.add_argument("--launcher", help="command template per stage, e.g. 'ssh node{stage} python3 -m pp_worker'; "
                     "placeholders {stage} {num_stages} {python} {env} (where the env K=V words go)")
-    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra variable for every worker")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="extra variable for every worker; {stage} in V is the stage's index "
+                    "(e.g. CUDA_VISIBLE_DEVICES={stage}: one GPU per stage)")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens to generate per prompt (default 64)")
     ap.add_argument("--concurrency", type=int, default=1, help="generations in flight at once (default 1)")

@@ -38,7 +38,8 @@ class Launch:
     model: str | None = None
     stub: bool = False
     launcher: str | None = None  # placeholders: {stage} {num_stages} {python} {env}
-    env: dict[str, str] = field(default_factory=dict)  # extra variables for every worker
+    env: dict[str, str] = field(default_factory=dict)  # extra variables for every worker; "{stage}" in a value
+    # becomes the stage's index, so one setting can give each stage its own GPU: CUDA_VISIBLE_DEVICES={stage}
 
     def worker_env(self, stage: int) -> dict[str, str]:
         """The variables a worker needs, beyond what it inherits."""
@@ -47,7 +48,7 @@ class Launch:
             env["MODEL"] = self.model
         if self.stub:
             env["PP_WORKER_STUB"] = "1"
-        return {**env, **self.env}
+        return {**env, **{k: v.replace("{stage}", str(stage)) for k, v in self.env.items()}}
 
     def argv(self, stage: int) -> list[str]:
         if not self.launcher:
