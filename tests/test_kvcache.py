@@ -9,13 +9,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from npref import RefModel
 from samecast import SameCastReference
 from tinygrad import Device, dtypes
 from tinygrad.llm.model import TransformerBlock
 
 from pp_worker.testing.cudagraph import check_stores
 from pp_worker.testing.modelgen import generate
+from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.kvcache import default_kv_dtype
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 

@@ -5,7 +5,7 @@ References:
   KV caches, in one process over ALL blocks, casting the hidden state to fp16 and back at the same block
   boundaries as the chain. Prefill is eager with a concrete length; decode is a TinyJit with a symbolic position.
   The chain must give the same greedy tokens and logits within LOGIT_ATOL_SAME_CAST.
-- ``tests/npref.py`` RefModel: an independent float64 numpy forward; logits within LOGIT_ATOL_FP64.
+- ``pp_worker.testing.npref`` RefModel: an independent float64 numpy forward; logits within LOGIT_ATOL_FP64.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from npref import RefModel
 from samecast import SameCastReference
 from tinygrad import dtypes
 
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
+from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
 from pp_worker.worker.engines.gguf_loader import context_length
