@@ -13,6 +13,7 @@ from samecast import SameCastReference
 from tinygrad import Device, dtypes
 from tinygrad.llm.model import TransformerBlock
 
+from pp_worker.testing.chain import Chain
 from pp_worker.testing.cudagraph import check_stores
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
@@ -43,19 +44,6 @@ def test_default_dtype_per_device():
     assert default_kv_dtype("CUDA") == default_kv_dtype("NV:1") == default_kv_dtype("NULL:CUDA:sm_90") == "float16"
 
 
-def _generate(engines: list[TinygradEngine], prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
-    def step(tokens: list[int], position: int) -> np.ndarray:
-        h = engines[0].embed_and_forward(0, tokens, position)
-        return engines[1].forward_logits(0, bytes(h), position, len(tokens)).copy()
-
-    logits = [step(prompt, 0)]
-    out = [int(logits[-1].argmax())]
-    while len(out) < n:
-        logits.append(step([out[-1]], len(prompt) + len(out) - 1))
-        out.append(int(logits[-1].argmax()))
-    return out, logits
-
-
 def test_fp16_caches_are_exact_against_a_same_cast_reference(model, monkeypatch):
     renderer = type(Device["CPU"].renderer)
     render, half_stores = renderer.render, []
@@ -66,14 +54,14 @@ def test_fp16_caches_are_exact_against_a_same_cast_reference(model, monkeypatch)
         return render(self, uops)
 
     monkeypatch.setattr(renderer, "render", checked)
-    engines = [TinygradEngine(str(model), s, 2, max_context=MAX_CONTEXT, kv_dtype="float16") for s in (0, 1)]
-    assert engines[1].kv_pool.dtype == dtypes.half
+    chain = Chain(model, 2, MAX_CONTEXT, kv_dtype="float16")
+    assert chain.engines[1].kv_pool.dtype == dtypes.half
     prompt = list(range(30, 67))  # 37 tokens: calls of 32, 4 and 1
-    got, got_logits = _generate(engines, prompt, 12)
+    got, got_logits = chain.generate(0, prompt, 12)
     assert half_stores, "no kernel stored into a float16 cache here: the check above saw nothing"
     monkeypatch.undo()  # tinygrad's own blocks store uncast: the check would refuse the reference
     reference = SameCastReference(model, MAX_CONTEXT, kv_dtype=dtypes.half)
-    want, want_logits = reference.generate(prompt, 12, {engines[1].shard.start})
+    want, want_logits = reference.generate(prompt, 12, chain.boundaries)
     assert got == want
     np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), rtol=0, atol=LOGIT_ATOL_SAME_CAST)
     ref64 = RefModel.from_gguf(model).logits(prompt + got[:-1])[len(prompt) - 1:]

@@ -18,6 +18,7 @@ import pytest
 from samecast import SameCastReference
 from tinygrad import dtypes
 
+from pp_worker.testing import chain as chain_
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.base import EngineError
@@ -49,34 +50,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-class Chain:
-    """N in-process engines, hidden states passed along as fp16 bytes like the real pipeline."""
-
+class Chain(chain_.Chain):
     def __init__(self, path: Path, num_stages: int, max_context: int = MAX_CONTEXT, **kw):
-        self.engines = [TinygradEngine(str(path), s, num_stages, max_context=max_context, **kw)
-                        for s in range(num_stages)]
-
-    @property
-    def boundaries(self) -> set[int]:
-        return {e.shard.start for e in self.engines[1:]}
-
-    def step(self, rid: int, tokens: list[int], position: int) -> np.ndarray:
-        h = self.engines[0].embed_and_forward(rid, tokens, position)
-        for e in self.engines[1:-1]:
-            h = e.forward_range(rid, h, position, len(tokens))
-        return self.engines[-1].forward_logits(rid, h, position, len(tokens)).copy()  # the engine reuses its buffer
-
-    def release(self, rid: int) -> None:
-        for e in self.engines:
-            e.release(rid)
-
-    def generate(self, rid: int, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
-        logits = [self.step(rid, prompt, 0)]
-        out = [int(logits[-1].argmax())]
-        while len(out) < n:
-            logits.append(self.step(rid, [out[-1]], len(prompt) + len(out) - 1))
-            out.append(int(logits[-1].argmax()))
-        return out, logits
+        super().__init__(path, num_stages, max_context, **kw)
 
 
 @pytest.fixture(scope="module")
