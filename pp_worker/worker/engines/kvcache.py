@@ -1,6 +1,9 @@
-"""The KV caches of one stage: per session, one (2, 1, KvH, max_context, Hd) tensor per block, in a dtype chosen per
-device; a pool that allocates them and hands a released session's caches to the next session instead of allocating
-again; and the block that stores into a cache of any dtype.
+"""The KV caches of one stage: per session, one (n_blocks, 2, 1, KvH, max_context, Hd) tensor (block j's cache is
+its row j), in a dtype chosen per device; a pool that allocates them and hands a released session's cache to the
+next session instead of allocating again; and the block that stores into a cache of any dtype.
+
+One tensor rather than one per block: the cache is a JIT argument, and tinygrad prepares every tensor argument on
+every call (~60 us each on the development machine), so a 16-block stage would pay that 16 times per token.
 
 A cache's stale contents never matter: a session only attends to the positions [0, length) it wrote itself.
 
@@ -15,7 +18,7 @@ from tinygrad.dtype import DType
 from tinygrad.llm.model import TransformerBlock, TransformerConfig, apply_rope
 from tinygrad.uop.ops import resolve
 
-KVCache = list[Tensor]  # one per block of the stage, in block order
+KVCache = Tensor  # (n_blocks, 2, 1, KvH, max_context, Hd), blocks in the stage's order
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 
 
@@ -29,8 +32,8 @@ class KVPool:
     """Allocates KV caches in ``dtype`` and keeps released ones for reuse (at most ``keep`` of them)."""
 
     def __init__(self, config: TransformerConfig, n_blocks: int, keep: int, dtype: DType = dtypes.float32):
-        self.shape = (2, 1, config.n_kv_heads, config.max_context, config.head_dim)
-        self.n_blocks, self.keep, self.dtype = n_blocks, keep, dtype
+        self.shape = (n_blocks, 2, 1, config.n_kv_heads, config.max_context, config.head_dim)
+        self.keep, self.dtype = keep, dtype
         self._free: list[KVCache] = []
         self.allocated = 0  # caches made so far (reuse keeps this at the peak number of sessions)
 
@@ -40,15 +43,13 @@ class KVPool:
         n = 1
         for d in self.shape:
             n *= d
-        return n * self.dtype.itemsize * self.n_blocks
+        return n * self.dtype.itemsize
 
     def acquire(self) -> KVCache:
         if self._free:
             return self._free.pop()
-        cache = [Tensor.zeros(*self.shape, dtype=self.dtype).contiguous() for _ in range(self.n_blocks)]
-        Tensor.realize(*cache)
         self.allocated += 1
-        return cache
+        return Tensor.zeros(*self.shape, dtype=self.dtype).contiguous().realize()
 
     def release(self, cache: KVCache) -> None:
         if len(self._free) < self.keep:

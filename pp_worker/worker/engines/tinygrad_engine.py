@@ -136,11 +136,11 @@ class CompiledStage:
     def decode(self) -> TinyJit:
         return self.jits[1]
 
-    def _forward(self, inp: Tensor, caches: KVCache, start_pos: UOp) -> Tensor:
+    def _forward(self, inp: Tensor, cache: KVCache, start_pos: UOp) -> Tensor:
         w = self.w
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (1, T, D)
-        for block, cache in zip(w.blocks, caches, strict=True):
-            block.cache_kv = cache  # the argument's buffer: the JIT substitutes each call's session cache
+        for j, block in enumerate(w.blocks):
+            block.cache_kv = cache[j]  # a view of the argument: the JIT substitutes each call's session cache
             x = block(x, start_pos)
         for block in w.blocks:  # the graph holds the caches now; a block must not keep a released session's
             del block.cache_kv
@@ -148,11 +148,11 @@ class CompiledStage:
             return x.half()  # (1, T, D)
         return w.output(w.output_norm(x[:, -1:, :]))[:, 0, :].float()  # (1, V): T is fixed per JIT, so is -1
 
-    def run(self, values: np.ndarray, caches: KVCache, position: int) -> Tensor:
+    def run(self, values: np.ndarray, cache: KVCache, position: int) -> Tensor:
         """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``."""
         n = len(values)
         self.inputs[n].write(values)
-        return self.jits[n](self.inputs[n].tensor, caches, self.start_pos.bind(position))
+        return self.jits[n](self.inputs[n].tensor, cache, self.start_pos.bind(position))
 
 
 class TinygradEngine:
