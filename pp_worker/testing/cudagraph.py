@@ -30,6 +30,7 @@ from typing import Any
 GRID_MAX = (2**31 - 1, 65535, 65535)  # CUDA's limits: tinygrad's CUDARenderer.global_max
 BLOCK_MAX = (1024, 1024, 64)  # CUDARenderer.local_max
 THREADS_MAX = 1024
+PROBE_PROMPTS = ((1, 3), (2, 6), (3, 70), (4, 1), (5, 37), (6, 131))  # (session, prompt length)
 
 
 class CUDALaunchError(RuntimeError):
@@ -133,23 +134,23 @@ def symbolic_count_is_refused() -> bool:
     return False
 
 
-def run_engines(model: str) -> list[str]:
+def run_engines(model: str, prefill_chunk: int) -> list[str]:
     """First and last stage of 2 through every kind of request; the steps done (raises at the first refusal)."""
     from pp_worker.testing.devmem import device_memory
     from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
     done = []
     with device_memory():
-        first, last = (TinygradEngine(model, s, 2, max_context=128, prefill_chunk=32) for s in (0, 1))
+        first, last = (TinygradEngine(model, s, 2, max_context=160, prefill_chunk=prefill_chunk) for s in (0, 1))
         first.warmup()
         last.warmup()
         done.append("warm-up")
-        for rid, n in ((1, 3), (2, 6), (3, 70), (4, 1), (5, 37)):
+        for rid, n in PROBE_PROMPTS:
             h = first.embed_and_forward(rid, list(range(10, 10 + n)), 0)
             last.forward_logits(rid, bytes(h), 0, n)
             done.append(f"prefill {n}")
         for step in range(3):  # sessions 1..5 interleaved, one decode step each
-            for rid, n in ((1, 3), (2, 6), (3, 70), (4, 1), (5, 37)):
+            for rid, n in PROBE_PROMPTS:
                 h = first.embed_and_forward(rid, [7], n + step)
                 last.forward_logits(rid, bytes(h), n + step, 1)
         done.append("decode, interleaved")
@@ -163,6 +164,7 @@ def run_engines(model: str) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pp_worker.testing.cudagraph", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a .gguf (default: the generator's tiny preset)")
+    ap.add_argument("--prefill-chunk", type=int, default=32, help="PP_PREFILL_CHUNK (default 32; GPUs use 128)")
     args = ap.parse_args(argv)
     graph = install()
     if not symbolic_count_is_refused():
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
         model = str(generate(Path(tempfile.mkdtemp()) / "tiny.gguf", "tiny"))
     try:
-        for step in run_engines(model):
+        for step in run_engines(model, args.prefill_chunk):
             print(f"ok: {step}")
     except CUDALaunchError as e:
         print(f"FAIL: {e}")
