@@ -24,7 +24,8 @@ from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
 from pp_worker.worker.engines.gguf_loader import context_length
-from pp_worker.worker.engines.tinygrad_engine import HostBuffer, InputBuffer, TinygradEngine, ladder, split
+from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer
+from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, ladder, split
 
 MAX_CONTEXT = 96  # room for prompts of 70 tokens: two full prefill chunks of 32 and a remainder
 N_TOKENS = 16

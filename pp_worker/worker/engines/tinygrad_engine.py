@@ -15,15 +15,14 @@ argument" (tests/test_cuda_graph.py replays that check without a GPU). Concrete 
 Each session's KV caches are explicit JIT arguments: the JIT swaps argument buffers on replay, whereas a cache
 swapped in as a block attribute would silently keep the buffer it captured.
 
-Host <-> device: inputs go through one host staging array per JIT (copyin), outputs come back into one reusable
-host buffer (copyout). The same path on every device, no allocation per call, and the copy sources are writable
-(CUDA's copyin takes their address).
+Host <-> device copies (`hostio`): inputs go through one staging array per JIT, outputs come back into one reusable
+host buffer; no allocation per call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
@@ -31,11 +30,9 @@ from tinygrad.llm.model import precompute_freqs_cis
 
 from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
+from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
 from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
 from pp_worker.worker.engines.sessions import SessionTable
-
-if TYPE_CHECKING:
-    from tinygrad.device import Buffer
 
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
 
@@ -63,58 +60,6 @@ def split(n: int, rungs: tuple[int, ...]) -> list[int]:
             calls.append(size)
             n -= size
     return calls
-
-
-def _buffer(t: Tensor) -> Buffer:
-    buf = t.uop.base.realized
-    assert buf is not None, "expected a realized tensor"
-    return buf
-
-
-class InputBuffer:
-    """A persistent realized input a JIT reads, written through a host staging array of its exact size: a new
-    Tensor per call would cost milliseconds of scheduling, this costs a copy."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: Any):
-        self.tensor = Tensor.zeros(*shape, dtype=dtype).contiguous().realize()
-        self.staging = np.zeros(shape, dtype=np.dtype(self.tensor.dtype.fmt))
-
-    def write(self, values: np.ndarray) -> None:
-        self.staging[...] = values.reshape(self.staging.shape)
-        _buffer(self.tensor).copyin(memoryview(self.staging).cast("B"))  # waits for kernels still reading it
-
-
-class HostBuffer:
-    """The host memory every output is copied into, reused call after call and grown only for a longer request
-    than any before. With ``pinned`` (CUDA's allocator) it is page-locked, so a device -> host copy is one DMA
-    instead of a bounce through the driver's own staging memory. A view is valid until the next `view`."""
-
-    def __init__(self, nbytes: int, pinned: Any = None):
-        self._pinned = pinned
-        self._held: tuple[Any, int] | None = None  # (pinned allocation, its size) to free when growing
-        self._mv = self._allocate(nbytes)
-
-    def view(self, nbytes: int) -> memoryview:
-        if nbytes > len(self._mv):
-            self._mv = self._allocate(max(nbytes, 2 * len(self._mv)))
-        return self._mv[:nbytes]
-
-    def _allocate(self, nbytes: int) -> memoryview:
-        if self._pinned is None:
-            return memoryview(bytearray(nbytes))
-        from tinygrad.device import BufferSpec
-        from tinygrad.helpers import to_mv
-
-        if self._held is not None:
-            self._pinned.free(self._held[0], self._held[1], BufferSpec(host=True))
-        self._held = (self._pinned.alloc(nbytes, BufferSpec(host=True)), nbytes)
-        return to_mv(self._held[0].value, nbytes)
-
-
-def pinned_allocator(device: str) -> Any:
-    """The allocator that gives page-locked host memory on this device, or None. Only CUDA: tinygrad's other GPU
-    backends (NV, AMD) copy through their own pinned buffers already."""
-    return Device[device].allocator if device.split(":")[0] == "CUDA" else None
 
 
 class CompiledStage:
@@ -213,7 +158,7 @@ class TinygradEngine:
         last: list[Tensor] = []
         self._run(session, self._hidden(hidden, seq_len), position, lambda out, start, n: last.append(out))
         view = self._host.view(self.info.vocab_size * 4)
-        _buffer(last[-1]).copyout(view)  # the last call's logits are the last position's
+        device_buffer(last[-1]).copyout(view)  # the last call's logits are the last position's
         return np.frombuffer(view, dtype=np.float32)  # (V,)
 
     # ---- sessions
@@ -246,7 +191,7 @@ class TinygradEngine:
         row = self._row_bytes
 
         def take(out: Tensor, start: int, n: int) -> None:
-            _buffer(out).copyout(rows[start * row:(start + n) * row])  # before the next call reuses ``out``
+            device_buffer(out).copyout(rows[start * row:(start + n) * row])  # before the next call reuses ``out``
 
         self._run(rid, values, position, take)
         return rows
