@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench model clean
+.PHONY: install test lint demo bench gpu-check model clean
 
 install: $(STAMP)
 
@@ -36,6 +36,11 @@ demo: install
 
 bench: install
 	$(BIN)/python -m bench.run
+
+# Exactness, decode speed vs one tinygrad process, per-hop overhead, TTFT on whatever DEV selects (DEV=CUDA make
+# gpu-check); under 5 minutes on one GPU. GPU_CHECK_ARGS=--quick: the tiny model, a smoke test that runs anywhere.
+gpu-check: install
+	$(BIN)/python -m bench.gpu $(GPU_CHECK_ARGS)
 
 # Rebuild the embedded demo model from the Zen of Python (deterministic; takes a few minutes).
 model: install

@@ -17,7 +17,7 @@ from pp_worker.worker.engines.gguf_loader import GGUFHeader, read_header
 from pp_worker.worker.shard import Shard
 
 CACHE = Path(__file__).resolve().parent / "models"
-KV_BYTES = 4  # the KV caches are float32 (as tinygrad's TransformerBlock's)
+KV_BYTES = 4  # the KV caches are float32, the CPU's default (PP_KV_DTYPE; make bench runs on the CPU)
 WEIGHT_BYTES = 2  # every weight is held as fp16 (HALF=1), whatever its type in the file
 
 
@@ -26,7 +26,7 @@ def ensure_model(preset: str, seed: int = 0, dtype: str = "F16", *, isolated: bo
     float32 weights (4 bytes a parameter, all held at once by ``generate``) never stay in this one's memory."""
     path = CACHE / f"{preset}-s{seed}-{dtype}.gguf"
     if not path.exists():
-        CACHE.mkdir(exist_ok=True)  # ignored by git: a fresh checkout has no such folder
+        CACHE.mkdir(parents=True, exist_ok=True)  # a fresh checkout has none (it is ignored by git)
         tmp = path.with_suffix(".tmp")
         if isolated:
             subprocess.run([sys.executable, "-m", "pp_worker.testing.modelgen", str(tmp), "--preset", preset,

@@ -128,13 +128,14 @@ def sequential_rate(w: RawWorker, n: int, seq_len: int = 1, hidden_dim: int = ST
 ECHO_LINES = "import sys\nfor line in sys.stdin.buffer:\n    sys.stdout.buffer.write(line)\n    sys.stdout.flush()\n"
 
 
-def pipe_floor_rate(n: int, cpu: int | None = None) -> float:
+def pipe_floor_rate(n: int, cpu: int | None = None, hidden_dim: int = STUB_HIDDEN) -> float:
     """Round trips per second of a bare line echo (a Python child copying stdin lines to stdout, no JSON; on
-    ``cpu`` if given): the floor that pipe wake-ups alone put under a one-in-flight round trip."""
+    ``cpu`` if given) of a one-token hop's line: the floor that pipe wake-ups alone put under a one-in-flight
+    round trip."""
     proc = subprocess.Popen([sys.executable, "-c", ECHO_LINES], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdin and proc.stdout
     _pin(proc.pid, cpu)
-    line = to_line(hop(1, STUB_HIDDEN))
+    line = to_line(hop(1, hidden_dim))
     try:
         t0 = 0.0
         for i in range(n + 1):

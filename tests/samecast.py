@@ -3,7 +3,8 @@ back at the same block boundaries as an N-stage chain (what crossing the wire do
 
 It uses tinygrad's own whole-file loader (`Transformer.from_gguf`) and its blocks with their own KV caches:
 nothing of pp_worker's engine. Prefill is eager with a concrete length; decode is a TinyJit with a symbolic
-position.
+position. With ``kv_dtype`` the blocks get caches of that dtype, which tinygrad's own attention stores into
+uncast (on the CPU, C converts each value as a cast would).
 """
 
 from __future__ import annotations
@@ -12,14 +13,22 @@ from pathlib import Path
 
 import numpy as np
 from tinygrad import Tensor, TinyJit, UOp
-from tinygrad.llm.model import Transformer
+from tinygrad.dtype import DType
+from tinygrad.llm.model import Transformer, precompute_freqs_cis
 
 
 class SameCastReference:
     """One process, all blocks, fp16 casts at the chain's boundaries (see the module docstring)."""
 
-    def __init__(self, path: Path, max_context: int):
+    def __init__(self, path: Path, max_context: int, kv_dtype: DType | None = None):
         self.model, _ = Transformer.from_gguf(str(path), max_context, realize=True)
+        if kv_dtype is not None:  # what _init_state makes, but in kv_dtype
+            c = self.model.blk[0].config
+            freqs = precompute_freqs_cis(c.rope_dim, max_context, c.rope_theta).realize()
+            for block in self.model.blk:
+                block.cache_kv = Tensor.zeros(2, 1, c.n_kv_heads, max_context, c.head_dim, dtype=kv_dtype)
+                block.cache_kv = block.cache_kv.contiguous().realize()
+                block.freqs_cis = freqs
         self.start_pos = UOp.variable("start_pos", 0, max_context - 1)
         self.decoders: dict[frozenset[int], TinyJit] = {}
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import models, report, run, wire
+from bench import gpu, models, report, run, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
 from pp_worker.testing.modelgen import PRESETS, generate
@@ -155,3 +155,34 @@ def test_run_arguments() -> None:
     with pytest.raises(SystemExit):
         run.parse_args(["--sections", "nope"])
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
+
+
+def test_gpu_check_runs_every_section_and_prints_one_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """The quick mode of ``make gpu-check`` on this machine's device: it must not rot between GPU runs."""
+    assert gpu.main(["--quick", "--out", str(tmp_path)]) == 0, capsys.readouterr().err[-3000:]
+    doc = json.loads((tmp_path / "gpu-latest.json").read_text())
+    assert "errors" not in doc["raw"]
+    values = {r["name"]: r["value"] for r in doc["rows"]}
+    assert None not in values.values(), [k for k, v in values.items() if v is None]
+    assert values["2 stages: greedy tokens equal"] == values["interleaved == solo, 3 generations"] == 1.0
+    table = capsys.readouterr().out
+    assert "2 stages speed / fastest one process" in table and "sum of the parts" in table
+
+
+def test_gpu_check_table_targets() -> None:
+    raw = {"exact": {"pp2": {"max_dlogit": 0.01, "greedy_agree": 1.0, "kv_dtype": "float16"},
+                     "pp3": {"max_dlogit": 0.05, "greedy_agree": 0.75},
+                     "interleaved": {"same_tokens": True, "max_dlogit": 0.0}},
+           "speed": {"lazy": {"ms_per_token": 25.0}, "realize": {"ms_per_token": 8.5}, "pp2": {"ms_per_token": 9.0},
+                     "chain2": {"ms_per_token": 8.8}},
+           "hop": {"d2h_ms": 0.02, "encode_ms": 0.01, "loop_ms": 0.08, "decode_ms": 0.01, "h2d_ms": 0.02}}
+    table = gpu.rows(raw, gpu.FULL)
+    rows = {r.name: r for r in table if not r.section.startswith("4")}
+    assert rows["2 stages speed / fastest one process"].value == pytest.approx(8.5 / 9.0)  # realized is the bar
+    assert rows["2 stages speed / fastest one process"].verdict == "PASS"
+    assert rows["3 stages: max |dlogit|"].verdict == rows["3 stages: greedy tokens equal"].verdict == "MISS"
+    assert rows["end to end: (2 stages - one process) / 2 hops"].value == pytest.approx(0.25)
+    assert rows["sum of the parts"].value == pytest.approx(0.14) and rows["sum of the parts"].verdict == "PASS"
+    assert rows["pp_worker 2 stages"].value == 9.0
+    ttft = [r for r in table if r.section.startswith("4")]
+    assert [r.unit for r in ttft] == ["s"] * 3 and all(r.value is None for r in ttft)  # not measured: n/a, no crash

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from npref import RefModel, RopeScaling
+from pp_worker.testing.npref import RefModel, RopeScaling
 from spm_ref import SpmReference
 
 from pp_worker.driver.generation import Sampling

@@ -1,4 +1,5 @@
-"""Tests for pp_worker.modelgen: determinism, tokenizer, and tinygrad vs the independent fp64 reference (tests/npref).
+"""Tests for pp_worker.testing.modelgen: determinism, tokenizer, and tinygrad vs the independent fp64 reference
+(pp_worker.testing.npref).
 
 Measured on the tiny preset (seeds 0-2, 21 positions, logit std ~3.0-3.1, |logit| <= ~13), tinygrad (HALF=1:
 weights cast to fp16, fp32 activations) vs npref (float64 on the file's exact weights): max |dlogit| 6.8-7.3e-3 F32,
@@ -14,10 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from npref import RefModel
 
 from pp_worker.testing import bpe
 from pp_worker.testing import modelgen as mg
+from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.detokenizer import byte_symbols
 
 DTYPES = ("F32", "F16", "Q8_0")

@@ -193,6 +193,13 @@ def test_launcher_argv_places_the_environment():
         ["env", "STAGE=1", "MODEL=/m odel.gguf", "nice", sys.executable, "-m", "pp_worker"]
 
 
+def test_env_values_can_name_the_stage():
+    launch = Launch(3, env={"CUDA_VISIBLE_DEVICES": "{stage}", "TAG": "s{stage}-of-3", "DEV": "CUDA"})
+    assert [launch.worker_env(s)["CUDA_VISIBLE_DEVICES"] for s in range(3)] == ["0", "1", "2"]
+    assert launch.worker_env(2)["TAG"] == "s2-of-3" and launch.worker_env(2)["DEV"] == "CUDA"
+    assert "CUDA_VISIBLE_DEVICES=1" in Launch(2, launcher="ssh n{stage} w", env=launch.env).argv(1)
+
+
 def test_local_launcher_template_gives_the_same_tokens():
     direct = run_pipeline([PROMPTS[1]], stages=3, stub=True, max_tokens=8)
     launched = run_pipeline([PROMPTS[1]], stages=3, stub=True, max_tokens=8,

@@ -113,6 +113,8 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_HEARTBEAT_S": "0"}, "PP_HEARTBEAT_S", "0"),
     ({"PP_HEARTBEAT_S": "nan"}, "PP_HEARTBEAT_S", "nan"),
     ({"PP_MAX_LINE_BYTES": "ten"}, "PP_MAX_LINE_BYTES", "ten"),
+    ({"PP_PREFILL_CHUNK": "0"}, "PP_PREFILL_CHUNK", "0"),
+    ({"PP_KV_DTYPE": "bfloat16"}, "PP_KV_DTYPE", "bfloat16"),
 ]
 
 

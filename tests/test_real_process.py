@@ -89,7 +89,8 @@ def test_a_bad_model_fails_cleanly(model: Path, tmp_path: Path, case: str) -> No
 
 def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> None:
     kv = read_header(model).kv
-    first, last = spawn_real(0, 2, model, PP_MAX_SESSIONS="3"), spawn_real(1, 2, model, PP_MAX_SESSIONS="3")
+    first = spawn_real(0, 2, model, PP_MAX_SESSIONS="3")
+    last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float16", PP_PREFILL_CHUNK="16")
     try:
         ready = [first.wait_ready(60), last.wait_ready(60)]
         blocks = kv["llama.block_count"]
@@ -101,16 +102,22 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (r["chat_template"], r["bos_token_id"], r["add_bos"], r["max_sessions"]) == \
                 (None, kv["tokenizer.ggml.bos_token_id"], False, 3)  # the generated model: no template, no BOS
             assert (r["bos_token"], r["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+        # how each stage runs: the CPU's defaults on stage 0, the environment's choices on stage 1
+        head_dim = kv["llama.embedding_length"] // kv["llama.attention.head_count"]
+        kv_bytes = 2 * kv["llama.attention.head_count_kv"] * MAX_CONTEXT * head_dim * (blocks // 2)  # per element byte
+        assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"]) for r in ready] == [
+            ("CPU", 32, "float32", kv_bytes * 4), ("CPU", 16, "float16", kv_bytes * 2)]
         tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
         hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})
         token = last.request({"op": "forward_and_sample", "request_id": 5, "hidden_b64": hidden["hidden_b64"],
                               "position": 0, "seq_len": len(tokens)})
         assert 0 <= token["token_id"] < ready[1]["vocab_size"]
-        for w in (first, last):
+        for w, r in ((first, ready[0]), (last, ready[1])):
             status = w.request({"op": "status", "request_id": 6})
             assert status["sessions"] == {"5": len(tokens)} and status["requests_served"] >= 1
             assert (status["bos_token_id"], status["add_bos"], status["max_sessions"]) == \
                 (kv["tokenizer.ggml.bos_token_id"], False, 3)
+            assert status["kv_dtype"] == r["kv_dtype"] and status["kv_caches_allocated"] == 1
             assert w.request({"op": "release", "request_id": 5})["released"] is True
             assert w.request({"op": "status", "request_id": 7})["sessions"] == {}
             assert w.request({"op": "ping", "request_id": 8})["pong"] is True

@@ -5,26 +5,29 @@ References:
   KV caches, in one process over ALL blocks, casting the hidden state to fp16 and back at the same block
   boundaries as the chain. Prefill is eager with a concrete length; decode is a TinyJit with a symbolic position.
   The chain must give the same greedy tokens and logits within LOGIT_ATOL_SAME_CAST.
-- ``tests/npref.py`` RefModel: an independent float64 numpy forward; logits within LOGIT_ATOL_FP64.
+- ``pp_worker.testing.npref`` RefModel: an independent float64 numpy forward; logits within LOGIT_ATOL_FP64.
 """
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import numpy as np
 import pytest
-from npref import RefModel
 from samecast import SameCastReference
 from tinygrad import dtypes
 
+from pp_worker.testing import chain as chain_
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate, random_weights, write_gguf
+from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
 from pp_worker.worker.engines.gguf_loader import context_length
-from pp_worker.worker.engines.tinygrad_engine import InputBuffer, TinygradEngine
+from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer
+from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, ladder, split
 
-MAX_CONTEXT = 64
+MAX_CONTEXT = 96  # room for prompts of 70 tokens: two full prefill chunks of 32 and a remainder
 N_TOKENS = 16
 # measured: <= 2.4e-4 (Q8_0), 1.3e-5 (F16) on logits of magnitude ~11; eager-concrete vs JIT-symbolic kernels differ
 LOGIT_ATOL_SAME_CAST = 2e-3
@@ -48,34 +51,9 @@ def models(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-class Chain:
-    """N in-process engines, hidden states passed along as fp16 bytes like the real pipeline."""
-
-    def __init__(self, path: Path, num_stages: int, **kw):
-        self.engines = [TinygradEngine(str(path), s, num_stages, max_context=MAX_CONTEXT, **kw)
-                        for s in range(num_stages)]
-
-    @property
-    def boundaries(self) -> set[int]:
-        return {e.shard.start for e in self.engines[1:]}
-
-    def step(self, rid: int, tokens: list[int], position: int) -> np.ndarray:
-        h = self.engines[0].embed_and_forward(rid, tokens, position)
-        for e in self.engines[1:-1]:
-            h = e.forward_range(rid, h, position, len(tokens))
-        return self.engines[-1].forward_logits(rid, h, position, len(tokens))
-
-    def release(self, rid: int) -> None:
-        for e in self.engines:
-            e.release(rid)
-
-    def generate(self, rid: int, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
-        logits = [self.step(rid, prompt, 0)]
-        out = [int(logits[-1].argmax())]
-        while len(out) < n:
-            logits.append(self.step(rid, [out[-1]], len(prompt) + len(out) - 1))
-            out.append(int(logits[-1].argmax()))
-        return out, logits
+class Chain(chain_.Chain):
+    def __init__(self, path: Path, num_stages: int, max_context: int = MAX_CONTEXT, **kw):
+        super().__init__(path, num_stages, max_context, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +83,7 @@ def reference(models):
 @pytest.fixture(scope="module")
 def prompts(chain) -> list[list[int]]:
     first = chain("F16", 2).engines[0]
-    long = (first.tokenize(" ".join(TEXTS)) * 4)[:40]  # > PREFILL_CHUNK: prefilled in two chunks
+    long = (first.tokenize(" ".join(TEXTS)) * 4)[:40]  # > the CPU's prefill chunk of 32: calls of 32 and 8
     return [first.tokenize(TEXTS[0]), first.tokenize(TEXTS[1]), long]
 
 
@@ -201,14 +179,69 @@ def test_context_overflow_is_refused_before_compute(chain):
     assert first.sessions()[40] == last.sessions()[40] == MAX_CONTEXT
 
 
-@pytest.mark.parametrize("zero_copy", [True, False])
-def test_input_buffer_write(zero_copy):
-    buf = InputBuffer((1, 4), dtypes.int32)
-    assert buf.zero_copy  # CPU; the staging path is what other devices take
-    if not zero_copy:
-        buf.staging = np.zeros(4, np.int32)
-    buf.write(np.array([7, 8], np.int32))
-    assert buf.tensor.numpy().tolist() == [[7, 8, 0, 0]]
+# ---------------------------------------------------------------- the prefill ladder and host copies
+
+
+def test_ladder_and_split():
+    assert ladder(32) == (32, 16, 8, 4, 2, 1) and ladder(48) == (48, 32, 16, 8, 4, 2, 1) and ladder(1) == (1,)
+    assert split(37, ladder(32)) == [32, 4, 1] and split(70, ladder(32)) == [32, 32, 4, 2] and split(1, (1,)) == [1]
+    assert all(sum(split(n, ladder(c))) == n for c in (1, 5, 32) for n in range(1, 100))
+
+
+def test_every_prompt_length_in_flight_matches_the_float64_reference(chain, models):
+    """Prompts of 1..70 tokens (every split over the ladder, up to two full chunks and any remainder), five sessions
+    in flight, each prefill followed by a decode step of another open session: every JIT replayed many times, at
+    many positions, between other sessions' calls, must read and write the right rows of the right cache."""
+    c, ref = chain("F16", 2), RefModel.from_gguf(models["F16"])
+    tokens = (c.engines[0].tokenize(" ".join(TEXTS)) * 4)[:70]
+    held: dict[int, list[int]] = {}
+
+    def check(rid: int, new: list[int], position: int) -> None:
+        held[rid] = held.get(rid, [])[:position] + new
+        want = ref.logits(held[rid])[-1]
+        np.testing.assert_allclose(c.step(rid, new, position), want, rtol=0, atol=LOGIT_ATOL_FP64, err_msg=str(rid))
+
+    for n in range(1, len(tokens) + 1):
+        rid = 1000 + n
+        check(rid, tokens[:n], 0)
+        other = min(held)  # the oldest open session takes a decode step
+        if other != rid:
+            check(other, [tokens[(other + len(held[other])) % n]], len(held[other]))
+        if len(held) == 5:
+            oldest = min(held)
+            c.release(oldest)
+            del held[oldest]
+
+
+def test_host_buffer_reuses_its_memory_and_frees_pinned_memory_when_it_grows():
+    class FakePinned:  # CUDA's allocator as HostBuffer uses it: alloc(size, host spec) -> a c_void_p
+        def __init__(self):
+            self.live: dict[int, ctypes.Array] = {}
+
+        def alloc(self, size, options):
+            assert options.host
+            mem = (ctypes.c_uint8 * size)()
+            self.live[ctypes.addressof(mem)] = mem
+            return ctypes.c_void_p(ctypes.addressof(mem))
+
+        def free(self, opaque, size, options):
+            assert options.host and len(self.live.pop(opaque.value)) == size
+
+    for pinned in (None, FakePinned()):
+        host = HostBuffer(8, pinned)
+        a = host.view(8)
+        a[:] = b"abcdefgh"
+        assert host.view(4).obj is a.obj and bytes(host.view(4)) == b"abcd"  # the same memory, no allocation
+        assert len(host.view(20)) == 20  # grown for a longer request
+        if pinned is not None:
+            assert len(pinned.live) == 1  # the smaller allocation was freed
+
+
+def test_input_buffer_write():
+    buf = InputBuffer((1, 3), dtypes.int32)
+    buf.write(np.array([7, 8, 9], np.int32))
+    buf.write(np.frombuffer(np.array([4, 5, 6], np.int32).tobytes(), np.int32))  # read-only values: staged first
+    assert buf.tensor.numpy().tolist() == [[4, 5, 6]]
 
 
 # ---------------------------------------------------------------- a single stage with max_sessions=2
@@ -229,11 +262,12 @@ def test_loading_progress_events(small_table):
     assert all(f["stage_index"] == 0 for f in loading)
 
 
-def test_warmup_compiles_and_leaves_no_session(small_table):
+def test_warmup_compiles_every_jit_and_leaves_no_session(small_table):
     engine, _ = small_table
     engine.warmup()
     assert engine.sessions() == {}
-    assert engine._stage.decode.captured is not None and engine._stage.prefill.captured is not None
+    jits = engine._stage.jits
+    assert sorted(jits) == [1, 2, 4, 8, 16, 32] and all(j.captured is not None for j in jits.values())
 
 
 def test_eviction_then_evicted_and_unknown_sessions(small_table):

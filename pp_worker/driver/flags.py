@@ -17,7 +17,9 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
     ap.add_argument("--launcher", help="command template per stage, e.g. 'ssh node{stage} python3 -m pp_worker'; "
                     "placeholders {stage} {num_stages} {python} {env} (where the env K=V words go); "
                     f"'{RAY_LAUNCHER}': each stage in a Ray actor (pip install pp_worker[ray])")
-    ap.add_argument("--env", action="append", default=[], metavar="K=V", help="extra variable for every worker")
+    ap.add_argument("--env", action="append", default=[], metavar="K=V",
+                    help="extra variable for every worker; {stage} in V is the stage's index "
+                    "(e.g. CUDA_VISIBLE_DEVICES={stage}: one GPU per stage)")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
     ap.add_argument("--max-tokens", type=int, default=64, help=max_tokens_help)
     ap.add_argument("--concurrency", type=int, default=concurrency,

@@ -26,7 +26,8 @@ from pp_worker.wire import to_line, widen_pipe
 STDERR_TAIL = 50
 # Forwarded to workers started through a launcher (a local child inherits the whole environment anyway).
 PASS_THROUGH = ("MAX_CONTEXT", "PP_MAX_SESSIONS", "PP_WARMUP", "PP_HEARTBEAT_S", "PP_MAX_LINE_BYTES",
-                "PP_STUB_DELAY_MS", "DEV", "CPU", "CUDA", "GPU", "METAL", "AMD", "NV", "JIT", "DEBUG", "BEAM", "HALF")
+                "PP_STUB_DELAY_MS", "PP_PREFILL_CHUNK", "PP_KV_DTYPE", "DEV", "CPU", "CUDA", "GPU", "METAL", "AMD",
+                "NV", "JIT", "DEBUG", "BEAM", "HALF")
 _SSH_OPTS_WITH_ARG = set("BbcDEeFIiJLlmOopQRSWw")  # ssh(1): the options that take an argument
 
 
@@ -39,7 +40,8 @@ class Launch:
     model: str | None = None
     stub: bool = False
     launcher: str | None = None  # placeholders: {stage} {num_stages} {python} {env}
-    env: dict[str, str] = field(default_factory=dict)  # extra variables for every worker
+    env: dict[str, str] = field(default_factory=dict)  # extra variables for every worker; "{stage}" in a value
+    # becomes the stage's index, so one setting can give each stage its own GPU: CUDA_VISIBLE_DEVICES={stage}
     ray: RayPlacement | None = None  # with launcher "ray": where the actors go (None: RayPlacement's defaults)
 
     def worker_env(self, stage: int) -> dict[str, str]:
@@ -49,7 +51,7 @@ class Launch:
             env["MODEL"] = self.model
         if self.stub:
             env["PP_WORKER_STUB"] = "1"
-        return {**env, **self.env}
+        return {**env, **{k: v.replace("{stage}", str(stage)) for k, v in self.env.items()}}
 
     def remote_env(self, stage: int) -> dict[str, str]:
         """What a worker started elsewhere (ssh, a Ray node) needs: it inherits nothing of ours."""

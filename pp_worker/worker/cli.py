@@ -23,6 +23,7 @@ from pp_worker.worker.loop import LineReader, LoopState, serve
 from pp_worker.worker.stdout import Out, protect_stdout
 
 _ASCII_INT = re.compile(r"[0-9]{1,9}")
+KV_DTYPE_NAMES = ("float32", "float16")  # engines.kvcache.KV_DTYPES, named here so stub mode never imports tinygrad
 _LINE_HEADROOM = 1 << 20  # JSON envelope, token lists and sampling fields around the largest payload
 
 
@@ -42,6 +43,8 @@ class Config:
     max_line_bytes: int | None
     warmup: bool
     stub_delay_ms: int = 0
+    prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
+    kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -58,6 +61,13 @@ def _env_flag(env: dict[str, str], name: str) -> bool:
     if raw not in ("", "0", "1"):
         raise ConfigError(f"{name}={env[name]!r} is invalid: expected 1 or 0")
     return raw == "1"
+
+
+def _env_choice(env: dict[str, str], name: str, choices: tuple[str, ...]) -> str | None:
+    raw = env.get(name, "").strip()
+    if raw and raw not in choices:
+        raise ConfigError(f"{name}={env[name]!r} is invalid: expected one of {', '.join(choices)}")
+    return raw or None
 
 
 def _env_seconds(env: dict[str, str], name: str, default: float) -> float:
@@ -93,7 +103,9 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   max_context=max_context, max_sessions=_env_int(env, "PP_MAX_SESSIONS", 8, low=1) or 8,
                   heartbeat_s=_env_seconds(env, "PP_HEARTBEAT_S", 30.0),
                   max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024), warmup=_env_flag(env, "PP_WARMUP"),
-                  stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0)
+                  stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0,
+                  prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
+                  kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES))
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -105,7 +117,8 @@ def build_engine(cfg: Config, events: Events) -> Engine:
     from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
-                            max_sessions=cfg.max_sessions, emit=events.emit)
+                            max_sessions=cfg.max_sessions, prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype,
+                            emit=events.emit)
     if cfg.warmup:
         engine.warmup()
     return engine

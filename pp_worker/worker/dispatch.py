@@ -102,10 +102,12 @@ def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Repl
 
 
 def model_fields(engine: Engine) -> Reply:
-    """What a driver needs beyond the shapes, so it needs no copy of the GGUF (ready line and status)."""
+    """What a driver needs beyond the shapes, so it needs no copy of the GGUF, and how the stage runs
+    (device, KV cache dtype...): on the ready line and in status."""
     info = engine.info
     return {"chat_template": info.chat_template, "bos_token_id": info.bos_token_id, "add_bos": info.add_bos,
-            "bos_token": info.bos_token, "eos_token": info.eos_token, "max_sessions": engine.max_sessions}
+            "bos_token": info.bos_token, "eos_token": info.eos_token, "max_sessions": engine.max_sessions,
+            **engine.describe()}
 
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

@@ -2,14 +2,15 @@
 
 Hidden states cross this boundary as raw little-endian float16 bytes of shape (1, seq_len, hidden_dim),
 already length-checked by the protocol layer. Outputs may be any buffer (bytes, memoryview) so the
-tinygrad engine can hand its output buffer to base64 without a copy.
+tinygrad engine can hand its reusable host buffer to base64 without a copy: an output is valid until the
+engine's next call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from pp_worker.worker.shard import Shard
 
@@ -66,3 +67,6 @@ class Engine(Protocol):
 
     def sessions(self) -> dict[int, int]:
         """request_id -> number of positions its KV cache holds."""
+
+    def describe(self) -> dict[str, Any]:
+        """How this stage runs (device, KV cache dtype and size...), for the ready line and `status`."""

@@ -6,8 +6,8 @@ dequantized with tinygrad's `ggml_data_to_tensor`, cast to fp16 (`HALF=1`, tinyg
 un-permuted for llama exactly as `from_gguf` does, and realized block by block.
 
 Context: ``max_context = min(requested or context_length, context_length, cap)`` with ``cap`` 4096 by default.
-Every session holds a float32 KV cache of max_context positions per block, so an uncapped 128k-context model
-would need gigabytes per generation.
+Every session holds a KV cache of max_context positions per block, so an uncapped 128k-context model would need
+gigabytes per generation.
 
 tinygrad is imported inside the functions that need it; `ModelLoadError` and `read_header` (from `gguf_file`)
 are importable from here too.
@@ -30,7 +30,9 @@ from pp_worker.worker.shard import Shard
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, nn
-    from tinygrad.llm.model import TransformerBlock, TransformerConfig
+    from tinygrad.llm.model import TransformerConfig
+
+    from pp_worker.worker.engines.kvcache import CacheBlock
 
 CONTEXT_CAP = 4096
 GGML_F32, GGML_F16 = 0, 1  # ggml type ids of float32 and float16 data
@@ -148,18 +150,21 @@ class TensorSource:
         return t.cast(dtypes.float16) if self.half else t
 
     def _read_into(self, t: Tensor, info: TensorInfo) -> Tensor:
-        """Read the tensor's bytes from the file into ``t``'s device buffer: in place on the CPU, through one
-        staging copy elsewhere. A numpy copy plus a device copy per tensor used to stay resident."""
+        """Read the tensor's bytes from the file into ``t``'s device buffer: in place when the device memory is
+        host memory (CPU), else through one staging copy. A numpy copy plus a device copy per tensor used to stay
+        resident."""
         buf = t.uop.base.buffer.ensure_allocated()
         with open(self.header.path, "rb") as f:
             f.seek(info.offset)
             if hasattr(buf.allocator, "_as_buffer") and buf.options is None:  # host memory we may write
                 got = f.readinto(buf.as_memoryview(force_zero_copy=True).cast("B"))
             else:
-                data = f.read(info.nbytes)
-                got = len(data)
+                # writable: CUDA's copyin takes the address of its source, which a bytes object cannot give.
+                # One per tensor, freed at once: copyin has copied it out (into pinned memory on CUDA) on return.
+                staging = bytearray(info.nbytes)
+                got = f.readinto(staging)
                 if got == info.nbytes:
-                    buf.copyin(memoryview(data))
+                    buf.copyin(memoryview(staging))
         if got != info.nbytes:
             raise ModelLoadError(f"{self.header.path}: truncated file: tensor {info.name} is short of data")
         return t
@@ -183,12 +188,13 @@ def _realize(obj: object) -> None:
     Tensor.realize(*params)
 
 
-def load_block(source: TensorSource, config: TransformerConfig, i: int) -> TransformerBlock:
+def load_block(source: TensorSource, config: TransformerConfig, i: int) -> CacheBlock:
     """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), realized."""
     from tinygrad import nn
-    from tinygrad.llm.model import TransformerBlock
 
-    block = TransformerBlock(config)
+    from pp_worker.worker.engines.kvcache import CacheBlock
+
+    block = CacheBlock(config)
     weights = {k: source.tensor(f"blk.{i}.{k}") for k in nn.state.get_state_dict(block)}
     if source.header.kv["general.architecture"] == "llama":
         weights["attn_q.weight"] = _unpermute_rows(weights["attn_q.weight"], config.n_heads,
@@ -212,7 +218,7 @@ class StageWeights:
     shard: Shard
     config: TransformerConfig
     kv: dict[str, Any]
-    blocks: list[TransformerBlock]  # blocks[j] is block shard.start + j
+    blocks: list[CacheBlock]  # blocks[j] is block shard.start + j
     token_embd: nn.Embedding | None
     output_norm: nn.RMSNorm | None
     output: nn.Linear | None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections import OrderedDict
+from typing import Any
 
 from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.shard import Shard
@@ -81,6 +82,9 @@ class StubEngine:
 
     def sessions(self) -> dict[int, int]:
         return dict(self._sessions)
+
+    def describe(self) -> dict[str, Any]:
+        return {}  # no device, no KV cache
 
     def _track(self, session: int, length: int) -> None:
         if self.delay_s:

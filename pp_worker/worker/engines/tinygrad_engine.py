@@ -5,115 +5,109 @@ Compute per stage (fp16 on the wire between stages):
   middle: x = hidden.float()               -> blocks -> x.half()
   last:   x = hidden.float()               -> blocks -> output(output_norm(x[last position])).float()
 
-Two TinyJits trace the same function: ``decode`` (one token, concrete T=1) and ``prefill`` (a symbolic number of
-tokens up to PREFILL_CHUNK; longer prompts go in chunks). The position is a symbolic ``start_pos`` variable bound
-per call, so after warm-up a step compiles nothing and runs no Python per block. Each session's KV caches are
-explicit JIT arguments: the JIT swaps argument buffers on replay, whereas a cache swapped in as a block attribute
-would silently keep the buffer it captured.
+One TinyJit per token count on a ladder: the largest prefill chunk (PP_PREFILL_CHUNK), the powers of two below
+it, and 1 (decode). A request of n tokens runs as n's greedy split over the ladder (37 = 32 + 4 + 1). Token counts
+are concrete in every JIT; only the position ``start_pos`` is a symbolic variable, bound per call, so after warm-up
+a step compiles nothing. A symbolic token count is what failed on CUDA: tinygrad 0.13.0's CUDAGraph builds every
+kernel node with all variables set to 0, so a grid of (n_tokens, 1, 1) becomes (0, 1, 1), "CUDA Error 1, invalid
+argument" (tests/test_cuda_graph.py replays that check without a GPU). Concrete counts also give fixed kernels.
+
+Each session's KV caches are explicit JIT arguments: the JIT swaps argument buffers on replay, whereas a cache
+swapped in as a block attribute would silently keep the buffer it captured.
+
+Host <-> device copies (`hostio`): inputs go through one staging array per JIT, outputs come back into one reusable
+host buffer; no allocation per call.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
-from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
 
 from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
-from pp_worker.worker.engines.kvcache import KVPool
+from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
+from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import SessionTable
 from pp_worker.worker.engines.vocab import bos_token
 
-if TYPE_CHECKING:
-    from tinygrad.device import Buffer
-
-PREFILL_CHUNK = 32  # tokens per prefill JIT call, as Transformer.generate
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
 
 
-def _buffer(t: Tensor) -> Buffer:
-    buf = t.uop.base.realized
-    assert buf is not None, "expected a realized tensor"
-    return buf
+def default_prefill_chunk(device: str) -> int:
+    """32 tokens on the CPU (as Transformer.generate). 128 elsewhere: an accelerator reads each weight once per
+    call, so a 512-token prompt costs 4 weight passes instead of 16, and the ladder stays at 8 JITs to warm up."""
+    return 32 if device.split(":")[0] == "CPU" else 128
 
 
-class InputBuffer:
-    """A persistent realized input the JITs read; writing it costs microseconds, a new Tensor milliseconds."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: object):
-        self.tensor = Tensor.zeros(*shape, dtype=dtype).contiguous().realize()
-        self.np_dtype = np.dtype(self.tensor.dtype.fmt)
-        buf = _buffer(self.tensor)
-        # the condition under which Buffer.as_memoryview can hand out the device memory itself (CPU)
-        self.zero_copy = hasattr(buf.allocator, "_as_buffer") and buf.options is None
-        self.staging = None if self.zero_copy else np.zeros(buf.size, dtype=self.np_dtype)
-
-    def write(self, values: np.ndarray) -> None:
-        buf = _buffer(self.tensor)
-        if self.staging is None:  # as_memoryview also waits for kernels still reading the buffer
-            view = np.frombuffer(buf.as_memoryview(force_zero_copy=True), dtype=self.np_dtype)
-            view[: values.size] = values.reshape(-1)
-        else:
-            self.staging[: values.size] = values.reshape(-1)
-            buf.copyin(memoryview(self.staging).cast("B"))
+def ladder(max_chunk: int) -> tuple[int, ...]:
+    """The token counts that get a JIT, largest first: ``max_chunk``, every power of two below it, and 1."""
+    sizes, p = {max_chunk}, 1
+    while p < max_chunk:
+        sizes.add(p)
+        p *= 2
+    return tuple(sorted(sizes, reverse=True))
 
 
-def _leading_bytes(t: Tensor, nbytes: int) -> bytes:
-    """The first ``nbytes`` of a realized output (a prefill output's shape is symbolic, its buffer full size)."""
-    return bytes(_buffer(t).as_memoryview(allow_zero_copy=True)[:nbytes])
+def split(n: int, rungs: tuple[int, ...]) -> list[int]:
+    """``n`` tokens as calls of ladder sizes, largest first: 37 -> [32, 4, 1] on the ladder of 32."""
+    calls = []
+    for size in rungs:  # rungs end in 1, so nothing is left over
+        while n >= size:
+            calls.append(size)
+            n -= size
+    return calls
 
 
 class CompiledStage:
-    """This stage's forward, traced by a decode JIT and a prefill JIT, with persistent input buffers."""
+    """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer."""
 
-    def __init__(self, w: StageWeights):
+    def __init__(self, w: StageWeights, max_chunk: int):
         self.w, cfg = w, w.config
         self.start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
-        self.n_tokens = UOp.variable("n_tokens", 1, PREFILL_CHUNK)
+        self.rungs = ladder(min(max_chunk, cfg.max_context))
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
-        self.decode_in = InputBuffer((1, 1, *row), dtype)  # (1, 1) tokens or (1, 1, D) hidden
-        self.prefill_in = InputBuffer((1, PREFILL_CHUNK, *row), dtype)
-        self.decode = TinyJit(self._forward)
-        self.prefill = TinyJit(self._forward)
+        self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
+        self.jits = {n: TinyJit(self._forward) for n in self.rungs}
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
         freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
             block.freqs_cis = freqs
 
-    def _forward(self, inp: Tensor, caches: list[Tensor], start_pos: UOp) -> Tensor:
+    @property
+    def decode(self) -> TinyJit:
+        return self.jits[1]
+
+    def _forward(self, inp: Tensor, cache: KVCache, start_pos: UOp) -> Tensor:
         w = self.w
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (1, T, D)
-        for block, cache in zip(w.blocks, caches, strict=True):
-            block.cache_kv = cache  # the argument's buffer: the JIT substitutes each call's session cache
+        for j, block in enumerate(w.blocks):
+            block.cache_kv = cache[j]  # a view of the argument: the JIT substitutes each call's session cache
             x = block(x, start_pos)
         for block in w.blocks:  # the graph holds the caches now; a block must not keep a released session's
             del block.cache_kv
         if w.output is None:
             return x.half()  # (1, T, D)
-        T = x.shape[1]
-        # head on the last position only: returning logits[:, -1] would hand back a view whose offset (T-1)
-        # is frozen at capture, so a prefill JIT replayed with another length would read the wrong row
-        x = x.shrink((None, (T - 1, T), None))  # (1, 1, D)
-        return w.output(w.output_norm(x))[:, 0, :].float()  # (1, V)
+        return w.output(w.output_norm(x[:, -1:, :]))[:, 0, :].float()  # (1, V): T is fixed per JIT, so is -1
 
-    def run(self, values: np.ndarray, caches: list[Tensor], position: int, n: int) -> Tensor:
-        """One call of at most PREFILL_CHUNK tokens (``values``: n token ids or (n, D) fp16) at ``position``."""
-        pos = self.start_pos.bind(position)
-        if n == 1:
-            self.decode_in.write(values)
-            return self.decode(self.decode_in.tensor, caches, pos)
-        self.prefill_in.write(values)
-        return self.prefill(self.prefill_in.tensor[:, : self.n_tokens.bind(n)], caches, pos)
+    def run(self, values: np.ndarray, cache: KVCache, position: int) -> Tensor:
+        """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``."""
+        n = len(values)
+        self.inputs[n].write(values)
+        return self.jits[n](self.inputs[n].tensor, cache, self.start_pos.bind(position))
 
 
 class TinygradEngine:
     """engines.base.Engine on tinygrad; loads only this stage's tensors from the GGUF file."""
 
     def __init__(self, model: str, stage: int, num_stages: int, *, max_context: int | None = None,
-                 max_sessions: int = 8, emit: Callable[..., None] = lambda kind, **f: None):
+                 max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
+                 emit: Callable[..., None] = lambda kind, **f: None):
+        self.device = Device.DEFAULT
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit)
         cfg, kv = self._w.config, self._w.kv
         self.shard = self._w.shard
@@ -126,14 +120,23 @@ class TinygradEngine:
                               bos_token=None if bos is None else tokens[bos],
                               eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
-        self._stage = CompiledStage(self._w)
-        self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions)
+        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device))
+        self.kv_dtype = kv_dtype or default_kv_dtype(self.device)
+        self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions, dtype=KV_DTYPES[self.kv_dtype])
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
+        self._row_bytes = cfg.dim * 2  # one fp16 hidden row
+        out_bytes = cfg.vocab_size * 4 if self.shard.is_last else self._stage.rungs[0] * self._row_bytes
+        self._host = HostBuffer(out_bytes, pinned_allocator(self.device))
 
     @property
     def loaded_tensors(self) -> dict[str, int]:
         """GGUF tensor name -> bytes this stage read from the file (nothing else was read)."""
         return dict(self._w.loaded)
+
+    def describe(self) -> dict[str, Any]:
+        """What the ready line and `status` report about how this stage runs."""
+        return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "kv_dtype": self.kv_dtype,
+                "kv_session_bytes": self.kv_pool.session_bytes, "kv_caches_allocated": self.kv_pool.allocated}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.
@@ -150,21 +153,23 @@ class TinygradEngine:
         assert self._w.detokenizer is not None, "detokenize runs on the last stage"
         return self._w.detokenizer.decode_partial(tokens)
 
-    # ---- forward ops
+    # ---- forward ops. Outputs are views of the reusable host buffer: valid until the engine's next call.
 
-    def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes:
+    def embed_and_forward(self, session: int, tokens: list[int], position: int) -> memoryview:
         assert self.shard.is_first, "embed_and_forward runs on the first stage"
-        ids = np.asarray(tokens, dtype=np.int32)
-        return b"".join(self._run(session, ids, position, len(tokens), self._hidden_bytes))
+        return self._hidden_rows(session, np.asarray(tokens, dtype=np.int32), position)
 
-    def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> bytes:
+    def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> memoryview:
         assert not (self.shard.is_first or self.shard.is_last), "forward_range runs on middle stages"
-        return b"".join(self._run(session, self._hidden(hidden, seq_len), position, seq_len, self._hidden_bytes))
+        return self._hidden_rows(session, self._hidden(hidden, seq_len), position)
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
         assert self.shard.is_last, "forward_logits runs on the last stage"
-        outs = self._run(session, self._hidden(hidden, seq_len), position, seq_len, lambda t, n: t)
-        return outs[-1].numpy().reshape(-1)  # (V,) float32 of the last position
+        last: list[Tensor] = []
+        self._run(session, self._hidden(hidden, seq_len), position, lambda out, start, n: last.append(out))
+        view = self._host.view(self.info.vocab_size * 4)
+        device_buffer(last[-1]).copyout(view)  # the last call's logits are the last position's
+        return np.frombuffer(view, dtype=np.float32)  # (V,)
 
     # ---- sessions
 
@@ -175,16 +180,13 @@ class TinygradEngine:
         return self._sessions.positions()
 
     def warmup(self) -> None:
-        """Compile both JITs (a JIT captures on its second call) on a scratch session, then drop it."""
+        """Compile every JIT of the ladder (a JIT captures on its second call) on a scratch session, then drop it."""
         cfg = self._w.config
-        if cfg.max_context < 4:
-            return
-        n = 2
-        fake = np.zeros(n, np.int32) if self.shard.is_first else np.zeros((n, cfg.dim), np.float16)
-        for _ in range(2):
-            self._run(WARMUP_SESSION, fake, 0, n, lambda t, k: None)  # prefill JIT
-        for p in (n, n + 1):
-            self._run(WARMUP_SESSION, fake[:1], p, 1, lambda t, k: None)
+        for n in self._stage.rungs:
+            if n + 1 < cfg.max_context:  # decode runs at positions 1 and 2, past a one-token prefix
+                fake = np.zeros(n, np.int32) if self.shard.is_first else np.zeros((n, cfg.dim), np.float16)
+                for position in ((0, 0) if n > 1 else (1, 2)):
+                    self._run(WARMUP_SESSION, fake, position, lambda out, start, k: None)
         self._sessions.release(WARMUP_SESSION)
 
     # ---- internals
@@ -193,16 +195,24 @@ class TinygradEngine:
         assert len(hidden) == seq_len * self.info.hidden_dim * 2, "the protocol layer checks the payload size"
         return np.frombuffer(hidden, dtype="<f2").reshape(seq_len, self.info.hidden_dim)  # (T, D)
 
-    def _hidden_bytes(self, out: Tensor, n: int) -> bytes:
-        return _leading_bytes(out, n * self.info.hidden_dim * 2)  # (1, n, D) fp16
+    def _hidden_rows(self, rid: int, values: np.ndarray, position: int) -> memoryview:
+        """Run ``values`` and gather every call's (1, n, D) fp16 output rows in the host buffer."""
+        rows = self._host.view(len(values) * self._row_bytes)
+        row = self._row_bytes
 
-    def _run(self, rid: int, values: np.ndarray, position: int, seq_len: int, take: Callable) -> list:
-        """Check the session rules, then run ``values`` through the stage in chunks; ``take(out, n)`` per chunk."""
+        def take(out: Tensor, start: int, n: int) -> None:
+            device_buffer(out).copyout(rows[start * row:(start + n) * row])  # before the next call reuses ``out``
+
+        self._run(rid, values, position, take)
+        return rows
+
+    def _run(self, rid: int, values: np.ndarray, position: int, take: Callable[[Tensor, int, int], None]) -> None:
+        """Check the session rules, then run ``values`` through the stage in ladder-sized calls; ``take(out,
+        start, n)`` after each call, before the next one can overwrite its output."""
+        seq_len = len(values)
         session = self._sessions.begin(rid, position, seq_len)
-        results = []
-        for start in range(0, seq_len, PREFILL_CHUNK):
-            n = min(PREFILL_CHUNK, seq_len - start)
-            out = self._stage.run(values[start:start + n], session.cache, position + start, n)
-            results.append(take(out, n))
+        start = 0
+        for n in split(seq_len, self._stage.rungs):
+            take(self._stage.run(values[start:start + n], session.cache, position + start), start, n)
+            start += n
         self._sessions.commit(session, position, seq_len)
-        return results

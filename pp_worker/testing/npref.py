@@ -1,10 +1,10 @@
 """An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against.
 
-It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad or pp_worker: it dequantizes
-F32/F16/Q8_0 itself and applies ggml's rope (adjacent pairs, "normal" mode) to the raw GGUF Q/K weights, with
-ggml's RoPE scaling (`RopeScaling`: rope_freqs.weight factors, linear, yarn) as ggml-cpu's rope_yarn computes it.
-Built from HF-layout weights (`from_weights`) it uses HF's half-split rope instead, which checks the writer's
-permute. Every call recomputes the whole sequence; the models are tiny.
+It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad, the engine or modelgen: it
+dequantizes F32/F16/Q8_0 itself and applies ggml's rope (adjacent pairs, "normal" mode) to the raw GGUF Q/K weights,
+with ggml's RoPE scaling (`RopeScaling`: rope_freqs.weight factors, linear, yarn) as ggml-cpu's rope_yarn computes
+it. Built from HF-layout weights (`from_weights`) it uses HF's half-split rope instead, which checks the writer's
+permute. Every call recomputes the whole sequence; the models are small. Used by the tests and by `bench.gpu`.
 """
 
 from __future__ import annotations
