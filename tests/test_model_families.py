@@ -48,7 +48,7 @@ def step(engines: list[TinygradEngine], rid: int, tokens: list[int], position: i
     h = engines[0].embed_and_forward(rid, tokens, position)
     for e in engines[1:-1]:
         h = e.forward_range(rid, h, position, len(tokens))
-    return engines[-1].forward_logits(rid, h, position, len(tokens))
+    return engines[-1].forward_logits(rid, h, position, len(tokens)).copy()  # a view of the engine's host buffer
 
 
 def generate_logits(engines: list[TinygradEngine], prompt: list[int], n: int) -> tuple[list[int], np.ndarray]:
