@@ -4,7 +4,10 @@ stub stage that emits q8 while its f16 replies stay the contract's, byte for byt
 from __future__ import annotations
 
 import base64
+import dataclasses
+import io
 import json
+import os
 from typing import Any
 
 import numpy as np
@@ -15,11 +18,13 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pp_worker.wire import b64_len
-from pp_worker.worker import q8
+from pp_worker.worker import cli, q8
 from pp_worker.worker.dispatch import Worker
 from pp_worker.worker.engines.stub import StubEngine
-from pp_worker.worker.events import Clock
+from pp_worker.worker.events import Clock, Events
+from pp_worker.worker.loop import LoopState
 from pp_worker.worker.protocol import ProtocolError, decode_hidden
+from pp_worker.worker.stdout import Out
 
 D = 16  # the stub's hidden_dim
 FP16_MAX = float(np.finfo(np.float16).max)
@@ -218,3 +223,21 @@ def test_status_reports_the_wire_dtype() -> None:
     for w, dtype in ((make_worker(1, 3), "f16"), (q8_worker(1, 3), "q8")):
         assert serve_one(w, {"op": "status", "request_id": 1})["wire_dtype"] == dtype
     assert json.loads(json.dumps(serve_one(q8_worker(0, 2), {"op": "ping", "request_id": 1})))["pong"] is True
+
+
+def test_a_stage_of_hidden_dim_4_refuses_to_emit_q8(monkeypatch: pytest.MonkeyPatch,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """At D = 4 a q8 payload is as long as an f16 one: a receiver could not tell a dropped hidden_dtype."""
+    engine = StubEngine(0, 2)
+    engine.info = dataclasses.replace(engine.info, hidden_dim=4)
+    monkeypatch.setattr(cli, "_load", lambda cfg, events: engine)
+    cfg = cli.parse_config([], {"STAGE": "0", "NUM_STAGES": "2", "PP_WORKER_STUB": "1", "PP_WIRE_DTYPE": "q8"})
+    sink, clock = io.BytesIO(), Clock()
+    wake_r, wake_w = os.pipe()
+    try:
+        assert cli._run(cfg, Out(sink), clock, Events(Out(sink), 0, clock), LoopState(), wake_r) == 2
+    finally:
+        os.close(wake_r)
+        os.close(wake_w)
+    assert b"ready" not in sink.getvalue()
+    assert "PP_WIRE_DTYPE=q8 is invalid for hidden_dim 4" in capsys.readouterr().err
