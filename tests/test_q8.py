@@ -6,7 +6,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
-import json
 import os
 from typing import Any
 
@@ -222,7 +221,6 @@ def test_a_non_finite_engine_output_becomes_an_error_reply() -> None:
 def test_status_reports_the_wire_dtype() -> None:
     for w, dtype in ((make_worker(1, 3), "f16"), (q8_worker(1, 3), "q8")):
         assert serve_one(w, {"op": "status", "request_id": 1})["wire_dtype"] == dtype
-    assert json.loads(json.dumps(serve_one(q8_worker(0, 2), {"op": "ping", "request_id": 1})))["pong"] is True
 
 
 def test_a_stage_of_hidden_dim_4_refuses_to_emit_q8(monkeypatch: pytest.MonkeyPatch,
