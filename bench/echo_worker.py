@@ -4,7 +4,7 @@ It runs pp_worker's real loop, validation and codec (``LineReader`` -> ``Worker.
 round trip through it measures the protocol path of a prefill payload and nothing else. The stub worker cannot:
 its hidden size is fixed at 16 and its fake compute (a SHA-256 stream per value) would dominate.
 
-    python -m bench.echo_worker 4096     # hidden_dim; a middle stage: answers forward_range
+    python -m bench.echo_worker 4096 [q8]     # hidden_dim [wire dtype]; a middle stage: answers forward_range
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     hidden_dim = int(args[0]) if args else 4096
     out = Out(sys.stdout.buffer)
-    worker = Worker(EchoEngine(hidden_dim), Clock(), "echo")
+    worker = Worker(EchoEngine(hidden_dim), Clock(), "echo", args[1] if len(args) > 1 else "f16")
     wake_r, _wake_w = os.pipe()  # never written: the reader then waits with select + os.read, as the worker does
     out.write({"status": "ready", "hidden_dim": hidden_dim, "pid": os.getpid()})
     serve(LineReader(sys.stdin.buffer, LINE_CAP, wake_fd=wake_r), out, worker, LoopState())

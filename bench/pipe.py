@@ -7,7 +7,7 @@ the driver. Decode rates are taken between a generation's first token (which end
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.solo import vmhwm_mb
@@ -90,3 +90,40 @@ def time_to_first_token(p: Pipeline, prompt: str, reps: int) -> list[float]:
 def peak_rss(p: Pipeline) -> list[float | None]:
     """VmHWM of each stage's process (local children, so /proc has them)."""
     return [vmhwm_mb(st.proc.pid) for st in p.stages]
+
+
+def greedy_tokens(p: Pipeline, prompts: list[str], n: int) -> list[list[int]]:
+    """Each prompt's first ``n`` greedy tokens (fewer where it ends at an EOS), all prompts in flight at once."""
+    stats = p.run(make_generations(p, prompts, n, Sampling()), concurrency=len(prompts))
+    return [g.tokens for g in stats.generations]
+
+
+@dataclass
+class Agreement:
+    """How far two runs' greedy tokens agree, per prompt, over ``n`` positions (a position both runs left empty,
+    having stopped at an EOS, counts as agreeing)."""
+
+    n: int
+    first_divergence: list[int] = field(default_factory=list)  # identical tokens before the first difference
+    identical: list[int] = field(default_factory=list)  # positions holding the same token, divergence or not
+
+    @property
+    def prefix_fraction(self) -> float:
+        return sum(self.first_divergence) / (self.n * len(self.first_divergence)) if self.first_divergence else 0.0
+
+    @property
+    def overall_fraction(self) -> float:
+        return sum(self.identical) / (self.n * len(self.identical)) if self.identical else 0.0
+
+
+def agreement(reference: list[list[int]], other: list[list[int]], n: int) -> Agreement:
+    a = Agreement(n)
+    for ref, got in zip(reference, other, strict=True):
+        same = [_at(ref, i) == _at(got, i) for i in range(n)]
+        a.first_divergence.append(same.index(False) if False in same else n)
+        a.identical.append(sum(same))
+    return a
+
+
+def _at(tokens: list[int], i: int) -> int | None:
+    return tokens[i] if i < len(tokens) else None

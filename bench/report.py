@@ -3,7 +3,8 @@
 Targets (issue 5): 2 stages >= 0.9x one process, 3 stages >= 0.85x; ours >= 5x the unjitted loop; K=4 in flight
 >= 1.5x K=1; a stub decode hop >= 20,000 round trips/s; the prefill payload path >= 500 MB/s; each stage's peak
 RSS <= (its weights + one session's KV) x 1.3, on the bench model and again (``bench.rss``) on a model whose weights
-dwarf tinygrad's own idle floor. Section 7 (issue 11, no target): pp-serve's requests/s and tokens/s.
+dwarf tinygrad's own idle floor. Section 7 (issue 11, no target): pp-serve's requests/s and tokens/s. Section 8
+(issue 10, no target): what q8 on the wire costs in exactness (greedy agreement with f16) and gains in bytes.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ S4 = "4 time to first token, 2 stages, warm workers"
 S5 = "5 protocol overhead, no model"
 S6 = "6 peak RSS (VmHWM)"
 S7 = "7 pp-serve endpoint, embedded model"
+S8 = "8 q8 hidden states on the wire (PP_WIRE_DTYPE=q8) against f16"
 
 
 def get(raw: dict[str, Any], *path: str) -> Any:
@@ -40,7 +42,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[int, int]]]) -> list[Row]:
     return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
-            *memory(raw, facts, shares), *endpoint(raw.get("serve"))]
+            *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -203,4 +205,34 @@ def endpoint(serve: dict[str, Any] | None) -> list[Row]:
         note = f"{m['requests']} requests, {m['tokens']} tokens in {m['wall_s']:.2f} s; median {m['p50_s']:.2f} s each"
         rows.append(Row(sec, f"{clients} concurrent client(s)", m["rps"], "req/s", note=note))
         rows.append(Row(sec, f"  {clients} client(s): generated tokens", m["tps"], "tok/s"))
+    return rows
+
+
+def wire_q8(q: dict[str, Any] | None) -> list[Row]:
+    """Section 8: greedy agreement on 2 and 3 stages, then bytes per token and codec speed side by side."""
+    if not q:
+        return [Row(S8, "q8", None, "x", note="not measured (section q8 not run, or it failed)")]
+    rows: list[Row] = []
+    widths = {q["payload_hidden_dim"]: q["b64_chars_per_token"]} if "b64_chars_per_token" in q else {}
+    for stages in (2, 3):
+        a = q.get(f"pp{stages}")
+        if a is None:
+            rows.append(Row(S8, f"{stages} stages: greedy agreement", None, "", note="not measured"))
+            continue
+        widths[a["hidden_dim"]] = a["b64_chars_per_token"]
+        rows += [
+            Row(S8, f"{stages} stages: tokens identical before the first divergence", a["prefix_fraction"], "",
+                note=f"{len(a['first_divergence'])} prompts x {a['n']} greedy tokens; first divergence at "
+                     f"{a['first_divergence']} ({a['n']} = none)"),
+            Row(S8, f"{stages} stages: tokens identical overall", a["overall_fraction"], "",
+                note=f"per prompt {a['identical']} of {a['n']}; after a divergence the texts differ anyway"),
+        ]
+    for dim, chars in sorted(widths.items()):
+        rows.append(Row(S8, f"bytes per token, hidden {dim}: q8 / f16", ratio(chars["q8"], chars["f16"]), "x",
+                        note=f"base64 chars of a decode step's payload: {chars['q8']} vs {chars['f16']}"))
+    for key, label in (("codec", "codec in-process, 512x4096"), ("echo", "prefill round trip via a worker, 512x4096")):
+        f16, q8 = get(q, key, "f16", "mb_per_s"), get(q, key, "q8", "mb_per_s")
+        rows += [Row(S8, f"{label}, q8", q8, "MB/s", note="MB of the fp16 hidden state; q8 encode + decode included"),
+                 Row(S8, f"{label}, f16", f16, "MB/s", note="measured next to it"),
+                 Row(S8, f"  {label}: q8 / f16", ratio(q8, f16), "x")]
     return rows

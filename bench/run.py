@@ -1,7 +1,8 @@
 """``make bench``: every measurement side by side in one run; a table on stdout, JSON under ``bench/results/``.
 
     python -m bench.run            # the 27M-parameter bench model, ~2.5 minutes on 2 idle cores, then section 6
-                                   # again on the 0.73B "rss" model (~1.5 minutes; its first run generates it)
+                                   # again on the 0.73B "rss" model (~1.5 minutes; its first run generates it),
+                                   # then section 8, q8 against f16 on the wire (~2 minutes)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
 
 Measurements fill a ``raw`` dict (kept whole in the JSON); ``bench.report`` turns it into table rows. A section
@@ -28,7 +29,7 @@ from bench.machine import CpuMeter, describe
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire", "rss", "serve")
+SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire", "rss", "serve", "q8")
 
 
 @dataclass(frozen=True)
@@ -46,13 +47,14 @@ class Plan:
     stub_pipelined: int = 40000
     payload_reps: int = 9
     payload_shape: tuple[int, int] = (512, 4096)  # a 512-token prefill of a 4096-wide model: 4 MiB of fp16
+    q8_tokens: int = 64  # section 8: greedy tokens per prompt compared, q8 against f16 on the wire
     rss: rss.RssPlan = rss.RssPlan()  # section 6 on a model whose weights dwarf tinygrad's floor
     serve: serve.ServePlan = serve.ServePlan()  # section 7: pp-serve on the embedded model
 
 
 FULL = Plan("bench")
 QUICK = Plan("small", warm=3, decode=12, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
-             stub_sequential=300, stub_pipelined=2000, payload_reps=3, rss=rss.RssPlan(preset="bench"),
+             stub_sequential=300, stub_pipelined=2000, payload_reps=3, q8_tokens=12, rss=rss.RssPlan(preset="bench"),
              serve=serve.ServePlan(requests=8, max_tokens=8))
 
 
@@ -191,6 +193,38 @@ class Bench:
         finally:
             e.close()
 
+    # --- Q8 hidden states on the wire (PP_WIRE_DTYPE=q8) against f16, side by side ---------------------------
+    def q8(self, out: dict[str, Any]) -> None:
+        seq, hidden = self.plan.payload_shape
+        say(f"q8 vs f16: bytes per token, {seq} x {hidden} codec in-process and echo-worker round trip")
+        out["payload_hidden_dim"] = hidden
+        out["b64_chars_per_token"] = {dtype: wire.payload_chars(dtype, hidden) for dtype in ("f16", "q8")}
+        for dtype in ("f16", "q8"):  # interleaved, so that both see the same machine load
+            out.setdefault("codec", {})[dtype] = _payload(wire.codec_rate(seq, hidden, self.plan.payload_reps, dtype))
+            e = wire.RawWorker.echo(hidden, dtype)
+            try:
+                out.setdefault("echo", {})[dtype] = _payload(wire.round_trip_rate(e, seq, hidden,
+                                                                                   self.plan.payload_reps, dtype))
+            finally:
+                e.close()
+        for stages in (2, 3):
+            out[f"pp{stages}"] = self._q8_agreement(stages, self.prompts["k"], self.plan.q8_tokens)
+
+    def _q8_agreement(self, stages: int, prompts: list[str], n: int) -> dict[str, Any]:
+        """The same greedy generations on f16 and on q8 pipelines (PP_WARMUP off: only two sizes are used)."""
+        tokens: dict[str, list[list[int]]] = {}
+        for dtype in ("f16", "q8"):
+            say(f"{stages} stages, PP_WIRE_DTYPE={dtype}: {len(prompts)} prompts x {n} greedy tokens")
+            with pipe.start(self.model, stages, {"PP_WARMUP": "0", "PP_WIRE_DTYPE": dtype}) as p:
+                tokens[dtype] = pipe.greedy_tokens(p, prompts, n)
+                ready = p.stages[0].ready
+                assert ready is not None  # the pipeline started: every stage is ready
+                hidden = ready["hidden_dim"]
+        a = pipe.agreement(tokens["f16"], tokens["q8"], n)
+        return {**dataclasses.asdict(a), "prefix_fraction": a.prefix_fraction, "overall_fraction": a.overall_fraction,
+                "hidden_dim": hidden, "b64_chars_per_token": {d: wire.payload_chars(d, hidden) for d in tokens},
+                "tokens": tokens}
+
 
 def _payload(p: wire.Payload) -> dict[str, float]:
     return {**dataclasses.asdict(p), "mb_per_s": p.mb_per_s}
@@ -213,6 +247,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "wire": b.wire,
         "rss": b.big_rss,
         "serve": lambda out: out.update(serve.measure(plan.serve)),
+        "q8": b.q8,
     }
     for key in sections:
         attempt(raw, key, steps[key])

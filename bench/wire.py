@@ -8,7 +8,8 @@ Three honest variants, each labelled in the table:
 - many in flight: requests pre-encoded and written by a thread, replies only counted, so this is what one
   stage can serve per second (its capacity) when the pipe never runs dry;
 - the payload path: the codec in-process, and the pipe round trip of a 512 x 4096 fp16 payload through
-  ``bench.echo_worker`` (pp_worker's loop and codec around an engine that hands the input back).
+  ``bench.echo_worker`` (pp_worker's loop and codec around an engine that hands the input back); both also with
+  the payload in q8 (``PP_WIRE_DTYPE=q8``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from pp_worker.wire import encode_payload, to_line, widen_pipe
+from pp_worker.worker import q8
 from pp_worker.worker.protocol import decode_hidden
 
 REPO = Path(__file__).resolve().parent.parent  # workers run from here, so ``-m bench...`` resolves anywhere
@@ -80,8 +84,8 @@ class RawWorker:
                    {"STAGE": str(stage), "NUM_STAGES": str(num_stages), "PP_WORKER_STUB": "1"}, cpu)
 
     @classmethod
-    def echo(cls, hidden_dim: int) -> RawWorker:
-        return cls([sys.executable, "-m", "bench.echo_worker", str(hidden_dim)], {})
+    def echo(cls, hidden_dim: int, wire_dtype: str = "f16") -> RawWorker:
+        return cls([sys.executable, "-m", "bench.echo_worker", str(hidden_dim), wire_dtype], {})
 
     def line(self) -> bytes:
         """The next stdout line that is not an event."""
@@ -109,10 +113,29 @@ class RawWorker:
             self.proc.wait()
 
 
-def hop(seq_len: int, hidden_dim: int, position: int = 0) -> dict[str, Any]:
-    """A forward_range request carrying a (1, seq_len, hidden_dim) fp16 payload of zeros."""
-    b64 = encode_payload(bytes(seq_len * hidden_dim * 2))
-    return {"op": "forward_range", "request_id": 1, "hidden_b64": b64, "position": position, "seq_len": seq_len}
+def hop(seq_len: int, hidden_dim: int, position: int = 0, dtype: str = "f16") -> dict[str, Any]:
+    """A forward_range request carrying a (1, seq_len, hidden_dim) payload: fp16 zeros, or (q8) an activation-like
+    state in q8."""
+    if dtype == "f16":
+        b64 = encode_payload(bytes(seq_len * hidden_dim * 2))
+        return {"op": "forward_range", "request_id": 1, "hidden_b64": b64, "position": position, "seq_len": seq_len}
+    b64 = encode_payload(q8.encode(hidden_state(seq_len, hidden_dim), hidden_dim))
+    return {"op": "forward_range", "request_id": 1, "hidden_b64": b64, "position": position, "seq_len": seq_len,
+            "hidden_dtype": dtype}
+
+
+def hidden_state(seq_len: int, hidden_dim: int) -> bytes:
+    """fp16 (1, seq_len, hidden_dim) that looks like activations: normal values with a few large channels (random
+    bytes would hold inf and NaN, which q8 refuses)."""
+    x = np.random.default_rng(0).standard_normal((seq_len, hidden_dim), dtype=np.float32)
+    x[:, ::97] *= 20
+    return x.astype("<f2").tobytes()
+
+
+def payload_chars(dtype: str, hidden_dim: int) -> int:
+    """base64 characters of one token's hidden state on the wire (a decode step's payload)."""
+    row = hidden_state(1, hidden_dim)
+    return len(encode_payload(row if dtype == "f16" else q8.encode(row, hidden_dim)).data)
 
 
 def sequential_rate(w: RawWorker, n: int, seq_len: int = 1, hidden_dim: int = STUB_HIDDEN) -> float:
@@ -180,23 +203,25 @@ class Payload:
         return self.mb / self.seconds if self.seconds > 0 else 0.0
 
 
-def codec_rate(seq_len: int, hidden_dim: int, reps: int) -> Payload:
-    """In-process: encode_payload then decode_hidden (validating) of one payload, per rep."""
-    data = os.urandom(seq_len * hidden_dim * 2)
+def codec_rate(seq_len: int, hidden_dim: int, reps: int, dtype: str = "f16") -> Payload:
+    """In-process, per rep: what a stage does to send a hidden state (q8: quantize, then base64) and what the next
+    does to read it (``decode_hidden``: validate, base64, q8: back to fp16). MB are those of the fp16 state."""
+    data = hidden_state(seq_len, hidden_dim)
     best = float("inf")
     for _ in range(reps):
         t0 = time.perf_counter()
-        text = str(encode_payload(data))
-        back = decode_hidden({"hidden_b64": text}, seq_len, hidden_dim)
+        text = str(encode_payload(data if dtype == "f16" else q8.encode(data, hidden_dim)))
+        back = decode_hidden({"hidden_b64": text, "hidden_dtype": dtype}, seq_len, hidden_dim)
         best = min(best, time.perf_counter() - t0)
-    assert back == data
+    assert len(back) == len(data) and (dtype != "f16" or back == data)
     return Payload(len(data) / 1e6, best)
 
 
-def round_trip_rate(w: RawWorker, seq_len: int, hidden_dim: int, reps: int) -> Payload:
+def round_trip_rate(w: RawWorker, seq_len: int, hidden_dim: int, reps: int, dtype: str = "f16") -> Payload:
     """Median round trip of one forward_range carrying the payload out and back; the client builds the request
-    and parses the reply with json as the driver does, but never base64-decodes (neither does the driver)."""
-    req = hop(seq_len, hidden_dim)
+    and parses the reply with json as the driver does, but never base64-decodes (neither does the driver). MB are
+    those of the fp16 state, whatever ``dtype`` carries it."""
+    req = hop(seq_len, hidden_dim, dtype=dtype)
     w.request(req)
     times = []
     for _ in range(reps):

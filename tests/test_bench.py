@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu, models, report, run, wire
+from bench import gpu, models, pipe, report, run, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
 from pp_worker.testing.modelgen import PRESETS, generate
@@ -22,6 +22,27 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_codec_rate_round_trips_a_payload() -> None:
     p = wire.codec_rate(seq_len=8, hidden_dim=64, reps=2)
     assert p.mb == 8 * 64 * 2 / 1e6 and p.seconds > 0 and p.mb_per_s > 0
+
+
+def test_q8_codec_and_echo_round_trip() -> None:
+    p = wire.codec_rate(seq_len=8, hidden_dim=64, reps=2, dtype="q8")
+    assert p.mb == 8 * 64 * 2 / 1e6 and p.mb_per_s > 0  # MB of the fp16 state it carries
+    assert wire.payload_chars("q8", 64) < wire.payload_chars("f16", 64)
+    e = wire.RawWorker.echo(64, "q8")
+    try:
+        reply = e.request(wire.hop(3, 64, dtype="q8"))
+        assert reply["hidden_dtype"] == "q8" and len(reply["hidden_b64"]) == 4 * 3 * (64 + 4) // 3
+        assert wire.round_trip_rate(e, 4, 64, 2, "q8").mb_per_s > 0
+    finally:
+        e.close()
+
+
+def test_agreement_counts_the_prefix_and_every_position() -> None:
+    a = pipe.agreement([[1, 2, 3, 4], [5, 6, 7], [1, 1, 1, 1]], [[1, 2, 9, 4], [5, 6, 7], [2, 1, 1, 1]], 4)
+    assert a.first_divergence == [2, 4, 0]  # [5, 6, 7] stopped at an EOS in both runs: identical throughout
+    assert a.identical == [3, 4, 3]
+    assert a.prefix_fraction == pytest.approx(6 / 12) and a.overall_fraction == pytest.approx(10 / 12)
+    assert pipe.agreement([[1, 2]], [[1]], 2).first_divergence == [1]  # one run ended early, the other did not
 
 
 def test_stub_round_trips_one_at_a_time_and_pipelined() -> None:
@@ -86,6 +107,11 @@ def fake_raw() -> dict:
         "wire": {"pipe_floor_rt_s": {"one CPU": 9e4}, "sequential_rt_s": {"one CPU": 1e4, "two CPUs": 3e4},
                  "pipelined_rt_s": 30000.0, "codec": {"mb_per_s": 300.0},
                  "echo": {"mb_per_s": 600.0}},
+        "q8": {"payload_hidden_dim": 4096, "b64_chars_per_token": {"f16": 10924, "q8": 5468},
+               "codec": {"f16": {"mb_per_s": 2000.0}, "q8": {"mb_per_s": 100.0}},
+               "echo": {"f16": {"mb_per_s": 160.0}},  # the q8 round trip failed: its rows say n/a
+               "pp2": {"n": 4, "first_divergence": [4, 2], "identical": [4, 3], "prefix_fraction": 0.75,
+                       "overall_fraction": 0.875, "hidden_dim": 64, "b64_chars_per_token": {"f16": 172, "q8": 92}}},
     }
 
 
@@ -103,7 +129,14 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section[0] for r in rows} == set("1234567")
+    assert {r.section[0] for r in rows} == set("12345678")
+    assert by_name["2 stages: tokens identical before the first divergence"].value == 0.75
+    assert by_name["3 stages: greedy agreement"].value is None  # not measured: n/a, no crash
+    assert by_name["bytes per token, hidden 64: q8 / f16"].value == pytest.approx(92 / 172)
+    assert by_name["bytes per token, hidden 4096: q8 / f16"].value == pytest.approx(5468 / 10924)
+    assert by_name["codec in-process, 512x4096: q8 / f16"].value == pytest.approx(0.05)
+    assert by_name["prefill round trip via a worker, 512x4096: q8 / f16"].value is None
+    assert report.wire_q8(None)[0].value is None  # section 8 not run
     assert report.endpoint(None)[0].value is None  # section 7 not run: one n/a row
     table = render(rows)
     assert all(r.name in table for r in rows) and "PASS" in table and "MISS" in table

@@ -87,7 +87,7 @@ def test_entry_points_start_and_report_ready(spawn: Spawn, tmp_path: Path, name:
     assert isinstance(ready["eos_token_ids"], list)
     # what a remote driver needs (no GGUF in the stub): no template, no BOS, PP_MAX_SESSIONS' default
     model_fields = {"chat_template": None, "bos_token_id": None, "add_bos": False, "bos_token": None,
-                    "eos_token": None, "max_sessions": 8}
+                    "eos_token": None, "max_sessions": 8, "wire_dtype": "f16"}
     assert {k: ready.get(k, "absent") for k in model_fields} == model_fields
     status = w.request({"op": "status", "request_id": 3})
     assert {k: status.get(k, "absent") for k in model_fields} == model_fields
@@ -115,6 +115,7 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_MAX_LINE_BYTES": "ten"}, "PP_MAX_LINE_BYTES", "ten"),
     ({"PP_PREFILL_CHUNK": "0"}, "PP_PREFILL_CHUNK", "0"),
     ({"PP_KV_DTYPE": "bfloat16"}, "PP_KV_DTYPE", "bfloat16"),
+    ({"PP_WIRE_DTYPE": "int8"}, "PP_WIRE_DTYPE", "int8"),
 ]
 
 

@@ -8,6 +8,8 @@ from pp_worker.driver.generation import RECENT_TOKENS, Sampling
 from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
 from pp_worker.driver.stage_proc import Launch
 
+WIRE_DTYPES = ("f16", "q8")  # worker.q8.WIRE_DTYPES; the driver imports nothing of the worker
+
 
 def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tokens_help: str) -> None:
     """The stages (how many, which model, how started), the limits, and the sampling defaults."""
@@ -20,6 +22,9 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
     ap.add_argument("--env", action="append", default=[], metavar="K=V",
                     help="extra variable for every worker; {stage} in V is the stage's index "
                     "(e.g. CUDA_VISIBLE_DEVICES={stage}: one GPU per stage)")
+    ap.add_argument("--wire-dtype", choices=WIRE_DTYPES,
+                    help="hidden states between stages: f16 (the default, exact) or q8 (int8 with a scale per token: "
+                    "about half the bytes, not bit-exact); sets PP_WIRE_DTYPE for the workers")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
     ap.add_argument("--max-tokens", type=int, default=64, help=max_tokens_help)
     ap.add_argument("--concurrency", type=int, default=concurrency,
@@ -55,6 +60,8 @@ def launch_from(args: argparse.Namespace) -> Launch:
     env = dict(kv.split("=", 1) for kv in args.env)
     if args.max_context:
         env["MAX_CONTEXT"] = str(args.max_context)
+    if args.wire_dtype:
+        env["PP_WIRE_DTYPE"] = args.wire_dtype
     ray = RayPlacement(args.ray_address, args.ray_num_cpus, args.ray_num_gpus) if args.launcher == RAY_LAUNCHER \
         else None
     return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray)

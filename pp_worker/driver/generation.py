@@ -125,6 +125,8 @@ class Generation:
         reply = yield Call(0, op, {**feed, "position": position})
         for s in range(1, n):
             hop = {"hidden_b64": B64.checked(reply["hidden_b64"]), "position": position, "seq_len": seq_len}
+            if "hidden_dtype" in reply:  # a q8 stage (PP_WIRE_DTYPE): the next one must know how to read it
+                hop["hidden_dtype"] = reply["hidden_dtype"]
             if s < n - 1:
                 reply = yield Call(s, "forward_range", hop)
             else:

@@ -20,6 +20,7 @@ from pp_worker.worker.dispatch import Worker, model_fields
 from pp_worker.worker.engines.base import Engine
 from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, start_heartbeat
 from pp_worker.worker.loop import LineReader, LoopState, serve
+from pp_worker.worker.q8 import SCALE_BYTES, WIRE_DTYPES
 from pp_worker.worker.stdout import Out, protect_stdout
 
 _ASCII_INT = re.compile(r"[0-9]{1,9}")
@@ -45,6 +46,7 @@ class Config:
     stub_delay_ms: int = 0
     prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
+    wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts either
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -105,7 +107,8 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024), warmup=_env_flag(env, "PP_WARMUP"),
                   stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0,
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
-                  kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES))
+                  kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
+                  wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16")
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -129,8 +132,8 @@ def ready_line(engine: Engine, cfg: Config, clock: Clock) -> dict[str, object]:
     return {"status": "ready", "pid": os.getpid(), "stage": shard.stage, "stage_index": shard.stage,
             "num_stages": shard.num_stages, "stub": cfg.stub, "model": info.name, "hidden_dim": info.hidden_dim,
             "vocab_size": info.vocab_size, "total_blocks": info.total_blocks, "layer_range": [shard.start, shard.end],
-            "eos_token_ids": info.eos_token_ids, "max_context": info.max_context, **model_fields(engine),
-            "uptime_ms": clock.uptime_ms()}
+            "eos_token_ids": info.eos_token_ids, "max_context": info.max_context,
+            **model_fields(engine, cfg.wire_dtype), "uptime_ms": clock.uptime_ms()}
 
 
 def _install_signals(state: LoopState, events: Events) -> tuple[int, int]:
@@ -217,7 +220,11 @@ def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, 
     engine = _load(cfg, events)
     if engine is None:
         return 2
-    worker = Worker(engine, clock, cfg.model if not cfg.stub else "stub")
+    if cfg.wire_dtype == "q8" and engine.info.hidden_dim == SCALE_BYTES:
+        print(f"pp_worker: PP_WIRE_DTYPE=q8 is invalid for hidden_dim {SCALE_BYTES}: a q8 payload would be as long "
+              "as an f16 one, so a receiver could not tell them apart", file=sys.stderr, flush=True)
+        return 2
+    worker = Worker(engine, clock, cfg.model if not cfg.stub else "stub", cfg.wire_dtype)
     info = engine.info
     cap = cfg.max_line_bytes or b64_len(info.max_context * info.hidden_dim * 2) + _LINE_HEADROOM
     out.write(ready_line(engine, cfg, clock))

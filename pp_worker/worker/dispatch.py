@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pp_worker.wire import WireError, encode_payload, parse_json
-from pp_worker.worker import protocol
+from pp_worker.worker import protocol, q8
 from pp_worker.worker.engines.base import Engine, EngineError
 from pp_worker.worker.events import Clock, rss_mb
 from pp_worker.worker.protocol import ProtocolError
@@ -26,8 +26,9 @@ ANY = frozenset(Role)
 class Worker:
     """One stage: an engine plus the bookkeeping the control ops report."""
 
-    def __init__(self, engine: Engine, clock: Clock, model: str):
+    def __init__(self, engine: Engine, clock: Clock, model: str, wire_dtype: str = "f16"):
         self.engine, self.clock, self.model = engine, clock, model
+        self.wire_dtype = wire_dtype  # of the hidden states this stage emits (PP_WIRE_DTYPE); any is accepted
         self.shard = engine.shard
         info = engine.info
         self.limits = protocol.Limits(info.hidden_dim, info.vocab_size, info.check_token_ids)
@@ -79,13 +80,23 @@ def _detokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> 
 
 
 def _embed(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
-    hidden = w.engine.embed_and_forward(rid, f["tokens"], f["position"])
-    return {"hidden_b64": encode_payload(hidden), "seq_len": len(f["tokens"])}
+    return _hidden_reply(w, w.engine.embed_and_forward(rid, f["tokens"], f["position"]), len(f["tokens"]))
 
 
 def _forward_range(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
-    hidden = w.engine.forward_range(rid, f["hidden"], f["position"], f["seq_len"])
-    return {"hidden_b64": encode_payload(hidden), "seq_len": f["seq_len"]}
+    return _hidden_reply(w, w.engine.forward_range(rid, f["hidden"], f["position"], f["seq_len"]), f["seq_len"])
+
+
+def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
+    """The engine's float16 (1, T, D) in the stage's wire dtype; f16 replies are the contract's, byte for byte
+    (no ``hidden_dtype`` field), so a caller that never asks for q8 never sees a difference."""
+    if w.wire_dtype == "f16":
+        return {"hidden_b64": encode_payload(hidden), "seq_len": seq_len}
+    try:
+        payload = q8.encode(hidden, w.limits.hidden_dim)
+    except q8.Q8Error as e:
+        raise EngineError(str(e)) from None
+    return {"hidden_b64": encode_payload(payload), "seq_len": seq_len, "hidden_dtype": "q8"}
 
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -98,16 +109,16 @@ def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Repl
     return {"stage": s.stage, "num_stages": s.num_stages, "role": s.role.value, "layer_range": [s.start, s.end],
             "model": w.model, "pid": os.getpid(), "sessions": {str(k): v for k, v in w.engine.sessions().items()},
             "requests_served": w.clock.requests_served, "uptime_ms": w.clock.uptime_ms(), "rss_mb": rss_mb(),
-            **model_fields(w.engine)}
+            **model_fields(w.engine, w.wire_dtype)}
 
 
-def model_fields(engine: Engine) -> Reply:
+def model_fields(engine: Engine, wire_dtype: str) -> Reply:
     """What a driver needs beyond the shapes, so it needs no copy of the GGUF, and how the stage runs
-    (device, KV cache dtype...): on the ready line and in status."""
+    (the dtype of the hidden states it emits, device, KV cache dtype...): on the ready line and in status."""
     info = engine.info
     return {"chat_template": info.chat_template, "bos_token_id": info.bos_token_id, "add_bos": info.add_bos,
             "bos_token": info.bos_token, "eos_token": info.eos_token, "max_sessions": engine.max_sessions,
-            **engine.describe()}
+            "wire_dtype": wire_dtype, **engine.describe()}
 
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from pp_worker.wire import B64, b64_len, decode_payload
+from pp_worker.worker import q8
 from pp_worker.worker.sampling import SamplingParams
 
-BYTES_PER_ELEM = 2  # float16 on the wire
 MAX_INT = 2**53  # ints beyond this are not portable JSON numbers; nothing legal needs them
 MAX_RECENT_TOKENS = 4096
 
@@ -87,25 +87,53 @@ def flag(req: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+def hidden_dtype(req: dict[str, Any]) -> str:
+    """The payload's dtype: ``hidden_dtype`` when present ("f16" or "q8"), else float16 as the contract has it."""
+    value = req.get("hidden_dtype", "f16")
+    if not isinstance(value, str) or value not in q8.WIRE_DTYPES:
+        raise ProtocolError(f"'hidden_dtype' must be one of {', '.join(map(repr, q8.WIRE_DTYPES))}, got {_show(value)}")
+    return value
+
+
 def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
-    """Strict base64 of exactly seq_len * hidden_dim * 2 bytes. The length is checked on the text first,
-    so an oversized payload is refused without decoding it."""
+    """float16 bytes of (1, seq_len, hidden_dim) from strict base64 of exactly the size ``hidden_dtype`` implies
+    (seq_len * hidden_dim * 2 for f16, seq_len * (hidden_dim + 4) for q8, decoded here). The length is checked
+    on the text first, so an oversized payload is refused without decoding it."""
+    dtype = hidden_dtype(req)
     text = req.get("hidden_b64")
     if isinstance(text, B64):  # what parse_json cut out of a long line, already checked
         text = text.data
     if not isinstance(text, str | bytes):
         raise ProtocolError(f"'hidden_b64' must be a string, got {_show(text)}")
-    expected = seq_len * hidden_dim * BYTES_PER_ELEM
+    expected = q8.payload_bytes(dtype, seq_len, hidden_dim)
     if len(text) != b64_len(expected):
-        raise ProtocolError(f"hidden length does not match seq_len*hidden_dim*2 ({seq_len}*{hidden_dim}*2 = "
-                            f"{expected} bytes, {b64_len(expected)} base64 chars); got {len(text)} base64 chars")
+        name, numbers = _SIZE[dtype]
+        raise ProtocolError(f"hidden length does not match {name} ({numbers.format(seq_len, hidden_dim)} "
+                            f"= {expected} bytes, {b64_len(expected)} base64 chars); got {len(text)} base64 chars"
+                            f"{_other_dtype_hint(dtype, len(text), seq_len, hidden_dim)}")
     try:
         data = decode_payload(text)
     except (binascii.Error, ValueError) as e:
         raise ProtocolError(f"invalid base64 in hidden_b64: {e}") from None
     if len(data) != expected:
-        raise ProtocolError(f"hidden length {len(data)} does not match seq_len*hidden_dim*2 = {expected}")
-    return data
+        raise ProtocolError(f"hidden length {len(data)} does not match {_SIZE[dtype][0]} = {expected}")
+    if dtype == "f16":
+        return data
+    try:
+        return q8.decode(data, seq_len, hidden_dim)
+    except q8.Q8Error as e:
+        raise ProtocolError(f"invalid q8 hidden_b64: {e}") from None
+
+
+_SIZE = {"f16": ("seq_len*hidden_dim*2", "{}*{}*2"), "q8": ("seq_len*(hidden_dim+4)", "{}*({}+4)")}
+
+
+def _other_dtype_hint(dtype: str, b64_chars: int, seq_len: int, hidden_dim: int) -> str:
+    """A payload of the other dtype's size was almost surely sent without (or with the wrong) ``hidden_dtype``."""
+    other = "q8" if dtype == "f16" else "f16"
+    if b64_chars != b64_len(q8.payload_bytes(other, seq_len, hidden_dim)):
+        return ""
+    return f" (the size of a {other} payload: send 'hidden_dtype': '{other}' with it)"
 
 
 def request_id_of(obj: Any) -> int | None:
