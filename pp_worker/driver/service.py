@@ -40,11 +40,11 @@ class ServedGeneration(Generation):
     unavailable: bool = False  # the error is the pipeline's (503), not the request's (400)
     ended: bool = field(default=False, init=False)
 
-    def steps(self, num_stages: int, eos: frozenset[int],
-              max_context: int | None = None) -> Generator[Call, Reply | None, None]:
+    def steps(self, num_stages: int, eos: frozenset[int], max_context: int | None = None,
+              prefill_chunk: int | None = None) -> Generator[Call, Reply | None, None]:
         """``Generation.steps``, then the end is reported (with ``error`` set when this generation alone could not
         run: an empty prompt, a prompt longer than the context)."""
-        yield from super().steps(num_stages, eos, max_context)
+        yield from super().steps(num_stages, eos, max_context, prefill_chunk)
         self.end()
 
     def end(self, error: str = "", unavailable: bool = False) -> None:
