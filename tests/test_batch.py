@@ -10,6 +10,9 @@ import numpy as np
 import pytest
 from conftest import make_worker, request_line, run_requests, serve_bytes
 
+from pp_worker.driver.generation import Call, Sampling
+from pp_worker.driver.pipeline import Pipeline, make_generations, run_pipeline
+from pp_worker.driver.stage_proc import Launch
 from pp_worker.worker.dispatch import Worker
 from pp_worker.worker.engines.stub import StubEngine
 from pp_worker.worker.events import Clock
@@ -131,3 +134,64 @@ def test_ready_line_and_status_report_max_batch() -> None:
     (status,) = run_requests(0, 2, [{"op": "status", "request_id": 1}])
     assert status["max_batch"] == 8
     assert Worker(StubEngine(0, 2, max_sessions=3), Clock(), "stub").engine.max_batch == 3
+
+
+# --- the driver's side: which steps it groups into batch requests ---------------------------------------------------
+
+class FakeStage:
+    def __init__(self, index: int, max_batch: int = 8):
+        self.index, self.ready, self.sent = index, {"max_batch": max_batch}, []
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sent.append(obj)
+
+
+def bare_pipeline(stages: int, in_flight: int, max_batch: int = 8) -> Pipeline:
+    """A Pipeline's send path on fake stages that record what they are sent."""
+    p = Pipeline.__new__(Pipeline)
+    p.stages = [FakeStage(i, max_batch) for i in range(stages)]  # type: ignore[list-item]
+    p._pending, p._outbox, p.trace, p.batch = {}, [], None, True
+    p._active = dict.fromkeys(range(100, 100 + in_flight))  # type: ignore[arg-type]
+    return p
+
+
+def sent(p: Pipeline, stage: int) -> list[tuple[str, list[int]]]:
+    return [(o["op"], [r["request_id"] for r in o["requests"]] if o["op"] == "batch" else [o["request_id"]])
+            for o in p.stages[stage].sent]  # type: ignore[attr-defined]
+
+
+def test_the_driver_groups_a_rounds_steps_per_stage_in_batches_of_in_flight_over_stages() -> None:
+    p = bare_pipeline(2, in_flight=4)
+    for rid in (1, 2, 3, 4):
+        p._send(rid, Call(0, "decode_step", {"token_id": 1, "position": 5}), rid)
+    p._send(5, Call(0, "tokenize", {"prompt": "x"}), 5)
+    p._send(6, Call(0, "decode_step", {"token_id": 1, "position": 5}), 6)
+    p._send(7, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 3, "seq_len": 4}), 7)
+    p._flush()
+    assert sent(p, 0) == [("batch", [1, 2]), ("batch", [3, 4]), ("tokenize", [5]), ("batch", [6])]
+    assert sent(p, 1) == [("forward_and_sample", [7])]  # a prefill: not a step
+    # a batch's entry comes first in its first request's queue: the batch reply arrives before the replies it holds
+    assert [q.op for q in p._pending[(0, 1)]] == ["batch", "decode_step"]
+
+
+def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:
+    p = bare_pipeline(3, in_flight=6, max_batch=1)
+    for rid in (1, 2):
+        p._send(rid, Call(1, "forward_range", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}), rid)
+    p._flush()
+    assert sent(p, 1) == [("forward_range", [1]), ("forward_range", [2])]
+
+
+def test_stub_pipeline_batches_k_generations_and_gives_their_solo_tokens() -> None:
+    prompts = ["one two three", "four five", "six seven eight nine", "ten"]
+    alone = [run_pipeline([q], stages=3, stub=True, max_tokens=5).generations[0].tokens for q in prompts]
+    launch = Launch(3, stub=True)
+    with Pipeline(launch, log=None) as p:
+        together = p.run(make_generations(p, prompts, 5, Sampling()), concurrency=4)
+        got: dict[int, dict[str, Any]] = {}
+        for s in range(3):
+            p.ask(s, "status", 1000 + s, lambda r, s=s: got.__setitem__(s, r))
+        while len(got) < 3:
+            p.pump()
+    assert [g.tokens for g in together.generations] == alone
+    assert all(got[s]["batched_requests"] > 0 for s in range(3))
