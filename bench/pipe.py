@@ -44,8 +44,10 @@ def start(model: Path, stages: int, env: dict[str, str] | None = None) -> Pipeli
     return Pipeline(launch, load_timeout=900.0, step_timeout=600.0, log=None)
 
 
-def run_traced(p: Pipeline, prompts: list[str], max_tokens: int, concurrency: int = 1) -> tuple[RunStats, list[Tokens]]:
-    """Run the prompts (``concurrency`` in flight); the stats and each generation's token arrival times."""
+def run_traced(p: Pipeline, prompts: list[str], max_tokens: int, concurrency: int = 1,
+               keep_trace: bool = False) -> tuple[RunStats, list[Tokens]]:
+    """Run the prompts (``concurrency`` in flight); the stats and each generation's token arrival times. With
+    ``keep_trace`` the driver's trace stays in ``p.trace`` for the caller."""
     p.trace = []
     try:
         stats = p.run(make_generations(p, prompts, max_tokens, Sampling()), concurrency)
@@ -55,7 +57,8 @@ def run_traced(p: Pipeline, prompts: list[str], max_tokens: int, concurrency: in
             if stage == last and op == "forward_and_sample" and kind == "reply" and rid in times:
                 times[rid].append(t)
     finally:
-        p.trace = None
+        if not keep_trace:
+            p.trace = None
     return stats, [Tokens(times[g.request_id]) for g in stats.generations]
 
 
@@ -85,6 +88,37 @@ def aggregate_rate(p: Pipeline, prompts: list[str], decode: int) -> Aggregate:
 def time_to_first_token(p: Pipeline, prompt: str, reps: int) -> list[float]:
     """Seconds from the generation's start (its tokenize request) to its first token, ``reps`` fresh sessions."""
     return [run_traced(p, [prompt], 1)[0].generations[0].ttft_s for _ in range(reps)]
+
+
+@dataclass
+class Prefill:
+    stage_s: list[float]  # each stage's prefill time with the prompt sent whole (its send to its reply)
+    whole_ttft_s: float  # time to first token with the prompt sent whole
+    pipelined_ttft_s: float  # ... and pipelined through the stages in chunks (the stages' prefill_chunk)
+
+    @property
+    def ratio(self) -> float:
+        """Pipelined time to first token over the sum of the stages' prefill times (1 = no overlap at all)."""
+        return self.pipelined_ttft_s / sum(self.stage_s)
+
+
+def prefill_overlap(p: Pipeline, prompt: str) -> Prefill:
+    """One prompt sent whole, then pipelined; fresh sessions each time."""
+    override = p._chunk_override
+    try:
+        p._chunk_override = 0
+        stats, _ = run_traced(p, [prompt], 1, keep_trace=True)
+        trace = p.trace or []
+        rid = stats.generations[0].request_id
+        sends = {s: t for t, s, r, op, d in trace if r == rid and d == "send" and op not in ("tokenize", "release")}
+        replies = {s: t for t, s, r, op, d in trace if r == rid and d == "reply" and op not in ("tokenize", "release")}
+        stage_s = [replies[s] - sends[s] for s in sorted(sends)]
+        whole = stats.generations[0].ttft_s
+        p._chunk_override = None
+        pipelined = run_traced(p, [prompt], 1)[0].generations[0].ttft_s
+    finally:
+        p._chunk_override, p.trace = override, None
+    return Prefill(stage_s, whole, pipelined)
 
 
 def peak_rss(p: Pipeline) -> list[float | None]:

@@ -115,9 +115,10 @@ class Bench:
 
     # --- pipelines ------------------------------------------------------------------------------------------
     def pipeline(self, stages: int, out: dict[str, Any], *, decode: int, warm: int, full: bool = False,
-                 env: dict[str, str] | None = None) -> None:
+                 prefill: bool = False, env: dict[str, str] | None = None) -> None:
         """Start ``stages`` workers, warm them with a ``warm``-token generation, time ``decode`` tokens, read
-        each stage's peak RSS; ``full``: then the in-flight and time-to-first-token rows on the same workers."""
+        each stage's peak RSS; ``full``: then the in-flight and time-to-first-token rows on the same workers;
+        ``prefill``: the longest prompt sent whole, then pipelined."""
         env = {"PP_MAX_SESSIONS": str(max(8, *self.plan.k_values)), **(env or {})}
         say(f"{stages} stages starting{' with ' + str(env) if len(env) > 1 else ''}")
         t0 = time.monotonic()
@@ -130,6 +131,12 @@ class Bench:
             if full:
                 self._concurrency(p, out)
                 self._ttft(p, out)
+            if prefill:
+                n = max(self.plan.ttft_lengths)
+                say(f"{stages} stages: a {n}-token prompt sent whole, then pipelined")
+                out["prefill"] = {"prompt_tokens": n, "ratio": 0.0,
+                                  **dataclasses.asdict(pre := pipe.prefill_overlap(p, self.prompts[f"ttft{n}"][0]))}
+                out["prefill"]["ratio"] = pre.ratio
 
     def _concurrency(self, p: pipe.Pipeline, out: dict[str, Any]) -> None:
         out["k"] = {}
@@ -241,7 +248,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
     steps: dict[str, Callable[[dict[str, Any]], None]] = {
         "solo": b.one_process,
         "pp2": lambda out: b.pipeline(2, out, decode=plan.decode, warm=plan.warm, full=True),
-        "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm),
+        "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm, prefill=True),
         "pp4": lambda out: b.pipeline(4, out, decode=plan.warm, warm=plan.warm),  # for its peak RSS
         "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),
         "wire": b.wire,

@@ -27,6 +27,9 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "about half the bytes, not bit-exact); sets PP_WIRE_DTYPE for the workers")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
     ap.add_argument("--max-tokens", type=int, default=64, help=max_tokens_help)
+    ap.add_argument("--prefill-chunk", type=int, metavar="N",
+                    help="pipeline a longer prompt through the stages in chunks of N tokens, so stage s+1 works while "
+                    "stage s prefills the next chunk (default: the stages' own prefill_chunk; 0: send prompts whole)")
     ap.add_argument("--concurrency", type=int, default=concurrency,
                     help=f"generations in flight at once (default {concurrency})")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
@@ -50,6 +53,8 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
     """Refuse (through ``ap.error``, exit 2) what would only fail later, once the workers are loading."""
     if args.stages < 2 or args.max_tokens < 1 or args.concurrency < 1:
         ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
+    if args.prefill_chunk is not None and args.prefill_chunk < 0:
+        ap.error("--prefill-chunk must be >= 0")
     if any("=" not in kv for kv in args.env):
         ap.error("--env takes K=V")
     if args.ray_num_cpus < 0 or args.ray_num_gpus < 0:

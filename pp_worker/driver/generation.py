@@ -37,13 +37,14 @@ class Sampling:
 
 @dataclass
 class Call:
-    """One request of a generation. ``wait=False``: the generation goes on at once; ``on_reply`` gets the reply."""
+    """One request of a generation. ``wait=False``: the generation goes on at once; ``on_reply`` gets the reply
+    and may answer with the next call to send (a chain: a prefill chunk's next stage)."""
 
     stage: int
     op: str
     fields: dict[str, Any]
     wait: bool = True
-    on_reply: Callable[[Reply], None] | None = None
+    on_reply: Callable[[Reply], Call | None] | None = None
 
 
 TextSink = Callable[["Generation", str, bool], None]  # (generation, text so far, finished)
@@ -87,10 +88,11 @@ class Generation:
         n, dt = len(self.tokens) - 1, self.t_end - self.t_first
         return n / dt if n > 0 and dt > 0 else 0.0
 
-    def steps(self, num_stages: int, eos: frozenset[int],
-              max_context: int | None = None) -> Generator[Call, Reply | None, None]:
+    def steps(self, num_stages: int, eos: frozenset[int], max_context: int | None = None,
+              prefill_chunk: int | None = None) -> Generator[Call, Reply | None, None]:
         """The whole generation as the calls it makes, top to bottom. ``max_context``: positions a KV session
-        holds (the stages' ready lines); the generation stops there with reason "length"."""
+        holds (the stages' ready lines); the generation stops there with reason "length". ``prefill_chunk``: a
+        longer prompt is pipelined through the stages in chunks of that many tokens (`_pipelined_prefill`)."""
         self.t_start = time.monotonic()
         reply = yield Call(0, "tokenize", {"prompt": self.prompt})
         self.prompt_tokens = reply["tokens"]
@@ -100,6 +102,8 @@ class Generation:
             self._finish("")
             return
         start = _reusable(self.cached, self.prompt_tokens)  # a chat turn recomputes only what is new
+        if prefill_chunk and len(self.prompt_tokens) - start > prefill_chunk:
+            start = yield from self._pipelined_prefill(start, prefill_chunk, num_stages)
         op, feed, position = "embed_and_forward", {"tokens": self.prompt_tokens[start:]}, start
         seq_len = len(self.prompt_tokens) - start
         while True:
@@ -124,15 +128,26 @@ class Generation:
         """One pass through every stage (a prefill of seq_len tokens or one decode step) -> the sampled token."""
         reply = yield Call(0, op, {**feed, "position": position})
         for s in range(1, n):
-            hop = {"hidden_b64": B64.checked(reply["hidden_b64"]), "position": position, "seq_len": seq_len}
-            if "hidden_dtype" in reply:  # a q8 stage (PP_WIRE_DTYPE): the next one must know how to read it
-                hop["hidden_dtype"] = reply["hidden_dtype"]
+            hop = _hop(reply, position, seq_len)
             if s < n - 1:
                 reply = yield Call(s, "forward_range", hop)
             else:
                 context = self.prompt_tokens + self.tokens
                 reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context))
         return reply["token_id"]
+
+    def _pipelined_prefill(self, start: int, chunk: int, n: int) -> Generator[Call, Reply | None, int]:
+        """Send every chunk of the prompt but the last without waiting: each stage's reply sends that chunk on to
+        the next stage, so stage s+1 computes chunk i while stage s computes chunk i+1 (each stage serves its
+        requests in order, so a session's chunks arrive in order everywhere). Returns where the last chunk starts;
+        the caller sends it as a plain prefill, whose reply comes after every earlier chunk's. The last stage
+        answers each chunk with an argmax nobody reads: it costs the head on one row."""
+        last = start + (len(self.prompt_tokens) - start - 1) // chunk * chunk
+        for position in range(start, last, chunk):
+            tokens = self.prompt_tokens[position:position + chunk]
+            yield Call(0, "embed_and_forward", {"tokens": tokens, "position": position}, wait=False,
+                       on_reply=_onward(1, n, position, len(tokens)))
+        return last
 
     def _stream_call(self, last_stage: int) -> Call:
         """A partial detokenize of the ids the streamed text does not cover yet: the new ones, plus the few held
@@ -154,6 +169,25 @@ class Generation:
         self.text = text
         if self.on_text:
             self.on_text(self, text, True)
+
+
+def _hop(reply: Reply, position: int, seq_len: int) -> dict[str, Any]:
+    """The next stage's fields for a stage's hidden-state reply."""
+    hop = {"hidden_b64": B64.checked(reply["hidden_b64"]), "position": position, "seq_len": seq_len}
+    if "hidden_dtype" in reply:  # a q8 stage (PP_WIRE_DTYPE): the next one must know how to read it
+        hop["hidden_dtype"] = reply["hidden_dtype"]
+    return hop
+
+
+def _onward(stage: int, n: int, position: int, seq_len: int) -> Callable[[Reply], Call | None]:
+    """The reply of a prefill chunk's previous stage -> the call of stage ``stage`` for it (None past the last)."""
+    def then(reply: Reply) -> Call | None:
+        if stage == n:
+            return None
+        op = "forward_range" if stage < n - 1 else "forward_and_sample"
+        return Call(stage, op, _hop(reply, position, seq_len), wait=False,
+                    on_reply=_onward(stage + 1, n, position, seq_len))
+    return then
 
 
 def _refusal(prompt_tokens: list[int], max_context: int | None) -> str:

@@ -23,7 +23,7 @@ from typing import TextIO
 
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
-from pp_worker.wire import parse_object
+from pp_worker.wire import B64, parse_object
 
 
 class PipelineError(Exception):
@@ -85,21 +85,30 @@ class RunStats:
         return sum(len(g.tokens) for g in self.generations)
 
 
+Waiter = int | Callable[[Reply], "Call | None"] | None  # a generation's request id, a callback, or None (release)
+
+
 @dataclass
 class _Pending:
     op: str
     sent: float
-    waiter: int | Callable[[Reply], None] | None  # a generation's request id, a callback, or None (release)
+    waiter: Waiter  # a callback may answer with the next call to send (a prefill chunk's next stage)
+
+
+BATCH_OPS = frozenset({"decode_step", "forward_range", "forward_and_sample"})  # one-token steps a batch can hold
 
 
 class Pipeline:
     """N running stages and the select loop that moves requests and replies between them."""
 
     def __init__(self, launch: Launch, *, load_timeout: float = 600.0, step_timeout: float = 120.0,
-                 cancel: Cancel | None = None, echo_stderr: bool = False, log: TextIO | None = sys.stderr):
+                 cancel: Cancel | None = None, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
+                 prefill_chunk: int | None = None, batch: bool = True):
         self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
+        self._chunk_override, self.batch = prefill_chunk, batch
         self.stages: list[Stage] = []
         self._pending: dict[tuple[int, int], deque[_Pending]] = {}
+        self._outbox: list[tuple[int, Call, _Pending]] = []  # calls of this round, sent by _flush, batched if they may
         self._active: dict[int, tuple[Generation, Generator[Call, Reply | None, None]]] = {}  # by request_id
         self._kept: set[int] = set()  # sessions left on the stages between runs (a chat's conversation)
         self._loading_shown: dict[int, float] = {}
@@ -138,6 +147,13 @@ class Pipeline:
         return self._smallest("max_sessions")
 
     @property
+    def prefill_chunk(self) -> int | None:
+        """Tokens per prefill call when a prompt is pipelined through the stages (None: sent whole). The stages'
+        own largest prefill call unless the driver was told otherwise (0: never pipelined)."""
+        chunk = self._smallest("prefill_chunk") if self._chunk_override is None else self._chunk_override
+        return chunk or None
+
+    @property
     def chat_template(self) -> str | None:
         """The model's chat template, from stage 0's ready line: the driver needs no copy of the GGUF."""
         template = (self.stages[0].ready or {}).get("chat_template")
@@ -154,6 +170,7 @@ class Pipeline:
     def close(self, failed: bool = False) -> None:
         """Shut every stage down and reap it (idempotent). After a failure a stage may be hung, so it gets a
         shorter grace before SIGTERM; a second Ctrl-C skips the grace altogether."""
+        self._flush()  # e.g. the releases of an interrupted run, ahead of the shutdown
         stop_all(self.stages, grace_s=2.0 if failed else 5.0,
                  hurry=lambda: self.cancel is not None and self.cancel.count >= 2)
 
@@ -205,7 +222,7 @@ class Pipeline:
         """Put one more generation in flight; ``pump`` then moves it along with the others."""
         if g.request_id in self._active:
             raise ValueError(f"request_id {g.request_id} is already in flight (it is its KV session)")
-        self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context))
+        self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context, self.prefill_chunk))
         self._advance(g.request_id, None)
 
     def pump(self) -> None:
@@ -240,16 +257,70 @@ class Pipeline:
             if not st.eof:
                 self._send(rid, Call(st.index, "release", {}), None)
 
-    def _send(self, rid: int, call: Call, waiter: int | Callable[[Reply], None] | None) -> None:
-        st = self.stages[call.stage]
-        self._pending.setdefault((st.index, rid), deque()).append(_Pending(call.op, time.monotonic(), waiter))
+    def _send(self, rid: int, call: Call, waiter: Waiter) -> None:
+        """Queue a call; the next round's `_flush` writes it (with the others of this round: a batch can form)."""
+        pending = _Pending(call.op, time.monotonic(), waiter)
+        self._pending.setdefault((call.stage, rid), deque()).append(pending)
+        self._outbox.append((rid, call, pending))
+
+    def _flush(self) -> None:
+        """Write this round's calls in order. On each stage, consecutive one-token steps of distinct generations go
+        as ``batch`` requests of at most (generations in flight / stages) each: a stage runs each as one batched
+        forward, and with one group of steps per stage every stage has work, as the generations alone would give
+        (one big batch would go from stage to stage with the others idle). A group stays together from stage to
+        stage, its replies coming in one line."""
+        calls, self._outbox = self._outbox, []
+        size = max(1, -(-len(self._active) // len(self.stages)))
+        for st in self.stages:
+            group: list[tuple[int, Call, _Pending]] = []
+            for rid, call, pending in (c for c in calls if c[1].stage == st.index):
+                if self._batchable(st, call) and all(r != rid for r, _, _ in group):
+                    group.append((rid, call, pending))
+                    continue
+                self._write_groups(st, group, size)
+                group = [(rid, call, pending)] if self._batchable(st, call) else []
+                if not group:
+                    self._write(st, [(rid, call, pending)])
+            self._write_groups(st, group, size)
+
+    def _write_groups(self, st: Stage, steps: list[tuple[int, Call, _Pending]], size: int) -> None:
+        """One-token steps as batch requests of ``size`` (one of a single step too: a worker merges the plain
+        lines it finds queued, which would undo the grouping)."""
+        for i in range(0, len(steps), size):
+            self._write(st, steps[i:i + size], as_batch=True)
+
+    def _batchable(self, st: Stage, call: Call) -> bool:
+        return (self.batch and call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
+                and (st.ready or {}).get("max_batch", 1) > 1)
+
+    def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]], as_batch: bool = False) -> None:
         if self.trace is not None:
-            self.trace.append((time.monotonic(), st.index, rid, call.op, "send"))
-        st.send({"op": call.op, "request_id": rid, **call.fields})
+            self.trace += [(time.monotonic(), st.index, rid, call.op, "send") for rid, call, _ in group]
+        if len(group) == 1 and not as_batch:
+            rid, call, _ = group[0]
+            st.send({"op": call.op, "request_id": rid, **call.fields})
+        elif group:
+            # The batch answers under its first call's id: its entry goes just before that call's own, so the
+            # batch reply (which comes before the replies it holds) meets it first. No id of its own to collide.
+            rid, _, first = group[0]
+            queue = self._pending[(st.index, rid)]
+            queue.insert(next(i for i, p in enumerate(queue) if p is first),
+                         _Pending("batch", first.sent, self._batch_replies(st)))
+            st.send({"op": "batch", "request_id": rid, "requests": [  # one-token payloads: plain strings
+                {"op": call.op, "request_id": r, **{k: str(v) if isinstance(v, B64) else v
+                                                    for k, v in call.fields.items()}} for r, call, _ in group]})
+
+    def _batch_replies(self, st: Stage) -> Callable[[Reply], None]:
+        def deliver(reply: Reply) -> None:
+            for inner in reply["replies"]:
+                self._on_reply(st, inner, counted=False)
+        return deliver
 
     # --- the loop -------------------------------------------------------------------------------------------------
     def _pump(self, deadline: float) -> None:
-        """One round: wait for output or room to write, handle every complete line, check signals and timeouts."""
+        """One round: write what was queued, wait for output or room to write, handle every complete line, check
+        signals and timeouts."""
+        self._flush()
         alive = [st for st in self.stages if not st.eof]
         wake = [self.cancel.wake_fd] if self.cancel else []
         r = wait_io(alive, max(0.0, min(deadline - time.monotonic(), 1.0)), wake)
@@ -282,7 +353,8 @@ class Pipeline:
         else:
             self._on_reply(st, obj)
 
-    def _on_reply(self, st: Stage, obj: Reply) -> None:
+    def _on_reply(self, st: Stage, obj: Reply, counted: bool = True) -> None:
+        """Match a reply to its call (``counted``: a line of its own, not one of a batch reply's)."""
         rid = obj.get("request_id")
         queue = self._pending.get((st.index, rid)) if isinstance(rid, int) else None
         if not queue:
@@ -293,15 +365,21 @@ class Pipeline:
         p = queue.popleft()
         if not queue:
             del self._pending[(st.index, rid)]
-        st.replied()
-        if self.trace is not None:
+        if counted:
+            st.replied()
+        if self.trace is not None and p.op != "batch":  # a batch is traced as the calls it holds
             self.trace.append((time.monotonic(), st.index, rid, p.op, "reply"))
         if "error" in obj:
             raise StageFailed(st, f"answered {p.op} (request {rid}) with an error: {obj['error']}")
         if isinstance(p.waiter, int):
             self._advance(p.waiter, obj)
         elif p.waiter is not None:
-            p.waiter(obj)
+            try:
+                then = p.waiter(obj)
+            except (KeyError, TypeError, ValueError) as e:  # as in _advance
+                raise PipelineError(f"request {rid}: malformed reply {obj!r:.200}: {type(e).__name__} {e}") from e
+            if then is not None:  # a chain: its next call
+                self._send(rid, then, then.on_reply)
 
     def _on_event(self, st: Stage, obj: Reply) -> None:
         if obj["event"] == "loading":

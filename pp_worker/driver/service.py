@@ -40,11 +40,11 @@ class ServedGeneration(Generation):
     unavailable: bool = False  # the error is the pipeline's (503), not the request's (400)
     ended: bool = field(default=False, init=False)
 
-    def steps(self, num_stages: int, eos: frozenset[int],
-              max_context: int | None = None) -> Generator[Call, Reply | None, None]:
+    def steps(self, num_stages: int, eos: frozenset[int], max_context: int | None = None,
+              prefill_chunk: int | None = None) -> Generator[Call, Reply | None, None]:
         """``Generation.steps``, then the end is reported (with ``error`` set when this generation alone could not
         run: an empty prompt, a prompt longer than the context)."""
-        yield from super().steps(num_stages, eos, max_context)
+        yield from super().steps(num_stages, eos, max_context, prefill_chunk)
         self.end()
 
     def end(self, error: str = "", unavailable: bool = False) -> None:
@@ -79,11 +79,12 @@ class PipelineService:
     """A running pipeline that generations can be submitted to from any thread."""
 
     def __init__(self, launch: Launch, *, concurrency: int, load_timeout: float = 600.0,
-                 step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO | None = sys.stderr):
+                 step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
+                 prefill_chunk: int | None = None):
         self.log = log
         self._wake = _Wake()
         self.pipeline = Pipeline(launch, load_timeout=load_timeout, step_timeout=step_timeout, cancel=self._wake,
-                                 echo_stderr=echo_stderr, log=log)  # loads every stage: may take minutes
+                                 echo_stderr=echo_stderr, log=log, prefill_chunk=prefill_chunk)  # loads every stage
         self.model = str((self.pipeline.stages[-1].ready or {}).get("model") or "")
         # every generation in flight holds a KV session on every stage: more than the workers keep would evict some
         self.concurrency = min(concurrency, self.pipeline.max_sessions or concurrency)

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, _exit_on)
     try:
         service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
-                                  step_timeout=args.step_timeout, echo_stderr=args.verbose)
+                                  step_timeout=args.step_timeout, echo_stderr=args.verbose,
+                                  prefill_chunk=args.prefill_chunk)
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -44,6 +44,7 @@ class Config:
     max_line_bytes: int | None
     warmup: bool
     stub_delay_ms: int = 0
+    max_batch: int = 8  # sessions one batched decode step advances at most
     prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
     wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts either
@@ -106,6 +107,7 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   heartbeat_s=_env_seconds(env, "PP_HEARTBEAT_S", 30.0),
                   max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024), warmup=_env_flag(env, "PP_WARMUP"),
                   stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0,
+                  max_batch=_env_int(env, "PP_MAX_BATCH", 8, low=1) or 8,
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
                   wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16")
@@ -116,12 +118,13 @@ def build_engine(cfg: Config, events: Events) -> Engine:
     if cfg.stub:
         from pp_worker.worker.engines.stub import StubEngine
 
-        return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000, max_sessions=cfg.max_sessions)
+        return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000, max_sessions=cfg.max_sessions,
+                          max_batch=cfg.max_batch)
     from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
-                            max_sessions=cfg.max_sessions, prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype,
-                            emit=events.emit)
+                            max_sessions=cfg.max_sessions, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
+                            kv_dtype=cfg.kv_dtype, emit=events.emit)
     if cfg.warmup:
         engine.warmup()
     return engine

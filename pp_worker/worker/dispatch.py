@@ -8,10 +8,11 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
-from pp_worker.wire import WireError, encode_payload, parse_json
+from pp_worker.wire import B64, WireError, encode_payload, parse_json
 from pp_worker.worker import protocol, q8
 from pp_worker.worker.engines.base import Engine, EngineError
 from pp_worker.worker.events import Clock, rss_mb
@@ -33,29 +34,90 @@ class Worker:
         info = engine.info
         self.limits = protocol.Limits(info.hidden_dim, info.vocab_size, info.check_token_ids)
         self.shutdown_requested = False
+        self.batched = 0  # requests served as part of a batched forward (status: batched_requests)
 
     def handle_line(self, line: bytes) -> Reply:
-        obj: Any = None
+        return self.handle_lines([line])[0]
+
+    def handle_lines(self, lines: list[bytes]) -> list[Reply]:
+        """The replies to consecutive request lines, in order (see `serve`)."""
+        return list(self.serve([self._prepare(line) for line in lines]))
+
+    def handle_objects(self, objs: list[Any]) -> list[Reply]:
+        """The replies to consecutive parsed requests (a batch op's), in order (see `serve`)."""
+        return list(self.serve([self._prepare(None, obj) for obj in objs]))
+
+    def prepare_lines(self, lines: list[bytes]) -> list[Request | Reply]:
+        return [self._prepare(line) for line in lines]
+
+    def serve(self, ready: list[Request | Reply]) -> Iterator[Reply]:
+        """Serve validated requests (an error reply stands for one that failed validation) in order, each as if
+        alone, yielding each reply as soon as it is known; but a run of one-token forward steps of distinct
+        sessions, each appending to the session it names, becomes one batched forward (``Engine.step_batch``).
+        Never raises. Nothing after a shutdown is served (as if never read)."""
+        i = 0
+        while i < len(ready) and not self.shutdown_requested:
+            item, run = ready[i], self._batch_run(ready, i)
+            if len(run) > 1:
+                yield from self._run_guarded(run, lambda run=run: _step_batch(self, run))
+            elif isinstance(item, Request):
+                yield from self._run_guarded([item], lambda item=item: [_serve_one(self, item)])
+            else:
+                yield item
+            i += max(1, len(run))
+
+    def _prepare(self, line: bytes | None, obj: Any = None) -> Request | Reply:
+        """A request line (or an already parsed object) -> its validated Request, or its error reply."""
         try:
-            obj = parse_json(line)
+            if line is not None:
+                obj = parse_json(line)
             op, rid, obj = protocol.parse_envelope(obj)
-            return self.handle(op, rid, obj)
-        except (WireError, ProtocolError, EngineError) as e:
+            entry = OPS.get(op)
+            if entry is None:  # never echo a huge op
+                raise ProtocolError(f"unknown op {op[:60]!r}; known ops: {', '.join(sorted(OPS))}")
+            roles, handler = entry
+            if self.shard.role not in roles:
+                raise ProtocolError(f"op {op!r} needs the {_describe(roles)} stage; this worker is stage "
+                                    f"{self.shard.stage} of {self.shard.num_stages} ({self.shard.role.value})")
+            return Request(op, rid, obj, protocol.parse_fields(op, obj, self.limits), handler)
+        except (WireError, ProtocolError) as e:
             return _error(protocol.request_id_of(obj), str(e))
-        except Exception as e:  # a bug or resource failure must not take the stage down
+        except Exception as e:  # a bug must not take the stage down
             traceback.print_exc(file=sys.stderr)
             return _error(protocol.request_id_of(obj), f"internal error: {type(e).__name__}: {e}")
 
-    def handle(self, op: str, rid: int, obj: dict[str, Any]) -> Reply:
-        entry = OPS.get(op)
-        if entry is None:
-            raise ProtocolError(f"unknown op {op[:60]!r}; known ops: {', '.join(sorted(OPS))}")  # never echo a huge op
-        roles, handler = entry
-        if self.shard.role not in roles:
-            raise ProtocolError(f"op {op!r} needs the {_describe(roles)} stage; this worker is stage "
-                                f"{self.shard.stage} of {self.shard.num_stages} ({self.shard.role.value})")
-        fields = protocol.parse_fields(op, obj, self.limits)
-        return {"request_id": rid, **handler(self, rid, obj, fields)}
+    def _batch_run(self, ready: list[Request | Reply], i: int) -> list[Request]:
+        """The requests from ``ready[i]`` on that can share one batched forward (empty if ``ready[i]`` cannot)."""
+        run: list[Request] = []
+        for item in ready[i:i + self.engine.max_batch]:
+            if not (isinstance(item, Request) and item.op in protocol.BATCH_OPS and _one_token(item.fields)
+                    and all(r.rid != item.rid for r in run)
+                    and self.engine.can_batch(item.rid, item.fields["position"])):
+                break
+            run.append(item)
+        return run
+
+    @staticmethod
+    def _run_guarded(run: list[Request], work: Callable[[], list[Reply]]) -> list[Reply]:
+        """``work()``'s replies, or an error reply for each request of ``run`` when it fails."""
+        try:
+            return work()
+        except EngineError as e:
+            return [_error(r.rid, str(e)) for r in run]
+        except Exception as e:  # a bug or resource failure must not take the stage down
+            traceback.print_exc(file=sys.stderr)
+            return [_error(r.rid, f"internal error: {type(e).__name__}: {e}") for r in run]
+
+
+@dataclass
+class Request:
+    """A validated request: its op, id, raw object, typed fields and handler."""
+
+    op: str
+    rid: int
+    obj: dict[str, Any]
+    fields: dict[str, Any]
+    handler: Handler
 
 
 def _describe(roles: frozenset[Role]) -> str:
@@ -108,8 +170,8 @@ def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Repl
     s = w.shard
     return {"stage": s.stage, "num_stages": s.num_stages, "role": s.role.value, "layer_range": [s.start, s.end],
             "model": w.model, "pid": os.getpid(), "sessions": {str(k): v for k, v in w.engine.sessions().items()},
-            "requests_served": w.clock.requests_served, "uptime_ms": w.clock.uptime_ms(), "rss_mb": rss_mb(),
-            **model_fields(w.engine, w.wire_dtype)}
+            "requests_served": w.clock.requests_served, "batched_requests": w.batched, "uptime_ms": w.clock.uptime_ms(),
+            "rss_mb": rss_mb(), **model_fields(w.engine, w.wire_dtype)}
 
 
 def model_fields(engine: Engine, wire_dtype: str) -> Reply:
@@ -134,6 +196,34 @@ def _shutdown(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Re
     return {"ok": True}
 
 
+def _batch(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    """Several forward requests in one line, served as consecutive lines would be (batched where they can be);
+    nested payloads are small one-token rows, so they travel as plain strings."""
+    replies = w.handle_objects(f["requests"])
+    return {"replies": [{k: str(v) if isinstance(v, B64) else v for k, v in r.items()} for r in replies]}
+
+
+def _one_token(f: dict[str, Any]) -> bool:
+    return len(f["tokens"]) == 1 if "tokens" in f else f["seq_len"] == 1
+
+
+def _serve_one(w: Worker, r: Request) -> Reply:
+    return {"request_id": r.rid, **r.handler(w, r.rid, r.obj, r.fields)}
+
+
+def _step_batch(w: Worker, run: list[Request]) -> list[Reply]:
+    """One token for each request of ``run`` (distinct sessions, all appending) in one forward of the engine."""
+    positions = [r.fields["position"] for r in run]
+    inputs = [r.fields["tokens"][0] if "tokens" in r.fields else r.fields["hidden"] for r in run]
+    out = w.engine.step_batch([r.rid for r in run], positions, inputs)
+    w.batched += len(run)
+    if w.shard.is_last:
+        return [{"request_id": r.rid, "token_id": sample(out[b], r.fields["sampling"], step_key=positions[b] + 1)}
+                for b, r in enumerate(run)]
+    row = w.engine.info.hidden_dim * 2
+    return [{"request_id": r.rid, **_hidden_reply(w, out[b * row:(b + 1) * row], 1)} for b, r in enumerate(run)]
+
+
 Handler = Callable[[Worker, int, dict[str, Any], dict[str, Any]], Reply]
 OPS: dict[str, tuple[frozenset[Role], Handler]] = {
     "tokenize": (frozenset({Role.FIRST}), _tokenize),
@@ -146,4 +236,5 @@ OPS: dict[str, tuple[frozenset[Role], Handler]] = {
     "release": (ANY, _release),
     "ping": (ANY, _ping),
     "shutdown": (ANY, _shutdown),
+    "batch": (ANY, _batch),
 }

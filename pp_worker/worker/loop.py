@@ -65,6 +65,25 @@ class LineReader:
                 return self._at_eof()
             self._buf += chunk
 
+    def ready_lines(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` more complete, non-blank lines that are here already (buffered, or readable without
+        waiting), for the worker to batch. Never blocks; a partial or overlong line is left to `next_line`."""
+        if self._discarding:
+            return []
+        if self._fd is not None and select.select([self._fd], [], [], 0)[0]:
+            self._buf += os.read(self._fd, CHUNK)  # b"" at end of input: next_line sees it again
+        lines: list[bytes] = []
+        while len(lines) < limit:
+            nl = self._buf.find(b"\n")
+            if nl < 0 or nl > self.cap:
+                break
+            line = bytes(self._buf[:nl])
+            del self._buf[: nl + 1]
+            self._scanned = 0
+            if not is_blank(line):
+                lines.append(line)
+        return lines
+
     def _at_eof(self) -> bytes | _Marker | None:
         if self._discarding:
             self._discarding = False
@@ -126,9 +145,15 @@ def serve(reader: LineReader, out: Out, worker: Worker, state: LoopState) -> str
             if isinstance(line, bytes) and is_blank(line):
                 continue  # as the seed did: a reply without a request id would desynchronise a caller matching by order
             state.busy = True
-            reply = worker.handle_line(line) if isinstance(line, bytes) else _overlong(reader.cap)
-            out.write(reply)
-            worker.clock.requests_served += 1
+            if isinstance(line, bytes):  # with the requests already queued behind it, which may share a forward
+                replies = worker.serve(worker.prepare_lines([line, *reader.ready_lines(worker.engine.max_batch - 1)]))
+            else:
+                replies = iter([_overlong(reader.cap)])
+            for reply in replies:
+                out.write(reply)
+                worker.clock.requests_served += 1
+                if state.signum is not None:  # finish the request in flight, not the ones read ahead
+                    break
             state.busy = False
             if worker.shutdown_requested:
                 return "shutdown"

@@ -233,6 +233,24 @@ def _token(obj: dict[str, Any], lim: Limits) -> int:
     return token
 
 
+MAX_BATCH_REQUESTS = 1024
+
+
+def _requests(obj: dict[str, Any], lim: Limits) -> dict[str, Any]:
+    """A batch's requests: each is validated (and answered) on its own, so only the list itself is checked here."""
+    value = obj.get("requests")
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_BATCH_REQUESTS:
+        got = f"{len(value)} items" if isinstance(value, list) else _show(value)
+        raise ProtocolError(f"'requests' must be a list of 1 to {MAX_BATCH_REQUESTS} requests, got {got}")
+    ops = {r.get("op") if isinstance(r, dict) else None for r in value}
+    if not ops <= BATCH_OPS:
+        bad = sorted(map(str, ops - BATCH_OPS))
+        raise ProtocolError(f"a batch holds forward requests ({', '.join(sorted(BATCH_OPS))}); got op {bad[0][:60]!r}")
+    return {"requests": value}
+
+
+BATCH_OPS = frozenset({"decode_step", "embed_and_forward", "forward_range", "forward_and_sample"})
+
 # op -> the parser of its own fields; ops absent here take no fields
 _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
     "tokenize": lambda o, lim: {"prompt": text_field(o, "prompt"), "add_special": flag(o, "add_special", True)},
@@ -243,6 +261,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
     "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},
     "forward_range": _hidden_fields,
     "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size)},
+    "batch": _requests,
 }
 
 

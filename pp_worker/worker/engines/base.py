@@ -44,6 +44,7 @@ class Engine(Protocol):
     info: ModelInfo
     shard: Shard
     max_sessions: int  # KV sessions held at once (PP_MAX_SESSIONS)
+    max_batch: int  # sessions one batched step advances at most (PP_MAX_BATCH, at most max_sessions)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of ``text``, with the BOS first when the model asks for it and ``add_special`` is true."""
@@ -61,6 +62,15 @@ class Engine(Protocol):
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray | Sequence[float]:
         """Last stage: blocks, output norm and head; float32 logits (vocab,) of the last position."""
+
+    def can_batch(self, session: int, position: int) -> bool:
+        """Whether a one-token step of ``session`` at ``position`` may join a batch: it appends to a session held."""
+
+    def step_batch(self, sessions: list[int], positions: list[int],
+                   inputs: list[int] | list[bytes]) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
+        """One token for each of several distinct sessions (each `can_batch`) in one forward: inputs are token ids
+        (first stage) or one fp16 row each; the output is the B rows (B, D) fp16, or (B, V) logits on the last
+        stage. Each session's result is its single op's (up to float rounding of the batched matmuls)."""
 
     def release(self, session: int) -> bool:
         """Drop a session's KV cache; False when it held none."""

@@ -57,38 +57,64 @@ class KVPool:
 
 
 class CacheBlock(TransformerBlock):
-    """tinygrad's TransformerBlock, storing keys and values in the cache's own dtype.
+    """tinygrad's TransformerBlock, storing keys and values in the cache's own dtype, and able to step several
+    sessions at once (`step_batch`).
 
     tinygrad 0.13.0 stores the float32 ``Tensor.stack(k, v)`` into ``cache_kv`` uncast. Into a float16 cache the
     CPU's C compiler converts silently, but CUDA renders a vectorized store as ``half2 = float2``, which NVRTC
-    refuses. `_attention` is tinygrad's, copied, with one change: the cast marked below
-    (tests/test_kvcache.py fails if tinygrad's own version changes, so the copy cannot drift unnoticed).
+    refuses. `_attention` is tinygrad's, split in two (`_heads`, `_attend`) so the batched step reuses it, with
+    one change: the cast marked below (tests/test_kvcache.py fails if tinygrad's own version changes, so the copy
+    cannot drift unnoticed).
     """
 
     def _attention(self, x: Tensor, start_pos: int | UOp) -> Tensor:
         c = self.config
         q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
-        if c.qk_norm and c.qk_norm != c.head_dim:
-            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         B, T, _ = x.shape
+        gate = None
         if c.attn_output_gate:
             qg = q.reshape(B, T, c.n_heads, 2, c.head_dim)
             q, gate = qg[:, :, :, 0, :], qg[:, :, :, 1, :].reshape(B, T, c.n_heads * c.head_dim)
-        q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, H, T, Hd)
-        k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, KvH, T, Hd)
-        v = v.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, KvH, T, Hd)
+        attn = self._attend(*self._heads(q, k, v, start_pos), self.cache_kv, start_pos)
+        return self.attn_output(attn if gate is None else (attn * gate.sigmoid()))
+
+    def step_batch(self, x: Tensor, caches: list[Tensor], positions: list[UOp]) -> Tensor:
+        """One token of each of B sessions: ``x`` (B, 1, D), session b's cache ``caches[b]`` (this block's row of
+        it) at ``positions[b]``. The projections and the feed-forward run batched (one pass over the weights);
+        the attention runs per session, over its own cache and length."""
+        assert not self.config.attn_output_gate, "no supported architecture gates its attention output"
+        h = self.attn_norm(x)
+        q, k, v = self.attn_q(h), self.attn_k(h), self.attn_v(h)
+        rows = [self._attend(*self._heads(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos), cache, pos)
+                for b, (cache, pos) in enumerate(zip(caches, positions, strict=True))]
+        h = x + self.attn_output(rows[0].cat(*rows[1:]))
+        return (h + self._feed_forward(self.ffn_norm(h))).contiguous()
+
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int | UOp) -> tuple[Tensor, Tensor, Tensor]:
+        """Projections (B, T, *) -> roped heads: q (B, H, T, Hd), k and v (B, KvH, T, Hd)."""
+        c = self.config
+        if c.qk_norm and c.qk_norm != c.head_dim:
+            q, k = self.attn_q_norm(q), self.attn_k_norm(k)
+        B, T = q.shape[0], q.shape[1]
+        q = q.reshape(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = k.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = v.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         if c.qk_norm == c.head_dim:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
         freqs = self.freqs_cis[start_pos:start_pos + T]
         q = apply_rope(q[..., :c.rope_dim], freqs).cat(q[..., c.rope_dim:], dim=-1)
         k = apply_rope(k[..., :c.rope_dim], freqs).cat(k[..., c.rope_dim:], dim=-1)
-        new_kv = Tensor.stack(k, v).cast(self.cache_kv.dtype)  # the change: a no-op for a float32 cache
-        slot = self.cache_kv[:, :, :, start_pos:start_pos + T, :]
-        assigned_kv = Tensor(self.cache_kv.uop.after(slot.uop.store(new_kv.uop)))
+        return q, k, v
+
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: Tensor, start_pos: int | UOp) -> Tensor:
+        """Store k and v at [start_pos, start_pos + T) of ``cache`` and attend over [0, start_pos + T): (B, T, H*Hd)."""
+        B, _, T, _ = q.shape
+        new_kv = Tensor.stack(k, v).cast(cache.dtype)  # the change: a no-op for a float32 cache
+        slot = cache[:, :, :, start_pos:start_pos + T, :]
+        assigned_kv = Tensor(cache.uop.after(slot.uop.store(new_kv.uop)))
         k = assigned_kv[0, :, :, 0:start_pos + T, :]  # (B, KvH, start_pos + T, Hd)
         v = assigned_kv[1, :, :, 0:start_pos + T, :]
-        mask = Tensor.full((1, 1, T, start_pos + T), float("-inf"), dtype=x.dtype, device=x.device,
+        mask = Tensor.full((1, 1, T, start_pos + T), float("-inf"), dtype=q.dtype, device=q.device,
                            buffer=False).triu(start_pos + 1) if resolve(T != 1) else None
         attn = q.scaled_dot_product_attention(k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, Hd)
-        attn = attn.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * Hd)
-        return self.attn_output(attn if not c.attn_output_gate else (attn * gate.sigmoid()))
+        return attn.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * Hd)

@@ -67,6 +67,12 @@ class SessionTable:
         """Record that positions [position, position + seq_len) are now in the cache."""
         session.length = position + seq_len
 
+    def holds(self, rid: int, position: int) -> bool:
+        """Whether a one-token step of ``rid`` at ``position`` just appends to a session held (no rewind, no new
+        session, no eviction): what a batched step needs of each of its sessions."""
+        session = self._live.get(rid)
+        return session is not None and session.length == position and position + 1 <= self.max_context
+
     def release(self, rid: int) -> bool:
         """Drop a session (its cache goes back to the pool); False when there was none."""
         session = self._live.pop(rid, None)

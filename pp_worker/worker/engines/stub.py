@@ -43,9 +43,11 @@ def _fp16_stream(seed: bytes, n_values: int) -> bytes:
 class StubEngine:
     """Implements engines.base.Engine with no model at all."""
 
-    def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0, max_sessions: int = 8):
+    def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0, max_sessions: int = 8, max_batch: int = 8):
         self.delay_s = delay_s  # simulated compute time per forward op (PP_STUB_DELAY_MS), for latency tests
         self.max_sessions = max_sessions  # reported (ready line, status) like a real stage's; the stub evicts none
+        self.max_batch = max(1, min(max_batch, max_sessions))
+        self.batches: list[int] = []  # the size of every batched step, for tests of who batches what
         self.shard = Shard.of(stage, num_stages, STUB_BLOCKS)
         self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,
                               eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
@@ -77,6 +79,25 @@ class StubEngine:
         digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
         return [(b - 128) / 16.0 for b in digest]
 
+    def can_batch(self, session: int, position: int) -> bool:
+        return self._sessions.get(session) == position
+
+    def step_batch(self, sessions: list[int], positions: list[int], inputs: list[int] | list[bytes]) -> Any:
+        """Each session's one-token step, exactly as its single op computes it, for one delay in all."""
+        self.batches.append(len(sessions))
+        delay, self.delay_s = self.delay_s, 0.0
+        steps = list(zip(sessions, inputs, positions, strict=True))
+        try:
+            if self.shard.is_first:
+                return b"".join(self.embed_and_forward(s, [t], p) for s, t, p in steps)  # type: ignore[list-item]
+            if self.shard.is_last:
+                return [self.forward_logits(s, h, p, 1) for s, h, p in steps]  # type: ignore[arg-type]
+            return b"".join(self.forward_range(s, h, p, 1) for s, h, p in steps)  # type: ignore[arg-type]
+        finally:
+            self.delay_s = delay
+            if delay:
+                time.sleep(delay)
+
     def release(self, session: int) -> bool:
         return self._sessions.pop(session, None) is not None
 
@@ -84,7 +105,7 @@ class StubEngine:
         return dict(self._sessions)
 
     def describe(self) -> dict[str, Any]:
-        return {}  # no device, no KV cache
+        return {"max_batch": self.max_batch}  # no device, no KV cache
 
     def _track(self, session: int, length: int) -> None:
         if self.delay_s:

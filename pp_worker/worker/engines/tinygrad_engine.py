@@ -66,13 +66,18 @@ def split(n: int, rungs: tuple[int, ...]) -> list[int]:
 class CompiledStage:
     """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer."""
 
-    def __init__(self, w: StageWeights, max_chunk: int):
+    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1):
         self.w, cfg = w, w.config
         self.start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
         self.rungs = ladder(min(max_chunk, cfg.max_context))
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
         self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
         self.jits = {n: TinyJit(self._forward) for n in self.rungs}
+        # batched decode: B sessions one token each, B on a ladder of its own (7 = 4 + 2 + 1; 1 is the decode JIT)
+        self.batch_rungs = ladder(max_batch)
+        self.positions = [UOp.variable(f"pos{b}", 0, cfg.max_context - 1) for b in range(max_batch)]
+        self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
+        self.batch_jits = {b: TinyJit(self._forward_batch) for b in self.batch_rungs if b > 1}
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
         freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
@@ -94,6 +99,22 @@ class CompiledStage:
             return x.half()  # (1, T, D)
         return w.output(w.output_norm(x[:, -1:, :]))[:, 0, :].float()  # (1, V): T is fixed per JIT, so is -1
 
+    def _forward_batch(self, inp: Tensor, caches: list[KVCache], *positions: UOp) -> Tensor:
+        w = self.w
+        x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (B, 1, D)
+        for j, block in enumerate(w.blocks):
+            x = block.step_batch(x, [cache[j] for cache in caches], list(positions))
+        if w.output is None:
+            return x.half()  # (B, 1, D)
+        return w.output(w.output_norm(x))[:, 0, :].float()  # (B, V)
+
+    def run_batch(self, values: np.ndarray, caches: list[KVCache], positions: list[int]) -> Tensor:
+        """One token for each of B sessions (B a batch ladder size > 1): ``values`` B token ids or (B, D) rows."""
+        b = len(values)
+        self.batch_inputs[b].write(values)
+        bound = [var.bind(p) for var, p in zip(self.positions, positions, strict=False)]
+        return self.batch_jits[b](self.batch_inputs[b].tensor, caches, *bound)
+
     def run(self, values: np.ndarray, cache: KVCache, position: int) -> Tensor:
         """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``."""
         n = len(values)
@@ -106,7 +127,7 @@ class TinygradEngine:
 
     def __init__(self, model: str, stage: int, num_stages: int, *, max_context: int | None = None,
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
-                 emit: Callable[..., None] = lambda kind, **f: None):
+                 max_batch: int = 8, emit: Callable[..., None] = lambda kind, **f: None):
         self.device = Device.DEFAULT
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit)
         cfg, kv = self._w.config, self._w.kv
@@ -120,7 +141,8 @@ class TinygradEngine:
                               bos_token=None if bos is None else tokens[bos],
                               eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
-        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device))
+        self.max_batch = max(1, min(max_batch, max_sessions))  # a batch holds distinct sessions
+        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch)
         self.kv_dtype = kv_dtype or default_kv_dtype(self.device)
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions, dtype=KV_DTYPES[self.kv_dtype])
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
@@ -135,7 +157,8 @@ class TinygradEngine:
 
     def describe(self) -> dict[str, Any]:
         """What the ready line and `status` report about how this stage runs."""
-        return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "kv_dtype": self.kv_dtype,
+        return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
+                "kv_dtype": self.kv_dtype,
                 "kv_session_bytes": self.kv_pool.session_bytes, "kv_caches_allocated": self.kv_pool.allocated}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
@@ -171,6 +194,35 @@ class TinygradEngine:
         device_buffer(last[-1]).copyout(view)  # the last call's logits are the last position's
         return np.frombuffer(view, dtype=np.float32)  # (V,)
 
+    def can_batch(self, session: int, position: int) -> bool:
+        return self._sessions.holds(session, position)
+
+    def step_batch(self, sessions: list[int], positions: list[int],
+                   inputs: list[int] | list[bytes]) -> memoryview | np.ndarray:
+        """One token for each session, in as few forwards as the batch ladder allows. Inputs: token ids on the first
+        stage, one fp16 row each elsewhere. Output: (B, D) fp16 rows, or (B, V) float32 logits on the last stage."""
+        assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions))
+        n, cfg = len(sessions), self._w.config
+        if self.shard.is_first:
+            values = np.asarray(inputs, dtype=np.int32)
+        else:
+            values = np.frombuffer(b"".join(inputs), dtype="<f2").reshape(n, cfg.dim)  # type: ignore[arg-type]
+        held = [self._sessions.begin(rid, position, 1) for rid, position in zip(sessions, positions, strict=True)]
+        width = cfg.vocab_size * 4 if self.shard.is_last else self._row_bytes
+        out = self._host.view(n * width)
+        start = 0
+        for b in split(n, self._stage.batch_rungs):
+            part = slice(start, start + b)
+            if b == 1:
+                result = self._stage.run(values[part], held[start].cache, positions[start])
+            else:
+                result = self._stage.run_batch(values[part], [s.cache for s in held[part]], positions[part])
+            device_buffer(result).copyout(out[start * width:(start + b) * width])  # before a JIT is called again
+            start += b
+        for session, position in zip(held, positions, strict=True):
+            self._sessions.commit(session, position, 1)
+        return np.frombuffer(out, dtype=np.float32).reshape(n, -1) if self.shard.is_last else out
+
     # ---- sessions
 
     def release(self, session: int) -> bool:
@@ -180,14 +232,30 @@ class TinygradEngine:
         return self._sessions.positions()
 
     def warmup(self) -> None:
-        """Compile every JIT of the ladder (a JIT captures on its second call) on a scratch session, then drop it."""
-        cfg = self._w.config
+        """Compile every JIT (a JIT captures on its second call) on scratch sessions, then drop them: each size of
+        the prefill ladder, then each batch size (b one-token sessions stepped twice)."""
+        cfg, first = self._w.config, self.shard.is_first
+
+        def fake(n: int) -> np.ndarray:
+            return np.zeros(n, np.int32) if first else np.zeros((n, cfg.dim), np.float16)
+
+        def ignore(out: Tensor, start: int, n: int) -> None:
+            pass
+
         for n in self._stage.rungs:
             if n + 1 < cfg.max_context:  # decode runs at positions 1 and 2, past a one-token prefix
-                fake = np.zeros(n, np.int32) if self.shard.is_first else np.zeros((n, cfg.dim), np.float16)
                 for position in ((0, 0) if n > 1 else (1, 2)):
-                    self._run(WARMUP_SESSION, fake, position, lambda out, start, k: None)
+                    self._run(WARMUP_SESSION, fake(n), position, ignore)
         self._sessions.release(WARMUP_SESSION)
+        for b in self._stage.batch_rungs[:-1] if cfg.max_context >= 3 else ():
+            rids = [WARMUP_SESSION - i for i in range(b)]
+            for rid in rids:
+                self._run(rid, fake(1), 0, ignore)
+            inputs: list[Any] = [0] * b if first else [bytes(self._row_bytes)] * b
+            for position in (1, 2):
+                self.step_batch(rids, [position] * b, inputs)
+            for rid in rids:
+                self._sessions.release(rid)
 
     # ---- internals
 

@@ -1,0 +1,197 @@
+"""Batched decode on the worker side, with the stub engine: queued one-token steps of distinct sessions share one
+forward, the `batch` op, and every reply is what the request would get alone."""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import make_worker, request_line, run_requests, serve_bytes
+
+from pp_worker.driver.generation import Call, Sampling
+from pp_worker.driver.pipeline import Pipeline, make_generations, run_pipeline
+from pp_worker.driver.stage_proc import Launch
+from pp_worker.worker.dispatch import Worker
+from pp_worker.worker.engines.stub import StubEngine
+from pp_worker.worker.events import Clock
+
+HIDDEN_DIM = 16
+
+
+def row(seed: int, seq_len: int = 1) -> str:
+    values = np.random.default_rng(seed).uniform(-1, 1, (seq_len, HIDDEN_DIM)).astype("<f2")
+    return base64.b64encode(values.tobytes()).decode()
+
+
+def prefill(stage: int, num_stages: int, rid: int, n: int) -> dict[str, Any]:
+    if stage == 0:
+        return {"op": "embed_and_forward", "request_id": rid, "tokens": list(range(1, n + 1)), "position": 0}
+    op = "forward_and_sample" if stage == num_stages - 1 else "forward_range"
+    return {"op": op, "request_id": rid, "hidden_b64": row(rid, n), "position": 0, "seq_len": n}
+
+
+def step(stage: int, num_stages: int, rid: int, position: int) -> dict[str, Any]:
+    if stage == 0:
+        return {"op": "decode_step", "request_id": rid, "token_id": rid % 32, "position": position}
+    op = "forward_and_sample" if stage == num_stages - 1 else "forward_range"
+    return {"op": op, "request_id": rid, "hidden_b64": row(100 + rid + position), "position": position,
+            "seq_len": 1}
+
+
+def alone(stage: int, num_stages: int, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each request's reply from a worker serving only that request's session, one line at a time."""
+    workers: dict[int, Worker] = {}
+    return [workers.setdefault(r["request_id"], make_worker(stage, num_stages)).handle_line(request_line(r))
+            for r in requests]
+
+
+def served(worker: Worker, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    replies, reason = serve_bytes(worker, b"".join(request_line(r) for r in requests))
+    assert reason == "eof"
+    return replies
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), [(0, 2), (1, 3), (1, 2)])
+def test_queued_steps_of_distinct_sessions_share_one_forward(stage: int, num_stages: int) -> None:
+    rids = [3, 5, 8, 13]
+    requests = [prefill(stage, num_stages, rid, 2 + i) for i, rid in enumerate(rids)]
+    requests += [step(stage, num_stages, rid, 2 + i) for i, rid in enumerate(rids)]
+    worker = make_worker(stage, num_stages)
+    assert served(worker, requests) == alone(stage, num_stages, requests)
+    assert worker.engine.batches == [4]  # type: ignore[attr-defined]
+
+
+def test_a_run_stops_at_a_repeated_session_and_at_max_batch() -> None:
+    requests = [prefill(0, 2, rid, 1) for rid in (1, 2, 3)]
+    requests += [step(0, 2, 1, 1), step(0, 2, 2, 1), step(0, 2, 1, 2), step(0, 2, 3, 1)]
+    worker = make_worker(0, 2)
+    assert served(worker, requests) == alone(0, 2, requests)
+    assert worker.engine.batches == [2, 2]  # type: ignore[attr-defined]
+    small = Worker(StubEngine(0, 2, max_batch=2), Clock(), "stub")
+    requests = [prefill(0, 2, rid, 1) for rid in (1, 2, 3)] + [step(0, 2, rid, 1) for rid in (1, 2, 3)]
+    assert served(small, requests) == alone(0, 2, requests)
+    assert small.engine.batches == [2]  # type: ignore[attr-defined]  # then session 3 alone
+
+
+def test_steps_that_do_not_append_run_alone_with_their_own_replies() -> None:
+    requests = [prefill(0, 2, 1, 3), prefill(0, 2, 2, 3),
+                step(0, 2, 1, 1),  # a rewind
+                step(0, 2, 2, 3), step(0, 2, 9, 4),  # appends; an unknown session past 0 (refused alone)
+                {"op": "decode_step", "request_id": 4, "token_id": "x", "position": 1}]  # invalid
+    worker = make_worker(0, 2)
+    replies = served(worker, requests)
+    assert replies == alone(0, 2, requests)
+    assert worker.engine.batches == []  # type: ignore[attr-defined]
+
+
+def test_max_batch_one_never_batches() -> None:
+    worker = Worker(StubEngine(1, 2, max_batch=1), Clock(), "stub")
+    requests = [prefill(1, 2, rid, 1) for rid in (1, 2)] + [step(1, 2, rid, 1) for rid in (1, 2)]
+    assert served(worker, requests) == alone(1, 2, requests)
+    assert worker.engine.batches == []  # type: ignore[attr-defined]
+
+
+def test_the_batch_op_answers_each_request_as_its_line_would_be() -> None:
+    inner = [prefill(1, 2, rid, 2) for rid in (1, 2, 3)] + [step(1, 2, rid, 2) for rid in (1, 2, 3)]
+    worker = make_worker(1, 2)
+    (reply,) = served(worker, [{"op": "batch", "request_id": 77, "requests": inner}])
+    assert reply["request_id"] == 77 and reply["replies"] == alone(1, 2, inner)
+    assert worker.engine.batches == [3]  # type: ignore[attr-defined]
+
+
+def test_a_batch_answers_each_bad_request_with_its_own_error() -> None:
+    inner = [prefill(0, 3, 1, 2), {"op": "decode_step", "request_id": 2, "token_id": -1, "position": 0},
+             {"op": "forward_range", "request_id": 3}, prefill(0, 3, 4, 1)]
+    (reply,) = run_requests(0, 3, [{"op": "batch", "request_id": 5, "requests": inner}])
+    first, bad, wrong_role, last = reply["replies"]
+    assert "hidden_b64" in first and "hidden_b64" in last
+    assert bad["request_id"] == 2 and "token_id" in bad["error"]
+    assert wrong_role["request_id"] == 3 and "needs the middle stage" in wrong_role["error"]
+
+
+@pytest.mark.parametrize(("requests", "message"), [
+    (None, "'requests' must be a list"),
+    ([], "'requests' must be a list of 1 to"),
+    ([{"op": "ping", "request_id": 1}], "a batch holds forward requests"),
+    ([{"op": "batch", "request_id": 1, "requests": []}], "a batch holds forward requests"),
+    ([7], "a batch holds forward requests"),
+])
+def test_a_malformed_batch_is_one_error(requests: Any, message: str) -> None:
+    (reply,) = run_requests(0, 2, [{"op": "batch", "request_id": 9, "requests": requests}])
+    assert reply["request_id"] == 9 and message in reply["error"]
+
+
+def test_nothing_read_after_a_shutdown_is_served() -> None:
+    worker = make_worker(0, 2)
+    replies, reason = serve_bytes(worker, b"".join(request_line(r) for r in (
+        {"op": "ping", "request_id": 1}, {"op": "shutdown", "request_id": 2}, {"op": "ping", "request_id": 3})))
+    assert reason == "shutdown" and [r["request_id"] for r in replies] == [1, 2]
+
+
+def test_ready_line_and_status_report_max_batch() -> None:
+    (status,) = run_requests(0, 2, [{"op": "status", "request_id": 1}])
+    assert status["max_batch"] == 8
+    assert Worker(StubEngine(0, 2, max_sessions=3), Clock(), "stub").engine.max_batch == 3
+
+
+# --- the driver's side: which steps it groups into batch requests ---------------------------------------------------
+
+class FakeStage:
+    def __init__(self, index: int, max_batch: int = 8):
+        self.index, self.ready, self.sent = index, {"max_batch": max_batch}, []
+
+    def send(self, obj: dict[str, Any]) -> None:
+        self.sent.append(obj)
+
+
+def bare_pipeline(stages: int, in_flight: int, max_batch: int = 8) -> Pipeline:
+    """A Pipeline's send path on fake stages that record what they are sent."""
+    p = Pipeline.__new__(Pipeline)
+    p.stages = [FakeStage(i, max_batch) for i in range(stages)]  # type: ignore[list-item]
+    p._pending, p._outbox, p.trace, p.batch = {}, [], None, True
+    p._active = dict.fromkeys(range(100, 100 + in_flight))  # type: ignore[arg-type]
+    return p
+
+
+def sent(p: Pipeline, stage: int) -> list[tuple[str, list[int]]]:
+    return [(o["op"], [r["request_id"] for r in o["requests"]] if o["op"] == "batch" else [o["request_id"]])
+            for o in p.stages[stage].sent]  # type: ignore[attr-defined]
+
+
+def test_the_driver_groups_a_rounds_steps_per_stage_in_batches_of_in_flight_over_stages() -> None:
+    p = bare_pipeline(2, in_flight=4)
+    for rid in (1, 2, 3, 4):
+        p._send(rid, Call(0, "decode_step", {"token_id": 1, "position": 5}), rid)
+    p._send(5, Call(0, "tokenize", {"prompt": "x"}), 5)
+    p._send(6, Call(0, "decode_step", {"token_id": 1, "position": 5}), 6)
+    p._send(7, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 3, "seq_len": 4}), 7)
+    p._flush()
+    assert sent(p, 0) == [("batch", [1, 2]), ("batch", [3, 4]), ("tokenize", [5]), ("batch", [6])]
+    assert sent(p, 1) == [("forward_and_sample", [7])]  # a prefill: not a step
+    # a batch's entry comes first in its first request's queue: the batch reply arrives before the replies it holds
+    assert [q.op for q in p._pending[(0, 1)]] == ["batch", "decode_step"]
+
+
+def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:
+    p = bare_pipeline(3, in_flight=6, max_batch=1)
+    for rid in (1, 2):
+        p._send(rid, Call(1, "forward_range", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}), rid)
+    p._flush()
+    assert sent(p, 1) == [("forward_range", [1]), ("forward_range", [2])]
+
+
+def test_stub_pipeline_batches_k_generations_and_gives_their_solo_tokens() -> None:
+    prompts = ["one two three", "four five", "six seven eight nine", "ten"]
+    alone = [run_pipeline([q], stages=3, stub=True, max_tokens=5).generations[0].tokens for q in prompts]
+    launch = Launch(3, stub=True)
+    with Pipeline(launch, log=None) as p:
+        together = p.run(make_generations(p, prompts, 5, Sampling()), concurrency=4)
+        got: dict[int, dict[str, Any]] = {}
+        for s in range(3):
+            p.ask(s, "status", 1000 + s, lambda r, s=s: got.__setitem__(s, r))
+        while len(got) < 3:
+            p.pump()
+    assert [g.tokens for g in together.generations] == alone
+    assert all(got[s]["batched_requests"] > 0 for s in range(3))
