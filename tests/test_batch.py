@@ -195,3 +195,13 @@ def test_stub_pipeline_batches_k_generations_and_gives_their_solo_tokens() -> No
             p.pump()
     assert [g.tokens for g in together.generations] == alone
     assert all(got[s]["batched_requests"] > 0 for s in range(3))
+
+
+def test_batched_steps_of_a_q8_stage_are_q8_as_its_single_steps() -> None:
+    rids = [1, 2, 3]
+    requests = [prefill(1, 3, rid, 2) for rid in rids] + [step(1, 3, rid, 2) for rid in rids]
+    batched = Worker(StubEngine(1, 3), Clock(), "stub", wire_dtype="q8")
+    got = served(batched, requests)
+    want = [Worker(StubEngine(1, 3), Clock(), "stub", wire_dtype="q8").handle_line(request_line(r)) for r in requests]
+    assert batched.engine.batches == [3]  # type: ignore[attr-defined]
+    assert got == want and all(r["hidden_dtype"] == "q8" for r in got)
