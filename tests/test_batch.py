@@ -160,7 +160,7 @@ def sent(p: Pipeline, stage: int) -> list[tuple[str, list[int]]]:
             for o in p.stages[stage].sent]  # type: ignore[attr-defined]
 
 
-def test_the_driver_groups_a_rounds_steps_per_stage_in_batches_of_in_flight_over_stages() -> None:
+def test_the_driver_sends_a_rounds_steps_for_a_stage_as_one_batch() -> None:
     p = bare_pipeline(2, in_flight=4)
     for rid in (1, 2, 3, 4):
         p._send(rid, Call(0, "decode_step", {"token_id": 1, "position": 5}), rid)
@@ -168,7 +168,7 @@ def test_the_driver_groups_a_rounds_steps_per_stage_in_batches_of_in_flight_over
     p._send(6, Call(0, "decode_step", {"token_id": 1, "position": 5}), 6)
     p._send(7, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 3, "seq_len": 4}), 7)
     p._flush()
-    assert sent(p, 0) == [("batch", [1, 2]), ("batch", [3, 4]), ("tokenize", [5]), ("batch", [6])]
+    assert sent(p, 0) == [("batch", [1, 2, 3, 4]), ("tokenize", [5]), ("decode_step", [6])]
     assert sent(p, 1) == [("forward_and_sample", [7])]  # a prefill: not a step
     # a batch's entry comes first in its first request's queue: the batch reply arrives before the replies it holds
     assert [q.op for q in p._pending[(0, 1)]] == ["batch", "decode_step"]

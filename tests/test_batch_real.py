@@ -68,7 +68,8 @@ def test_k_generations_are_batched_and_each_is_its_solo_run(pipeline: Pipeline) 
     together = pipeline.run(make_generations(pipeline, PROMPTS, 8, Sampling()), concurrency=4)
     after = [s["batched_requests"] for s in statuses(pipeline)]
     assert [g.tokens for g in together.generations] == alone
-    assert all(a - b >= 4 for a, b in zip(after, before, strict=True)), (before, after)  # every stage batched
+    # the steps that reach a stage together go as one batch, and stay together: every stage batched
+    assert all(a - b >= 4 for a, b in zip(after, before, strict=True)), (before, after)
 
 
 def test_without_batching_nothing_is_batched(pipeline: Pipeline) -> None:

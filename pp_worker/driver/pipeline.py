@@ -265,38 +265,32 @@ class Pipeline:
 
     def _flush(self) -> None:
         """Write this round's calls in order. On each stage, consecutive one-token steps of distinct generations go
-        as ``batch`` requests of at most (generations in flight / stages) each: a stage runs each as one batched
-        forward, and with one group of steps per stage every stage has work, as the generations alone would give
-        (one big batch would go from stage to stage with the others idle). A group stays together from stage to
-        stage, its replies coming in one line."""
+        as one ``batch`` request, which the stage runs as one batched forward (the worker splits it by its
+        max_batch). A batch's replies come back in one line, so its generations reach the next stage together
+        and stay a batch from then on: with K generations in flight the stages soon pass one batch of K around.
+        On a CPU whose cores every stage shares that is the fastest way (bench/NOTES.md: a batch of 4 costs about
+        half of 4 single steps, and the stages gain little from overlapping on the same cores)."""
         calls, self._outbox = self._outbox, []
-        size = max(1, -(-len(self._active) // len(self.stages)))
         for st in self.stages:
             group: list[tuple[int, Call, _Pending]] = []
             for rid, call, pending in (c for c in calls if c[1].stage == st.index):
                 if self._batchable(st, call) and all(r != rid for r, _, _ in group):
                     group.append((rid, call, pending))
                     continue
-                self._write_groups(st, group, size)
+                self._write(st, group)
                 group = [(rid, call, pending)] if self._batchable(st, call) else []
                 if not group:
                     self._write(st, [(rid, call, pending)])
-            self._write_groups(st, group, size)
-
-    def _write_groups(self, st: Stage, steps: list[tuple[int, Call, _Pending]], size: int) -> None:
-        """One-token steps as batch requests of ``size`` (one of a single step too: a worker merges the plain
-        lines it finds queued, which would undo the grouping)."""
-        for i in range(0, len(steps), size):
-            self._write(st, steps[i:i + size], as_batch=True)
+            self._write(st, group)
 
     def _batchable(self, st: Stage, call: Call) -> bool:
         return (self.batch and call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
                 and (st.ready or {}).get("max_batch", 1) > 1)
 
-    def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]], as_batch: bool = False) -> None:
+    def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]]) -> None:
         if self.trace is not None:
             self.trace += [(time.monotonic(), st.index, rid, call.op, "send") for rid, call, _ in group]
-        if len(group) == 1 and not as_batch:
+        if len(group) == 1:
             rid, call, _ = group[0]
             st.send({"op": call.op, "request_id": rid, **call.fields})
         elif group:
