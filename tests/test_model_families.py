@@ -14,7 +14,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from pp_worker.testing.npref import RefModel, RopeScaling
 from spm_ref import SpmReference
 
 from pp_worker.driver.generation import Sampling
@@ -22,6 +21,7 @@ from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing import rope_scaling as rs
 from pp_worker.testing.modelgen import SPM, generate
+from pp_worker.testing.npref import RefModel, RopeScaling
 from pp_worker.worker.engines.detokenizer import Detokenizer
 from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
 from pp_worker.worker.engines.rope import RopeParams, rope_table
