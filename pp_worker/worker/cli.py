@@ -45,6 +45,7 @@ class Config:
     stub_delay_ms: int = 0
     prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
+    beam: int = 0  # PP_BEAM: tinygrad BEAM search width for the decode JIT; 0: off
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -105,7 +106,7 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024), warmup=_env_flag(env, "PP_WARMUP"),
                   stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0,
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
-                  kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES))
+                  kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES), beam=_env_int(env, "PP_BEAM", 0) or 0)
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -118,7 +119,7 @@ def build_engine(cfg: Config, events: Events) -> Engine:
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
                             max_sessions=cfg.max_sessions, prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype,
-                            emit=events.emit)
+                            beam=cfg.beam, emit=events.emit)
     if cfg.warmup:
         engine.warmup()
     return engine

@@ -268,6 +268,7 @@ class StageWeights:
     rope: RopeParams  # how every block rotates Q and K, scaling included
     loaded: dict[str, int]  # tensor name -> bytes read from the file
     path: Path
+    packed: bool  # fp16 weights held as uint8 buffers viewed as fp16 (`packed_weights`)
 
 
 def load_stage(model: str, stage: int, num_stages: int, max_context: int | None = None, *,
@@ -300,7 +301,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
     return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
-                        rope, source.loaded, path)
+                        rope, source.loaded, path, packed)
 
 
 def _rope_freqs(source: TensorSource) -> np.ndarray | None:
