@@ -28,7 +28,7 @@ from bench.machine import CpuMeter, describe
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire", "rss", "serve")
+SECTIONS = ("solo", "pp2", "pp3", "beam", "pp4", "unjit", "wire", "rss", "serve")
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,8 @@ class Plan:
     k_decode: int = 48  # row 3: decode tokens per generation
     ttft_lengths: tuple[int, ...] = (128, 512)
     ttft_reps: int = 3
+    beam: int = 2  # PP_BEAM width of the beam section
+    beam_rounds: int = 3  # decode runs with and without PP_BEAM, interleaved
     stub_sequential: int = 5000
     stub_pipelined: int = 40000
     payload_reps: int = 9
@@ -141,6 +143,35 @@ class Bench:
             say(f"{len(p.stages)} stages: time to first token, {n}-token prompt x {self.plan.ttft_reps}")
             out["ttft_s"][str(n)] = pipe.time_to_first_token(p, self.prompts[f"ttft{n}"][0], self.plan.ttft_reps)
 
+    # --- PP_BEAM ---------------------------------------------------------------------------------------------
+    def beam(self, out: dict[str, Any]) -> None:
+        """2 stages with PP_BEAM on a fresh kernel cache: the first start pays the search, the second reads
+        tinygrad's cache.db; then decode with and without PP_BEAM, interleaved on two live pipelines."""
+        plan = self.plan
+        out["width"], out["ready_s"] = plan.beam, {}
+        with tempfile.TemporaryDirectory() as d:
+            env = {"PP_MAX_SESSIONS": "8", "PP_BEAM": str(plan.beam), "CACHEDB": f"{d}/cache.db"}
+            for i in range(2):
+                say(f"2 stages with PP_BEAM={plan.beam}, start {i + 1} of 2 ({'cached' if i else 'fresh cache'})")
+                t0 = time.monotonic()
+                beamed = pipe.start(self.model, 2, env)
+                out["ready_s"][str(i)] = round(time.monotonic() - t0, 1)
+                if i == 0:
+                    beamed.close()
+            with beamed, pipe.start(self.model, 2, {"PP_MAX_SESSIONS": "8"}) as plain:
+                runs: dict[str, list[pipe.Tokens]] = {"beam": [], "plain": []}
+                for p in (beamed, plain):
+                    pipe.run_traced(p, self.prompts["warm"][:1], plan.warm)
+                for r in range(plan.beam_rounds):
+                    say(f"decode with / without PP_BEAM, round {r + 1} of {plan.beam_rounds}")
+                    for key, p in (("beam", beamed), ("plain", plain)):
+                        runs[key].append(pipe.decode_rate(p, self.prompts["decode"][0], plan.decode))
+        for key, tokens in runs.items():
+            out[key] = [_tokens_dict(t) for t in tokens]
+        out["decode"] = max(out["beam"], key=lambda d: d["tps"])
+        out["ratio_rounds"] = [b.tps / p.tps if p.tps else None for b, p in zip(runs["beam"], runs["plain"],
+                                                                                strict=True)]
+
     # --- section 6 again, on a model whose weights dwarf tinygrad's floor ----------------------------------------
     def big_rss(self, out: dict[str, Any]) -> None:
         plan = self.plan.rss
@@ -208,6 +239,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "solo": b.one_process,
         "pp2": lambda out: b.pipeline(2, out, decode=plan.decode, warm=plan.warm, full=True),
         "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm),
+        "beam": b.beam,
         "pp4": lambda out: b.pipeline(4, out, decode=plan.warm, warm=plan.warm),  # for its peak RSS
         "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),
         "wire": b.wire,
