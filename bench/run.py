@@ -3,6 +3,8 @@
     python -m bench.run            # the 27M-parameter bench model, ~2.5 minutes on 2 idle cores, then section 6
                                    # again on the 0.73B "rss" model (~1.5 minutes; its first run generates it)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
+    python -m bench.run --sections pp2,beam   # PP_BEAM=2 vs without (not in the default run: the first search
+                                              # takes 20+ minutes here; the kernel cache is kept in bench/models/)
 
 Measurements fill a ``raw`` dict (kept whole in the JSON); ``bench.report`` turns it into table rows. A section
 that fails is reported (traceback on stderr, an error in the JSON, n/a in the table) and the rest still run.
@@ -29,6 +31,7 @@ from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("solo", "pp2", "pp3", "beam", "pp4", "unjit", "wire", "rss", "serve")
+DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
 @dataclass(frozen=True)
@@ -145,27 +148,28 @@ class Bench:
 
     # --- PP_BEAM ---------------------------------------------------------------------------------------------
     def beam(self, out: dict[str, Any]) -> None:
-        """2 stages with PP_BEAM on a fresh kernel cache: the first start pays the search, the second reads
-        tinygrad's cache.db; then decode with and without PP_BEAM, interleaved on two live pipelines."""
+        """2 stages with PP_BEAM, started twice on one kernel cache kept under bench/models/ (a missing one: the
+        first start pays the search, ~20+ minutes on 2 shared cores; the second reads it); then decode with and
+        without PP_BEAM, interleaved on two live pipelines."""
         plan = self.plan
-        out["width"], out["ready_s"] = plan.beam, {}
-        with tempfile.TemporaryDirectory() as d:
-            env = {"PP_MAX_SESSIONS": "8", "PP_BEAM": str(plan.beam), "CACHEDB": f"{d}/cache.db"}
-            for i in range(2):
-                say(f"2 stages with PP_BEAM={plan.beam}, start {i + 1} of 2 ({'cached' if i else 'fresh cache'})")
-                t0 = time.monotonic()
-                beamed = pipe.start(self.model, 2, env)
-                out["ready_s"][str(i)] = round(time.monotonic() - t0, 1)
-                if i == 0:
-                    beamed.close()
-            with beamed, pipe.start(self.model, 2, {"PP_MAX_SESSIONS": "8"}) as plain:
-                runs: dict[str, list[pipe.Tokens]] = {"beam": [], "plain": []}
-                for p in (beamed, plain):
-                    pipe.run_traced(p, self.prompts["warm"][:1], plan.warm)
-                for r in range(plan.beam_rounds):
-                    say(f"decode with / without PP_BEAM, round {r + 1} of {plan.beam_rounds}")
-                    for key, p in (("beam", beamed), ("plain", plain)):
-                        runs[key].append(pipe.decode_rate(p, self.prompts["decode"][0], plan.decode))
+        cache = models.CACHE / f"beam{plan.beam}-cache.db"
+        out["width"], out["ready_s"], out["cache_existed"] = plan.beam, {}, cache.exists()
+        env = {"PP_MAX_SESSIONS": "8", "PP_BEAM": str(plan.beam), "CACHEDB": str(cache)}
+        for i in range(2):
+            say(f"2 stages with PP_BEAM={plan.beam}, start {i + 1} of 2 (kernel cache {cache})")
+            t0 = time.monotonic()
+            beamed = pipe.start(self.model, 2, env)
+            out["ready_s"][str(i)] = round(time.monotonic() - t0, 1)
+            if i == 0:
+                beamed.close()
+        with beamed, pipe.start(self.model, 2, {"PP_MAX_SESSIONS": "8"}) as plain:
+            runs: dict[str, list[pipe.Tokens]] = {"beam": [], "plain": []}
+            for p in (beamed, plain):
+                pipe.run_traced(p, self.prompts["warm"][:1], plan.warm)
+            for r in range(plan.beam_rounds):
+                say(f"decode with / without PP_BEAM, round {r + 1} of {plan.beam_rounds}")
+                for key, p in (("beam", beamed), ("plain", plain)):
+                    runs[key].append(pipe.decode_rate(p, self.prompts["decode"][0], plan.decode))
         for key, tokens in runs.items():
             out[key] = [_tokens_dict(t) for t in tokens]
         out["decode"] = max(out["beam"], key=lambda d: d["tps"])
@@ -254,7 +258,8 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help='the "small" model and few tokens (a smoke test)')
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but beam)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
     args = ap.parse_args(argv)
     args.sections = tuple(s for s in args.sections.split(",") if s)
