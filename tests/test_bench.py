@@ -157,6 +157,7 @@ def test_run_arguments() -> None:
     assert args.quick and args.sections == ("wire", "solo")
     with pytest.raises(SystemExit):
         run.parse_args(["--sections", "nope"])
+    assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
 
 
