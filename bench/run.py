@@ -4,6 +4,8 @@
                                    # again on the 0.73B "rss" model (~1.5 minutes; its first run generates it),
                                    # then section 8, q8 against f16 on the wire (~2 minutes)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
+    python -m bench.run --sections pp2,beam   # PP_BEAM=2 vs without (not in the default run: the first search
+                                              # takes 20+ minutes here; the kernel cache is kept in bench/models/)
 
 Measurements fill a ``raw`` dict (kept whole in the JSON); ``bench.report`` turns it into table rows. A section
 that fails is reported (traceback on stderr, an error in the JSON, n/a in the table) and the rest still run.
@@ -29,7 +31,8 @@ from bench.machine import CpuMeter, describe
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pp4", "unjit", "wire", "rss", "serve", "q8")
+SECTIONS = ("solo", "pp2", "pp3", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8")
+DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,8 @@ class Plan:
     k_decode: int = 48  # row 3: decode tokens per generation
     ttft_lengths: tuple[int, ...] = (128, 512)
     ttft_reps: int = 3
+    beam: int = 2  # PP_BEAM width of the beam section
+    beam_rounds: int = 3  # decode runs with and without PP_BEAM, interleaved
     stub_sequential: int = 5000
     stub_pipelined: int = 40000
     payload_reps: int = 9
@@ -150,6 +155,36 @@ class Bench:
             say(f"{len(p.stages)} stages: time to first token, {n}-token prompt x {self.plan.ttft_reps}")
             out["ttft_s"][str(n)] = pipe.time_to_first_token(p, self.prompts[f"ttft{n}"][0], self.plan.ttft_reps)
 
+    # --- PP_BEAM ---------------------------------------------------------------------------------------------
+    def beam(self, out: dict[str, Any]) -> None:
+        """2 stages with PP_BEAM, started twice on one kernel cache kept under bench/models/ (a missing one: the
+        first start pays the search, ~20+ minutes on 2 shared cores; the second reads it); then decode with and
+        without PP_BEAM, interleaved on two live pipelines."""
+        plan = self.plan
+        cache = models.CACHE / f"beam{plan.beam}-cache.db"
+        out["width"], out["ready_s"], out["cache_existed"] = plan.beam, {}, cache.exists()
+        env = {"PP_MAX_SESSIONS": "8", "PP_BEAM": str(plan.beam), "CACHEDB": str(cache)}
+        for i in range(2):
+            say(f"2 stages with PP_BEAM={plan.beam}, start {i + 1} of 2 (kernel cache {cache})")
+            t0 = time.monotonic()
+            beamed = pipe.start(self.model, 2, env)
+            out["ready_s"][str(i)] = round(time.monotonic() - t0, 1)
+            if i == 0:
+                beamed.close()
+        with beamed, pipe.start(self.model, 2, {"PP_MAX_SESSIONS": "8"}) as plain:
+            runs: dict[str, list[pipe.Tokens]] = {"beam": [], "plain": []}
+            for p in (beamed, plain):
+                pipe.run_traced(p, self.prompts["warm"][:1], plan.warm)
+            for r in range(plan.beam_rounds):
+                say(f"decode with / without PP_BEAM, round {r + 1} of {plan.beam_rounds}")
+                for key, p in (("beam", beamed), ("plain", plain)):
+                    runs[key].append(pipe.decode_rate(p, self.prompts["decode"][0], plan.decode))
+        for key, tokens in runs.items():
+            out[key] = [_tokens_dict(t) for t in tokens]
+        out["decode"] = max(out["beam"], key=lambda d: d["tps"])
+        out["ratio_rounds"] = [b.tps / p.tps if p.tps else None for b, p in zip(runs["beam"], runs["plain"],
+                                                                                strict=True)]
+
     # --- section 6 again, on a model whose weights dwarf tinygrad's floor ----------------------------------------
     def big_rss(self, out: dict[str, Any]) -> None:
         plan = self.plan.rss
@@ -249,6 +284,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "solo": b.one_process,
         "pp2": lambda out: b.pipeline(2, out, decode=plan.decode, warm=plan.warm, full=True),
         "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm, prefill=True),
+        "beam": b.beam,
         "pp4": lambda out: b.pipeline(4, out, decode=plan.warm, warm=plan.warm),  # for its peak RSS
         "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),
         "wire": b.wire,
@@ -264,7 +300,8 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help='the "small" model and few tokens (a smoke test)')
-    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    ap.add_argument("--sections", default=",".join(DEFAULT),
+                    help=f"comma-separated subset of {','.join(SECTIONS)} (default: all but beam)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
     args = ap.parse_args(argv)
     args.sections = tuple(s for s in args.sections.split(",") if s)

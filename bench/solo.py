@@ -4,7 +4,7 @@ Run as a subprocess (``python -m bench.solo``) so its memory and JIT state never
 prints one JSON object on stdout. ``--idle`` instead measures tinygrad's own floor: a process that imported
 tinygrad and ran one tiny kernel (then, given a model, built its tokenizer as the first and last stage do).
 
-    python -m bench.solo MODEL --prompt-file P.json --decode 64 --max-context 1024 [--mode lazy|realize|tuned]
+    python -m bench.solo MODEL --prompt-file P.json --decode 64 --max-context 1024 [--mode MODE]  (MODES, below)
 """
 
 from __future__ import annotations
@@ -67,23 +67,24 @@ def timed_tokens(gen: Iterator[int], n: int) -> tuple[float, list[float]]:
     return times[0] - t0, times
 
 
-MODES = ("lazy", "realize", "tuned")
+MODES = ("lazy", "lazy-tuned", "realize", "tuned")
 
 
 def load(model: str, max_context: int, mode: str):
-    """``lazy``: as tinygrad's CLI loads (REALIZE unset), weights stay views of the file; ``realize``: weights
-    copied out and realized; ``tuned``: also each block's rope table and KV cache realized up front, as
-    pp_worker's engine does. Left to ``_init_state``, the table stays lazy and the JIT recomputes it (cos/sin
-    over max_context positions) in every block on every call."""
+    """``lazy``: as tinygrad's CLI loads (REALIZE unset), weights stay views of the file (uint8 bitcast to fp16:
+    tinygrad's fast mode on the CPU, bench/NOTES.md); ``realize``: each weight copied out into its own fp16 buffer;
+    ``-tuned``: also each block's rope table and KV cache realized up front, as pp_worker's engine does. Left to
+    ``_init_state``, the table stays lazy and the JIT recomputes it (cos/sin over max_context positions) in every
+    block on every call."""
     from tinygrad import Device, Tensor
     from tinygrad.llm.cli import SimpleTokenizer
     from tinygrad.llm.model import Transformer, precompute_freqs_cis
 
-    m, kv = Transformer.from_gguf(model, max_context, realize=mode != "lazy")
+    m, kv = Transformer.from_gguf(model, max_context, realize=mode in ("realize", "tuned"))
     SimpleTokenizer.from_gguf_kv(kv)  # held by a real one-process app (tinygrad's CLI): counts in its peak RSS
     if Device.DEFAULT.split(":")[0] == "CUDA":
         m.prefill_jit = _without_graph(m.prefill_jit)
-    if mode == "tuned":
+    if mode.endswith("tuned"):
         c = m.blk[0].config
         freqs = precompute_freqs_cis(c.rope_dim, c.max_context, c.rope_theta).realize()
         for b in m.blk:  # with cache_kv set, _init_state leaves both alone

@@ -103,6 +103,8 @@ def fake_raw() -> dict:
         "pp2": {"decode": decode, "peak_rss_mb": [120.0, 121.0], "k": {"1": agg, "4": agg | {"tps": 60.0}},
                 "ttft_s": {"8": [0.1, 0.12]}},
         "pp3": {"decode": decode | {"tps": 15.0}},
+        "beam": {"width": 2, "ready_s": {"0": 90.0, "1": 20.0}, "beam": [decode | {"tps": 26.0}],
+                 "plain": [decode], "ratio_rounds": [1.3]},
         "unjit": {"decode": decode | {"tps": 2.0}},
         "wire": {"pipe_floor_rt_s": {"one CPU": 9e4}, "sequential_rt_s": {"one CPU": 1e4, "two CPUs": 3e4},
                  "pipelined_rt_s": 30000.0, "codec": {"mb_per_s": 300.0},
@@ -123,6 +125,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     two = by_name["2 stages / one process"]
     assert two.value == pytest.approx(1.0) and two.verdict == "PASS"  # against the faster one-process mode
     assert by_name["3 stages / one process"].verdict == "MISS"
+    assert by_name["PP_BEAM=2 / without"].value == pytest.approx(1.3)
     assert by_name["ours / unjitted"].value == pytest.approx(10.0)
     assert by_name["K=4 / K=1"].value == pytest.approx(2.0)
     assert by_name["decode hop, 1 in flight, one CPU"].verdict == "MISS"
@@ -187,6 +190,7 @@ def test_run_arguments() -> None:
     assert args.quick and args.sections == ("wire", "solo")
     with pytest.raises(SystemExit):
         run.parse_args(["--sections", "nope"])
+    assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
 
 

@@ -116,6 +116,8 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_PREFILL_CHUNK": "0"}, "PP_PREFILL_CHUNK", "0"),
     ({"PP_KV_DTYPE": "bfloat16"}, "PP_KV_DTYPE", "bfloat16"),
     ({"PP_WIRE_DTYPE": "int8"}, "PP_WIRE_DTYPE", "int8"),
+    ({"PP_BEAM": "-1"}, "PP_BEAM", "-1"),
+    ({"PP_BEAM": "two"}, "PP_BEAM", "two"),
 ]
 
 

@@ -48,6 +48,7 @@ class Config:
     prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
     wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts either
+    beam: int = 0  # PP_BEAM: tinygrad BEAM search width for the decode JIT; 0: off
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -110,7 +111,8 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   max_batch=_env_int(env, "PP_MAX_BATCH", 8, low=1) or 8,
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
-                  wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16")
+                  wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16",
+                  beam=_env_int(env, "PP_BEAM", 0) or 0)
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -124,7 +126,7 @@ def build_engine(cfg: Config, events: Events) -> Engine:
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
                             max_sessions=cfg.max_sessions, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
-                            kv_dtype=cfg.kv_dtype, emit=events.emit)
+                            kv_dtype=cfg.kv_dtype, beam=cfg.beam, emit=events.emit)
     if cfg.warmup:
         engine.warmup()
     return engine

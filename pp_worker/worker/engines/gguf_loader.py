@@ -1,9 +1,11 @@
 """Load one stage's slice of a GGUF model: only the tensors its blocks (and embedding or head) need.
 
 tinygrad's `Transformer.from_gguf` copies the whole file into memory, which defeats pipeline parallelism. Here
-the header is parsed with bounds checks (`gguf_file`), and each needed tensor's bytes are read from its offset,
-dequantized with tinygrad's `ggml_data_to_tensor`, cast to fp16 (`HALF=1`, tinygrad's default), Q/K rows
-un-permuted for llama exactly as `from_gguf` does, and realized block by block.
+the header is parsed with bounds checks (`gguf_file`), and each needed tensor's bytes are read from its offset into
+its own realized buffer, one tensor at a time, in its final layout: F16 data as is, other types dequantized once
+with tinygrad's `ggml_data_to_tensor` and cast to fp16 (`HALF=1`, tinygrad's default), llama's Q/K rows
+un-permuted on the host exactly as `from_gguf` does. On the CPU each fp16 buffer is uint8, bitcast to fp16 (the
+kernels run ~2x faster that way: `packed_weights`); elsewhere it is a native fp16 buffer.
 
 Context: ``max_context = min(requested or context_length, context_length, cap)`` with ``cap`` 4096 by default.
 Every session holds a KV cache of max_context positions per block, so an uncapped 128k-context model would need
@@ -15,6 +17,7 @@ are importable from here too.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,6 +33,7 @@ from pp_worker.worker.shard import Shard
 
 if TYPE_CHECKING:
     from tinygrad import Tensor, nn
+    from tinygrad.dtype import DType
     from tinygrad.llm.model import TransformerConfig
 
     from pp_worker.worker.engines.kvcache import CacheBlock
@@ -122,89 +126,126 @@ def eos_token_ids(kv: dict[str, Any]) -> list[int]:
 # ---------------------------------------------------------------- tensors
 
 
+def packed_weights(device: str) -> bool:
+    """Whether fp16 weights are held as uint8 buffers viewed as fp16 (True on the CPU) or as native fp16 buffers.
+
+    On the CPU tinygrad's C renderer loads a native fp16 buffer as ``__fp16`` vectors, which clang 14 assembles
+    through the stack (16-bit stores, then a reload: store-forwarding stalls), about 2x slower per decode kernel;
+    from a uint8 buffer bitcast to fp16 the same kernel loads 16-bit words into registers (bench/NOTES.md). That is
+    why tinygrad's lazy GGUF views, uint8 disk buffers bitcast to half, run 2x faster than `realize=True`. GPU
+    renderers load half natively, and on CUDA the realized fp16 buffers are the fast mode: they stay as they were."""
+    return device.split(":")[0] == "CPU"
+
+
 @dataclass
 class TensorSource:
-    """Reads single tensors out of the file and remembers which (name -> bytes read)."""
+    """Reads single tensors out of the file into their own realized device buffers, in their final layout, and
+    remembers which (name -> bytes read). ``packed``: see `packed_weights`."""
 
     header: GGUFHeader
     half: bool = True
+    packed: bool = True
     loaded: dict[str, int] = field(default_factory=dict)
 
-    def tensor(self, name: str) -> Tensor:
-        """(GGUF dims reversed) tensor, fp16 when ``half``; F16 data is read straight into its final buffer,
-        other types are dequantized lazily (realized by the caller)."""
-        from tinygrad import Tensor, dtypes
-        from tinygrad.llm.gguf import ggml_data_to_tensor
+    def tensor(self, name: str, heads: tuple[int, int] | None = None) -> Tensor:
+        """(GGUF dims reversed) tensor, fp16 when ``half``, realized. ``heads=(n_heads, keep)``: GGUF's
+        interleaved-rope Q/K rows un-permuted (`unpermute_rows`). F16 data is read straight into its final
+        buffer; other types are dequantized by tinygrad once, here."""
+        from tinygrad import dtypes
 
+        info = self._info(name)
+        self.loaded[name] = info.nbytes
+        dtype = dtypes.float16 if self.half else dtypes.float32
+        if dtype == dtypes.float16 and info.ggml_type == GGML_F16:  # already what we keep: no staging copy, no cast
+            def fill(mv: memoryview) -> None:
+                self._read(info, mv)
+                if heads:
+                    rows = np.frombuffer(mv, np.float16).reshape(info.shape)  # (rows, D), writes through
+                    rows[:] = unpermute_rows(rows, *heads)
+        else:
+            values = self._dequantized(info, dtype)
+            values = unpermute_rows(values, *heads) if heads else values
+
+            def fill(mv: memoryview) -> None:
+                np.frombuffer(mv, np.uint8)[:] = values.reshape(-1).view(np.uint8)
+        return self._store(info.shape, dtype, fill)
+
+    def _info(self, name: str) -> TensorInfo:
         info = self.header.tensors.get(name)
         if info is None:
             raise ModelLoadError(f"{self.header.path}: tensor {name} is missing")
         if info.nbytes is None:
             raise ModelLoadError(f"{self.header.path}: tensor {name} has GGML type {info.ggml_type}, "
                                  f"which tinygrad cannot dequantize")
-        self.loaded[name] = info.nbytes
-        if self.half and info.ggml_type == GGML_F16:  # already what we keep: no staging copy, no cast
-            return self._read_into(Tensor.empty(*info.shape, dtype=dtypes.float16), info)
-        raw = self._read_into(Tensor.empty(info.nbytes, dtype=dtypes.uint8), info)
-        t = ggml_data_to_tensor(raw, info.n_elements, info.ggml_type).reshape(info.shape)
-        return t.cast(dtypes.float16) if self.half else t
+        return info
 
-    def _read_into(self, t: Tensor, info: TensorInfo) -> Tensor:
-        """Read the tensor's bytes from the file into ``t``'s device buffer: in place when the device memory is
-        host memory (CPU), else through one staging copy. A numpy copy plus a device copy per tensor used to stay
-        resident."""
+    def _dequantized(self, info: TensorInfo, dtype: DType) -> np.ndarray:
+        """Any GGML type -> ``dtype`` values (shape ``info.shape``), by tinygrad's dequantizer and cast."""
+        from tinygrad import Tensor, dtypes
+        from tinygrad.llm.gguf import ggml_data_to_tensor
+
+        raw = Tensor.empty(info.nbytes, dtype=dtypes.uint8)
+        self._fill(raw, lambda mv: self._read(info, mv))
+        return ggml_data_to_tensor(raw, info.n_elements, info.ggml_type).reshape(info.shape).cast(dtype).numpy()
+
+    def _store(self, shape: tuple[int, ...], dtype: DType, fill: Callable[[memoryview], None]) -> Tensor:
+        """A new realized buffer filled by ``fill(its bytes)``: uint8 bitcast and reshaped to ``dtype``/``shape``
+        when ``packed`` (fp16 only), else a buffer of ``dtype`` itself."""
+        from tinygrad import Tensor, dtypes
+
+        packed = self.packed and dtype == dtypes.float16
+        t = Tensor.empty(math.prod(shape) * dtype.itemsize, dtype=dtypes.uint8) if packed else \
+            Tensor.empty(*shape, dtype=dtype)
+        self._fill(t, fill)
+        return t.bitcast(dtype).reshape(shape) if packed else t
+
+    @staticmethod
+    def _fill(t: Tensor, fill: Callable[[memoryview], None]) -> None:
+        """Write ``t``'s device buffer through ``fill``: in place when the device memory is host memory (CPU), else
+        through one staging copy. A numpy copy plus a device copy per tensor used to stay resident."""
         buf = t.uop.base.buffer.ensure_allocated()
+        if hasattr(buf.allocator, "_as_buffer") and buf.options is None:  # host memory we may write
+            fill(buf.as_memoryview(force_zero_copy=True).cast("B"))
+        else:
+            # writable: CUDA's copyin takes the address of its source, which a bytes object cannot give.
+            # One per tensor, freed at once: copyin has copied it out (into pinned memory on CUDA) on return.
+            staging = bytearray(buf.nbytes)
+            fill(memoryview(staging))
+            buf.copyin(memoryview(staging))
+
+    def _read(self, info: TensorInfo, mv: memoryview) -> None:
         with open(self.header.path, "rb") as f:
             f.seek(info.offset)
-            if hasattr(buf.allocator, "_as_buffer") and buf.options is None:  # host memory we may write
-                got = f.readinto(buf.as_memoryview(force_zero_copy=True).cast("B"))
-            else:
-                # writable: CUDA's copyin takes the address of its source, which a bytes object cannot give.
-                # One per tensor, freed at once: copyin has copied it out (into pinned memory on CUDA) on return.
-                staging = bytearray(info.nbytes)
-                got = f.readinto(staging)
-                if got == info.nbytes:
-                    buf.copyin(memoryview(staging))
+            got = f.readinto(mv)
         if got != info.nbytes:
             raise ModelLoadError(f"{self.header.path}: truncated file: tensor {info.name} is short of data")
-        return t
 
 
-def _unpermute_rows(w: Tensor, n_heads: int, keep: int = 0) -> Tensor:
+def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
     """GGUF interleaved-rope rows -> half-split rows per head (the first ``keep`` rows of a head are not roped),
-    the same rearrange as `Transformer.from_gguf`."""
+    the same rearrange as `Transformer.from_gguf` ("n (h two) d -> n (two h) d"), on the host, once."""
     w = w.reshape(n_heads, w.shape[0] // n_heads, -1)  # (H, Hd, D)
-    roped = w[:, keep:].rearrange("n (h two) d -> n (two h) d", two=2)
-    return (w[:, :keep].cat(roped, dim=1) if keep else roped).reshape(-1, w.shape[-1])
-
-
-def _realize(obj: object) -> None:
-    from tinygrad import Tensor, nn
-
-    # without contiguous the fp16 cast / dequant would be recomputed on every call (as in from_gguf(realize=True))
-    params = nn.state.get_parameters(obj)
-    for p in params:
-        p.replace(p.contiguous())
-    Tensor.realize(*params)
+    n, hd, d = w.shape
+    roped = w[:, keep:].reshape(n, (hd - keep) // 2, 2, d).transpose(0, 2, 1, 3).reshape(n, hd - keep, d)
+    return np.concatenate([w[:, :keep], roped], axis=1).reshape(n * hd, d)
 
 
 def load_block(source: TensorSource, config: TransformerConfig, i: int) -> CacheBlock:
-    """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), realized."""
+    """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), each weight in its own realized buffer."""
     from tinygrad import nn
 
     from pp_worker.worker.engines.kvcache import CacheBlock
 
     block = CacheBlock(config)
-    weights = {k: source.tensor(f"blk.{i}.{k}") for k in nn.state.get_state_dict(block)}
+    heads: dict[str, tuple[int, int]] = {}
     if source.header.kv["general.architecture"] == "llama":
-        weights["attn_q.weight"] = _unpermute_rows(weights["attn_q.weight"], config.n_heads,
-                                                   config.head_dim - config.rope_dim)
-        weights["attn_k.weight"] = _unpermute_rows(weights["attn_k.weight"], config.n_kv_heads)
+        heads = {"attn_q.weight": (config.n_heads, config.head_dim - config.rope_dim),
+                 "attn_k.weight": (config.n_kv_heads, 0)}
+    weights = {k: source.tensor(f"blk.{i}.{k}", heads.get(k)) for k in nn.state.get_state_dict(block)}
     try:
         nn.state.load_state_dict(block, weights, verbose=False, realize=False)
     except ValueError as e:
         raise ModelLoadError(f"block {i}: {e}") from e
-    _realize(block)
     return block
 
 
@@ -227,12 +268,15 @@ class StageWeights:
     rope: RopeParams  # how every block rotates Q and K, scaling included
     loaded: dict[str, int]  # tensor name -> bytes read from the file
     path: Path
+    packed: bool  # fp16 weights held as uint8 buffers viewed as fp16 (`packed_weights`)
 
 
 def load_stage(model: str, stage: int, num_stages: int, max_context: int | None = None, *,
-               context_cap: int = CONTEXT_CAP, emit: Callable[..., None] = lambda kind, **fields: None) -> StageWeights:
-    """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors."""
-    from tinygrad import getenv
+               context_cap: int = CONTEXT_CAP, emit: Callable[..., None] = lambda kind, **fields: None,
+               packed: bool | None = None) -> StageWeights:
+    """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors. ``packed``:
+    how fp16 weights are held (`packed_weights`; by default, decided by the device)."""
+    from tinygrad import Device, getenv
 
     path = resolve_model(model)
     header = read_header(path)
@@ -246,7 +290,8 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     tokenizer = _load_tokenizer(header.kv, Tokenizer.from_gguf_kv) if shard.is_first else None
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
     _return_freed_heap()
-    source = TensorSource(header, half=bool(getenv("HALF", 1)))
+    packed = packed_weights(Device.DEFAULT) if packed is None else packed
+    source = TensorSource(header, half=bool(getenv("HALF", 1)), packed=packed)
     rope = RopeParams.from_gguf(header.kv, config.rope_dim, _rope_freqs(source))
     blocks = []
     for j, i in enumerate(range(shard.start, shard.end)):
@@ -256,7 +301,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
     return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
-                        rope, source.loaded, path)
+                        rope, source.loaded, path, packed)
 
 
 def _rope_freqs(source: TensorSource) -> np.ndarray | None:
@@ -276,7 +321,6 @@ def _load_embedding(source: TensorSource, config: TransformerConfig) -> nn.Embed
 
     embd = nn.Embedding(config.vocab_size, config.dim)
     nn.state.load_state_dict(embd, {"weight": source.tensor("token_embd.weight")}, verbose=False, realize=False)
-    _realize(embd)
     return embd
 
 
@@ -288,7 +332,6 @@ def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSN
     # tied embeddings (e.g. Llama 3.2): no output.weight, the head is the embedding matrix
     name = "output.weight" if "output.weight" in source.header.tensors else "token_embd.weight"
     nn.state.load_state_dict(head, {"weight": source.tensor(name)}, verbose=False, realize=False)
-    _realize((norm, head))
     return norm, head
 
 

@@ -21,11 +21,12 @@ host buffer; no allocation per call.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from tinygrad import Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
 
 from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
@@ -66,8 +67,9 @@ def split(n: int, rungs: tuple[int, ...]) -> list[int]:
 class CompiledStage:
     """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer."""
 
-    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1):
+    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1, beam: int = 0):
         self.w, cfg = w, w.config
+        self.beam = beam  # tinygrad BEAM search width for the decode JIT's kernels; 0: tinygrad's own setting
         self.start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
         self.rungs = ladder(min(max_chunk, cfg.max_context))
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
@@ -119,7 +121,10 @@ class CompiledStage:
         """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``."""
         n = len(values)
         self.inputs[n].write(values)
-        return self.jits[n](self.inputs[n].tensor, cache, self.start_pos.bind(position))
+        # BEAM is read when kernels compile: the decode JIT's first call and its capture (second); replays compile
+        # nothing. Decode only: its kernels run every token, and each searched size costs minutes on a CPU.
+        with Context(BEAM=self.beam) if n == 1 and self.beam else contextlib.nullcontext():
+            return self.jits[n](self.inputs[n].tensor, cache, self.start_pos.bind(position))
 
 
 class TinygradEngine:
@@ -127,7 +132,7 @@ class TinygradEngine:
 
     def __init__(self, model: str, stage: int, num_stages: int, *, max_context: int | None = None,
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
-                 max_batch: int = 8, emit: Callable[..., None] = lambda kind, **f: None):
+                 max_batch: int = 8, beam: int = 0, emit: Callable[..., None] = lambda kind, **f: None):
         self.device = Device.DEFAULT
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit)
         cfg, kv = self._w.config, self._w.kv
@@ -142,7 +147,7 @@ class TinygradEngine:
                               eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
         self.max_batch = max(1, min(max_batch, max_sessions))  # a batch holds distinct sessions
-        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch)
+        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch, beam)
         self.kv_dtype = kv_dtype or default_kv_dtype(self.device)
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions, dtype=KV_DTYPES[self.kv_dtype])
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
@@ -158,8 +163,9 @@ class TinygradEngine:
     def describe(self) -> dict[str, Any]:
         """What the ready line and `status` report about how this stage runs."""
         return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
-                "kv_dtype": self.kv_dtype,
-                "kv_session_bytes": self.kv_pool.session_bytes, "kv_caches_allocated": self.kv_pool.allocated}
+                "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
+                "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam,
+                "packed_weights": self._w.packed}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.
