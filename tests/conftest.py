@@ -151,7 +151,7 @@ class WorkerProcess:
         assert len(ready) == 1, lines
         return ready[0]
 
-    def request(self, obj: dict[str, Any], timeout: float = 10.0) -> dict[str, Any]:
+    def request(self, obj: dict[str, Any], timeout: float = 60.0) -> dict[str, Any]:
         """Send one request; return its reply, skipping events (e.g. heartbeats)."""
         self.send(obj)
         return self.read_until(lambda o: "event" not in o, timeout)[-1]
