@@ -253,15 +253,23 @@ class TinygradEngine:
                 for position in ((0, 0) if n > 1 else (1, 2)):
                     self._run(WARMUP_SESSION, fake(n), position, ignore)
         self._sessions.release(WARMUP_SESSION)
-        for b in self._stage.batch_rungs[:-1] if cfg.max_context >= 3 else ():
-            rids = [WARMUP_SESSION - i for i in range(b)]
-            for rid in rids:
-                self._run(rid, fake(1), 0, ignore)
-            inputs: list[Any] = [0] * b if first else [bytes(self._row_bytes)] * b
-            for position in (1, 2):
-                self.step_batch(rids, [position] * b, inputs)
-            for rid in rids:
-                self._sessions.release(rid)
+        # the batch sizes need as many sessions: scratch caches from a pool that keeps none, so the stage does not
+        # hold max_batch caches for sessions it may never have (the JITs drop theirs at their first real batch)
+        sessions = self._sessions
+        scratch = KVPool(cfg, len(self._w.blocks), keep=0, dtype=self.kv_pool.dtype)
+        self._sessions = SessionTable(self.max_batch, cfg.max_context, scratch)
+        try:
+            for b in self._stage.batch_rungs[:-1] if cfg.max_context >= 3 else ():
+                rids = [WARMUP_SESSION - i for i in range(b)]
+                for rid in rids:
+                    self._run(rid, fake(1), 0, ignore)
+                inputs: list[Any] = [0] * b if first else [bytes(self._row_bytes)] * b
+                for position in (1, 2):
+                    self.step_batch(rids, [position] * b, inputs)
+                for rid in rids:
+                    self._sessions.release(rid)
+        finally:
+            self._sessions = sessions
 
     # ---- internals
 
