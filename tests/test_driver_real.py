@@ -133,10 +133,11 @@ def test_streaming_sends_each_id_about_once_and_adds_up_to_the_final_text(pipeli
 
 
 def test_a_conversation_keeps_its_session_between_turns(pipeline, monkeypatch):
-    prefills: list[tuple[int, int]] = []  # (request id, position) of each prefill
+    prefills: list[tuple[int, int, int]] = []  # (request id, position, tokens) of each prefill call
     first = pipeline.stages[0]
     send = first.send
-    monkeypatch.setattr(first, "send", lambda obj: (prefills.append((obj["request_id"], obj["position"]))
+    monkeypatch.setattr(first, "send", lambda obj: (prefills.append((obj["request_id"], obj["position"],
+                                                                     len(obj["tokens"])))
                                                     if obj["op"] == "embed_and_forward" else None, send(obj)))
     conversation = Conversation(pipeline, pipeline_chat_format(pipeline), 6, Sampling())
     pipeline.trace = []
@@ -149,7 +150,10 @@ def test_a_conversation_keeps_its_session_between_turns(pipeline, monkeypatch):
     assert not released_early and {t[1] for t in trace if t[2] == rid and t[3] == "release"} == {0, 1}
     # turns 2 and 3 prefill from where they part from what the session holds: its earlier turns are kept
     starts = [_common(t.cached, t.prompt_tokens) for t in turns]
-    assert prefills == [(rid, 0), (rid, starts[1]), (rid, starts[2])] and 0 < starts[1] < starts[2]
+    # a long prompt goes in chunks (pipelined prefill): a turn's prefill starts where no chunk ends
+    turn_starts = [(r, p) for i, (r, p, _) in enumerate(prefills) if i == 0 or p != sum(prefills[i - 1][1:])]
+    assert turn_starts == [(rid, 0), (rid, starts[1]), (rid, starts[2])] and 0 < starts[1] < starts[2]
+    assert sum(n for _, _, n in prefills) == sum(len(t.prompt_tokens) - s for t, s in zip(turns, starts, strict=True))
     for t in turns:  # one BOS, at the start of the whole conversation, although the template writes one too
         assert t.prompt_tokens[0] == BOS and t.prompt_tokens.count(BOS) == 1
         assert t.prompt.startswith("<|start_header_id|>user")
