@@ -90,6 +90,9 @@ def time_to_first_token(p: Pipeline, prompt: str, reps: int) -> list[float]:
     return [run_traced(p, [prompt], 1)[0].generations[0].ttft_s for _ in range(reps)]
 
 
+PREFILL_OPS = ("embed_and_forward", "forward_range", "forward_and_sample")
+
+
 @dataclass
 class Prefill:
     stage_s: list[float]  # each stage's prefill time with the prompt sent whole (its send to its reply)
@@ -110,8 +113,9 @@ def prefill_overlap(p: Pipeline, prompt: str) -> Prefill:
         stats, _ = run_traced(p, [prompt], 1, keep_trace=True)
         trace = p.trace or []
         rid = stats.generations[0].request_id
-        sends = {s: t for t, s, r, op, d in trace if r == rid and d == "send" and op not in ("tokenize", "release")}
-        replies = {s: t for t, s, r, op, d in trace if r == rid and d == "reply" and op not in ("tokenize", "release")}
+        forward = [(t, s, d) for t, s, r, op, d in trace if r == rid and op in PREFILL_OPS]
+        sends = {s: t for t, s, d in forward if d == "send"}
+        replies = {s: t for t, s, d in forward if d == "reply"}
         stage_s = [replies[s] - sends[s] for s in sorted(sends)]
         whole = stats.generations[0].ttft_s
         p._chunk_override = None
