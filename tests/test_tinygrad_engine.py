@@ -134,6 +134,7 @@ def test_interleaved_generations_match_solo(chain, prompts):
             out.append(int(c.step(r, [out[-1]], len(p) + len(out) - 1).argmax()))
     assert outs == solo
     assert all(e._stage.decode.captured is not None for e in c.engines), "decode ran without the JIT"
+    assert all(e._stage.decode.direct for e in c.engines), "decode replays went through tinygrad's preparation"
     held = c.engines[1].sessions()
     assert [held[r] for r in rids] == [len(p) + N_TOKENS - 1 for p in prompts]
 

@@ -13,7 +13,8 @@ kernel node with all variables set to 0, so a grid of (n_tokens, 1, 1) becomes (
 argument" (tests/test_cuda_graph.py replays that check without a GPU). Concrete counts also give fixed kernels.
 
 Each session's KV caches are explicit JIT arguments: the JIT swaps argument buffers on replay, whereas a cache
-swapped in as a block attribute would silently keep the buffer it captured.
+swapped in as a block attribute would silently keep the buffer it captured. Replays skip tinygrad's per-call input
+preparation (`replay.Replay`): the arguments are always whole realized buffers and bound positions.
 
 Host <-> device copies (`hostio`): inputs go through one staging array per JIT, outputs come back into one reusable
 host buffer; no allocation per call.
@@ -26,12 +27,13 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad import Context, Device, Tensor, UOp, dtypes
 
 from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
 from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
+from pp_worker.worker.engines.replay import Replay
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import SessionTable
 from pp_worker.worker.engines.vocab import bos_token
@@ -74,19 +76,19 @@ class CompiledStage:
         self.rungs = ladder(min(max_chunk, cfg.max_context))
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
         self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
-        self.jits = {n: TinyJit(self._forward) for n in self.rungs}
+        self.jits = {n: Replay(self._forward) for n in self.rungs}
         # batched decode: B sessions one token each, B on a ladder of its own (7 = 4 + 2 + 1; 1 is the decode JIT)
         self.batch_rungs = ladder(max_batch)
         self.positions = [UOp.variable(f"pos{b}", 0, cfg.max_context - 1) for b in range(max_batch)]
         self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
-        self.batch_jits = {b: TinyJit(self._forward_batch) for b in self.batch_rungs if b > 1}
+        self.batch_jits = {b: Replay(self._forward_batch) for b in self.batch_rungs if b > 1}
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
         freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
             block.freqs_cis = freqs
 
     @property
-    def decode(self) -> TinyJit:
+    def decode(self) -> Replay:
         return self.jits[1]
 
     def _forward(self, inp: Tensor, cache: KVCache, start_pos: UOp) -> Tensor:

@@ -1,0 +1,79 @@
+"""A TinyJit whose replays skip tinygrad's per-call preparation of its inputs.
+
+On every call ``TinyJit.__call__`` re-derives, from the argument tensors, the buffers and variable values to replay
+with: substitutions and rewrites over each argument's graph, ~0.16 ms per call on the development machine
+(bench/NOTES.md), paid once per stage per token. A stage's arguments are always plain realized buffers (its input
+buffer and KV caches) and bound position variables, so what the captured JIT needs is just each tensor's buffer and
+each variable's value. `Replay` computes that directly, after checking once, on its first replay, that it is exactly
+what tinygrad's own preparation gives (and that the inputs match what the JIT captured). Where the check fails
+(another tinygrad, an argument that is a view), every call keeps tinygrad's own path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from tinygrad import Tensor, TinyJit, UOp
+from tinygrad.uop.ops import Ops
+
+
+class Replay:
+    """``Replay(fn)(*args)`` is ``TinyJit(fn)(*args)``; once captured and checked, without the preparation."""
+
+    def __init__(self, fn: Callable[..., Tensor]):
+        self.jit: TinyJit = TinyJit(fn)
+        self.direct: bool | None = None  # None: not checked yet; then whether replays skip the preparation
+        self._signature: list[Signature] = []  # the checked call's arguments: a call unlike it takes tinygrad's path
+
+    @property
+    def captured(self) -> Any:
+        """tinygrad's CapturedJit once the JIT has captured (its second call), else None."""
+        return self.jit.captured
+
+    def __call__(self, *args: Any) -> Tensor:
+        tensors = _tensors(args)
+        if self.direct and list(map(_signature, tensors)) == self._signature:
+            return self.jit.captured([t.uop.base for t in tensors], _values(args))
+        out = self.jit(*args)
+        if self.direct is None and self.jit.captured is not None and self.jit.cnt > 2:  # just replayed once
+            self._signature = list(map(_signature, tensors))
+            self.direct = all(sig[3] for sig in self._signature) and _shortcut_holds(self.jit, args, tensors)
+        return out
+
+
+Signature = tuple[tuple[Any, ...], Any, Any, bool]  # shape, dtype, device, whether it is a whole buffer
+
+
+def _signature(t: Tensor) -> Signature:
+    u = t.uop  # a realized tensor is its buffer, reshaped: anything else (a slice, a bitcast...) is a view
+    return t.shape, t.dtype, t.device, u is u.base or (u.op is Ops.RESHAPE and u.src[0] is u.base)
+
+
+def _tensors(args: tuple[Any, ...]) -> list[Tensor]:
+    """The argument tensors in tinygrad's order: tensor arguments, then tensors inside list arguments."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return tensors + [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, Tensor)]
+
+
+def _values(args: tuple[Any, ...]) -> dict[str, int]:
+    values: dict[str, int] = {}
+    for a in args:
+        if isinstance(a, UOp):
+            var, value = a.unbind()
+            values[var.expr] = value
+    return values
+
+
+def _shortcut_holds(jit: TinyJit, args: tuple[Any, ...], tensors: list[Tensor]) -> bool:
+    """Whether tinygrad's own preparation of ``args`` gives the buffers and values the shortcut would."""
+    try:
+        from tinygrad.engine.jit import _prepare_jit_inputs
+        buffers, values, names, info = _prepare_jit_inputs(args, {})
+    except (ImportError, AttributeError, TypeError, ValueError):
+        return False
+    captured = jit.captured
+    mine = [t.uop.base for t in tensors]
+    return (captured is not None and names == captured.expected_names and info == captured.expected_input_info
+            and len(buffers) == len(mine) and all(a is b for a, b in zip(buffers, mine, strict=True))
+            and values == _values(args))
