@@ -104,3 +104,39 @@ def test_a_long_prompt_is_pipelined_and_gives_what_the_whole_prompt_gives(pipeli
                           if s == 0 and d == "reply" and op == "embed_and_forward")
     first_hop = min(i for i, (s, _, d) in enumerate(prefill) if s == 1 and d == "send")
     assert first_hop < last_chunk_done  # stage 1 had work while stage 0 was still prefilling
+
+
+def stage0_decode_groups(trace: list) -> list[list[int]]:
+    """The request ids of each write of decode steps to stage 0 (a batch, or one request), in order."""
+    groups: list[list[int]] = []
+    last = None
+    for i, (_, stage, rid, op, direction) in enumerate(trace):
+        if stage == 0 and op == "decode_step" and direction == "send":
+            if last == i - 1:
+                groups[-1].append(rid)
+            else:
+                groups.append([rid])
+            last = i
+    return groups
+
+
+def test_lockstep_passes_one_batch_of_k_around_and_overlap_lets_them_drift(pipeline: Pipeline) -> None:
+    assert pipeline.lockstep, "auto: local stages on the CPU share its cores, so they run in lock-step"
+    n = 8
+    alone = [pipeline.run(make_generations(pipeline, [prompt], n, Sampling())).generations[0].tokens
+             for prompt in PROMPTS]
+    groups = {}
+    for lockstep in (True, False):
+        pipeline.lockstep, pipeline.trace = lockstep, []
+        try:
+            together = pipeline.run(make_generations(pipeline, PROMPTS, n, Sampling()), concurrency=4)
+            groups[lockstep] = stage0_decode_groups(pipeline.trace)
+        finally:
+            pipeline.lockstep, pipeline.trace = True, None
+        assert [g.tokens for g in together.generations] == alone
+    steps = sum(len(g.tokens) - 1 for g in together.generations)  # decode steps (after each prefill's token)
+    assert sum(map(len, groups[True])) == sum(map(len, groups[False])) == steps
+    # lock-step: one write per token of all four (after a ramp while the prefills finish one after the other)
+    assert max(map(len, groups[True])) == 4 and len(groups[True]) <= (n - 1) + 3, groups[True]
+    # overlap: each generation goes on as its token comes back, in smaller groups spread over the stages
+    assert len(groups[False]) > len(groups[True]), groups

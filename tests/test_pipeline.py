@@ -23,7 +23,7 @@ import pytest
 from conftest import REPO
 
 from pp_worker.driver.chat import CHAT_FORMATS, chat_format
-from pp_worker.driver.cli import Output
+from pp_worker.driver.cli import Output, parse_args
 from pp_worker.driver.generation import Generation, Sampling, _reusable
 from pp_worker.driver.pipeline import Pipeline, make_generations, run_pipeline
 from pp_worker.driver.stage_proc import Launch, launcher_argv
@@ -127,6 +127,23 @@ def _max_stages_computing(trace) -> int:
         heads = {q[0] for q in outstanding.values() if q}  # the request each stage is serving now
         best = max(best, len(heads))
     return best
+
+
+def test_schedule_auto_is_lockstep_only_for_local_stages_on_the_cpu():
+    with Pipeline(Launch(2, stub=True), log=None) as p:
+        assert not p.lockstep  # a stub stage reports no device: its steps may overlap
+        for st in p.stages:
+            st.ready = {**(st.ready or {}), "device": "CPU"}
+        assert p._share_cores(Launch(2)) and not p._share_cores(Launch(2, launcher="ssh n{stage} w"))
+        p.stages[1].ready = {**(p.stages[1].ready or {}), "device": "CUDA"}
+        assert not p._share_cores(Launch(2))
+    with Pipeline(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "5"}), log=None, schedule="lockstep") as p:
+        assert p.lockstep
+        solo = [p.run(make_generations(p, [prompt], 6, Sampling())).generations[0].tokens for prompt in PROMPTS]
+        assert tokens_of(p.run(make_generations(p, PROMPTS, 6, Sampling()), concurrency=4)) == solo
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        Pipeline(Launch(2, stub=True), log=None, schedule="fastest")
+    assert parse_args(["--schedule", "overlap", "hi"]).schedule == "overlap" and parse_args(["hi"]).schedule == "auto"
 
 
 def test_streamed_text_is_the_final_text_in_prompt_order():

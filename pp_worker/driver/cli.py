@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     cancel = Cancel()
     try:
         with Pipeline(launch_from(args), load_timeout=args.load_timeout, step_timeout=args.step_timeout,
-                      cancel=cancel, echo_stderr=args.verbose, prefill_chunk=args.prefill_chunk) as p:
+                      cancel=cancel, echo_stderr=args.verbose, prefill_chunk=args.prefill_chunk,
+                      schedule=args.schedule) as p:
             if args.chat:
                 chat(p, args.max_tokens, sampling_from(args), cancel)
                 return 0

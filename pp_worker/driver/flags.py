@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pp_worker.driver.generation import RECENT_TOKENS, Sampling
+from pp_worker.driver.pipeline import SCHEDULES
 from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
 from pp_worker.driver.stage_proc import Launch
 
@@ -32,6 +33,11 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "stage s prefills the next chunk (default: the stages' own prefill_chunk; 0: send prompts whole)")
     ap.add_argument("--concurrency", type=int, default=concurrency,
                     help=f"generations in flight at once (default {concurrency})")
+    ap.add_argument("--schedule", choices=SCHEDULES, default="auto",
+                    help="how the generations in flight share the stages: lockstep (they all take each token together, "
+                    "one batch passed from stage to stage: best where the stages share the same cores), overlap (each "
+                    "goes on as soon as its token is back, so the stages work on different batches at once: best with "
+                    "a device per stage); auto (default): lockstep when every stage is a local process on the CPU")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")

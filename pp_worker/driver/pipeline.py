@@ -93,9 +93,15 @@ class _Pending:
     op: str
     sent: float
     waiter: Waiter  # a callback may answer with the next call to send (a prefill chunk's next stage)
+    step: bool = False  # a one-token step (what a batch can hold)
 
 
 BATCH_OPS = frozenset({"decode_step", "forward_range", "forward_and_sample"})  # one-token steps a batch can hold
+SCHEDULES = ("auto", "lockstep", "overlap")  # how generations in flight share the stages (Pipeline, --schedule)
+
+
+def is_step(call: Call) -> bool:
+    return call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
 
 
 class Pipeline:
@@ -103,9 +109,13 @@ class Pipeline:
 
     def __init__(self, launch: Launch, *, load_timeout: float = 600.0, step_timeout: float = 120.0,
                  cancel: Cancel | None = None, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
-                 prefill_chunk: int | None = None, batch: bool = True):
+                 prefill_chunk: int | None = None, batch: bool = True, schedule: str = "auto"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
         self._chunk_override, self.batch = prefill_chunk, batch
+        self.lockstep = schedule == "lockstep"  # decided after the stages are ready where schedule is "auto"
+        self._stepping: set[int] = set()  # generations with a one-token step sent and not answered yet
         self.stages: list[Stage] = []
         self._pending: dict[tuple[int, int], deque[_Pending]] = {}
         self._outbox: list[tuple[int, Call, _Pending]] = []  # calls of this round, sent by _flush, batched if they may
@@ -122,6 +132,8 @@ class Pipeline:
                 except OSError as e:  # e.g. the launcher's program does not exist
                     raise PipelineError(f"cannot start stage {i}: {e}") from e
             self._wait_ready(load_timeout)
+            if schedule == "auto":
+                self.lockstep = self._share_cores(launch)
         except BaseException as e:
             self.close(failed=not isinstance(e, Interrupted))
             raise
@@ -158,6 +170,12 @@ class Pipeline:
         """The model's chat template, from stage 0's ready line: the driver needs no copy of the GGUF."""
         template = (self.stages[0].ready or {}).get("chat_template")
         return template if isinstance(template, str) else None
+
+    def _share_cores(self, launch: Launch) -> bool:
+        """Whether the stages compute on the same cores: local processes on this machine's CPU (tinygrad spreads
+        each kernel over every core it may use, so two CPU stages here share them all)."""
+        return launch.launcher is None and all(str((st.ready or {}).get("device", "")).split(":")[0] == "CPU"
+                                               for st in self.stages)
 
     def _smallest(self, key: str) -> int | None:
         values = [v for st in self.stages if isinstance(v := (st.ready or {}).get(key), int) and v > 0]
@@ -259,7 +277,7 @@ class Pipeline:
 
     def _send(self, rid: int, call: Call, waiter: Waiter) -> None:
         """Queue a call; the next round's `_flush` writes it (with the others of this round: a batch can form)."""
-        pending = _Pending(call.op, time.monotonic(), waiter)
+        pending = _Pending(call.op, time.monotonic(), waiter, is_step(call))
         self._pending.setdefault((call.stage, rid), deque()).append(pending)
         self._outbox.append((rid, call, pending))
 
@@ -267,10 +285,18 @@ class Pipeline:
         """Write this round's calls in order. On each stage, consecutive one-token steps of distinct generations go
         as one ``batch`` request, which the stage runs as one batched forward (the worker splits it by its
         max_batch). A batch's replies come back in one line, so its generations reach the next stage together
-        and stay a batch from then on: with K generations in flight the stages soon pass one batch of K around.
-        On a CPU whose cores every stage shares that is the fastest way (bench/NOTES.md: a batch of 4 costs about
-        half of 4 single steps, and the stages gain little from overlapping on the same cores)."""
+        and stay a batch from then on.
+
+        Lock-step (``lockstep``): a generation's next token starts (its ``decode_step`` on stage 0) only once no
+        other generation is in the middle of a token, so every decoding generation steps together and the stages
+        pass one batch of K around. Where the stages share the same cores that is the fastest way: a batch of 4
+        costs about 1.6x one step (bench/NOTES.md), and two batches on two stages at once only share the cores.
+        Otherwise (``overlap``) each generation goes on as soon as its token is back, so with K generations in
+        flight stage s works on one batch while stage s+1 works on another, as stages on devices of their own should."""
         calls, self._outbox = self._outbox, []
+        if self.lockstep and self._mid_token(calls):
+            self._outbox = [c for c in calls if self._starts_token(c[1])]  # held until the round completes
+            calls = [c for c in calls if not self._starts_token(c[1])]
         for st in self.stages:
             group: list[tuple[int, Call, _Pending]] = []
             for rid, call, pending in (c for c in calls if c[1].stage == st.index):
@@ -283,11 +309,21 @@ class Pipeline:
                     self._write(st, [(rid, call, pending)])
             self._write(st, group)
 
+    @staticmethod
+    def _starts_token(call: Call) -> bool:
+        return call.stage == 0 and call.op == "decode_step"
+
+    def _mid_token(self, calls: list[tuple[int, Call, _Pending]]) -> bool:
+        """Whether some generation is in the middle of a token: a step of it in flight, or about to be sent (past
+        stage 0)."""
+        return bool(self._stepping) or any(p.step and not self._starts_token(call) for _, call, p in calls)
+
     def _batchable(self, st: Stage, call: Call) -> bool:
         return (self.batch and call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
                 and (st.ready or {}).get("max_batch", 1) > 1)
 
     def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]]) -> None:
+        self._stepping.update(rid for rid, _, pending in group if pending.step)
         if self.trace is not None:
             self.trace += [(time.monotonic(), st.index, rid, call.op, "send") for rid, call, _ in group]
         if len(group) == 1:
@@ -359,6 +395,8 @@ class Pipeline:
         p = queue.popleft()
         if not queue:
             del self._pending[(st.index, rid)]
+        if p.step:
+            self._stepping.discard(rid)
         if counted:
             st.replied()
         if self.trace is not None and p.op != "batch":  # a batch is traced as the calls it holds

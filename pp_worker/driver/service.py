@@ -80,11 +80,12 @@ class PipelineService:
 
     def __init__(self, launch: Launch, *, concurrency: int, load_timeout: float = 600.0,
                  step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
-                 prefill_chunk: int | None = None):
+                 prefill_chunk: int | None = None, schedule: str = "auto"):
         self.log = log
         self._wake = _Wake()
         self.pipeline = Pipeline(launch, load_timeout=load_timeout, step_timeout=step_timeout, cancel=self._wake,
-                                 echo_stderr=echo_stderr, log=log, prefill_chunk=prefill_chunk)  # loads every stage
+                                 echo_stderr=echo_stderr, log=log, prefill_chunk=prefill_chunk,
+                                 schedule=schedule)  # loads every stage
         self.model = str((self.pipeline.stages[-1].ready or {}).get("model") or "")
         # every generation in flight holds a KV session on every stage: more than the workers keep would evict some
         self.concurrency = min(concurrency, self.pipeline.max_sessions or concurrency)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
                                   step_timeout=args.step_timeout, echo_stderr=args.verbose,
-                                  prefill_chunk=args.prefill_chunk)
+                                  prefill_chunk=args.prefill_chunk, schedule=args.schedule)
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
         return e.exit_code
