@@ -6,6 +6,7 @@ the driver. Decode rates are taken between a generation's first token (which end
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,9 +39,12 @@ class Tokens:
         return statistics.median(gaps) * 1000 if gaps else 0.0
 
 
-def start(model: Path, stages: int, env: dict[str, str] | None = None) -> Pipeline:
-    """A warm pipeline (PP_WARMUP=1) of local worker processes on ``model``."""
-    launch = Launch(stages, model=str(model), env={**QUIET, **(env or {})})
+PINNED = "taskset -c {stage} {python} -m pp_worker"  # stage s on CPU s alone: a core of its own, nothing shared
+
+
+def start(model: Path, stages: int, env: dict[str, str] | None = None, launcher: str | None = None) -> Pipeline:
+    """A warm pipeline (PP_WARMUP=1) of local worker processes on ``model`` (``launcher``: started through it)."""
+    launch = Launch(stages, model=str(model), env={**QUIET, **(env or {})}, launcher=launcher)
     return Pipeline(launch, load_timeout=900.0, step_timeout=600.0, log=None)
 
 
@@ -98,11 +102,26 @@ class Prefill:
     stage_s: list[float]  # each stage's prefill time with the prompt sent whole (its send to its reply)
     whole_ttft_s: float  # time to first token with the prompt sent whole
     pipelined_ttft_s: float  # ... and pipelined through the stages in chunks (the stages' prefill_chunk)
+    stage_cpu_s: list[float]  # CPU time of each stage's process over the run with the prompt sent whole
+    cores: int  # CPUs the stages may run on (all of this machine's they share)
 
     @property
     def ratio(self) -> float:
         """Pipelined time to first token over the sum of the stages' prefill times (1 = no overlap at all)."""
         return self.pipelined_ttft_s / sum(self.stage_s)
+
+    @property
+    def bound(self) -> float:
+        """The least ``ratio`` the machine allows: the slowest stage, or the stages' CPU time spread over every
+        core, whichever is longer (stages whose kernels already keep every core busy cannot overlap)."""
+        return max(max(self.stage_s), sum(self.stage_cpu_s) / self.cores) / sum(self.stage_s)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process, from /proc (Linux)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14, 15
 
 
 def prefill_overlap(p: Pipeline, prompt: str) -> Prefill:
@@ -110,7 +129,9 @@ def prefill_overlap(p: Pipeline, prompt: str) -> Prefill:
     override = p._chunk_override
     try:
         p._chunk_override = 0
+        cpu0 = [cpu_seconds(st.proc.pid) for st in p.stages]
         stats, _ = run_traced(p, [prompt], 1, keep_trace=True)
+        cpu = [cpu_seconds(st.proc.pid) - c for st, c in zip(p.stages, cpu0, strict=True)]
         trace = p.trace or []
         rid = stats.generations[0].request_id
         forward = [(t, s, d) for t, s, r, op, d in trace if r == rid and op in PREFILL_OPS]
@@ -122,7 +143,8 @@ def prefill_overlap(p: Pipeline, prompt: str) -> Prefill:
         pipelined = run_traced(p, [prompt], 1)[0].generations[0].ttft_s
     finally:
         p._chunk_override, p.trace = override, None
-    return Prefill(stage_s, whole, pipelined)
+    cores = set().union(*(os.sched_getaffinity(st.proc.pid) for st in p.stages))
+    return Prefill(stage_s, whole, pipelined, cpu, len(cores))
 
 
 def peak_rss(p: Pipeline) -> list[float | None]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import shutil
 import sys
 import tempfile
 import time
@@ -31,7 +33,7 @@ from bench.machine import CpuMeter, describe
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8")
+SECTIONS = ("solo", "pp2", "pp3", "pin2", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -41,6 +43,7 @@ class Plan:
     prompt_tokens: int = 16  # prompt length of the decode rows
     warm: int = 8  # tokens of the warm-up generation on every pipeline
     decode: int = 64  # row 1: decode tokens timed after the first
+    side_rounds: int = 5  # row 1: rounds of one-process decode, then the pipeline's, interleaved
     unjit_decode: int = 8  # row 2 (~0.4 s a token)
     k_values: tuple[int, ...] = (1, 2, 4)
     k_decode: int = 48  # row 3: decode tokens per generation
@@ -58,7 +61,7 @@ class Plan:
 
 
 FULL = Plan("bench")
-QUICK = Plan("small", warm=3, decode=12, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
+QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
              stub_sequential=300, stub_pipelined=2000, payload_reps=3, q8_tokens=12, rss=rss.RssPlan(preset="bench"),
              serve=serve.ServePlan(requests=8, max_tokens=8))
 
@@ -85,6 +88,8 @@ class Bench:
     model: Path
     facts: models.ModelFacts
     prompts: dict[str, list[str]]
+    fastest: str = "lazy-tuned"  # the fastest one-process mode (the solo section's, when it ran)
+    solo: solo.Solo | None = None  # that mode, warm, for decode measured in turn with a pipeline's
 
     @classmethod
     def prepare(cls, plan: Plan) -> Bench:
@@ -110,6 +115,37 @@ class Bench:
                 say(f"one process: Transformer.generate ({mode}), {self.plan.decode} decode tokens")
                 res = solo.run_json([*args, "--mode", mode])
                 out[mode] = res | {"decode": _tokens_dict(pipe.Tokens(res.pop("decode_token_times")))}
+        self.fastest = max(solo.MODES, key=lambda m: out[m]["decode"]["tps"])
+
+    def _solo(self) -> solo.Solo:
+        """The fastest one-process mode, started once and kept warm for the interleaved rounds."""
+        if self.solo is None:
+            say(f"one process ({self.fastest}), kept warm for decode rounds interleaved with the pipelines'")
+            with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
+                json.dump(self._prompt_ids(), f)
+                f.flush()
+                self.solo = solo.Solo(str(self.model), f.name, self.facts.context, self.fastest)  # read by ready
+        return self.solo
+
+    def close(self) -> None:
+        if self.solo is not None:
+            self.solo.close()
+
+    def _side_by_side(self, p: pipe.Pipeline, out: dict[str, Any], decode: int) -> None:
+        """Decode rounds in turn: one process, then the pipeline; the pipeline's median round and each ratio."""
+        ids = self._prompt_ids()["decode"][0]
+        base = self._solo()
+        side: dict[str, Any] = {"mode": base.mode, "solo_tps": [], "tps": [], "ratios": []}
+        runs = []
+        for r in range(self.plan.side_rounds):
+            say(f"{len(p.stages)} stages: decode round {r + 1} of {self.plan.side_rounds}, one process then pipeline")
+            one = pipe.Tokens(base.decode_times(ids, decode))
+            runs.append(pipe.decode_rate(p, self.prompts["decode"][0], decode))
+            side["solo_tps"].append(one.tps)
+            side["tps"].append(runs[-1].tps)
+            side["ratios"].append(runs[-1].tps / one.tps if one.tps else None)
+        out["decode"] = _tokens_dict(sorted(runs, key=lambda t: t.tps)[len(runs) // 2])
+        out["side"] = side
 
     def _prompt_ids(self) -> dict[str, list[list[int]]]:
         """The pipeline's prompts as token ids, for the one-process runs (same tokenizer, same ids)."""
@@ -120,18 +156,22 @@ class Bench:
 
     # --- pipelines ------------------------------------------------------------------------------------------
     def pipeline(self, stages: int, out: dict[str, Any], *, decode: int, warm: int, full: bool = False,
-                 prefill: bool = False, env: dict[str, str] | None = None) -> None:
-        """Start ``stages`` workers, warm them with a ``warm``-token generation, time ``decode`` tokens, read
-        each stage's peak RSS; ``full``: then the in-flight and time-to-first-token rows on the same workers;
-        ``prefill``: the longest prompt sent whole, then pipelined."""
+                 prefill: bool = False, side: bool = False, env: dict[str, str] | None = None,
+                 launcher: str | None = None) -> None:
+        """Start ``stages`` workers, warm them with a ``warm``-token generation, time ``decode`` tokens (``side``:
+        in rounds interleaved with one process's), read each stage's peak RSS; ``full``: then the in-flight and
+        time-to-first-token rows on the same workers; ``prefill``: the longest prompt sent whole, then pipelined."""
         env = {"PP_MAX_SESSIONS": str(max(8, *self.plan.k_values)), **(env or {})}
         say(f"{stages} stages starting{' with ' + str(env) if len(env) > 1 else ''}")
         t0 = time.monotonic()
-        with pipe.start(self.model, stages, env) as p:
+        with pipe.start(self.model, stages, env, launcher) as p:
             out["ready_s"] = round(time.monotonic() - t0, 1)
             pipe.run_traced(p, self.prompts["warm"][:1], warm)
-            say(f"{stages} stages: single stream, {decode} decode tokens")
-            out["decode"] = _tokens_dict(pipe.decode_rate(p, self.prompts["decode"][0], decode))
+            if side:
+                self._side_by_side(p, out, decode)
+            else:
+                say(f"{stages} stages: single stream, {decode} decode tokens")
+                out["decode"] = _tokens_dict(pipe.decode_rate(p, self.prompts["decode"][0], decode))
             out["peak_rss_mb"] = pipe.peak_rss(p)
             if full:
                 self._concurrency(p, out)
@@ -141,7 +181,7 @@ class Bench:
                 say(f"{stages} stages: a {n}-token prompt sent whole, then pipelined")
                 out["prefill"] = {"prompt_tokens": n, "ratio": 0.0,
                                   **dataclasses.asdict(pre := pipe.prefill_overlap(p, self.prompts[f"ttft{n}"][0]))}
-                out["prefill"]["ratio"] = pre.ratio
+                out["prefill"] |= {"ratio": pre.ratio, "bound": pre.bound}
 
     def _concurrency(self, p: pipe.Pipeline, out: dict[str, Any]) -> None:
         out["k"] = {}
@@ -154,6 +194,14 @@ class Bench:
         for n in self.plan.ttft_lengths:
             say(f"{len(p.stages)} stages: time to first token, {n}-token prompt x {self.plan.ttft_reps}")
             out["ttft_s"][str(n)] = pipe.time_to_first_token(p, self.prompts[f"ttft{n}"][0], self.plan.ttft_reps)
+
+    def pinned(self, out: dict[str, Any]) -> None:
+        """Pipelined prefill where each stage has a core of its own (2 stages on 2 CPUs, pinned with taskset):
+        what overlapping the stages gains when they do not share the cores (on 3 stages here they must)."""
+        if len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"):
+            out["skipped"] = "needs 2 CPUs and taskset"
+            return
+        self.pipeline(2, out, decode=self.plan.warm, warm=self.plan.warm, prefill=True, launcher=pipe.PINNED)
 
     # --- PP_BEAM ---------------------------------------------------------------------------------------------
     def beam(self, out: dict[str, Any]) -> None:
@@ -282,8 +330,9 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
     plan = b.plan
     steps: dict[str, Callable[[dict[str, Any]], None]] = {
         "solo": b.one_process,
-        "pp2": lambda out: b.pipeline(2, out, decode=plan.decode, warm=plan.warm, full=True),
-        "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm, prefill=True),
+        "pp2": lambda out: b.pipeline(2, out, decode=plan.decode, warm=plan.warm, full=True, side=True),
+        "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm, prefill=True, side=True),
+        "pin2": b.pinned,
         "beam": b.beam,
         "pp4": lambda out: b.pipeline(4, out, decode=plan.warm, warm=plan.warm),  # for its peak RSS
         "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),
@@ -292,8 +341,11 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "serve": lambda out: out.update(serve.measure(plan.serve)),
         "q8": b.q8,
     }
-    for key in sections:
-        attempt(raw, key, steps[key])
+    try:
+        for key in sections:
+            attempt(raw, key, steps[key])
+    finally:
+        b.close()
     return raw
 
 

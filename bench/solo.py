@@ -5,6 +5,11 @@ prints one JSON object on stdout. ``--idle`` instead measures tinygrad's own flo
 tinygrad and ran one tiny kernel (then, given a model, built its tokenizer as the first and last stage do).
 
     python -m bench.solo MODEL --prompt-file P.json --decode 64 --max-context 1024 [--mode MODE]  (MODES, below)
+    python -m bench.solo MODEL --serve --prompt-file P.json --max-context 1024 --mode MODE
+
+``--serve`` keeps one warm process for measurements interleaved with a pipeline's (`Solo`): after the warm-up
+prompts it prints ``{"ready": true}``, then answers each line ``{"prompt": [ids], "decode": n}`` with the arrival
+times of its tokens.
 """
 
 from __future__ import annotations
@@ -127,6 +132,52 @@ def baseline(model: str, prompts: dict[str, list[list[int]]], decode: int, max_c
     return out
 
 
+def serve(model: str, prompts: dict[str, list[list[int]]], max_context: int, mode: str, out: Any) -> None:
+    m = load(model, max_context, mode)
+    for p in prompts["warmup"]:
+        timed_tokens(m.generate(list(p)), 4)
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        ask = json.loads(line)
+        m._cached_tokens = []  # a fresh prefill each time, as the pipeline's fresh sessions
+        _, times = timed_tokens(m.generate(list(ask["prompt"])), ask["decode"] + 1)
+        print(json.dumps({"decode_token_times": times}), file=out, flush=True)
+
+
+class Solo:
+    """A warm one-process baseline in a child (``--serve``), asked for one generation at a time."""
+
+    def __init__(self, model: str, prompt_file: str, max_context: int, mode: str):
+        self.mode = mode
+        self.proc = subprocess.Popen([sys.executable, "-m", "bench.solo", model, "--serve", "--prompt-file",
+                                      prompt_file, "--max-context", str(max_context), "--mode", mode],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        self._read()
+
+    def decode_times(self, prompt: list[int], decode: int) -> list[float]:
+        """Arrival times of a generation's tokens: its first (which ends the prefill), then ``decode`` more."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompt": prompt, "decode": decode}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["decode_token_times"]
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"bench.solo --serve ({self.mode}) exited {self.proc.wait()}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.solo")
     ap.add_argument("model", nargs="?")
@@ -135,8 +186,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int, default=64, help="decode tokens to time after the first")
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--mode", choices=MODES, default="lazy", help="how the weights and rope tables are held (see load)")
+    ap.add_argument("--serve", action="store_true", help="stay up: one generation per request line (see Solo)")
     args = ap.parse_args(argv)
     real_stdout, sys.stdout = sys.stdout, sys.stderr  # tinygrad's prints (DEBUG) must not spoil the JSON line
+    if args.serve:
+        with open(args.prompt_file) as f:
+            serve(args.model, json.load(f), args.max_context, args.mode, real_stdout)
+        return 0
     if args.idle:
         result = idle(args.model)
     else:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from bench import gpu, models, pipe, report, run, wire
+from bench import gpu, models, pipe, report, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
 from pp_worker.testing.modelgen import PRESETS, generate
@@ -101,8 +102,15 @@ def fake_raw() -> dict:
         "solo": {"idle": {"peak_rss_mb": 100.0}, "lazy": {"decode": decode, "peak_rss_mb": 150.0, "ttft_s": {"8": 0.1}},
                  "realize": {"decode": decode | {"tps": 18.0}, "peak_rss_mb": 160.0, "ttft_s": {"8": 0.2}}},
         "pp2": {"decode": decode, "peak_rss_mb": [120.0, 121.0], "k": {"1": agg, "4": agg | {"tps": 60.0}},
-                "ttft_s": {"8": [0.1, 0.12]}},
-        "pp3": {"decode": decode | {"tps": 15.0}},
+                "ttft_s": {"8": [0.1, 0.12]},
+                "side": {"mode": "lazy", "solo_tps": [20.0, 21.0, 19.0], "tps": [18.0, 20.37, 19.0],
+                         "ratios": [0.9, 0.97, 1.0]}},
+        "pp3": {"decode": decode | {"tps": 15.0},
+                "prefill": {"prompt_tokens": 8, "stage_s": [1.0, 1.0, 2.0], "whole_ttft_s": 4.1,
+                            "pipelined_ttft_s": 3.8, "stage_cpu_s": [1.9, 1.9, 3.8], "cores": 2, "ratio": 0.95,
+                            "bound": 0.95}},
+        "pin2": {"prefill": {"prompt_tokens": 8, "stage_s": [1.0, 1.0], "whole_ttft_s": 2.1, "pipelined_ttft_s": 1.1,
+                             "stage_cpu_s": [1.0, 1.0], "cores": 2, "ratio": 0.55, "bound": 0.5}},
         "beam": {"width": 2, "ready_s": {"0": 90.0, "1": 20.0}, "beam": [decode | {"tps": 26.0}],
                  "plain": [decode], "ratio_rounds": [1.3]},
         "unjit": {"decode": decode | {"tps": 2.0}},
@@ -123,8 +131,14 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     rows = report.build(fake_raw(), f, shares)
     by_name = {r.name.strip(): r for r in rows}
     two = by_name["2 stages / one process"]
-    assert two.value == pytest.approx(1.0) and two.verdict == "PASS"  # against the faster one-process mode
-    assert by_name["3 stages / one process"].verdict == "MISS"
+    assert two.value == pytest.approx(0.97) and two.verdict == "PASS"  # the median of the interleaved rounds
+    assert "measured apart: 1x the fastest (lazy)" in two.note
+    three = by_name["3 stages / one process"]  # no interleaved rounds: the ratio measured apart, to the fastest mode
+    assert three.value == pytest.approx(0.75) and three.verdict == "MISS"
+    pipelined = [r for r in rows if r.name.strip() == "pipelined / sum of the stages' prefill times"]
+    assert [(r.value, r.target_text, r.verdict) for r in pipelined] == [(0.95, "<= 0.6", "MISS"),
+                                                                          (0.55, "<= 0.6", "PASS")]
+    assert [r.value for r in rows if r.name.strip() == "the least this machine allows"] == [0.95, 0.5]
     assert by_name["PP_BEAM=2 / without"].value == pytest.approx(1.3)
     assert by_name["ours / unjitted"].value == pytest.approx(10.0)
     assert by_name["K=4 / K=1"].value == pytest.approx(2.0)
@@ -176,6 +190,26 @@ def test_report_endpoint_rows() -> None:
     rows = {r.name.strip(): r for r in report.endpoint(serve)}
     assert rows["8 concurrent client(s)"].value == 6.0 and rows["1 client(s): generated tokens"].value == 50.0
     assert "8 requests, 200 tokens in 4.00 s" in rows["1 concurrent client(s)"].note
+
+
+def test_prefill_bound_is_the_slowest_stage_or_the_cores_busy_with_all_of_them() -> None:
+    pre = pipe.Prefill([1.0, 1.0, 2.0], 4.1, 3.8, [1.9, 1.9, 3.8], cores=2)
+    assert pre.ratio == pytest.approx(3.8 / 4) and pre.bound == pytest.approx(3.8 / 4)  # 7.6 CPU-s over 2 cores
+    assert pipe.Prefill([1.0, 1.0, 2.0], 4.1, 3.8, [1.9, 1.9, 3.8], cores=4).bound == pytest.approx(2 / 4)
+    assert pipe.cpu_seconds(os.getpid()) > 0
+
+
+def test_solo_server_answers_one_generation_per_request(tiny_model: Path, tmp_path: Path) -> None:
+    tok = models.tokenizer(tiny_model)
+    prompts = tmp_path / "prompts.json"
+    prompts.write_text(json.dumps({"warmup": [tok.encode("hello there")], "decode": [], "ttft": []}))
+    s = solo.Solo(str(tiny_model), str(prompts), 64, "lazy-tuned")
+    try:
+        times = [s.decode_times(tok.encode("hello world"), n) for n in (3, 5)]
+    finally:
+        s.close()
+    assert [len(t) for t in times] == [4, 6] and all(a < b for t in times for a, b in zip(t, t[1:], strict=False))
+    assert s.proc.returncode == 0
 
 
 def test_row_verdicts() -> None:
