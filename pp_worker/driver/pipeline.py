@@ -319,8 +319,7 @@ class Pipeline:
         return bool(self._stepping) or any(p.step and not self._starts_token(call) for _, call, p in calls)
 
     def _batchable(self, st: Stage, call: Call) -> bool:
-        return (self.batch and call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
-                and (st.ready or {}).get("max_batch", 1) > 1)
+        return self.batch and is_step(call) and (st.ready or {}).get("max_batch", 1) > 1
 
     def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]]) -> None:
         self._stepping.update(rid for rid, _, pending in group if pending.step)
