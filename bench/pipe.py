@@ -39,7 +39,7 @@ class Tokens:
         return statistics.median(gaps) * 1000 if gaps else 0.0
 
 
-PINNED = "taskset -c {stage} {python} -m pp_worker"  # stage s on CPU s alone: a core of its own, nothing shared
+PINNED = "{python} -m bench.pinned"  # each stage on one CPU of its own, or sharing one by halves (bench.pinned)
 
 
 def start(model: Path, stages: int, env: dict[str, str] | None = None, launcher: str | None = None) -> Pipeline:

@@ -136,11 +136,12 @@ def ttft(raw: dict[str, Any]) -> list[Row]:
         base = min(solo, default=None)
         note = f"min {min(times):.3f} s of {len(times)}" + (f"; one process {base:.3f} s" if base else "")
         rows.append(Row(S4, f"{n}-token prompt", statistics.median(times), "s", note=note))
-    return rows + _prefill_rows(get(raw, "pp3", "prefill"), "3 stages", 0.6) + _prefill_rows(
-        get(raw, "pin2", "prefill"), "2 stages, a core each (taskset)", 0.6)
+    rows += _prefill_rows(get(raw, "pp3", "prefill"), "3 stages", 0.6)
+    rows += _prefill_rows(get(raw, "pinned", "pp3", "prefill"), "3 stages pinned, 2 CPUs by halves", 0.6)
+    return rows + _prefill_rows(get(raw, "pinned", "pp2", "prefill"), "2 stages pinned, a CPU each", None)
 
 
-def _prefill_rows(pre: dict[str, Any] | None, label: str, target: float) -> list[Row]:
+def _prefill_rows(pre: dict[str, Any] | None, label: str, target: float | None) -> list[Row]:
     if not pre:
         return []
     n, stages = pre["prompt_tokens"], " + ".join(f"{t:.2f}" for t in pre["stage_s"])

@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import sys
 import tempfile
 import time
@@ -33,7 +32,7 @@ from bench.machine import CpuMeter, describe
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pin2", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8")
+SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -196,12 +195,16 @@ class Bench:
             out["ttft_s"][str(n)] = pipe.time_to_first_token(p, self.prompts[f"ttft{n}"][0], self.plan.ttft_reps)
 
     def pinned(self, out: dict[str, Any]) -> None:
-        """Pipelined prefill where each stage has a core of its own (2 stages on 2 CPUs, pinned with taskset):
-        what overlapping the stages gains when they do not share the cores (on 3 stages here they must)."""
-        if len(os.sched_getaffinity(0)) < 2 or not shutil.which("taskset"):
-            out["skipped"] = "needs 2 CPUs and taskset"
+        """Pipelined prefill with every stage pinned to one CPU (bench.pinned): 2 stages on a CPU each, 3 stages on
+        2 CPUs by halves of the work. Unpinned, each stage's kernels already keep every core busy, so the stages
+        have nothing to overlap into; pinned they do (and each runs on one core: the sum they are compared with
+        is of single-core prefills)."""
+        if len(os.sched_getaffinity(0)) < 2:
+            out["skipped"] = "needs 2 CPUs"
             return
-        self.pipeline(2, out, decode=self.plan.warm, warm=self.plan.warm, prefill=True, launcher=pipe.PINNED)
+        for n in (2, 3):
+            self.pipeline(n, out.setdefault(f"pp{n}", {}), decode=self.plan.warm, warm=self.plan.warm, prefill=True,
+                          launcher=pipe.PINNED)
 
     # --- PP_BEAM ---------------------------------------------------------------------------------------------
     def beam(self, out: dict[str, Any]) -> None:
@@ -332,7 +335,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "solo": b.one_process,
         "pp2": lambda out: b.pipeline(2, out, decode=plan.decode, warm=plan.warm, full=True, side=True),
         "pp3": lambda out: b.pipeline(3, out, decode=plan.decode, warm=plan.warm, prefill=True, side=True),
-        "pin2": b.pinned,
+        "pinned": b.pinned,
         "beam": b.beam,
         "pp4": lambda out: b.pipeline(4, out, decode=plan.warm, warm=plan.warm),  # for its peak RSS
         "unjit": lambda out: b.pipeline(2, out, decode=plan.unjit_decode, warm=2, env={"JIT": "0"}),

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -109,8 +111,9 @@ def fake_raw() -> dict:
                 "prefill": {"prompt_tokens": 8, "stage_s": [1.0, 1.0, 2.0], "whole_ttft_s": 4.1,
                             "pipelined_ttft_s": 3.8, "stage_cpu_s": [1.9, 1.9, 3.8], "cores": 2, "ratio": 0.95,
                             "bound": 0.95}},
-        "pin2": {"prefill": {"prompt_tokens": 8, "stage_s": [1.0, 1.0], "whole_ttft_s": 2.1, "pipelined_ttft_s": 1.1,
-                             "stage_cpu_s": [1.0, 1.0], "cores": 2, "ratio": 0.55, "bound": 0.5}},
+        "pinned": {"pp3": {"prefill": {"prompt_tokens": 8, "stage_s": [1.0, 1.0, 2.0], "whole_ttft_s": 4.1,
+                                       "pipelined_ttft_s": 2.2, "stage_cpu_s": [1.0, 1.0, 2.0], "cores": 2,
+                                       "ratio": 0.55, "bound": 0.5}}},
         "beam": {"width": 2, "ready_s": {"0": 90.0, "1": 20.0}, "beam": [decode | {"tps": 26.0}],
                  "plain": [decode], "ratio_rounds": [1.3]},
         "unjit": {"decode": decode | {"tps": 2.0}},
@@ -257,3 +260,16 @@ def test_gpu_check_table_targets() -> None:
     assert rows["pp_worker 2 stages"].value == 9.0
     ttft = [r for r in table if r.section.startswith("4")]
     assert [r.unit for r in ttft] == ["s"] * 3 and all(r.value is None for r in ttft)  # not measured: n/a, no crash
+
+
+def test_a_pinned_stage_runs_on_its_share_of_the_cpus() -> None:
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "STAGE": "2", "NUM_STAGES": "3", "PP_WORKER_STUB": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "bench.pinned"], env=env, cwd=Path(run.__file__).parent.parent,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        ready = next(json.loads(line) for line in proc.stdout if b'"ready"' in line)  # type: ignore[union-attr]
+        assert ready["pid"] == proc.pid and os.sched_getaffinity(proc.pid) == {cpus[2 * len(cpus) // 3]}
+    finally:
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0
