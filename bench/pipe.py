@@ -111,10 +111,10 @@ class Prefill:
         return self.pipelined_ttft_s / sum(self.stage_s)
 
     @property
-    def bound(self) -> float:
-        """The least ``ratio`` the machine allows: the slowest stage, or the stages' CPU time spread over every
-        core, whichever is longer (stages whose kernels already keep every core busy cannot overlap)."""
-        return max(max(self.stage_s), sum(self.stage_cpu_s) / self.cores) / sum(self.stage_s)
+    def cores_busy(self) -> float:
+        """How busy the stages kept the cores they share while prefilling one after the other (the prompt sent
+        whole): 1 leaves pipelining no idle core to fill, only what stops competing for them saves."""
+        return sum(self.stage_cpu_s) / (self.cores * sum(self.stage_s))
 
 
 def cpu_seconds(pid: int) -> float:

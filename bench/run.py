@@ -180,7 +180,7 @@ class Bench:
                 say(f"{stages} stages: a {n}-token prompt sent whole, then pipelined")
                 out["prefill"] = {"prompt_tokens": n, "ratio": 0.0,
                                   **dataclasses.asdict(pre := pipe.prefill_overlap(p, self.prompts[f"ttft{n}"][0]))}
-                out["prefill"] |= {"ratio": pre.ratio, "bound": pre.bound}
+                out["prefill"] |= {"ratio": pre.ratio, "cores_busy": pre.cores_busy}
 
     def _concurrency(self, p: pipe.Pipeline, out: dict[str, Any]) -> None:
         out["k"] = {}

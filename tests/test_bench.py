@@ -110,10 +110,10 @@ def fake_raw() -> dict:
         "pp3": {"decode": decode | {"tps": 15.0},
                 "prefill": {"prompt_tokens": 8, "stage_s": [1.0, 1.0, 2.0], "whole_ttft_s": 4.1,
                             "pipelined_ttft_s": 3.8, "stage_cpu_s": [1.9, 1.9, 3.8], "cores": 2, "ratio": 0.95,
-                            "bound": 0.95}},
+                            "cores_busy": 0.95}},
         "pinned": {"pp3": {"prefill": {"prompt_tokens": 8, "stage_s": [1.0, 1.0, 2.0], "whole_ttft_s": 4.1,
                                        "pipelined_ttft_s": 2.2, "stage_cpu_s": [1.0, 1.0, 2.0], "cores": 2,
-                                       "ratio": 0.55, "bound": 0.5}}},
+                                       "ratio": 0.55, "cores_busy": 0.5}}},
         "beam": {"width": 2, "ready_s": {"0": 90.0, "1": 20.0}, "beam": [decode | {"tps": 26.0}],
                  "plain": [decode], "ratio_rounds": [1.3]},
         "unjit": {"decode": decode | {"tps": 2.0}},
@@ -141,7 +141,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     pipelined = [r for r in rows if r.name.strip() == "pipelined / sum of the stages' prefill times"]
     assert [(r.value, r.target_text, r.verdict) for r in pipelined] == [(0.95, "<= 0.6", "MISS"),
                                                                           (0.55, "<= 0.6", "PASS")]
-    assert [r.value for r in rows if r.name.strip() == "the least this machine allows"] == [0.95, 0.5]
+    assert [r.value for r in rows if r.name.strip() == "cores busy, the prompt sent whole"] == [0.95, 0.5]
     assert by_name["PP_BEAM=2 / without"].value == pytest.approx(1.3)
     assert by_name["ours / unjitted"].value == pytest.approx(10.0)
     assert by_name["K=4 / K=1"].value == pytest.approx(2.0)
@@ -195,10 +195,10 @@ def test_report_endpoint_rows() -> None:
     assert "8 requests, 200 tokens in 4.00 s" in rows["1 concurrent client(s)"].note
 
 
-def test_prefill_bound_is_the_slowest_stage_or_the_cores_busy_with_all_of_them() -> None:
+def test_prefill_overlap_and_how_busy_the_stages_kept_the_cores() -> None:
     pre = pipe.Prefill([1.0, 1.0, 2.0], 4.1, 3.8, [1.9, 1.9, 3.8], cores=2)
-    assert pre.ratio == pytest.approx(3.8 / 4) and pre.bound == pytest.approx(3.8 / 4)  # 7.6 CPU-s over 2 cores
-    assert pipe.Prefill([1.0, 1.0, 2.0], 4.1, 3.8, [1.9, 1.9, 3.8], cores=4).bound == pytest.approx(2 / 4)
+    assert pre.ratio == pytest.approx(3.8 / 4) and pre.cores_busy == pytest.approx(7.6 / (2 * 4))
+    assert pipe.Prefill([1.0, 1.0, 2.0], 4.1, 3.8, [1.9, 1.9, 3.8], cores=4).cores_busy == pytest.approx(7.6 / 16)
     assert pipe.cpu_seconds(os.getpid()) > 0
 
 
