@@ -150,7 +150,7 @@ def bare_pipeline(stages: int, in_flight: int, max_batch: int = 8) -> Pipeline:
     """A Pipeline's send path on fake stages that record what they are sent."""
     p = Pipeline.__new__(Pipeline)
     p.stages = [FakeStage(i, max_batch) for i in range(stages)]  # type: ignore[list-item]
-    p._pending, p._outbox, p.trace, p.batch = {}, [], None, True
+    p._pending, p._outbox, p.trace, p.batch, p.lockstep, p._stepping = {}, [], None, True, False, set()
     p._active = dict.fromkeys(range(100, 100 + in_flight))  # type: ignore[arg-type]
     return p
 
@@ -172,6 +172,28 @@ def test_the_driver_sends_a_rounds_steps_for_a_stage_as_one_batch() -> None:
     assert sent(p, 1) == [("forward_and_sample", [7])]  # a prefill: not a step
     # a batch's entry comes first in its first request's queue: the batch reply arrives before the replies it holds
     assert [q.op for q in p._pending[(0, 1)]] == ["batch", "decode_step"]
+
+
+def test_lockstep_holds_the_next_tokens_until_no_generation_is_mid_token() -> None:
+    p = bare_pipeline(2, in_flight=5)
+    p.lockstep = True
+    step = {"token_id": 1, "position": 5}
+    after = Call(0, "decode_step", {"token_id": 3, "position": 6})  # generation 9's next token, once this one is done
+    hop = Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}, on_reply=lambda r: after)
+    p._send(9, Call(0, "decode_step", step), lambda reply: hop)
+    p._flush()
+    assert p._stepping == {9}  # generation 9 is in the middle of a token
+    for rid in (1, 2, 3, 4):
+        p._send(rid, Call(0, "decode_step", step), None)
+    p._send(5, Call(0, "tokenize", {"prompt": "x"}), None)
+    p._flush()
+    assert sent(p, 0) == [("decode_step", [9]), ("tokenize", [5])]  # the steps wait; anything else goes
+    p._on_reply(p.stages[0], {"request_id": 9, "hidden_b64": "AAAA", "seq_len": 1}, counted=False)
+    p._flush()
+    assert sent(p, 1) == [("forward_and_sample", [9])] and len(sent(p, 0)) == 2  # 9 is mid-token on stage 1
+    p._on_reply(p.stages[1], {"request_id": 9, "token_id": 3}, counted=False)
+    p._flush()  # nobody mid-token: the held steps go together, with 9's next one
+    assert sent(p, 0)[2:] == [("batch", [1, 2, 3, 4, 9])] and p._stepping == {1, 2, 3, 4, 9}
 
 
 def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:
