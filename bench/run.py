@@ -1,11 +1,12 @@
 """``make bench``: every measurement side by side in one run; a table on stdout, JSON under ``bench/results/``.
 
-    python -m bench.run            # the 27M-parameter bench model, ~2.5 minutes on 2 idle cores, then section 6
-                                   # again on the 0.73B "rss" model (~1.5 minutes; its first run generates it),
-                                   # then section 8, q8 against f16 on the wire (~2 minutes)
+    python -m bench.run            # the 27M-parameter bench model (decode in rounds in turn with one warm tinygrad
+                                   # process, 2 and 3 stages, then pinned to CPUs), then section 6 again on the
+                                   # 0.73B "rss" model (its first run generates it), pp-serve, and section 8, q8
+                                   # against f16 on the wire: ~15 minutes on 2 idle cores
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
-    python -m bench.run --sections pp2,beam   # PP_BEAM=2 vs without (not in the default run: the first search
-                                              # takes 20+ minutes here; the kernel cache is kept in bench/models/)
+    python -m bench.run --sections beam   # PP_BEAM=2 vs without (not in the default run: the first search takes
+                                          # minutes, 20+ on a loaded machine; the kernel cache is kept in bench/models/)
 
 Measurements fill a ``raw`` dict (kept whole in the JSON); ``bench.report`` turns it into table rows. A section
 that fails is reported (traceback on stderr, an error in the JSON, n/a in the table) and the rest still run.
@@ -178,9 +179,9 @@ class Bench:
             if prefill:
                 n = max(self.plan.ttft_lengths)
                 say(f"{stages} stages: a {n}-token prompt sent whole, then pipelined")
-                out["prefill"] = {"prompt_tokens": n, "ratio": 0.0,
-                                  **dataclasses.asdict(pre := pipe.prefill_overlap(p, self.prompts[f"ttft{n}"][0]))}
-                out["prefill"] |= {"ratio": pre.ratio, "cores_busy": pre.cores_busy}
+                pre = pipe.prefill_overlap(p, self.prompts[f"ttft{n}"][0])
+                out["prefill"] = {"prompt_tokens": n, **dataclasses.asdict(pre), "ratio": pre.ratio,
+                                  "cores_busy": pre.cores_busy}
 
     def _concurrency(self, p: pipe.Pipeline, out: dict[str, Any]) -> None:
         out["k"] = {}
