@@ -80,7 +80,7 @@ def single(raw: dict[str, Any]) -> list[Row]:
         tps, side = get(raw, f"pp{n}", "decode", "tps"), get(raw, f"pp{n}", "side")
         rows.append(Row(S1, f"pp_worker {n} stages", tps, "tok/s", note=_decode_note(get(raw, f"pp{n}", "decode"))))
         apart = (f"measured apart: {number(ratio(tps, base))}x the fastest ({fastest}), "
-                 f"{number(ratio(tps, cli))}x tinygrad as is (lazy)")
+                 f"{number(ratio(tps, cli))}x tinygrad as is (lazy)") if tps is not None else "not measured"
         if side:
             ratios = [r for r in side["ratios"] if r is not None]
             rows.append(Row(S1, f"  {n} stages / one process", statistics.median(ratios) if ratios else None, "x",

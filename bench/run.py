@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -89,7 +90,7 @@ class Bench:
     facts: models.ModelFacts
     prompts: dict[str, list[str]]
     fastest: str = "lazy-tuned"  # the fastest one-process mode (the solo section's, when it ran)
-    solo: solo.Solo | None = None  # that mode, warm, for decode measured in turn with a pipeline's
+    baseline: solo.Solo | None = None  # that mode, warm, for decode measured in turn with a pipeline's
 
     @classmethod
     def prepare(cls, plan: Plan) -> Bench:
@@ -107,7 +108,7 @@ class Bench:
         say("tinygrad's RSS floor (import + one tiny kernel)")
         out["idle"] = solo.run_json(["--idle", str(self.model)])
         with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-            json.dump(self._prompt_ids(), f)
+            json.dump(self.prompt_ids, f)
             f.flush()
             args = [str(self.model), "--prompt-file", f.name, "--decode", str(self.plan.decode),
                     "--max-context", str(self.facts.context)]
@@ -119,21 +120,21 @@ class Bench:
 
     def _solo(self) -> solo.Solo:
         """The fastest one-process mode, started once and kept warm for the interleaved rounds."""
-        if self.solo is None:
+        if self.baseline is None:
             say(f"one process ({self.fastest}), kept warm for decode rounds interleaved with the pipelines'")
             with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
-                json.dump(self._prompt_ids(), f)
+                json.dump(self.prompt_ids, f)
                 f.flush()
-                self.solo = solo.Solo(str(self.model), f.name, self.facts.context, self.fastest)  # read by ready
-        return self.solo
+                self.baseline = solo.Solo(str(self.model), f.name, self.facts.context, self.fastest)  # read by ready
+        return self.baseline
 
     def close(self) -> None:
-        if self.solo is not None:
-            self.solo.close()
+        if self.baseline is not None:
+            self.baseline.close()
 
     def _side_by_side(self, p: pipe.Pipeline, out: dict[str, Any], decode: int) -> None:
         """Decode rounds in turn: one process, then the pipeline; the pipeline's median round and each ratio."""
-        ids = self._prompt_ids()["decode"][0]
+        ids = self.prompt_ids["decode"][0]
         base = self._solo()
         side: dict[str, Any] = {"mode": base.mode, "solo_tps": [], "tps": [], "ratios": []}
         runs = []
@@ -147,7 +148,8 @@ class Bench:
         out["decode"] = _tokens_dict(sorted(runs, key=lambda t: t.tps)[len(runs) // 2])
         out["side"] = side
 
-    def _prompt_ids(self) -> dict[str, list[list[int]]]:
+    @functools.cached_property
+    def prompt_ids(self) -> dict[str, list[list[int]]]:
         """The pipeline's prompts as token ids, for the one-process runs (same tokenizer, same ids)."""
         tok = models.tokenizer(self.model)
         return {"warmup": [tok.encode(p) for p in self.prompts["warm"]],
