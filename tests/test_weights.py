@@ -1,6 +1,8 @@
 """How a stage holds its weights (gguf_loader.TensorSource): on the CPU, uint8 buffers viewed as fp16, which the
 decode JIT reads directly; the same logits, bit for bit, as native fp16 buffers (the GPU layout and the CPU's old
-one); Q/K rows un-permuted on the host exactly as tinygrad's `Transformer.from_gguf` does on the device."""
+one); Q/K rows un-permuted on the host exactly as tinygrad's `Transformer.from_gguf` does on the device. And how
+the decode JIT multiplies by them on the CPU (engines.lanes): normed rows computed once, products summed in lanes,
+within float32 rounding of tinygrad's own products; prefill unchanged, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 from tinygrad import Tensor, dtypes, nn
+from tinygrad.engine.jit import get_call_arg_uops
 from tinygrad.uop.ops import Ops, UOp
 
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
 from pp_worker.worker.engines.gguf_loader import StageWeights, load_stage, packed_weights, unpermute_rows
 from pp_worker.worker.engines.kvcache import KVPool
+from pp_worker.worker.engines.lanes import LANES, LaneLinear
 from pp_worker.worker.engines.tinygrad_engine import CompiledStage
 
 MAX_CONTEXT = 32
@@ -85,3 +89,34 @@ def test_unpermute_rows_matches_tinygrad_rearrange(keep):
     roped = t[:, keep:].rearrange("n (h two) d -> n (two h) d", two=2)
     want = (t[:, :keep].cat(roped, dim=1) if keep else roped).reshape(-1, dim).numpy()
     assert np.array_equal(unpermute_rows(w, n_heads, keep), want)
+
+
+def test_cpu_stages_sum_decode_products_in_lanes_and_prefill_as_tinygrad(models):
+    lanes_w, plain_w = (load_stage(str(models["F16"]), 0, 2, MAX_CONTEXT, lanes=n) for n in (None, 0))
+    assert lanes_w.lanes == LANES and plain_w.lanes == 0  # None: the device's choice
+    assert all(isinstance(b.ffn_down, LaneLinear) for b in lanes_w.blocks)
+    (_, got), (_, plain) = _run(lanes_w), _run(plain_w)
+    for a, b in zip(got[:2], plain[:2], strict=True):  # the prefill calls (4 and 2 tokens)
+        assert np.array_equal(a, b)
+    for a, b in zip(got[2:], plain[2:], strict=True):  # one token: another summation order, float32 rounding
+        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=0, atol=4e-3)
+
+
+def test_cpu_head_logits_within_float32_rounding_of_tinygrads_products(models):
+    (_, got), (_, plain) = (_run(load_stage(str(models["F16"]), 1, 2, MAX_CONTEXT, lanes=n)) for n in (None, 0))
+    assert isinstance(load_stage(str(models["F16"]), 1, 2, MAX_CONTEXT).output, LaneLinear)
+    for a, b in zip(got, plain, strict=True):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
+        assert a.argmax() == b.argmax()
+
+
+@pytest.mark.parametrize("lanes, readers", [(None, 1), (0, 2)])
+def test_the_decode_jit_norms_a_row_once_for_all_projections_reading_it(models, lanes, readers):
+    """tinygrad fuses the RMS norm into each product reading its output (q and k, v with them): per weight
+    element. LaneLinear's contiguous input leaves one kernel that reads the norm's weight."""
+    w = load_stage(str(models["F16"]), 1, 2, MAX_CONTEXT, lanes=lanes)
+    compiled, _ = _run(w)
+    (norm,) = _buffers(w.blocks[0].attn_norm.weight)
+    calls = [c for c in compiled.decode.captured.linear.toposort() if c.op is Ops.CALL and c.src[0].op is Ops.PROGRAM]
+    n = sum(any(a is norm for a in get_call_arg_uops(c)) for c in calls)
+    assert n == readers if lanes is None else n >= readers

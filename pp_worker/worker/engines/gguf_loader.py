@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from tinygrad.llm.model import TransformerConfig
 
     from pp_worker.worker.engines.kvcache import CacheBlock
+    from pp_worker.worker.engines.lanes import LaneLinear
 
 CONTEXT_CAP = 4096
 GGML_F32, GGML_F16 = 0, 1  # ggml type ids of float32 and float16 data
@@ -262,21 +263,25 @@ class StageWeights:
     blocks: list[CacheBlock]  # blocks[j] is block shard.start + j
     token_embd: nn.Embedding | None
     output_norm: nn.RMSNorm | None
-    output: nn.Linear | None
+    output: nn.Linear | LaneLinear | None
     tokenizer: Tokenizer | None  # on the first stage (encodes)
     detokenizer: Detokenizer | None  # on the last stage (decodes from a table; no tokenizer library)
     rope: RopeParams  # how every block rotates Q and K, scaling included
     loaded: dict[str, int]  # tensor name -> bytes read from the file
     path: Path
     packed: bool  # fp16 weights held as uint8 buffers viewed as fp16 (`packed_weights`)
+    lanes: int  # one-token products as this many interleaved partial sums (`lanes.decode_lanes`); 0: tinygrad's
 
 
 def load_stage(model: str, stage: int, num_stages: int, max_context: int | None = None, *,
                context_cap: int = CONTEXT_CAP, emit: Callable[..., None] = lambda kind, **fields: None,
-               packed: bool | None = None) -> StageWeights:
+               packed: bool | None = None, lanes: int | None = None) -> StageWeights:
     """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors. ``packed``:
-    how fp16 weights are held (`packed_weights`; by default, decided by the device)."""
+    how fp16 weights are held (`packed_weights`), ``lanes``: how one-token products sum (`lanes.decode_lanes`);
+    by default, both decided by the device."""
     from tinygrad import Device, getenv
+
+    from pp_worker.worker.engines.lanes import decode_lanes, use_lanes, with_lanes
 
     path = resolve_model(model)
     header = read_header(path)
@@ -300,8 +305,12 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     emit("loading", blocks_done=len(blocks), blocks_total=len(blocks), stage_index=stage)
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
+    lanes = decode_lanes(Device.DEFAULT) if lanes is None else lanes
+    for block in blocks:
+        use_lanes(block, lanes)
+    output = None if output is None else with_lanes(output, lanes)
     return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
-                        rope, source.loaded, path, packed)
+                        rope, source.loaded, path, packed, lanes)
 
 
 def _rope_freqs(source: TensorSource) -> np.ndarray | None:
