@@ -23,6 +23,7 @@ from tinygrad.llm.cli import SimpleTokenizer
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.testing.modelgen import generate
 from pp_worker.worker.engines.gguf_file import read_header
+from pp_worker.worker.engines.lanes import LANES
 from pp_worker.worker.shard import compute_layer_range
 
 MAX_CONTEXT = 64
@@ -105,8 +106,9 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         # how each stage runs: the CPU's defaults on stage 0, the environment's choices on stage 1
         head_dim = kv["llama.embedding_length"] // kv["llama.attention.head_count"]
         kv_bytes = 2 * kv["llama.attention.head_count_kv"] * MAX_CONTEXT * head_dim * (blocks // 2)  # per element byte
-        assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"]) for r in ready] == [
-            ("CPU", 32, "float32", kv_bytes * 4), ("CPU", 16, "float16", kv_bytes * 2)]
+        assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"], r["decode_lanes"])
+                for r in ready] == [("CPU", 32, "float32", kv_bytes * 4, LANES),
+                                    ("CPU", 16, "float16", kv_bytes * 2, LANES)]
         tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
         hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})
         token = last.request({"op": "forward_and_sample", "request_id": 5, "hidden_b64": hidden["hidden_b64"],
