@@ -24,6 +24,7 @@ from typing import TextIO
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import B64, parse_object
+from pp_worker.worker.engines.base import device_kind
 
 
 class PipelineError(Exception):
@@ -174,7 +175,7 @@ class Pipeline:
     def _share_cores(self, launch: Launch) -> bool:
         """Whether the stages compute on the same cores: local processes on this machine's CPU (tinygrad spreads
         each kernel over every core it may use, so two CPU stages here share them all)."""
-        return launch.launcher is None and all(str((st.ready or {}).get("device", "")).split(":")[0] == "CPU"
+        return launch.launcher is None and all(device_kind(str((st.ready or {}).get("device", ""))) == "CPU"
                                                for st in self.stages)
 
     def _smallest(self, key: str) -> int | None:

@@ -18,6 +18,11 @@ if TYPE_CHECKING:  # the stub (and the launcher's seed names) must import withou
     import numpy as np
 
 
+def device_kind(device: str) -> str:
+    """tinygrad's device name without its backend or index: ``CPU:LLVM`` -> ``CPU``, ``CUDA:1`` -> ``CUDA``."""
+    return device.split(":")[0]
+
+
 @dataclass(frozen=True)
 class ModelInfo:
     """What the ready line reports about the model."""

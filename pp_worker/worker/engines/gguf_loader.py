@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from pp_worker.worker.engines.base import device_kind
 from pp_worker.worker.engines.detokenizer import Detokenizer
 from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header
 from pp_worker.worker.engines.rope import RopeParams
@@ -135,7 +136,7 @@ def packed_weights(device: str) -> bool:
     from a uint8 buffer bitcast to fp16 the same kernel loads 16-bit words into registers (bench/NOTES.md). That is
     why tinygrad's lazy GGUF views, uint8 disk buffers bitcast to half, run 2x faster than `realize=True`. GPU
     renderers load half natively, and on CUDA the realized fp16 buffers are the fast mode: they stay as they were."""
-    return device.split(":")[0] == "CPU"
+    return device_kind(device) == "CPU"
 
 
 @dataclass

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tinygrad import Device, Tensor
 
+from pp_worker.worker.engines.base import device_kind
+
 if TYPE_CHECKING:
     from tinygrad.device import Buffer
 
@@ -68,4 +70,4 @@ class HostBuffer:
 def pinned_allocator(device: str) -> Any:
     """The allocator that gives page-locked host memory on this device, or None. Only CUDA: tinygrad's other GPU
     backends (NV, AMD) copy through their own pinned buffers already."""
-    return Device[device].allocator if device.split(":")[0] == "CUDA" else None
+    return Device[device].allocator if device_kind(device) == "CUDA" else None

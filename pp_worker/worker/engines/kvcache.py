@@ -18,6 +18,8 @@ from tinygrad.dtype import DType
 from tinygrad.llm.model import TransformerBlock, TransformerConfig, apply_rope
 from tinygrad.uop.ops import resolve
 
+from pp_worker.worker.engines.base import device_kind
+
 KVCache = Tensor  # (n_blocks, 2, 1, KvH, max_context, Hd), blocks in the stage's order
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 
@@ -25,7 +27,7 @@ KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.floa
 def default_kv_dtype(device: str) -> str:
     """float32 on the CPU (no memory to save that matters, and it stays what tinygrad's own blocks use); float16
     on accelerators, whose memory the caches compete for with the weights."""
-    return "float32" if device.split(":")[0] == "CPU" else "float16"
+    return "float32" if device_kind(device) == "CPU" else "float16"
 
 
 class KVPool:

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
 
-from pp_worker.worker.engines.base import ModelInfo
+from pp_worker.worker.engines.base import ModelInfo, device_kind
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
 from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
@@ -44,7 +44,7 @@ WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collid
 def default_prefill_chunk(device: str) -> int:
     """32 tokens on the CPU (as Transformer.generate). 128 elsewhere: an accelerator reads each weight once per
     call, so a 512-token prompt costs 4 weight passes instead of 16, and the ladder stays at 8 JITs to warm up."""
-    return 32 if device.split(":")[0] == "CPU" else 128
+    return 32 if device_kind(device) == "CPU" else 128
 
 
 def ladder(max_chunk: int) -> tuple[int, ...]:
