@@ -23,7 +23,6 @@ from tinygrad.llm.cli import SimpleTokenizer
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.testing.modelgen import generate
 from pp_worker.worker.engines.gguf_file import read_header
-from pp_worker.worker.engines.lanes import LANES
 from pp_worker.worker.shard import compute_layer_range
 
 MAX_CONTEXT = 64
@@ -89,7 +88,8 @@ def test_a_bad_model_fails_cleanly(model: Path, tmp_path: Path, case: str) -> No
 
 
 def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> None:
-    kv = read_header(model).kv
+    header = read_header(model)
+    kv = header.kv
     first = spawn_real(0, 2, model, PP_MAX_SESSIONS="3")
     last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float16", PP_PREFILL_CHUNK="16")
     try:
@@ -106,9 +106,16 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         # how each stage runs: the CPU's defaults on stage 0, the environment's choices on stage 1
         head_dim = kv["llama.embedding_length"] // kv["llama.attention.head_count"]
         kv_bytes = 2 * kv["llama.attention.head_count_kv"] * MAX_CONTEXT * head_dim * (blocks // 2)  # per element byte
-        assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"], r["decode_lanes"])
-                for r in ready] == [("CPU", 32, "float32", kv_bytes * 4, LANES),
-                                    ("CPU", 16, "float16", kv_bytes * 2, LANES)]
+        assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"], r["kernels"])
+                for r in ready] == [("CPU", 32, "float32", kv_bytes * 4, "c"),
+                                    ("CPU", 16, "float16", kv_bytes * 2, "c")]
+        # what each stage holds: its share of the file (an F16 file: F16 matrices as they are, F32 gains as fp16)
+        for r, (start, end) in zip(ready, [compute_layer_range(s, 2, blocks) for s in (0, 1)], strict=True):
+            names = [n for n in header.tensors if n.startswith(tuple(f"blk.{i}." for i in range(start, end)))]
+            names += ["token_embd.weight"] if start == 0 else ["output_norm.weight", "output.weight"]
+            infos = [header.tensors[n] for n in names]
+            assert r["weights"] == {"F16": len(names)} and r["weights_converted"] == {}
+            assert r["weight_bytes"] == sum(i.nbytes if i.ggml_type == 1 else 2 * i.n_elements for i in infos)
         tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
         hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})
         token = last.request({"op": "forward_and_sample", "request_id": 5, "hidden_b64": hidden["hidden_b64"],

@@ -1,8 +1,8 @@
-"""How a stage holds its weights (gguf_loader.TensorSource): on the CPU, uint8 buffers viewed as fp16, which the
-decode JIT reads directly; the same logits, bit for bit, as native fp16 buffers (the GPU layout and the CPU's old
-one); Q/K rows un-permuted on the host exactly as tinygrad's `Transformer.from_gguf` does on the device. And how
-the decode JIT multiplies by them on the CPU (engines.lanes): normed rows computed once, products summed in lanes,
-within float32 rounding of tinygrad's own products; prefill unchanged, bit for bit."""
+"""How a stage holds and multiplies its weights (gguf_loader.TensorSource, engines.weights): a quantized matrix
+stays as the file's bytes on every device, read by the compiled forward with nothing expanded into memory of its
+own; on the CPU F16 matrices too, multiplied by the C kernels (engines.cpu_kernels), whose outputs agree with
+tinygrad's own products within float32 rounding; the dequantize-at-load path agrees within fp16 rounding; Q/K
+rows un-permuted on the host exactly as tinygrad's `Transformer.from_gguf` does on the device."""
 
 from __future__ import annotations
 
@@ -10,15 +10,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tinygrad import Tensor, dtypes, nn
-from tinygrad.engine.jit import get_call_arg_uops
+from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops, UOp
 
-from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, write_gguf
-from pp_worker.worker.engines.gguf_loader import StageWeights, load_stage, packed_weights, unpermute_rows
+from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, tensor_types, write_gguf
+from pp_worker.worker.engines.gguf_file import read_header
+from pp_worker.worker.engines.gguf_loader import StageWeights, load_stage, unpermute_rows
 from pp_worker.worker.engines.kvcache import KVPool
-from pp_worker.worker.engines.lanes import LANES, LaneLinear
 from pp_worker.worker.engines.tinygrad_engine import CompiledStage
+from pp_worker.worker.engines.weights import Embedding, Linear, PackedWeight, default_kernels
 
 MAX_CONTEXT = 32
 PROMPT = 7  # one call of each rung of the ladder (4, 2, 1), then decode
@@ -30,13 +30,19 @@ def models(tmp_path_factory) -> dict[str, Path]:
     spec, n_merges = PRESETS["tiny"]
     vocab = builtin_vocab(n_merges)
     weights = random_weights(spec, len(vocab.tokens), 0)
-    return {dt: write_gguf(d / f"tiny-{dt}.gguf", spec, weights, vocab, dt) for dt in ("F16", "Q8_0")}
+    return {dt: write_gguf(d / f"tiny-{dt}.gguf", spec, weights, vocab, dt) for dt in ("F16", "Q8_0", "Q4_1")}
 
 
-def _params(w: StageWeights) -> dict[str, Tensor]:
-    parts = {"blocks": w.blocks, "token_embd": w.token_embd, "output_norm": w.output_norm, "output": w.output}
-    return {k: v for k, v in nn.state.get_state_dict({k: p for k, p in parts.items() if p is not None}).items()
-            if not k.endswith("freqs_cis")}  # the rope table is the engine's, not a weight from the file
+def _matrices(w: StageWeights) -> dict[str, Tensor | PackedWeight]:
+    out: dict[str, Tensor | PackedWeight] = {}
+    for j, block in enumerate(w.blocks):
+        i = w.shard.start + j
+        out |= {f"blk.{i}.{k}.weight": v.weight for k, v in vars(block).items() if isinstance(v, Linear)}
+    if w.token_embd is not None:
+        out["token_embd.weight"] = w.token_embd.weight
+    if w.output is not None:
+        out["output.weight"] = w.output.weight
+    return out
 
 
 def _buffers(t: Tensor) -> list[UOp]:
@@ -53,32 +59,89 @@ def _run(w: StageWeights, decode_steps: int = 4) -> tuple[CompiledStage, list[np
         rng.standard_normal((n, w.config.dim)).astype(np.float16)
     outs, pos = [], 0
     for size in (4, 2, 1, *[1] * decode_steps):
-        outs.append(stage.run(values[pos:pos + size], cache, pos).numpy().copy())
+        outs.append(stage.run(values[pos:pos + size], cache, pos).numpy().astype(np.float32))
         pos += size
     return stage, outs
 
 
-def test_cpu_packs_fp16_weights_and_gpus_do_not():
-    assert packed_weights("CPU") and packed_weights("CPU:LLVM")
-    assert not packed_weights("CUDA") and not packed_weights("NV") and not packed_weights("METAL")
+def test_the_cpu_runs_the_c_kernels_and_other_devices_tinygrads():
+    assert default_kernels("CPU") == default_kernels("CPU:LLVM") == "c"
+    assert default_kernels("CUDA") == default_kernels("NV") == default_kernels("METAL") == "tinygrad"
 
 
-@pytest.mark.parametrize("dtype", ["F16", "Q8_0"])
+@pytest.mark.parametrize("dtype", ["F16", "Q8_0", "Q4_1"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_cpu_weights_are_uint8_buffers_read_by_the_jit_with_native_fp16_logits(models, dtype, stage):
-    w = load_stage(str(models[dtype]), stage, 2, MAX_CONTEXT)  # the default: CPU -> packed
-    compiled, packed = _run(w)
+def test_cpu_matrices_are_the_files_bytes_read_by_the_jit(models, dtype, stage):
+    w = load_stage(str(models[dtype]), stage, 2, MAX_CONTEXT)  # the default on the CPU: kernels "c"
+    header = read_header(models[dtype])
+    compiled, _ = _run(w)
     read = set(compiled.decode.captured.linear.toposort())
-    for name, p in _params(w).items():
-        assert p.dtype == dtypes.float16, name
-        (buf,) = _buffers(p)  # its own buffer, no copy in between
-        assert buf.dtype == dtypes.uint8, f"{name} is held as {buf.dtype}"
-        assert buf in read, f"the decode JIT does not read {name}'s buffer"
-    native_w = load_stage(str(models[dtype]), stage, 2, MAX_CONTEXT, packed=False)  # the GPU's (and old CPU) way
-    assert all(_buffers(p)[0].dtype == dtypes.float16 for p in _params(native_w).values())
-    _, native = _run(native_w)
-    for a, b in zip(packed, native, strict=True):
-        assert a.dtype == b.dtype and np.array_equal(a, b)
+    matrices = _matrices(w)
+    assert len(matrices) == 7 * len(w.blocks) + 1
+    for name, m in matrices.items():
+        info = header.tensors[name]
+        assert isinstance(m, PackedWeight) and m.ggml_type == info.ggml_type, name
+        (buf,) = _buffers(m.raw)  # its own buffer: the file's bytes, nothing converted
+        assert buf.dtype == dtypes.uint8 and m.raw.nbytes() == info.nbytes, name
+        assert name == "token_embd.weight" or buf in read, f"the decode JIT does not read {name}'s buffer"
+    held = w.describe()
+    assert held["kernels"] == "c" and held["weights_converted"] == {}
+    gains = [header.tensors[name] for name in w.loaded if len(header.tensors[name].shape) == 1]  # F32 norms, held F16
+    want = sum(header.tensors[n].nbytes for n in matrices) + sum(2 * g.n_elements for g in gains)
+    assert held["weight_bytes"] == want
+
+
+@pytest.mark.parametrize("dtype", ["F16", "Q4_1"])
+@pytest.mark.parametrize("stage", [0, 1])
+def test_c_kernels_agree_with_tinygrads_products(models, dtype, stage):
+    path = str(models[dtype])
+    (_, c), (_, tg) = (_run(load_stage(path, stage, 2, MAX_CONTEXT, kernels=k)) for k in ("c", "tinygrad"))
+    for a, b in zip(c, tg, strict=True):  # prefill calls and decode steps: the same terms summed in another order
+        np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+        if stage == 1:
+            assert a.argmax() == b.argmax()
+
+
+def test_tinygrad_kernels_keep_quantized_weights_packed_and_expand_nothing(models):
+    """Off the CPU a quantized matrix stays packed and tinygrad's dequantize expression is fused into the kernels
+    reading it: no buffer of the compiled forward is as large as an expanded weight."""
+    w = load_stage(str(models["Q8_0"]), 1, 2, MAX_CONTEXT, kernels="tinygrad")
+    compiled, _ = _run(w)
+    packed = {n: m for n, m in _matrices(w).items() if isinstance(m, PackedWeight)}
+    assert packed and all(m.ggml_type == 8 for m in packed.values())
+    assert w.describe()["weights"]["Q8_0"] == len(packed)
+    smallest = min(m.shape[0] * m.shape[1] * 2 for m in packed.values())  # a weight's fp16 size, at the least
+    weights = {b for m in packed.values() for b in _buffers(m.raw)}
+    scratch = [u for u in compiled.decode.captured.linear.toposort() if u.op is Ops.BUFFER and u not in weights]
+    assert max(u.arg * u.dtype.itemsize for u in scratch) < smallest
+
+
+def test_dequantize_at_load_holds_fp16_and_agrees_within_fp16_rounding(models):
+    packed_w = load_stage(str(models["Q8_0"]), 1, 2, MAX_CONTEXT)
+    loaded_w = load_stage(str(models["Q8_0"]), 1, 2, MAX_CONTEXT, keep_quantized=False)
+    assert all(m.ggml_type == 1 for m in _matrices(loaded_w).values())  # F16 rows for the C kernels
+    spec, n_merges = PRESETS["tiny"]
+    types = tensor_types(spec, len(builtin_vocab(n_merges).tokens), "Q8_0")
+    want = sum(types[name] == "Q8_0" for name in _matrices(loaded_w))
+    assert loaded_w.describe()["weights_converted"] == {"Q8_0": want}
+    (_, a), (_, b) = _run(packed_w), _run(loaded_w)
+    for x, y in zip(a, b, strict=True):
+        np.testing.assert_allclose(x, y, rtol=0, atol=2e-2)  # the fp16 rounding of each dequantized weight
+        assert x.argmax() == y.argmax()
+
+
+@pytest.mark.parametrize("kernels", ["c", "tinygrad"])
+def test_embedding_lookup_decodes_the_rows_it_gathers(models, kernels):
+    w = load_stage(str(models["Q4_1"]), 0, 2, MAX_CONTEXT, kernels=kernels)
+    embd = w.token_embd
+    assert isinstance(embd, Embedding) and isinstance(embd.weight, PackedWeight)
+    from gguf import GGMLQuantizationType, quants
+
+    info = read_header(models["Q4_1"]).tensors["token_embd.weight"]
+    raw = np.fromfile(models["Q4_1"], np.uint8, info.nbytes, offset=info.offset).reshape(info.shape[0], -1)
+    ids = np.array([[5, 0, w.config.vocab_size - 1, 5]], np.int32)
+    want = quants.dequantize(raw[ids[0]], GGMLQuantizationType.Q4_1).reshape(1, 4, -1)
+    np.testing.assert_allclose(embd(Tensor(ids)).numpy(), want, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("keep", [0, 2])
@@ -91,33 +154,15 @@ def test_unpermute_rows_matches_tinygrad_rearrange(keep):
     assert np.array_equal(unpermute_rows(w, n_heads, keep), want)
 
 
-def test_cpu_stages_sum_decode_products_in_lanes_and_prefill_as_tinygrad(models):
-    lanes_w, plain_w = (load_stage(str(models["F16"]), 0, 2, MAX_CONTEXT, lanes=n) for n in (None, 0))
-    assert lanes_w.lanes == LANES and plain_w.lanes == 0  # None: the device's choice
-    assert all(isinstance(b.ffn_down, LaneLinear) for b in lanes_w.blocks)
-    (_, got), (_, plain) = _run(lanes_w), _run(plain_w)
-    for a, b in zip(got[:2], plain[:2], strict=True):  # the prefill calls (4 and 2 tokens)
-        assert np.array_equal(a, b)
-    for a, b in zip(got[2:], plain[2:], strict=True):  # one token: another summation order, float32 rounding
-        np.testing.assert_allclose(a.astype(np.float32), b.astype(np.float32), rtol=0, atol=4e-3)
+def test_packed_q_rows_are_unpermuted_as_whole_rows(models):
+    """llama's Q/K rows are un-permuted on packed rows: each row's blocks move whole, so the packed weight
+    decodes to exactly the un-permuted dequantized weight."""
+    from gguf import GGMLQuantizationType, quants
 
-
-def test_cpu_head_logits_within_float32_rounding_of_tinygrads_products(models):
-    lanes_w, plain_w = (load_stage(str(models["F16"]), 1, 2, MAX_CONTEXT, lanes=n) for n in (None, 0))
-    assert isinstance(lanes_w.output, LaneLinear)
-    (_, got), (_, plain) = _run(lanes_w), _run(plain_w)
-    for a, b in zip(got, plain, strict=True):
-        np.testing.assert_allclose(a, b, rtol=0, atol=1e-3)
-        assert a.argmax() == b.argmax()
-
-
-@pytest.mark.parametrize("lanes, readers", [(None, 1), (0, 2)])
-def test_the_decode_jit_norms_a_row_once_for_all_projections_reading_it(models, lanes, readers):
-    """tinygrad fuses the RMS norm into each product reading its output (q and k, v with them): per weight
-    element. LaneLinear's contiguous input leaves one kernel that reads the norm's weight."""
-    w = load_stage(str(models["F16"]), 1, 2, MAX_CONTEXT, lanes=lanes)
-    compiled, _ = _run(w)
-    (norm,) = _buffers(w.blocks[0].attn_norm.weight)
-    calls = [c for c in compiled.decode.captured.linear.toposort() if c.op is Ops.CALL and c.src[0].op is Ops.PROGRAM]
-    n = sum(any(a is norm for a in get_call_arg_uops(c)) for c in calls)
-    assert n == readers if lanes is None else n >= readers
+    w = load_stage(str(models["Q8_0"]), 0, 2, MAX_CONTEXT)
+    q = w.blocks[0].attn_q.weight
+    info = read_header(models["Q8_0"]).tensors["blk.0.attn_q.weight"]
+    raw = np.fromfile(models["Q8_0"], np.uint8, info.nbytes, offset=info.offset).reshape(info.shape[0], -1)
+    want = unpermute_rows(quants.dequantize(raw, GGMLQuantizationType.Q8_0).reshape(info.shape), w.config.n_heads)
+    got = quants.dequantize(q.raw.numpy(), GGMLQuantizationType.Q8_0).reshape(info.shape)
+    assert np.array_equal(got, want)

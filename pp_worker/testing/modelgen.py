@@ -52,11 +52,17 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     "tiny": (LlamaSpec(), 253),  # vocab 512, ~0.24M params
     "small": (LlamaSpec(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=352), 509),  # vocab 768, ~0.93M
     "bench": (LlamaSpec(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=1536, context_length=1024), 1741),  # ~27M
+    # every width a multiple of 256, so every K-quant type applies to every matrix (vocab 768, ~5.1M params)
+    "kq": (LlamaSpec(dim=256, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=768, context_length=512), 509),
     # weights that dwarf tinygrad's idle floor, for the bench's per-stage peak-RSS rows (1.4 GiB F16)
     "rss": (LlamaSpec(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=5632, context_length=2048), 1741),
 }
 
-DTYPES = ("F32", "F16", "Q8_0")
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# a whole file of one type, or a mix: Q4_K_M as llama.cpp makes it, MIXED cycling every type over the matrices
+DTYPES = ("F32", "F16", *QUANT_TYPES, "Q4_K_M", "MIXED")
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 14, "Q5_K": 16,
+              "Q6_K": 18, "Q4_K_M": 15}  # llama_ftype (Q4_K and Q5_K: the _S files; MIXED has none)
 
 
 # ---------------------------------------------------------------- weights
@@ -119,22 +125,60 @@ def permute_rope_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _encode_tensor(w: np.ndarray, dtype: str) -> tuple[np.ndarray, object | None]:
-    """-> (array to store, raw GGML type or None). Norms (1-D) stay F32 as llama.cpp keeps them."""
+def tensor_types(spec: LlamaSpec, vocab_size: int, dtype: str) -> dict[str, str]:
+    """GGUF tensor name -> the type it is stored as in a ``dtype`` file. Norms stay F32 (as llama.cpp keeps them);
+    a matrix whose rows are not whole blocks of its type is stored F16 instead."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    types = {}
+    matrices = [n for n, shape in tensor_shapes(spec, vocab_size).items() if len(shape) == 2]
+    for name, shape in tensor_shapes(spec, vocab_size).items():
+        if len(shape) == 1:
+            types[name] = "F32"
+        elif dtype == "Q4_K_M":
+            types[name] = _q4_k_m(name, spec.n_layers)
+        elif dtype == "MIXED":  # every type in turn: any two consecutive blocks hold all of them
+            types[name] = ("F16", *QUANT_TYPES)[matrices.index(name) % (len(QUANT_TYPES) + 1)]
+        else:
+            types[name] = dtype
+        block = GGML_QUANT_SIZES[GGMLQuantizationType[types[name]]][0]
+        if shape[-1] % block:
+            types[name] = "F16"
+    return types
+
+
+def _q4_k_m(name: str, n_layers: int) -> str:
+    """llama.cpp's Q4_K_M choice: Q6_K for the head, and for attn_v and ffn_down in the blocks where
+    `use_more_bits` holds (the first and last eighth, and every third between); Q4_K everywhere else."""
+    if name == "output.weight":
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])
+        if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
+def _encode_tensor(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object | None]:
+    """-> (array to store, raw GGML type or None for the float types)."""
     from gguf import GGMLQuantizationType, quants
 
-    if w.ndim == 1 or dtype == "F32":
-        return w.astype(np.float32), None
-    if dtype == "Q8_0" and w.shape[-1] % 32 == 0:
-        # gguf.quants.Q8_0 is documented bit-exact with ggml's quantize_row_q8_0_ref (roundf, d = amax/127)
-        return quants.quantize(w.astype(np.float32), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
-    return w.astype(np.float16), None
+    from pp_worker.testing import kquants
+
+    if type_name in ("F32", "F16"):
+        return w.astype(np.float32 if type_name == "F32" else np.float16), None
+    qtype = GGMLQuantizationType[type_name]
+    if type_name in kquants.QUANTIZERS:  # gguf cannot quantize the K types
+        return kquants.quantize(w.astype(np.float32), type_name), qtype
+    # gguf.quants is documented bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref...)
+    return quants.quantize(w.astype(np.float32), qtype), qtype
 
 
 def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab | SpmVocab, dtype: str, chat_template: str | None, name: str,
                   add_bos: bool | None) -> None:
     writer.add_name(name)
-    writer.add_file_type({"F32": 0, "F16": 1, "Q8_0": 7}[dtype])  # llama_ftype ALL_F32 / MOSTLY_F16 / MOSTLY_Q8_0
+    if dtype in FILE_TYPES:
+        writer.add_file_type(FILE_TYPES[dtype])
     writer.add_quantization_version(2)
     writer.add_vocab_size(len(vocab.tokens))
     writer.add_context_length(spec.context_length)
@@ -175,6 +219,7 @@ def write_gguf(
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     shapes = tensor_shapes(spec, len(vocab.tokens))
+    types = tensor_types(spec, len(vocab.tokens), dtype)
     if set(weights) != set(shapes):
         missing, extra = sorted(set(shapes) - set(weights)), sorted(set(weights) - set(shapes))
         raise ValueError(f"weights: missing {missing}, unexpected {extra}")
@@ -190,7 +235,7 @@ def write_gguf(
             raise ValueError(f"{tname}: shape {w.shape}, expected {shape}")
         if tname.endswith(("attn_q.weight", "attn_k.weight")):
             w = permute_rope_rows(w, spec.n_heads if "attn_q" in tname else spec.n_kv_heads)
-        data, raw_dtype = _encode_tensor(w, dtype)
+        data, raw_dtype = _encode_tensor(w, types[tname])
         writer.add_tensor(tname, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -1,10 +1,11 @@
 """An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against.
 
 It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad, the engine or modelgen: it
-dequantizes F32/F16/Q8_0 itself and applies ggml's rope (adjacent pairs, "normal" mode) to the raw GGUF Q/K weights,
-with ggml's RoPE scaling (`RopeScaling`: rope_freqs.weight factors, linear, yarn) as ggml-cpu's rope_yarn computes
-it. Built from HF-layout weights (`from_weights`) it uses HF's half-split rope instead, which checks the writer's
-permute. Every call recomputes the whole sequence; the models are small. Used by the tests and by `bench.gpu`.
+dequantizes F32/F16/Q8_0 itself, every other type with the `gguf` package's numpy dequantizer, and applies ggml's
+rope (adjacent pairs, "normal" mode) to the raw GGUF Q/K weights, with ggml's RoPE scaling (`RopeScaling`:
+rope_freqs.weight factors, linear, yarn) as ggml-cpu's rope_yarn computes it. Built from HF-layout weights
+(`from_weights`) it uses HF's half-split rope instead, which checks the writer's permute. Every call recomputes the
+whole sequence; the models are small. Used by the tests and by `bench.gpu`.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def dequantize(data: np.ndarray, ggml_type: GGMLQuantizationType, shape: tuple[i
         blocks = np.frombuffer(np.asarray(data).tobytes(), dtype=np.uint8).reshape(-1, Q8_0_BLOCK)
         d = blocks[:, :2].copy().view(np.float16).astype(np.float64)  # (n_blocks, 1)
         flat = (d * blocks[:, 2:].copy().view(np.int8)).reshape(-1)  # (n_blocks * 32,)
-    else:
-        raise NotImplementedError(f"npref cannot dequantize {ggml_type.name}")
+    else:  # Q4_0 ... Q6_K: the gguf package's own numpy implementation of ggml's dequantize_row_*
+        from gguf import quants
+
+        flat = quants.dequantize(np.asarray(data), ggml_type).reshape(-1)
     return flat.astype(np.float64).reshape(shape)
 
 

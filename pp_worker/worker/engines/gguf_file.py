@@ -16,6 +16,16 @@ import numpy as np
 
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9  # GGUF value types that are not fixed-size scalars (those are in _SCALARS)
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
+                   11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS",
+                   18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8",
+                   25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0",
+                   39: "MXFP4"}  # ggml's ggml_type enum
+
+
+def type_name(ggml_type: int) -> str:
+    """ggml's name of a tensor type id ("Q4_K"), or "type <id>" for one this table does not know."""
+    return GGML_TYPE_NAMES.get(ggml_type, f"type {ggml_type}")
 
 
 class ModelLoadError(Exception):

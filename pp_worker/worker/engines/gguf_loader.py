@@ -2,10 +2,12 @@
 
 tinygrad's `Transformer.from_gguf` copies the whole file into memory, which defeats pipeline parallelism. Here
 the header is parsed with bounds checks (`gguf_file`), and each needed tensor's bytes are read from its offset into
-its own realized buffer, one tensor at a time, in its final layout: F16 data as is, other types dequantized once
-with tinygrad's `ggml_data_to_tensor` and cast to fp16 (`HALF=1`, tinygrad's default), llama's Q/K rows
-un-permuted on the host exactly as `from_gguf` does. On the CPU each fp16 buffer is uint8, bitcast to fp16 (the
-kernels run ~2x faster that way: `packed_weights`); elsewhere it is a native fp16 buffer.
+its own realized buffer, one tensor at a time, in its final layout, llama's Q/K rows un-permuted on the host exactly
+as `from_gguf` does (a packed row's blocks move whole). A matrix whose type has a kernel stays as the file's bytes
+(`weights.PackedWeight`: F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): on the CPU F16 too, since the C
+kernels read every type (`weights`); elsewhere F16 is a native fp16 buffer. Any other type (and every tensor when
+``keep_quantized`` is off, the reference path of the tests) is dequantized once, here, with tinygrad's
+`ggml_data_to_tensor`, and cast to fp16 (`HALF=1`, tinygrad's default); norm gains are always fp16 values.
 
 Context: ``max_context = min(requested or context_length, context_length, cap)`` with ``cap`` 4096 by default.
 Every session holds a KV cache of max_context positions per block, so an uncapped 128k-context model would need
@@ -18,6 +20,7 @@ are importable from here too.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,9 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pp_worker.worker.engines.base import device_kind
 from pp_worker.worker.engines.detokenizer import Detokenizer
-from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header
+from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header, type_name
 from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.shard import Shard
@@ -38,7 +40,7 @@ if TYPE_CHECKING:
     from tinygrad.llm.model import TransformerConfig
 
     from pp_worker.worker.engines.kvcache import CacheBlock
-    from pp_worker.worker.engines.lanes import LaneLinear
+    from pp_worker.worker.engines.weights import Embedding, Linear, PackedWeight
 
 CONTEXT_CAP = 4096
 GGML_F32, GGML_F16 = 0, 1  # ggml type ids of float32 and float16 data
@@ -128,49 +130,84 @@ def eos_token_ids(kv: dict[str, Any]) -> list[int]:
 # ---------------------------------------------------------------- tensors
 
 
-def packed_weights(device: str) -> bool:
-    """Whether fp16 weights are held as uint8 buffers viewed as fp16 (True on the CPU) or as native fp16 buffers.
-
-    On the CPU tinygrad's C renderer loads a native fp16 buffer as ``__fp16`` vectors, which clang 14 assembles
-    through the stack (16-bit stores, then a reload: store-forwarding stalls), about 2x slower per decode kernel;
-    from a uint8 buffer bitcast to fp16 the same kernel loads 16-bit words into registers (bench/NOTES.md). That is
-    why tinygrad's lazy GGUF views, uint8 disk buffers bitcast to half, run 2x faster than `realize=True`. GPU
-    renderers load half natively, and on CUDA the realized fp16 buffers are the fast mode: they stay as they were."""
-    return device_kind(device) == "CPU"
-
-
 @dataclass
 class TensorSource:
     """Reads single tensors out of the file into their own realized device buffers, in their final layout, and
-    remembers which (name -> bytes read). ``packed``: see `packed_weights`."""
+    remembers which (``loaded``: name -> bytes read) and what each holds (``held``: name -> (type, bytes);
+    ``converted``: name -> the file's type, for matrices turned into fp16 values at load).
+
+    ``kernels`` ("c" or "tinygrad", see `weights`) decides how matrices are held: with "c" every fp16 buffer is a
+    uint8 buffer (the C kernels, and tinygrad's CPU kernels, read those fastest), and F16 matrices stay packed too."""
 
     header: GGUFHeader
     half: bool = True
-    packed: bool = True
+    kernels: str = "tinygrad"
+    keep_quantized: bool = True
     loaded: dict[str, int] = field(default_factory=dict)
+    held: dict[str, tuple[str, int]] = field(default_factory=dict)
+    converted: dict[str, str] = field(default_factory=dict)
 
-    def tensor(self, name: str, heads: tuple[int, int] | None = None) -> Tensor:
+    def matrix(self, name: str, shape: tuple[int, ...], heads: tuple[int, int] | None = None) -> Tensor | PackedWeight:
+        """A weight matrix of ``shape`` (n, k): its file bytes (`PackedWeight`) when its type has a kernel and
+        the stage keeps it (see the class); else fp16 values, packed as F16 rows when the C kernels run."""
+        from tinygrad import dtypes
+
+        from pp_worker.worker.engines import cpu_kernels
+        from pp_worker.worker.engines.weights import PackedWeight
+
+        info = self._info(name)
+        if info.shape != shape:
+            raise ModelLoadError(f"{self.header.path}: tensor {name} has shape {info.shape}, expected {shape}")
+        c = self.kernels == "c"
+        keep = c if info.ggml_type == GGML_F16 else self.keep_quantized
+        if keep and cpu_kernels.supported(info.ggml_type, shape[1]):
+            raw = self._raw(info.nbytes, self._filler(info, heads)).reshape(shape[0], -1)
+            self.loaded[name] = info.nbytes
+            self.held[name] = (type_name(info.ggml_type), info.nbytes)
+            return PackedWeight(raw, info.ggml_type, shape)
+        if info.ggml_type != GGML_F16:
+            self.converted[name] = type_name(info.ggml_type)
+        raw = self.tensor(name, heads, raw=True)
+        if c and raw.dtype == dtypes.uint8 and cpu_kernels.supported(GGML_F16, shape[1]):
+            return PackedWeight(raw.reshape(shape[0], -1), GGML_F16, shape)
+        return self._view(raw, shape)
+
+    def tensor(self, name: str, heads: tuple[int, int] | None = None, raw: bool = False) -> Tensor:
         """(GGUF dims reversed) tensor, fp16 when ``half``, realized. ``heads=(n_heads, keep)``: GGUF's
         interleaved-rope Q/K rows un-permuted (`unpermute_rows`). F16 data is read straight into its final
-        buffer; other types are dequantized by tinygrad once, here."""
-        from tinygrad import dtypes
+        buffer; other types are dequantized by tinygrad once, here. ``raw``: an fp16 tensor held in a uint8
+        buffer (see the class) is returned as that uint8 buffer."""
+        from tinygrad import Tensor, dtypes
 
         info = self._info(name)
         self.loaded[name] = info.nbytes
         dtype = dtypes.float16 if self.half else dtypes.float32
         if dtype == dtypes.float16 and info.ggml_type == GGML_F16:  # already what we keep: no staging copy, no cast
-            def fill(mv: memoryview) -> None:
-                self._read(info, mv)
-                if heads:
-                    rows = np.frombuffer(mv, np.float16).reshape(info.shape)  # (rows, D), writes through
-                    rows[:] = unpermute_rows(rows, *heads)
+            fill = self._filler(info, heads)
         else:
             values = self._dequantized(info, dtype)
             values = unpermute_rows(values, *heads) if heads else values
 
             def fill(mv: memoryview) -> None:
                 np.frombuffer(mv, np.uint8)[:] = values.reshape(-1).view(np.uint8)
-        return self._store(info.shape, dtype, fill)
+        nbytes = math.prod(info.shape) * dtype.itemsize
+        self.held[name] = ("F16" if dtype == dtypes.float16 else "F32", nbytes)
+        if self.kernels == "c" and dtype == dtypes.float16:
+            t = self._raw(nbytes, fill)
+            return t if raw else self._view(t, info.shape)
+        t = Tensor.empty(*info.shape, dtype=dtype)
+        self._fill(t, fill)
+        return t
+
+    def _filler(self, info: TensorInfo, heads: tuple[int, int] | None) -> Callable[[memoryview], None]:
+        """Writes ``info``'s file bytes into a buffer, rows un-permuted in place when ``heads`` (whole rows move, so
+        packed rows of any block type move as fp16 rows do)."""
+        def fill(mv: memoryview) -> None:
+            self._read(info, mv)
+            if heads:
+                rows = np.frombuffer(mv, np.uint8).reshape(info.shape[0], -1)  # (rows, row bytes), writes through
+                rows[:] = unpermute_rows(rows, *heads)
+        return fill
 
     def _info(self, name: str) -> TensorInfo:
         info = self.header.tensors.get(name)
@@ -190,16 +227,20 @@ class TensorSource:
         self._fill(raw, lambda mv: self._read(info, mv))
         return ggml_data_to_tensor(raw, info.n_elements, info.ggml_type).reshape(info.shape).cast(dtype).numpy()
 
-    def _store(self, shape: tuple[int, ...], dtype: DType, fill: Callable[[memoryview], None]) -> Tensor:
-        """A new realized buffer filled by ``fill(its bytes)``: uint8 bitcast and reshaped to ``dtype``/``shape``
-        when ``packed`` (fp16 only), else a buffer of ``dtype`` itself."""
+    def _raw(self, nbytes: int, fill: Callable[[memoryview], None]) -> Tensor:
+        """A new realized uint8 buffer of ``nbytes``, filled by ``fill(its bytes)``."""
         from tinygrad import Tensor, dtypes
 
-        packed = self.packed and dtype == dtypes.float16
-        t = Tensor.empty(math.prod(shape) * dtype.itemsize, dtype=dtypes.uint8) if packed else \
-            Tensor.empty(*shape, dtype=dtype)
+        t = Tensor.empty(nbytes, dtype=dtypes.uint8)
         self._fill(t, fill)
-        return t.bitcast(dtype).reshape(shape) if packed else t
+        return t
+
+    @staticmethod
+    def _view(t: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """A uint8 buffer of fp16 bytes viewed as the fp16 tensor of ``shape`` (other tensors as they are)."""
+        from tinygrad import dtypes
+
+        return t.bitcast(dtypes.float16).reshape(shape) if t.dtype == dtypes.uint8 else t
 
     @staticmethod
     def _fill(t: Tensor, fill: Callable[[memoryview], None]) -> None:
@@ -233,21 +274,27 @@ def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
 
 
 def load_block(source: TensorSource, config: TransformerConfig, i: int) -> CacheBlock:
-    """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), each weight in its own realized buffer."""
+    """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), each weight in its own realized buffer; its
+    projections are `weights.Linear` over matrices as `TensorSource.matrix` holds them."""
     from tinygrad import nn
 
     from pp_worker.worker.engines.kvcache import CacheBlock
+    from pp_worker.worker.engines.weights import Linear
 
     block = CacheBlock(config)
     heads: dict[str, tuple[int, int]] = {}
     if source.header.kv["general.architecture"] == "llama":
-        heads = {"attn_q.weight": (config.n_heads, config.head_dim - config.rope_dim),
-                 "attn_k.weight": (config.n_kv_heads, 0)}
-    weights = {k: source.tensor(f"blk.{i}.{k}", heads.get(k)) for k in nn.state.get_state_dict(block)}
+        heads = {"attn_q": (config.n_heads, config.head_dim - config.rope_dim), "attn_k": (config.n_kv_heads, 0)}
+    linears = {name: layer for name, layer in vars(block).items() if isinstance(layer, nn.Linear)}
+    gains = {k: source.tensor(f"blk.{i}.{k}") for k in nn.state.get_state_dict(block) if k.split(".")[0] not in linears}
     try:
-        nn.state.load_state_dict(block, weights, verbose=False, realize=False)
+        nn.state.load_state_dict(block, gains, strict=False, verbose=False, realize=False)
     except ValueError as e:
         raise ModelLoadError(f"block {i}: {e}") from e
+    for name, layer in linears.items():
+        bias = None if layer.bias is None else source.tensor(f"blk.{i}.{name}.bias")
+        weight = source.matrix(f"blk.{i}.{name}.weight", layer.weight.shape, heads.get(name))
+        setattr(block, name, Linear(weight, bias, source.kernels))
     return block
 
 
@@ -262,28 +309,40 @@ class StageWeights:
     config: TransformerConfig
     kv: dict[str, Any]
     blocks: list[CacheBlock]  # blocks[j] is block shard.start + j
-    token_embd: nn.Embedding | None
+    token_embd: Embedding | None
     output_norm: nn.RMSNorm | None
-    output: nn.Linear | LaneLinear | None
+    output: Linear | None
     tokenizer: Tokenizer | None  # on the first stage (encodes)
     detokenizer: Detokenizer | None  # on the last stage (decodes from a table; no tokenizer library)
     rope: RopeParams  # how every block rotates Q and K, scaling included
     loaded: dict[str, int]  # tensor name -> bytes read from the file
     path: Path
-    packed: bool  # fp16 weights held as uint8 buffers viewed as fp16 (`packed_weights`)
-    lanes: int  # one-token products as this many interleaved partial sums (`lanes.decode_lanes`); 0: tinygrad's
+    kernels: str  # how products run: "c" (cpu_kernels) or "tinygrad" (`weights`)
+    held: dict[str, tuple[str, int]] = field(default_factory=dict)  # tensor name -> (type held, bytes)
+    converted: dict[str, str] = field(default_factory=dict)  # matrix name -> its file type, turned into fp16 at load
+
+    def describe(self) -> dict[str, Any]:
+        """The ready line's account of the weights: tensors per type held, bytes held, and the file types that
+        were dequantized at load (tensor counts per type)."""
+        held = Counter(kind for kind, _ in self.held.values())
+        return {"kernels": self.kernels, "weights": dict(sorted(held.items())),
+                "weight_bytes": sum(n for _, n in self.held.values()),
+                "weights_converted": dict(sorted(Counter(self.converted.values()).items()))}
 
 
 def load_stage(model: str, stage: int, num_stages: int, max_context: int | None = None, *,
                context_cap: int = CONTEXT_CAP, emit: Callable[..., None] = lambda kind, **fields: None,
-               packed: bool | None = None, lanes: int | None = None) -> StageWeights:
-    """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors. ``packed``:
-    how fp16 weights are held (`packed_weights`), ``lanes``: how one-token products sum (`lanes.decode_lanes`);
-    by default, both decided by the device."""
+               kernels: str | None = None, keep_quantized: bool = True) -> StageWeights:
+    """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors. ``kernels``:
+    how products run and matrices are held (`weights`; by default decided by the device); ``keep_quantized``
+    False dequantizes every quantized matrix to fp16 at load (the reference the tests compare against)."""
     from tinygrad import Device, getenv
 
-    from pp_worker.worker.engines.lanes import decode_lanes, use_lanes, with_lanes
+    from pp_worker.worker.engines.weights import KERNELS, default_kernels
 
+    kernels = default_kernels(Device.DEFAULT) if kernels is None else kernels
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     path = resolve_model(model)
     header = read_header(path)
     check_architecture(header.kv)  # first, so an unsupported model is named as such
@@ -296,8 +355,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     tokenizer = _load_tokenizer(header.kv, Tokenizer.from_gguf_kv) if shard.is_first else None
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
     _return_freed_heap()
-    packed = packed_weights(Device.DEFAULT) if packed is None else packed
-    source = TensorSource(header, half=bool(getenv("HALF", 1)), packed=packed)
+    source = TensorSource(header, half=bool(getenv("HALF", 1)), kernels=kernels, keep_quantized=keep_quantized)
     rope = RopeParams.from_gguf(header.kv, config.rope_dim, _rope_freqs(source))
     blocks = []
     for j, i in enumerate(range(shard.start, shard.end)):
@@ -306,12 +364,8 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     emit("loading", blocks_done=len(blocks), blocks_total=len(blocks), stage_index=stage)
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
-    lanes = decode_lanes(Device.DEFAULT) if lanes is None else lanes
-    for block in blocks:
-        use_lanes(block, lanes)
-    output = None if output is None else with_lanes(output, lanes)
     return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
-                        rope, source.loaded, path, packed, lanes)
+                        rope, source.loaded, path, kernels, source.held, source.converted)
 
 
 def _rope_freqs(source: TensorSource) -> np.ndarray | None:
@@ -326,23 +380,22 @@ def _rope_freqs(source: TensorSource) -> np.ndarray | None:
     return np.fromfile(source.header.path, np.float32, info.n_elements, offset=info.offset)
 
 
-def _load_embedding(source: TensorSource, config: TransformerConfig) -> nn.Embedding:
+def _load_embedding(source: TensorSource, config: TransformerConfig) -> Embedding:
+    from pp_worker.worker.engines.weights import Embedding
+
+    return Embedding(source.matrix("token_embd.weight", (config.vocab_size, config.dim)), source.kernels)
+
+
+def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSNorm, Linear]:
     from tinygrad import nn
 
-    embd = nn.Embedding(config.vocab_size, config.dim)
-    nn.state.load_state_dict(embd, {"weight": source.tensor("token_embd.weight")}, verbose=False, realize=False)
-    return embd
+    from pp_worker.worker.engines.weights import Linear
 
-
-def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSNorm, nn.Linear]:
-    from tinygrad import nn
-
-    norm, head = nn.RMSNorm(config.dim, config.norm_eps), nn.Linear(config.dim, config.vocab_size, bias=False)
+    norm = nn.RMSNorm(config.dim, config.norm_eps)
     nn.state.load_state_dict(norm, {"weight": source.tensor("output_norm.weight")}, verbose=False, realize=False)
     # tied embeddings (e.g. Llama 3.2): no output.weight, the head is the embedding matrix
     name = "output.weight" if "output.weight" in source.header.tensors else "token_embd.weight"
-    nn.state.load_state_dict(head, {"weight": source.tensor(name)}, verbose=False, realize=False)
-    return norm, head
+    return norm, Linear(source.matrix(name, (config.vocab_size, config.dim)), None, source.kernels)
 
 
 def _return_freed_heap() -> None:

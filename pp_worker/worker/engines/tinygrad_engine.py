@@ -166,8 +166,7 @@ class TinygradEngine:
         """What the ready line and `status` report about how this stage runs."""
         return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
                 "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
-                "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam,
-                "packed_weights": self._w.packed, "decode_lanes": self._w.lanes}
+                "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe()}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.

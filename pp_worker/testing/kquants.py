@@ -1,0 +1,95 @@
+"""A test-only packer for ggml's K-quant blocks (Q4_K, Q5_K, Q6_K), written from the block format.
+
+The `gguf` package dequantizes these types but cannot quantize them. This packer is simple, not llama.cpp's: each
+sub-block's scale (and min) is its range over the levels, the super-block keeps them as 6-bit (8-bit signed for
+Q6_K) multiples of an fp16 step, and every value is rounded to its nearest level. Good enough to make files whose
+weights are close to the float ones (tests/test_modelgen.py checks the round trip through `gguf.quants.dequantize`),
+which is all the tests need: the engine is checked against the dequantized file, never against the float weights.
+
+Layouts (ggml-common.h), 256 values per block:
+- Q4_K (144 bytes): d, dmin (fp16), scales[12] (8 six-bit scales and 8 six-bit mins), qs[128] (4-bit values).
+- Q5_K (176 bytes): d, dmin, scales[12], qh[32] (the fifth bits), qs[128].
+- Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d (fp16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+QK = 256
+
+
+def _fp16(x: np.ndarray) -> np.ndarray:
+    return x.astype(np.float16)
+
+
+def _affine(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of 256 -> (d, dmin) fp16, 8 sub-block scales and mins in 0..63, and values in 0..levels, such that
+    x ~ d * scale * q - dmin * min per sub-block of 32."""
+    sub = x.reshape(-1, 8, 32)
+    lo = np.minimum(sub.min(-1), 0.0)  # ggml keeps mins <= 0: the offset is a subtraction of a non-negative min
+    scale, offset = (sub.max(-1) - lo) / levels, -lo  # (n, 8)
+    d, dmin = _fp16(scale.max(-1) / 63), _fp16(offset.max(-1) / 63)  # (n,)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
+    mn = np.clip(np.rint(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, 63).astype(np.uint8)
+    step, base = (df * sc)[..., None], (dminf * mn)[..., None]  # (n, 8, 1)
+    q = np.clip(np.rint(np.divide(sub + base, step, out=np.zeros_like(sub), where=step > 0)), 0, levels)
+    return d, dmin, sc, mn, q.astype(np.uint8).reshape(-1, QK)
+
+
+def _pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
+    """8 six-bit scales and mins per block -> ggml's 12 bytes (the inverse of get_scale_min_k4)."""
+    out = np.zeros((sc.shape[0], 12), np.uint8)
+    out[:, 0:4] = (sc[:, 0:4] & 63) | ((sc[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = (mn[:, 0:4] & 63) | ((mn[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (sc[:, 4:8] & 15) | ((mn[:, 4:8] & 15) << 4)
+    return out
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """Values (n, 256) -> qs (n, 128): chunk j of 64 holds values 64j..64j+31 low, 64j+32..64j+63 high."""
+    c = q.reshape(-1, 4, 2, 32) & 15
+    return (c[:, :, 0] | (c[:, :, 1] << 4)).reshape(-1, 128)
+
+
+def _header(d: np.ndarray, dmin: np.ndarray) -> np.ndarray:
+    return np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8)], axis=1)
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, mn, q = _affine(x.reshape(-1, QK).astype(np.float32), 15)
+    return np.concatenate([_header(d, dmin), _pack_scales(sc, mn), _nibbles(q)], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    d, dmin, sc, mn, q = _affine(x.reshape(-1, QK).astype(np.float32), 31)
+    bits = (q.reshape(-1, 4, 2, 32) >> 4) & 1  # (n, chunk j, half, l): bit 2j + half of qh[l]
+    qh = (bits << (2 * np.arange(4)[None, :, None, None] + np.arange(2)[None, None, :, None])).sum((1, 2))
+    return np.concatenate([_header(d, dmin), _pack_scales(sc, mn), qh.astype(np.uint8), _nibbles(q)], axis=1)
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16).astype(np.float32)  # 16 sub-blocks of 16
+    scale = np.abs(sub).max(-1) / 32  # (n, 16): values in -32..31 times scale
+    d = _fp16(scale.max(-1) / 127)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
+    step = (df * sc)[..., None]
+    q = np.clip(np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)), -32, 31) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # (n, half, quarter, l): value 128 * half + 32 * quarter + l
+    ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
+                        axis=2).reshape(-1, 128)  # per half: ql[l] for quarters 0 and 2, ql[32 + l] for 1 and 3
+    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6))
+    return np.concatenate([ql, qh.reshape(-1, 64), sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)], axis=1)
+
+
+QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+
+
+def quantize(w: np.ndarray, type_name: str) -> np.ndarray:
+    """(rows, k) float weights, k a multiple of 256 -> (rows, k / 256 * block bytes) uint8, ggml's layout."""
+    rows, k = w.shape
+    if k % QK:
+        raise ValueError(f"{type_name} rows need a multiple of {QK} values, got {k}")
+    return QUANTIZERS[type_name](w).reshape(rows, -1)

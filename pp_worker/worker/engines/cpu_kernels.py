@@ -1,0 +1,229 @@
+"""Hand-written C kernels for products with GGUF weights on the CPU, run through tinygrad's own program path.
+
+A weight stays as the file's bytes: one uint8 buffer of N rows, each row K / QK blocks of the GGML type (F16 rows
+are K fp16 values). A kernel decodes R rows at a time into float32 vectors in registers or L1 and multiplies them
+with B input rows: decode (B = 1), batched decode (B sessions), and prefill chunks (B tokens) share one template.
+Each block type is a C function that decodes one block into QK / 16 vectors of 16 floats, by the formulas of
+ggml's ``dequantize_row_*`` (the tests check every type against the `gguf` package's numpy dequantizer).
+
+Why C: tinygrad's CPU codegen sums each output row serially and re-derives the dequantization per element;
+these kernels keep 16-wide accumulators over contiguous rows (bench/NOTES.md has the measurements). They run as
+ordinary tinygrad programs: `Tensor.custom_kernel` with an ``Ops.PROGRAM`` whose source tinygrad compiles with its
+own clang compiler (and caches), launched by its CPU runtime on ``threads`` threads (``core_id`` splits the rows),
+captured by TinyJit like any kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+from tinygrad import Context, Device, Tensor, UOp, dtypes
+from tinygrad.helpers import CPU_COUNT
+from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
+
+from pp_worker.worker.engines.gguf_file import type_name
+
+# ggml type -> (elements per block, bytes per block): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+BLOCKS: dict[int, tuple[int, int]] = {1: (32, 64), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
+                                      12: (256, 144), 13: (256, 176), 14: (256, 210)}
+ROWS = 4  # weight rows decoded per step: each input vector loaded once serves ROWS products
+
+HEADER = r"""
+typedef float f16v __attribute__((ext_vector_type(16)));
+typedef float f8v __attribute__((ext_vector_type(8)));
+typedef unsigned char u8x16 __attribute__((ext_vector_type(16)));
+typedef signed char i8x16 __attribute__((ext_vector_type(16)));
+typedef unsigned int u32x16 __attribute__((ext_vector_type(16)));
+typedef unsigned short u16x16 __attribute__((ext_vector_type(16)));
+typedef __fp16 h16x16 __attribute__((ext_vector_type(16)));
+static inline float half_at(const unsigned char* p) { unsigned short h; __builtin_memcpy(&h, p, 2);
+  return (float)__builtin_bit_cast(__fp16, h); }
+static inline u8x16 u8_at(const unsigned char* p) { u8x16 v; __builtin_memcpy(&v, p, 16); return v; }
+static inline f16v f_at(const float* p) { f16v v; __builtin_memcpy(&v, p, 64); return v; }
+static inline f16v fu8(u8x16 v) { return __builtin_convertvector(v, f16v); }
+static inline float hsum(f16v v) {
+  f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+        + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  float r = 0; for (int i = 0; i < 8; i++) r += a[i]; return r; }
+static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+"""
+
+# Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins (ggml's get_scale_min_k4)
+SCALE_MIN = r"""static inline void scale_min(int j, const unsigned char* q, float* sc, float* m) {
+  if (j < 4) { *sc = q[j] & 63; *m = q[j + 4] & 63; }
+  else { *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); } }
+"""
+
+# One block -> w[0 .. QK/16): the block's values in order, as ggml's dequantize_row_<type> computes them.
+DECODERS: dict[int, str] = {
+    1: r"""static inline void decode(const unsigned char* b, f16v* w) {
+  for (int i = 0; i < 2; i++) { u16x16 h; __builtin_memcpy(&h, b + 32 * i, 32);
+    w[i] = __builtin_convertvector(__builtin_bit_cast(h16x16, h), f16v); } }""",
+    2: r"""static inline void decode(const unsigned char* b, f16v* w) {
+  float d = half_at(b); u8x16 q = u8_at(b + 2);
+  w[0] = (fu8(q & 15) - 8.0f) * d; w[1] = (fu8(q >> 4) - 8.0f) * d; }""",
+    3: r"""static inline void decode(const unsigned char* b, f16v* w) {
+  float d = half_at(b), m = half_at(b + 2); u8x16 q = u8_at(b + 4);
+  w[0] = fu8(q & 15) * d + m; w[1] = fu8(q >> 4) * d + m; }""",
+    6: r"""static inline void decode(const unsigned char* b, f16v* w) {
+  float d = half_at(b); unsigned int qh; __builtin_memcpy(&qh, b + 2, 4); u8x16 q = u8_at(b + 6);
+  u32x16 lo = __builtin_convertvector(q & 15, u32x16) | (((qh >> IOTA) & 1) << 4);
+  u32x16 hi = __builtin_convertvector(q >> 4, u32x16) | (((qh >> (IOTA + 16)) & 1) << 4);
+  w[0] = (__builtin_convertvector(lo, f16v) - 16.0f) * d; w[1] = (__builtin_convertvector(hi, f16v) - 16.0f) * d; }""",
+    7: r"""static inline void decode(const unsigned char* b, f16v* w) {
+  float d = half_at(b), m = half_at(b + 2); unsigned int qh; __builtin_memcpy(&qh, b + 4, 4); u8x16 q = u8_at(b + 8);
+  u32x16 lo = __builtin_convertvector(q & 15, u32x16) | (((qh >> IOTA) & 1) << 4);
+  u32x16 hi = __builtin_convertvector(q >> 4, u32x16) | (((qh >> (IOTA + 16)) & 1) << 4);
+  w[0] = __builtin_convertvector(lo, f16v) * d + m; w[1] = __builtin_convertvector(hi, f16v) * d + m; }""",
+    8: r"""static inline void decode(const unsigned char* b, f16v* w) {
+  float d = half_at(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
+  w[0] = __builtin_convertvector(q0, f16v) * d; w[1] = __builtin_convertvector(q1, f16v) * d; }""",
+    12: SCALE_MIN + r"""static inline void decode(const unsigned char* b, f16v* w) {
+  float d = half_at(b), dmin = half_at(b + 2); const unsigned char* s = b + 4; const unsigned char* q = b + 16;
+  for (int j = 0; j < 4; j++) {
+    float sc1, m1, sc2, m2; scale_min(2 * j, s, &sc1, &m1); scale_min(2 * j + 1, s, &sc2, &m2);
+    float d1 = d * sc1, n1 = dmin * m1, d2 = d * sc2, n2 = dmin * m2;
+    for (int h = 0; h < 2; h++) { u8x16 v = u8_at(q + 32 * j + 16 * h);
+      w[4 * j + h] = d1 * fu8(v & 15) - n1; w[4 * j + 2 + h] = d2 * fu8(v >> 4) - n2; } } }""",
+    13: SCALE_MIN + r"""static inline void decode(const unsigned char* b, f16v* w) {
+  float d = half_at(b), dmin = half_at(b + 2); const unsigned char* s = b + 4; const unsigned char* qh = b + 16;
+  const unsigned char* q = b + 48;
+  for (int j = 0; j < 4; j++) {
+    float sc1, m1, sc2, m2; scale_min(2 * j, s, &sc1, &m1); scale_min(2 * j + 1, s, &sc2, &m2);
+    float d1 = d * sc1, n1 = dmin * m1, d2 = d * sc2, n2 = dmin * m2;
+    for (int h = 0; h < 2; h++) { u8x16 v = u8_at(q + 32 * j + 16 * h), hb = u8_at(qh + 16 * h);
+      u8x16 lo = (v & 15) | (((hb >> (2 * j)) & 1) << 4), hi = (v >> 4) | (((hb >> (2 * j + 1)) & 1) << 4);
+      w[4 * j + h] = d1 * fu8(lo) - n1; w[4 * j + 2 + h] = d2 * fu8(hi) - n2; } } }""",
+    # Q6_K: two halves of 128 values, 16 sub-blocks of 16 with int8 scales
+    14: r"""static inline void decode(const unsigned char* b, f16v* w) {
+  const unsigned char* ql = b; const unsigned char* qh = b + 128; const signed char* sc = (const signed char*)(b + 192);
+  float d = half_at(b + 208);
+  for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8, w += 8)
+    for (int h = 0; h < 2; h++) {
+      u8x16 a = u8_at(ql + 16 * h), c = u8_at(ql + 32 + 16 * h), e = u8_at(qh + 16 * h);
+      w[h] = (d * sc[h]) * (fu8((a & 15) | ((e & 3) << 4)) - 32.0f);
+      w[2 + h] = (d * sc[2 + h]) * (fu8((c & 15) | (((e >> 2) & 3) << 4)) - 32.0f);
+      w[4 + h] = (d * sc[4 + h]) * (fu8((a >> 4) | (((e >> 4) & 3) << 4)) - 32.0f);
+      w[6 + h] = (d * sc[6 + h]) * (fu8((c >> 4) | (((e >> 6) & 3) << 4)) - 32.0f); } }""",
+}
+
+# out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads, ROWS rows decoded
+# at a time into wbuf (L1), each then multiplied with the B rows of x. Only K is fixed in the source (it sizes
+# wbuf and unrolls), so a model needs one kernel per (type, K), whatever its row counts and call sizes.
+KERNEL = r"""
+void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict dims,
+          int core_id) {
+  enum { K = %(k)d, R = %(rows)d, QK = %(qk)d, BB = %(bb)d, NB = K / QK, V = K / 16 };
+  const int N = dims[0], B = dims[1], T = dims[2];
+  int per = (N / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  f16v wbuf[R][V];
+  for (int n = n0; n < n1; n += R) {
+    int r_n = n1 - n < R ? n1 - n : R;
+    for (int r = 0; r < r_n; r++)
+      for (int j = 0; j < NB; j++) decode(w + (long)(n + r) * NB * BB + j * BB, &wbuf[r][j * (QK / 16)]);
+    for (int bi = 0; bi < B; bi++) {
+      const float* xb = x + (long)bi * K;
+      f16v acc[R] = {0};
+      for (int v = 0; v < V; v++) {
+        f16v xv = f_at(xb + 16 * v);
+        for (int r = 0; r < R; r++) acc[r] += wbuf[r][v] * xv;
+      }
+      for (int r = 0; r < r_n; r++) out[(long)bi * N + n + r] = hsum(acc[r]);
+    }
+  }
+}
+"""
+
+# out (B, K) float32 = rows idx[b] of W decoded; dims = {N, B}: an embedding lookup that reads only the rows it gathers
+GATHER = r"""
+void NAME(float* restrict out, const unsigned char* restrict w, const int* restrict idx, const int* restrict dims,
+          int core_id) {
+  enum { K = %(k)d, QK = %(qk)d, BB = %(bb)d, NB = K / QK };
+  const int N = dims[0], B = dims[1];
+  f16v v[QK / 16];
+  for (int t = 0; t < B; t++) {
+    int r = idx[t] < 0 || idx[t] >= N ? 0 : idx[t];  /* ids are checked by the protocol layer; never read outside W */
+    for (int j = 0; j < NB; j++) {
+      decode(w + (long)r * NB * BB + j * BB, v);
+      for (int i = 0; i < QK / 16; i++) __builtin_memcpy(out + (long)t * K + j * QK + 16 * i, &v[i], 64);
+    }
+  }
+}
+"""
+
+
+def supported(ggml_type: int, k: int) -> bool:
+    """Whether rows of ``k`` values of ``ggml_type`` have a kernel here (whole blocks)."""
+    return ggml_type in BLOCKS and k % BLOCKS[ggml_type][0] == 0
+
+
+def row_bytes(ggml_type: int, k: int) -> int:
+    qk, bb = BLOCKS[ggml_type]
+    return k // qk * bb
+
+
+def source(template: str, ggml_type: int, k: int, name: str) -> str:
+    """C source of kernel ``name`` from ``template`` (KERNEL or GATHER) for rows of ``k`` values of ``ggml_type``."""
+    qk, bb = BLOCKS[ggml_type]
+    body = template % {"k": k, "rows": ROWS, "qk": qk, "bb": bb}
+    return HEADER + DECODERS[ggml_type] + body.replace("NAME", name)
+
+
+@functools.cache
+def _compiler(device: str) -> ClangJITCompiler:
+    """tinygrad's clang compiler for ``device``'s CPU (whatever renderer the device uses for its own kernels)."""
+    return ClangJITCompiler(Device[device].arch.split(","))
+
+
+@functools.cache
+def _binary(template: str, ggml_type: int, k: int, device: str) -> tuple[str, str, bytes]:
+    """(name, source, machine code) of one kernel, compiled once per process (and cached on disk by tinygrad)."""
+    name = f"{type_name(ggml_type).lower()}_{'gather' if template is GATHER else 'mm'}_{k}"
+    src = source(template, ggml_type, k, name)
+    return name, src, _compiler(device).compile_cached(src)
+
+
+@functools.cache
+def _dims(device: str, *values: int) -> Tensor:
+    """The realized int32 ``dims`` argument of a kernel call, made once per shape."""
+    return Tensor(list(values), dtype=dtypes.int32, device=device).realize()
+
+
+def _call(template: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, dims: tuple[int, ...],
+          threads: int) -> Tensor:
+    """``out`` after the kernel ran on (out, w, x, dims) on ``threads`` threads (``core_id`` 0..threads-1)."""
+    # the first call of a kernel or shape may come while tinygrad traces a block (`function`, which forbids device
+    # use to catch stray realizes): compiling our source and realizing a constant of our own are safe there
+    with Context(ALLOW_DEVICE_USAGE=1):
+        name, src, lib = _binary(template, ggml_type, k, x.device)
+        dims_t = _dims(x.device, *dims)
+
+    def fxn(*params: UOp) -> UOp:
+        core = UOp.variable("core_id", 0, threads - 1, dtypes.int)
+        sink = UOp.sink(*params, core, arg=KernelInfo(name=name))
+        info = ProgramInfo(name=name, global_size=(threads, 1, 1), local_size=None, vars=(core,),
+                           globals=(0, 1, 2, 3), outs=(0,), ins=(1, 2, 3))
+        return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=x.device), UOp(Ops.LINEAR, src=(*sink.src, sink)),
+                                     UOp(Ops.SOURCE, arg=src), UOp(Ops.BINARY, arg=lib)), arg=info)
+    return Tensor.custom_kernel(out, w, x, dims_t, fxn=fxn)[0]
+
+
+def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
+    """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes)."""
+    lead = x.shape[:-1]
+    b = math.prod(lead)
+    threads = max(1, min(CPU_COUNT.value, n // ROWS))
+    out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
+    xs = x.reshape(b, k).cast(dtypes.float32).contiguous()
+    return _call(KERNEL, out, raw, xs, ggml_type, k, (n, b, threads), threads).reshape(*lead, n)
+
+
+def gather(idx: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
+    """Rows ``idx`` (...) of the (n, k) weight held as ``raw``, decoded: (..., k) float32."""
+    lead = idx.shape
+    t = math.prod(lead)
+    out = Tensor.empty(t, k, dtype=dtypes.float32, device=idx.device)
+    ids = idx.reshape(t).cast(dtypes.int32).contiguous()
+    return _call(GATHER, out, raw, ids, ggml_type, k, (n, t), 1).reshape(*lead, k)

@@ -1,0 +1,87 @@
+"""How a stage multiplies by its matrices: a weight is either fp16 values or the GGUF file's own bytes, and a
+product runs either through the hand-written CPU kernels (`cpu_kernels`) or through tinygrad's own ops.
+
+- ``kernels="c"`` (the CPU's default): every matrix whose type has a kernel is held as its file bytes
+  (`PackedWeight`), F16 included, and every product, one token or a prefill chunk, is one C kernel that decodes
+  the rows as it reads them. The embedding lookup decodes only the rows it gathers.
+- ``kernels="tinygrad"`` (other devices): F16 weights are native fp16 buffers, as before; a quantized weight stays
+  packed and is expanded by a tinygrad expression inside the compiled forward (`dequantize`), which tinygrad
+  fuses into the kernels that read it.
+
+Either way a quantized weight is never expanded into memory of its own: a stage holds its share of the file.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinygrad import Tensor
+
+from pp_worker.worker.engines import cpu_kernels
+from pp_worker.worker.engines.base import device_kind
+
+KERNELS = ("c", "tinygrad")
+
+
+def default_kernels(device: str) -> str:
+    """"c" on the CPU, "tinygrad" elsewhere (the C kernels are CPU code)."""
+    return "c" if device_kind(device) == "CPU" else "tinygrad"
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """An (n, k) matrix held as its GGUF bytes: ``raw`` is a uint8 (n, row_bytes) tensor of ``ggml_type`` rows."""
+
+    raw: Tensor
+    ggml_type: int
+    shape: tuple[int, int]
+
+
+def dequantize(raw: Tensor, ggml_type: int, k: int) -> Tensor:
+    """Rows of GGUF bytes (..., row_bytes) -> (..., k) values, as a lazy tinygrad expression (fused by the JIT into
+    the kernels that read it). Float32 for the quantized types, float16 for F16."""
+    from tinygrad.llm.gguf import ggml_data_to_tensor
+
+    lead = raw.shape[:-1]
+    n = 1
+    for d in lead:
+        n *= d
+    return ggml_data_to_tensor(raw.reshape(-1), n * k, ggml_type).reshape(*lead, k)
+
+
+def gather_rows(table: Tensor, idx: Tensor) -> Tensor:
+    """Rows ``idx`` (...) of ``table`` (n, w) by a one-hot sum, in the table's own dtype (as tinygrad's nn.Embedding
+    does: no gather instruction on every device): (..., w)."""
+    hot = Tensor.arange(table.shape[0], device=table.device) == idx.unsqueeze(-1)  # (..., n)
+    return hot.unsqueeze(-1).where(table, 0).sum(-2, dtype=table.dtype)
+
+
+class Linear:
+    """y = x W^T (+ bias), W (n, k): a projection or the head. Output float32."""
+
+    def __init__(self, weight: Tensor | PackedWeight, bias: Tensor | None = None, kernels: str = "tinygrad"):
+        self.weight, self.bias, self.kernels = weight, bias, kernels
+
+    def __call__(self, x: Tensor) -> Tensor:  # (..., k) -> (..., n)
+        w = self.weight
+        if not isinstance(w, PackedWeight):
+            return x.linear(w.transpose(), self.bias)
+        if self.kernels == "c":
+            y = cpu_kernels.matmul(x, w.raw, w.ggml_type, *w.shape)
+            return y if self.bias is None else y + self.bias
+        return x.linear(dequantize(w.raw, w.ggml_type, w.shape[1]).transpose(), self.bias)
+
+
+class Embedding:
+    """Token ids (...) -> their rows of the (vocab, dim) table, float32 (...,  dim)."""
+
+    def __init__(self, weight: Tensor | PackedWeight, kernels: str = "tinygrad"):
+        self.weight, self.kernels = weight, kernels
+
+    def __call__(self, idx: Tensor) -> Tensor:
+        w = self.weight
+        if not isinstance(w, PackedWeight):
+            return gather_rows(w, idx).float()
+        if self.kernels == "c":
+            return cpu_kernels.gather(idx, w.raw, w.ggml_type, *w.shape)
+        return dequantize(gather_rows(w.raw, idx), w.ggml_type, w.shape[1]).float()  # only the gathered rows
