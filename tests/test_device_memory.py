@@ -2,7 +2,8 @@
 nothing is zero-copy and host <-> device copies refuse read-only host memory, as CUDA's do.
 
 Before these tests, nothing in the suite left the CPU's zero-copy paths, which is how a loader that hands
-``memoryview(bytes)`` to ``Buffer.copyin`` reached an H200 ("underlying buffer is not writable").
+``memoryview(bytes)`` to ``Buffer.copyin`` reached an H200 ("underlying buffer is not writable"). The stage that
+serves runs a quantized file (Q4_1): its packed weights go through copyin too.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ PROMPTS = ([5, 9, 11, 3, 7, 2], [4, 8, 1], list(range(20, 57)))  # 37 tokens: 32
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return generate(tmp_path_factory.mktemp("devmem") / "tiny.gguf", preset="tiny", seed=3)
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("devmem")
+    return {dt: generate(d / f"tiny-{dt}.gguf", preset="tiny", seed=3, dtype=dt) for dt in ("F16", "Q4_1")}
 
 
 def test_device_memory_refuses_what_cuda_refuses() -> None:
@@ -44,11 +46,12 @@ def _weights(model: Path, stage: int) -> dict[str, np.ndarray]:
             for k, v in nn.state.get_state_dict(obj).items()}
 
 
+@pytest.mark.parametrize("dtype", ["F16", "Q4_1"])
 @pytest.mark.parametrize("stage", [0, 1])
-def test_the_loader_reads_identical_weights_through_copyin(model: Path, stage: int) -> None:
-    want = _weights(model, stage)  # read in place, into the CPU's own memory
+def test_the_loader_reads_identical_weights_through_copyin(models: dict[str, Path], dtype: str, stage: int) -> None:
+    want = _weights(models[dtype], stage)  # read in place, into the CPU's own memory
     with device_memory():
-        got = _weights(model, stage)  # a staging copy, then copyin
+        got = _weights(models[dtype], stage)  # a staging copy, then copyin
     assert want.keys() == got.keys() and all(np.array_equal(want[k], got[k]) for k in want)
 
 
@@ -77,8 +80,8 @@ def _serve(model: Path, warmup: bool) -> list[bytes]:
     return out
 
 
-def test_a_stage_serves_the_same_bytes_with_device_memory(model: Path) -> None:
-    want = _serve(model, warmup=False)
+def test_a_stage_serves_the_same_bytes_with_device_memory(models: dict[str, Path]) -> None:
+    want = _serve(models["Q4_1"], warmup=False)
     with device_memory():
-        got = _serve(model, warmup=True)
+        got = _serve(models["Q4_1"], warmup=True)
     assert len(got) == len(want) and all(a == b for a, b in zip(got, want, strict=True))

@@ -106,6 +106,8 @@ def test_preset_sizes():
     assert 0.1e6 <= mg.param_count(*_spec_and_vocab("tiny")) <= 0.3e6
     assert 0.7e6 <= mg.param_count(*_spec_and_vocab("small")) <= 1.3e6
     assert 20e6 <= mg.param_count(*_spec_and_vocab("bench")) <= 40e6
+    kq = mg.PRESETS["kq"][0]
+    assert kq.dim % 256 == 0 and kq.ffn_dim % 256 == 0  # every K-quant type fits every matrix
 
 
 def _spec_and_vocab(preset: str) -> tuple[mg.LlamaSpec, int]:
@@ -147,6 +149,44 @@ def test_q8_0_matches_ggml_reference_rounding():
     q = np.trunc(x.reshape(-1, 32) * (np.float32(1) / d) + np.copysign(np.float32(0.5), x.reshape(-1, 32)))  # roundf
     np.testing.assert_array_equal(blocks[:, :2].copy().view(np.float16), d.astype(np.float16))
     np.testing.assert_array_equal(blocks[:, 2:].copy().view(np.int8), q.astype(np.int8))
+
+
+@pytest.mark.parametrize("type_name, levels", [("Q4_K", 15), ("Q5_K", 31), ("Q6_K", 63)])
+def test_k_quant_packer_round_trips_through_gguf_dequantize(type_name, levels):
+    """The test-only packer (testing.kquants), read back by the gguf package's own dequantizer: every value within
+    one step of its sub-block (range / levels, plus the 6-bit rounding of the scales), and zeros stay zero."""
+    from gguf import GGMLQuantizationType, quants
+
+    from pp_worker.testing import kquants
+
+    x = np.random.default_rng(5).standard_normal((6, 512)).astype(np.float32)
+    x[0, :256] = 0.0  # a block of zeros: no division by a zero scale
+    data, qtype = mg._encode_tensor(x, type_name)
+    assert qtype == GGMLQuantizationType[type_name] and data.shape == (6, 2 * kquants.BLOCK_BYTES[type_name])
+    back = quants.dequantize(data, qtype).reshape(x.shape)
+    sub = 16 if type_name == "Q6_K" else 32
+    step = np.ptp(x.reshape(-1, sub), -1).max() / levels
+    assert np.abs(back - x).max() <= step and np.all(back[0, :256] == 0)
+    assert np.sqrt(((back - x) ** 2).mean()) < step / 2
+
+
+def test_q4_k_m_mixes_as_llama_cpp_does():
+    spec, vocab_size = _spec_and_vocab("kq")
+    types = mg.tensor_types(spec, vocab_size, "Q4_K_M")
+    n = spec.n_layers  # 6: n / 8 is 0, so use_more_bits holds for blocks 2 (every third) and 5 (and the last eighth)
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q4_K"
+    assert [types[f"blk.{i}.ffn_down.weight"] for i in range(n)] == ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K"]
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(n)] == [types[f"blk.{i}.ffn_down.weight"] for i in range(n)]
+    assert {types[f"blk.{i}.attn_q.weight"] for i in range(n)} == {"Q4_K"} and types["blk.0.attn_norm.weight"] == "F32"
+
+
+def test_mixed_files_hold_every_type_in_any_two_consecutive_blocks():
+    spec, vocab_size = _spec_and_vocab("kq")
+    types = mg.tensor_types(spec, vocab_size, "MIXED")
+    for i in range(spec.n_layers - 1):
+        pair = (f"blk.{i}.", f"blk.{i + 1}.")
+        held = {t for name, t in types.items() if name.startswith(pair) and "norm" not in name}
+        assert held == {"F16", *mg.QUANT_TYPES}, i
 
 
 def test_main_writes_file(tmp_path, capsys):

@@ -142,6 +142,8 @@ def run_engines(model: str, prefill_chunk: int) -> list[str]:
     done = []
     with device_memory():
         first, last = (TinygradEngine(model, s, 2, max_context=160, prefill_chunk=prefill_chunk) for s in (0, 1))
+        held = sorted({kind for e in (first, last) for kind in e.describe()["weights"] if kind != "F16"})
+        done.append(f"packed weights: {', '.join(held) or 'none'}")
         first.warmup()
         last.warmup()
         done.append("warm-up")
@@ -163,7 +165,8 @@ def run_engines(model: str, prefill_chunk: int) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pp_worker.testing.cudagraph", description=__doc__.splitlines()[0])
-    ap.add_argument("--model", help="a .gguf (default: the generator's tiny preset)")
+    ap.add_argument("--model", help="a .gguf (default: the generator's tiny preset as Q4_1: packed weights, expanded "
+                                    "inside the kernels as on a GPU)")
     ap.add_argument("--prefill-chunk", type=int, default=32, help="PP_PREFILL_CHUNK (default 32; GPUs use 128)")
     args = ap.parse_args(argv)
     graph = install()
@@ -175,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     if model is None:
         from pp_worker.testing.modelgen import generate
 
-        model = str(generate(Path(tempfile.mkdtemp()) / "tiny.gguf", "tiny"))
+        model = str(generate(Path(tempfile.mkdtemp()) / "tiny-q4_1.gguf", "tiny", dtype="Q4_1"))
     try:
         for step in run_engines(model, args.prefill_chunk):
             print(f"ok: {step}")

@@ -71,8 +71,9 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 16, 16).astype(np.float32)  # 16 sub-blocks of 16
-    scale = np.abs(sub).max(-1) / 32  # (n, 16): values in -32..31 times scale
-    d = _fp16(scale.max(-1) / 127)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]  # (n, 16), signed
+    scale = -peak / 32  # the largest magnitude lands on -32, the one level without a positive twin (as ggml does)
+    d = _fp16(np.abs(scale).max(-1) / 127)
     df = d.astype(np.float32)[:, None]
     sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
     step = (df * sc)[..., None]
@@ -85,6 +86,7 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
 
 
 QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def quantize(w: np.ndarray, type_name: str) -> np.ndarray:

@@ -134,9 +134,11 @@ class TinygradEngine:
 
     def __init__(self, model: str, stage: int, num_stages: int, *, max_context: int | None = None,
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
-                 max_batch: int = 8, beam: int = 0, emit: Callable[..., None] = lambda kind, **f: None):
+                 max_batch: int = 8, beam: int = 0, kernels: str | None = None, keep_quantized: bool = True,
+                 emit: Callable[..., None] = lambda kind, **f: None):
         self.device = Device.DEFAULT
-        self._w = load_stage(model, stage, num_stages, max_context, emit=emit)
+        self._w = load_stage(model, stage, num_stages, max_context, emit=emit, kernels=kernels,
+                             keep_quantized=keep_quantized)
         cfg, kv = self._w.config, self._w.kv
         self.shard = self._w.shard
         bos, add_bos = bos_token(kv)

@@ -1,0 +1,88 @@
+"""Quantized files kept quantized (engines.weights, cpu_kernels) through whole chains of stage engines: every block
+type on 2 and 3 stages gives the tokens of the dequantize-at-load path and stays within the float64 reference's
+tolerance; so does a Q4_K_M-like mix. The models: ``kq`` (dim 256, 6 blocks, every width a multiple of 256), as
+MIXED (all nine kept types cycling over the matrices: any two consecutive blocks hold every one, so every stage of
+2 or 3 holds every type) and as Q4_K_M."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pp_worker.testing.chain import Chain
+from pp_worker.testing.modelgen import QUANT_TYPES, generate
+from pp_worker.testing.npref import RefModel
+
+MAX_CONTEXT = 64
+N_TOKENS = 8
+LOGIT_ATOL_FP64 = 3e-2  # as tests/test_tinygrad_engine.py: fp32 compute, fp16 stage boundaries vs float64
+LOGIT_ATOL_FP16_WEIGHTS = 3e-2  # dequantized-at-load weights are rounded to fp16 once; kept ones are not
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> dict[str, Path]:
+    d = tmp_path_factory.mktemp("quantized")
+    return {dt: generate(d / f"kq-{dt}.gguf", "kq", seed=3, dtype=dt) for dt in ("MIXED", "Q4_K_M")}
+
+
+@pytest.fixture(scope="module")
+def chains(models):
+    built: dict[tuple[str, int, bool], Chain] = {}
+
+    def get(dtype: str, num_stages: int, keep_quantized: bool = True) -> Chain:
+        key = (dtype, num_stages, keep_quantized)
+        if key not in built:
+            built[key] = Chain(models[dtype], num_stages, MAX_CONTEXT, prefill_chunk=8, keep_quantized=keep_quantized)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    rng = np.random.default_rng(4)
+    return [rng.integers(3, 700, n).tolist() for n in (5, 19)]  # 19: calls of 8, 8, 2, 1
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_every_type_kept_packed_gives_the_tokens_of_dequantize_at_load(chains, prompts, num_stages):
+    packed, loaded = chains("MIXED", num_stages), chains("MIXED", num_stages, keep_quantized=False)
+    for stage in packed.engines:  # every stage holds every type, as the file's bytes
+        held = stage.describe()
+        assert set(held["weights"]) == {"F16", *QUANT_TYPES} and held["weights_converted"] == {}
+    for stage in loaded.engines:
+        held = stage.describe()
+        assert set(held["weights"]) == {"F16"} and set(held["weights_converted"]) == set(QUANT_TYPES)
+    for rid, prompt in enumerate(prompts):
+        got, got_logits = packed.generate(rid, prompt, N_TOKENS)
+        want, want_logits = loaded.generate(rid, prompt, N_TOKENS)
+        assert got == want, f"prompt {rid}"
+        np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), rtol=0, atol=LOGIT_ATOL_FP16_WEIGHTS)
+
+
+@pytest.mark.parametrize("dtype, num_stages, keep", [("MIXED", 2, True), ("MIXED", 3, True), ("MIXED", 2, False),
+                                                     ("Q4_K_M", 2, True), ("Q4_K_M", 3, True)])
+def test_quantized_chains_match_the_float64_reference(chains, models, prompts, dtype, num_stages, keep):
+    c, ref = chains(dtype, num_stages, keep), RefModel.from_gguf(models[dtype])
+    prompt = prompts[1]
+    tokens, logits = c.generate(100, prompt, N_TOKENS)
+    want = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]  # the positions the chain predicted from
+    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)
+    assert tokens == ref.greedy(prompt, N_TOKENS)
+    c.release(100)
+
+
+def test_q4_k_m_stages_hold_their_share_of_the_file(chains, models):
+    """Each stage holds its tensors' bytes of the file (norm gains, F32 there, as fp16) and nothing expanded."""
+    from pp_worker.worker.engines.gguf_file import read_header
+
+    header = read_header(models["Q4_K_M"])
+    c = chains("Q4_K_M", 3)
+    for stage in c.engines:
+        held = stage.describe()
+        assert set(held["weights"]) <= {"Q4_K", "Q6_K", "F16"} and held["weights_converted"] == {}
+        infos = [header.tensors[n] for n in stage.loaded_tensors]
+        assert held["weight_bytes"] == sum(i.nbytes if len(i.shape) == 2 else 2 * i.n_elements for i in infos)
+    assert sum(len(s.loaded_tensors) for s in c.engines) == len(header.tensors)  # each tensor on one stage
