@@ -118,6 +118,22 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
   enum { K = %(k)d, R = %(rows)d, QK = %(qk)d, BB = %(bb)d, NB = K / QK, V = K / 16 };
   const int N = dims[0], B = dims[1], T = dims[2];
   int per = (N / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  if (B == 1) {  /* one row of x: each block decoded into registers and used at once */
+    for (int n = n0; n < n1; n++) {
+      const unsigned char* row = w + (long)n * NB * BB;
+      f16v acc0 = 0, acc1 = 0;
+      for (int j = 0; j < NB; j++) {
+        f16v v[QK / 16];
+        decode(row + j * BB, v);
+        for (int i = 0; i < QK / 16; i += 2) {
+          acc0 += v[i] * f_at(x + j * QK + 16 * i);
+          acc1 += v[i + 1] * f_at(x + j * QK + 16 * i + 16);
+        }
+      }
+      out[n] = hsum(acc0 + acc1);
+    }
+    return;
+  }
   f16v wbuf[R][V];
   for (int n = n0; n < n1; n += R) {
     int r_n = n1 - n < R ? n1 - n : R;

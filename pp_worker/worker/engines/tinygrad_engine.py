@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
 
+from pp_worker.worker.engines import cpu_graph
 from pp_worker.worker.engines.base import ModelInfo, device_kind
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
@@ -139,6 +140,8 @@ class TinygradEngine:
         self.device = Device.DEFAULT
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit, kernels=kernels,
                              keep_quantized=keep_quantized)
+        # on the CPU with its own kernels, JITs replay from one native call (cpu_graph); else tinygrad's graph
+        self.native_graph = self._w.kernels == "c" and cpu_graph.install(self.device)
         cfg, kv = self._w.config, self._w.kv
         self.shard = self._w.shard
         bos, add_bos = bos_token(kv)
@@ -168,7 +171,8 @@ class TinygradEngine:
         """What the ready line and `status` report about how this stage runs."""
         return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
                 "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
-                "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe()}
+                "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe(),
+                "graph": "native" if self.native_graph else "tinygrad"}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.

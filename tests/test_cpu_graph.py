@@ -1,0 +1,91 @@
+"""JIT replays on the CPU from one native call (engines.cpu_graph.NativeGraph) against tinygrad's own graph: the same
+kernels with the same arguments give bit-identical results, through input buffers that change per call (a session's
+KV cache), symbolic positions, multi-threaded kernels and the C kernels of engines.cpu_kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from tinygrad import Device, Tensor, TinyJit, UOp
+from tinygrad.engine.realize import graph_cache
+
+from pp_worker.testing.chain import Chain
+from pp_worker.testing.modelgen import generate
+from pp_worker.worker.engines import cpu_graph, cpu_kernels
+from pp_worker.worker.engines.cpu_graph import NativeGraph
+
+pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the native graph is x86-64 Linux only")
+
+
+def _step_fn(weight: Tensor):
+    pos = UOp.variable("pos", 0, 15)
+
+    def step(x: Tensor, cache: Tensor, p: UOp) -> Tensor:
+        y = cpu_kernels.matmul(x, weight, 8, 64, 64)  # a C kernel (Q8_0), on every thread
+        cache[p:p + 1].assign(y.reshape(1, 64)).realize()  # written into the argument buffer at the position
+        return (cache[:p + 1].sum(0) * 0.5 + y.exp()).contiguous().sum(keepdim=True).realize()  # tinygrad's kernels
+    return step, pos
+
+
+def _replays(graph_on: bool) -> tuple[list[np.ndarray], list[type]]:
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(0)
+    weight = Tensor(quants.quantize(rng.standard_normal((64, 64)).astype(np.float32) * 0.1,
+                                    GGMLQuantizationType.Q8_0)).realize()
+    caches = [Tensor.zeros(16, 64).contiguous().realize() for _ in range(2)]
+    step, pos = _step_fn(weight)
+    jit = TinyJit(step)
+    outs = []
+    for i in range(8):  # captures on the second call, then replays, alternating the caches and moving positions
+        x = Tensor(rng.standard_normal((1, 64)).astype(np.float32)).realize()
+        outs.append(jit(x, caches[i % 2], pos.bind(i // 2)).numpy().copy())
+    outs += [c.numpy() for c in caches]
+    graphs = [type(graph_cache[c.src[0]]) for c in jit.captured.linear.src if c.src[0] in graph_cache]
+    return outs, graphs
+
+
+def test_native_replays_are_bit_identical_to_tinygrads_graph():
+    with cpu_graph.tinygrads_graph(Device.DEFAULT):
+        want, want_graphs = _replays(graph_on=False)
+    assert cpu_graph.install(Device.DEFAULT)
+    got, got_graphs = _replays(graph_on=True)
+    assert got_graphs and all(g is NativeGraph for g in got_graphs)
+    assert want_graphs and not any(g is NativeGraph for g in want_graphs)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_a_stage_decodes_the_same_bits_with_either_graph(tmp_path):
+    model = generate(tmp_path / "tiny.gguf", "tiny", seed=1, dtype="Q8_0")
+    prompt = [5, 9, 11, 3, 7, 2, 40, 41, 42]
+
+    def run() -> tuple[list[int], list[np.ndarray], list[bool]]:
+        c = Chain(model, 2, 32, prefill_chunk=4)
+        tokens, logits = c.generate(0, prompt, 6)
+        return tokens, logits, [e.native_graph for e in c.engines]
+
+    with cpu_graph.tinygrads_graph(Device.DEFAULT):
+        want_tokens, want_logits, _ = run()
+    tokens, logits, native = run()
+    assert all(native)
+    assert tokens == want_tokens and all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
+def test_a_kernel_with_more_arguments_than_a_row_runs_outside_the_table():
+    assert cpu_graph.install(Device.DEFAULT)
+    n = cpu_graph.MAX_ARGS + 2
+    parts = [Tensor.full((8,), float(i)).contiguous().realize() for i in range(n)]
+
+    def add_all(x: Tensor) -> Tensor:
+        wide = (x + 1).contiguous().realize()  # a kernel that fits a row, before and after the wide one
+        for p in parts:
+            wide = wide + p  # one kernel reading n + 1 buffers
+        return (wide.contiguous().realize() * 2).contiguous().realize()
+
+    jit = TinyJit(add_all)
+    for k in range(4):
+        x = Tensor.full((8,), float(k)).contiguous().realize()
+        assert np.array_equal(jit(x).numpy(), np.full(8, 2.0 * (k + 1 + sum(range(n))), np.float32))
+    calls = jit.captured.linear.src
+    programs = [c for c in calls if c.src[0].op.name == "PROGRAM"]
+    assert any(len(c.src[0].arg.globals) > cpu_graph.MAX_ARGS for c in programs)  # left out of any graph
