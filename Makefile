@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench gpu-check model clean
+.PHONY: install test lint demo bench gpu-check model peers clean
 
 install: $(STAMP)
 
@@ -42,9 +42,23 @@ bench: install
 gpu-check: install
 	$(BIN)/python -m bench.gpu $(GPU_CHECK_ARGS)
 
+# Optional: llama.cpp (llama-cpp-python, built from source into .venv-peers/, ~8 minutes) for make bench's peer
+# rows. A native build crashes on these VMs: the instruction sets are named instead.
+PEERS := .venv-peers
+LLAMA_CPP_PYTHON := llama-cpp-python==0.3.16
+peers: $(PEERS)/.installed-stamp
+
+$(PEERS)/.installed-stamp:
+	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
+	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
+	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
+		$(PEERS)/bin/python -m pip install --quiet --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
+	$(PEERS)/bin/python -c "import llama_cpp"
+	touch $@
+
 # Rebuild the embedded demo model from the Zen of Python (deterministic; takes a few minutes).
 model: install
 	$(BIN)/python tools/train_demo.py --out pp_worker/data/zen.gguf
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) build *.egg-info .pytest_cache .ruff_cache

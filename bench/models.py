@@ -13,12 +13,12 @@ from pathlib import Path
 from typing import Any
 
 from pp_worker.testing.modelgen import builtin_text, generate
-from pp_worker.worker.engines.gguf_loader import GGUFHeader, read_header
+from pp_worker.worker.engines.gguf_loader import GGUFHeader, TensorInfo, read_header
 from pp_worker.worker.shard import Shard
 
 CACHE = Path(__file__).resolve().parent / "models"
 KV_BYTES = 4  # the KV caches are float32, the CPU's default (PP_KV_DTYPE; make bench runs on the CPU)
-WEIGHT_BYTES = 2  # every weight is held as fp16 (HALF=1), whatever its type in the file
+WEIGHT_BYTES = 2  # a weight held as fp16 values (HALF=1): tinygrad's own way with every type, and norm gains here
 
 
 def ensure_model(preset: str, seed: int = 0, dtype: str = "F16", *, isolated: bool = False) -> Path:
@@ -61,15 +61,30 @@ def facts(path: Path) -> ModelFacts:
 
 
 def stage_shares(path: Path, num_stages: int, max_context: int) -> list[tuple[int, int]]:
-    """(weight bytes in memory, one session's KV bytes) of each stage, as the stage loader splits the model."""
+    """(weight bytes in memory, one session's KV bytes) of each stage, as the stage loader splits the model and
+    holds it on the CPU: matrices as the file's bytes (a type with a kernel), norm gains as fp16."""
     h, f = read_header(path), facts(path)
     out = []
     for stage in range(num_stages):
         shard = Shard.of(stage, num_stages, f.n_blocks)
-        names = _stage_tensors(h, shard)
-        weights = sum(h.tensors[n].n_elements for n in names) * WEIGHT_BYTES
+        weights = sum(_held(h.tensors[n]) for n in _stage_tensors(h, shard))
         out.append((weights, f.kv_bytes(shard.end - shard.start, max_context)))
     return out
+
+
+def file_shares(path: Path, num_stages: int) -> list[int]:
+    """Each stage's tensors' bytes in the file: its share of the file."""
+    h, f = read_header(path), facts(path)
+    return [sum(h.tensors[n].nbytes or 0 for n in _stage_tensors(h, Shard.of(stage, num_stages, f.n_blocks)))
+            for stage in range(num_stages)]
+
+
+def _held(t: TensorInfo) -> int:
+    from pp_worker.worker.engines.cpu_kernels import supported
+
+    if len(t.shape) == 2 and supported(t.ggml_type, t.shape[1]):
+        return t.nbytes or 0
+    return t.n_elements * WEIGHT_BYTES
 
 
 def _stage_tensors(h: GGUFHeader, shard: Shard) -> list[str]:

@@ -30,6 +30,8 @@ S5 = "5 protocol overhead, no model"
 S6 = "6 peak RSS (VmHWM)"
 S7 = "7 pp-serve endpoint, embedded model"
 S8 = "8 q8 hidden states on the wire (PP_WIRE_DTYPE=q8) against f16"
+S9 = "9 quantized files kept quantized, 2 stages, and llama.cpp on the same files"
+S10 = "10 peak RSS (VmHWM) of quantized stages"
 
 
 def get(raw: dict[str, Any], *path: str) -> Any:
@@ -48,7 +50,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[int, int]]]) -> list[Row]:
     return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
-            *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8"))]
+            *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
+            *quantized(raw.get("quant")), *quant_memory(raw.get("qrss"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -287,4 +290,73 @@ def wire_q8(q: dict[str, Any] | None) -> list[Row]:
         rows += [Row(S8, f"{label}, q8", q8, "MB/s", note="MB of the fp16 hidden state; q8 encode + decode included"),
                  Row(S8, f"{label}, f16", f16, "MB/s", note="measured next to it"),
                  Row(S8, f"  {label}: q8 / f16", ratio(q8, f16), "x")]
+    return rows
+
+
+QUANT_TARGETS = {"Q8_0": 1.4, "Q4_K_M": 1.6}  # decode / the F16 file's (issue 17)
+PEER_TARGET = 0.5  # 2 stages / llama.cpp's one process on the same file (issue 19)
+
+
+def quantized(q: dict[str, Any] | None) -> list[Row]:
+    """Section 9: decode in rounds in turn (pipelines and llama.cpp), prefill, load, on F16 and quantized files."""
+    if not q:
+        return [Row(S9, "quantized files", None, "tok/s", note="not measured (section quant not run, or it failed)")]
+    from bench.quant import median_ratio
+
+    rounds, rows = q["rounds"], []
+    for dt, size in q["file_bytes"].items():
+        rates = [r[f"pp2 {dt}"] for r in rounds]
+        rows.append(Row(S9, f"{dt} file ({size / MIB:.0f} MiB): 2 stages decode", statistics.median(rates), "tok/s",
+                        note=f"median of {len(rates)} rounds taken in turn with the other files' pipelines"))
+        if dt != "F16":
+            rows.append(Row(S9, f"  {dt} / F16 decode", median_ratio(rounds, f"pp2 {dt}", "pp2 F16"), "x",
+                            QUANT_TARGETS.get(dt), note="median of the rounds' ratios"))
+    for dt in (d for d in q["file_bytes"] if any(f"llama.cpp {d}" in r for r in rounds)):
+        rates = [r[f"llama.cpp {dt}"] for r in rounds]
+        rows += [Row(S9, f"llama.cpp one process, {dt} file", statistics.median(rates), "tok/s",
+                     note=f"{q['peer_info'].get(dt) or ''}"[:160]),
+                 Row(S9, f"  2 stages / llama.cpp, {dt}", median_ratio(rounds, f"pp2 {dt}", f"llama.cpp {dt}"), "x",
+                     PEER_TARGET, note="median of the rounds' ratios, both decoding the same file in the same round")]
+    if q.get("peers_skipped"):
+        rows.append(Row(S9, "llama.cpp one process", None, "tok/s", note=q["peers_skipped"]))
+    return rows + _quant_prefill_and_load(q)
+
+
+def _quant_prefill_and_load(q: dict[str, Any]) -> list[Row]:
+    rows = []
+    f16_prefill, f16_load = statistics.median(q["prefill_s"]["F16"]), statistics.median(q["load_s"]["F16"])
+    for dt, times in q["prefill_s"].items():
+        t = statistics.median(times)
+        rows.append(Row(S9, f"{dt}: {q['prefill_tokens']}-token prompt, time to first token", t, "s",
+                        note=f"median of {len(times)}; each stage's peak RSS "
+                             f"{', '.join(number(m) for m in q['peak_rss_mb'][dt])} MiB"))
+        if dt != "F16":
+            rows.append(Row(S9, f"  {dt} prefill speed / F16's", ratio(f16_prefill, t), "x", 0.8,
+                            note="the F16 file's time over this file's"))
+    for dt, times in q["load_s"].items():
+        t = statistics.median(times)
+        rows.append(Row(S9, f"{dt}: start to ready, PP_WARMUP off", t, "s",
+                        note=f"median of {len(times)} starts taken in turn with the other files'"))
+        if dt != "F16":
+            rows.append(Row(S9, f"  {dt} / F16 load time", ratio(t, f16_load), "x", 1.0, at_most=True))
+    return rows
+
+
+def quant_memory(r: dict[str, Any] | None) -> list[Row]:
+    """Section 10: each quantized stage's peak against its share of the file + tinygrad's floor + 64 MiB."""
+    if not r:
+        return [Row(S10, "quantized stages", None, "MiB", note="not measured (section qrss not run, or it failed)")]
+    rows = []
+    for dt, entry in ((k, v) for k, v in r.items() if isinstance(v, dict)):
+        floor = get(entry, "idle", "peak_rss_mb")
+        for n in sorted(int(k[2:]) for k in entry if k.startswith("pp")):
+            run = entry[f"pp{n}"]
+            for i, (share, kv, peak) in enumerate(zip(run["file_share"], run["kv"], run["peak_rss_mb"], strict=True)):
+                bound = share / MIB + floor + 64 if floor is not None else None
+                note = f"its tensors in the file {share / MIB:.0f} MiB, KV {kv / MIB:.1f} MiB, " \
+                       f"floor {number(floor)} MiB"
+                if peak is not None and floor is not None:
+                    note += f"; {peak - floor - share / MIB:.0f} MiB above floor + share"
+                rows.append(Row(S10, f"{dt} ({entry['file_bytes'] / MIB:.0f} MiB file), {n} stages: stage {i}",
+                                peak, "MiB", bound, at_most=True, note=note))
     return rows

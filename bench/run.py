@@ -29,12 +29,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import models, pipe, report, rss, serve, solo, wire
+from bench import models, pipe, quant, report, rss, serve, solo, wire
 from bench.machine import CpuMeter, describe
+from bench.quant import say
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8")
+SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -59,16 +60,17 @@ class Plan:
     q8_tokens: int = 64  # section 8: greedy tokens per prompt compared, q8 against f16 on the wire
     rss: rss.RssPlan = rss.RssPlan()  # section 6 on a model whose weights dwarf tinygrad's floor
     serve: serve.ServePlan = serve.ServePlan()  # section 7: pp-serve on the embedded model
+    quant: quant.QuantPlan = quant.QuantPlan()  # sections 9 and 10: quantized files, llama.cpp on the same files
 
 
 FULL = Plan("bench")
 QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
              stub_sequential=300, stub_pipelined=2000, payload_reps=3, q8_tokens=12, rss=rss.RssPlan(preset="bench"),
-             serve=serve.ServePlan(requests=8, max_tokens=8))
+             serve=serve.ServePlan(requests=8, max_tokens=8),
+             quant=quant.QuantPlan(preset="small", decode=12, rounds=2, load_rounds=1, prefill_reps=1,
+                                   rss_preset="bench", rss_stages=(2,)))
 
 
-def say(text: str) -> None:
-    print(f"[bench {time.strftime('%H:%M:%S')}] {text}", file=sys.stderr, flush=True)
 
 
 def attempt(raw: dict[str, Any], key: str, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -346,6 +348,9 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "rss": b.big_rss,
         "serve": lambda out: out.update(serve.measure(plan.serve)),
         "q8": b.q8,
+        "quant": lambda out: out.update(quant.measure(plan.quant, b.prompts, b.prompt_ids["decode"][0], (
+            n := max(plan.ttft_lengths), b.prompts[f"ttft{n}"][0]), b.facts.context)),
+        "qrss": lambda out: out.update(quant.big_rss(plan.quant, lambda m: rss.prompt(m, rss.RssPlan()))),
     }
     try:
         for key in sections:

@@ -145,14 +145,15 @@ def serve(model: str, prompts: dict[str, list[list[int]]], max_context: int, mod
 
 
 class Solo:
-    """A warm one-process baseline in a child (``--serve``), asked for one generation at a time."""
+    """A warm one-process baseline in a child (``--serve``), asked for one generation at a time. ``command``: another
+    child speaking the same protocol (`bench.peer`, llama.cpp), named ``mode``."""
 
-    def __init__(self, model: str, prompt_file: str, max_context: int, mode: str):
+    def __init__(self, model: str, prompt_file: str, max_context: int, mode: str, command: list[str] | None = None):
         self.mode = mode
-        self.proc = subprocess.Popen([sys.executable, "-m", "bench.solo", model, "--serve", "--prompt-file",
-                                      prompt_file, "--max-context", str(max_context), "--mode", mode],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
-        self._read()
+        command = command or [sys.executable, "-m", "bench.solo", model, "--serve", "--prompt-file", prompt_file,
+                              "--max-context", str(max_context), "--mode", mode]
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+        self.ready = self._read()
 
     def decode_times(self, prompt: list[int], decode: int) -> list[float]:
         """Arrival times of a generation's tokens: its first (which ends the prefill), then ``decode`` more."""
