@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import openai
 import pytest
+from conftest import group_gone, group_members
 from serving import Server, request_id
 
 from pp_worker.driver.chat import chat_format
@@ -208,6 +209,19 @@ def test_sigterm_shuts_the_stages_down() -> None:
     for pid in pids:  # reaped by the server before it exited
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_killed_server_leaves_no_worker_running() -> None:
+    s = Server(["--stub", "--stages", "2"], env={"PP_STUB_DELAY_MS": "60000"})  # one forward op: a minute
+    pids = s.stage_pids()
+    conn = http.client.HTTPConnection(s.url.removeprefix("http://"), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "a b", "max_tokens": 4}),
+                 {"Content-Type": "application/json"})
+    time.sleep(0.5)  # stage 0 is in the middle of the prefill
+    s.proc.kill()
+    s.proc.wait(5)
+    conn.close()
+    assert all(group_gone(pid, timeout=10) for pid in pids), {pid: group_members(pid) for pid in pids}
 
 
 def test_workers_get_a_session_for_every_generation_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
