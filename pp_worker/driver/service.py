@@ -247,37 +247,43 @@ class PipelineService:
             self.pipeline.ask(s, "status", self.new_request_id(), lambda r, s=s: collect(s, r))
 
     def _recover(self, error: str) -> bool:
-        """End every generation with the pipeline's error, stop its stages (a frozen one gets SIGTERM, then SIGKILL)
-        and start new ones after a growing wait, at most ``restarts`` times. True once a new pipeline runs."""
-        if self._closed.is_set():  # the close interrupted it: not a failure
-            self._end_all("the server is shutting down")
-            return False
-        first, _, rest = error.partition("\n")
-        self._say(f"pipeline down: {first}" + (f"\n{rest}" if rest else ""))
-        with self._lock:
-            self.recovering = first
-        self._end_all(f"the pipeline failed: {first}", closing=False)
-        self.pipeline.close(failed=True)
+        """The pipeline failed: end every generation with its error, stop its stages (a frozen one gets SIGTERM,
+        then SIGKILL) and start new ones. True once a new pipeline runs; False when closing or given up."""
+        if not self._closed.is_set():  # else the close interrupted it: not a failure
+            first, _, rest = error.partition("\n")
+            self._say(f"pipeline down: {first}" + (f"\n{rest}" if rest else ""))
+            with self._lock:
+                self.recovering = first
+            self._end_all(f"the pipeline failed: {first}", closing=False)
+            self.pipeline.close(failed=True)
+            if self._restart():
+                return True
+            if not self._closed.is_set():
+                tried = f" (not recovered after {self.restarts} restart attempts)" if self.restarts else ""
+                self._fail(first + tried)
+                return False
+        self._end_all("the server is shutting down")
+        return False
+
+    def _restart(self) -> bool:
+        """Start a new pipeline after 1, 2, 4, ... x ``backoff_s``, at most ``restarts`` times; True once one runs."""
         for attempt in range(1, self.restarts + 1):
             delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
             self._say(f"restarting the stages in {delay:g} s (attempt {attempt} of {self.restarts})")
             if self._closed.wait(delay):
-                break
+                return False
             try:
                 self.pipeline = self._start()
             except Interrupted:  # closed while the new stages loaded
-                break
-            except PipelineError as e:
-                self._say(f"restart attempt {attempt} failed: {e}")
+                return False
+            except Exception as e:  # the stages' report, or a bug (with its traceback): the next attempt may do
+                self._say(f"restart attempt {attempt} failed: {e}" if isinstance(e, PipelineError)
+                          else traceback.format_exc())
                 continue
             with self._lock:
                 self.recovering = ""
             self._say(f"pipeline restarted (attempt {attempt} of {self.restarts}): serving again")
             return True
-        if self._closed.is_set():
-            self._end_all("the server is shutting down")
-        else:
-            self._fail(first + (f" (not recovered after {self.restarts} restart attempts)" if self.restarts else ""))
         return False
 
     def _fail(self, message: str) -> None:
