@@ -306,7 +306,8 @@ RELAY = f"sh -c 'cat | {PY} -m pp_worker | cat'"
 
 @pytest.mark.parametrize("launcher", [None, RELAY], ids=["local", "relay-like-ssh"])
 def test_a_killed_driver_leaves_no_worker_running(launcher):
-    args = ["--stub", "--stages", "2", "--max-tokens", "100000", "a b c"] + (["--launcher", launcher] * bool(launcher))
+    launch = ["--launcher", launcher] if launcher else []
+    args = ["--stub", "--stages", "2", "--max-tokens", "100000", *launch, "a b c"]
     d = Driver(args, PP_STUB_DELAY_MS="60000")  # the prefill on stage 0 outlasts the deadline below many times over
     groups = [os.getpgid(pid) for pid in d.worker_pids(2)]  # the worker, and the relay's processes with it
     time.sleep(0.5)
@@ -408,7 +409,7 @@ def test_api_raises_on_failure_and_leaves_nothing_running(monkeypatch):
     with pytest.raises(StageFailed, match=r"stage 0 exited with code 2"):
         run_pipeline(["a"], stub=True, env={"PP_MAX_SESSIONS": "{stage}"}, load_timeout=10)
     assert len(started) == 2
-    assert [p.returncode for p in started][0] == 2 and started[1].returncode is not None, "not reaped"
+    assert started[0].returncode == 2 and started[1].returncode is not None, "not reaped"
     assert not any(group_members(p.pid) for p in started), "a stage (or what it started) is still running"
 
 

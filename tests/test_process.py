@@ -374,7 +374,7 @@ def test_a_worker_whose_stdout_reader_leaves_mid_op_exits(spawn: Spawn) -> None:
 def test_end_of_stdin_mid_op(spawn: Spawn, exit_on_eof: bool) -> None:
     """With PP_EXIT_ON_EOF=1 (what pp-pipeline and pp-serve set) the end of stdin ends the op in progress at once;
     without it the op finishes and its reply is written first (the contract's end of stdin)."""
-    env = LONG_OP_ENV if exit_on_eof else DELAY_ENV
+    env = LONG_OP_ENV if exit_on_eof else {"PP_STUB_DELAY_MS": "800"}
     w = spawn(0, 2, env={**env, "PP_EXIT_ON_EOF": "1" if exit_on_eof else "0"})
     w.wait_ready()
     w.send(PREFILL)

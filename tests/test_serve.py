@@ -227,7 +227,7 @@ def _completes(s: Server) -> bool:
 
 
 def test_a_dead_stage_is_replaced_and_serving_resumes() -> None:
-    s = Server(["--stub", "--stages", "2", "--restart-backoff", "3"], env={"PP_STUB_DELAY_MS": "5"})
+    s = Server(["--stub", "--stages", "2", "--restart-backoff", "2"], env={"PP_STUB_DELAY_MS": "5"})
     try:
         pids = s.stage_pids()
         stream = s.client().completions.create(model="m", prompt="a b c", max_tokens=100000, stream=True)
@@ -235,7 +235,7 @@ def test_a_dead_stage_is_replaced_and_serving_resumes() -> None:
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(openai.APIError, match="stage 1 was killed by SIGKILL"):
             list(stream)  # the stream in flight ends with the error
-        # the stages restart in 3 s: meanwhile every request, and /health, gets a 503 that says why
+        # the stages restart in 2 s: meanwhile every request, and /health, gets a 503 that says why
         with pytest.raises(openai.InternalServerError) as e:
             s.client().completions.create(model="m", prompt="a", max_tokens=2)
         assert e.value.status_code == 503 and "restarting" in e.value.message, e.value.body
@@ -248,7 +248,7 @@ def test_a_dead_stage_is_replaced_and_serving_resumes() -> None:
         assert not set(new_pids) & set(pids) and all(gone(pid) for pid in pids), (pids, new_pids)
         down = [line for line in s.lines if line.startswith("pipeline down")]
         assert down == ["pipeline down: stage 1 was killed by SIGKILL (exit code -9)\n"], s.stderr
-        assert "restarting the stages in 3 s (attempt 1 of 5)" in s.stderr
+        assert "restarting the stages in 2 s (attempt 1 of 5)" in s.stderr
         assert "pipeline restarted (attempt 1 of 5): serving again" in s.stderr
     finally:
         assert s.stop() == 128 + signal.SIGTERM
@@ -267,7 +267,8 @@ def test_sigterm_while_the_stages_restart_does_not_wait_for_them() -> None:
 
 
 def test_a_frozen_stage_is_killed_and_replaced() -> None:
-    s = Server(["--stub", "--stages", "2", "--step-timeout", "2"], env={"PP_STUB_DELAY_MS": "5"})
+    s = Server(["--stub", "--stages", "2", "--step-timeout", "1", "--restart-backoff", "0"],
+               env={"PP_STUB_DELAY_MS": "5"})
     try:
         pids = s.stage_pids()
         os.kill(pids[1], signal.SIGSTOP)
@@ -297,9 +298,9 @@ def test_a_server_that_cannot_restart_its_stages_exits_1(tmp_path: Path) -> None
 
 
 def test_sigterm_drains_the_requests_in_flight_and_refuses_new_ones() -> None:
-    s = Server(["--stub", "--stages", str(STAGES)], env={"PP_STUB_DELAY_MS": "20"})  # 60 tokens: about 4 s
-    expected, _, _ = driver_text(PROMPTS[2], 60)
-    chunks = iter(s.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=60, stream=True))
+    s = Server(["--stub", "--stages", str(STAGES)], env={"PP_STUB_DELAY_MS": "20"})  # 40 tokens: about 2.5 s
+    expected, _, _ = driver_text(PROMPTS[2], 40)
+    chunks = iter(s.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=40, stream=True))
     first = next(chunks)
     os.kill(s.proc.pid, signal.SIGTERM)
     s.wait_for("the drain to begin", lambda: "SIGTERM: draining 1 running" in s.stderr)

@@ -59,7 +59,7 @@ def test_submitted_generations_run_one_at_a_time_and_a_queued_one_can_be_cancell
 
 
 def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, monkeypatch) -> None:
-    """A stage dies, and the restart's stages never become ready (they sleep): closing the service (pp-serve's
+    """A stage dies, and the restart's stages never become ready: closing the service (pp-serve's
     SIGTERM) must not wait out --load-timeout, and must stop them too."""
     started: list[subprocess.Popen] = []
     popen = subprocess.Popen
@@ -69,7 +69,8 @@ def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, monkeyp
         return started[-1]
 
     monkeypatch.setattr(stage_proc.subprocess, "Popen", recording_popen)
-    once = f"sh -c 'test -e {tmp_path}/{{stage}} && exec sleep 600; touch {tmp_path}/{{stage}}; exec {PY} -m pp_worker'"
+    mark = f"{tmp_path}/{{stage}}"  # the second start of each stage echoes its stdin and never says ready
+    once = f"sh -c 'test -e {mark} && exec cat; touch {mark}; exec {PY} -m pp_worker'"
     service = PipelineService(Launch(2, stub=True, launcher=once), concurrency=1, log=None, restarts=1, backoff_s=0)
     try:
         os.kill(started[1].pid, signal.SIGKILL)
