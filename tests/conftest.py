@@ -210,6 +210,40 @@ def spawn() -> Iterator[Callable[..., WorkerProcess]]:
         w.kill()
 
 
+def _state(pid: int) -> tuple[str, int] | None:
+    """(state letter, process group) of a process from /proc, None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return fields[0], int(fields[2])
+
+
+def _until(check: Callable[[], bool], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def gone(pid: int, timeout: float = 3.0) -> bool:
+    """Whether process ``pid`` has ended (exited, or a zombie waiting for its parent) within ``timeout`` seconds."""
+    return _until(lambda: (_state(pid) or ("Z", 0))[0] == "Z", timeout)
+
+
+def group_members(pgid: int) -> list[int]:
+    """The live (not zombie) processes of process group ``pgid``: a worker and whatever its launcher started."""
+    pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    return [pid for pid in pids if (st := _state(pid)) is not None and st[1] == pgid and st[0] != "Z"]
+
+
+def group_gone(pgid: int, timeout: float = 3.0) -> bool:
+    """Whether every process of group ``pgid`` has ended within ``timeout`` seconds."""
+    return _until(lambda: not group_members(pgid), timeout)
+
+
 def assert_event(obj: dict[str, Any], stage: int) -> None:
     """What the contract requires of every event line."""
     assert isinstance(obj.get("event"), str), obj

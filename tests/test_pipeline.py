@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, gone, group_gone, group_members
 
 from pp_worker.driver.chat import CHAT_FORMATS, chat_format
 from pp_worker.driver.cli import Output, parse_args
@@ -273,19 +274,6 @@ class Driver:
         return code, "".join(self.err)
 
 
-def gone(pid: int, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            return True
-        if state == "Z":
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_stops_everything(sig, code):
     d = Driver(["--stub", "--stages", "3", "--max-tokens", "100000", "a b c"], PP_STUB_DELAY_MS="50")
@@ -309,6 +297,41 @@ def test_killed_stage_is_reported_and_the_rest_stopped():
     assert rc == 1
     assert "stage 1 was killed by SIGKILL" in err, err
     assert all(gone(pid) for pid in pids), (pids, err)
+
+
+# A relay in front of each worker, as ssh is: the driver's death reaches the worker only as the end of its stdin (the
+# `cat` that reads the worker's stdout lives on, and so does the worker's parent, the shell)
+RELAY = f"sh -c 'cat | {PY} -m pp_worker | cat'"
+
+
+@pytest.mark.parametrize("launcher", [None, RELAY], ids=["local", "relay-like-ssh"])
+def test_a_killed_driver_leaves_no_worker_running(launcher):
+    launch = ["--launcher", launcher] if launcher else []
+    args = ["--stub", "--stages", "2", "--max-tokens", "100000", *launch, "a b c"]
+    d = Driver(args, PP_STUB_DELAY_MS="60000")  # the prefill on stage 0 outlasts the deadline below many times over
+    groups = [os.getpgid(pid) for pid in d.worker_pids(2)]  # the worker, and the relay's processes with it
+    time.sleep(0.5)
+    d.proc.kill()
+    d.proc.wait(5)
+    assert all(group_gone(g, timeout=10) for g in groups), {g: group_members(g) for g in groups}
+
+
+def test_a_driver_killed_while_the_stages_compile_leaves_no_worker_running(tmp_path):
+    """The issue's case: pp-pipeline SIGKILLed while its real stages compile (PP_WARMUP=1, a cold kernel cache).
+    Before the watchdog, 2 stages of the tiny model went on compiling for 57-81 s here."""
+    from pp_worker.testing.modelgen import generate
+
+    model = generate(tmp_path / "tiny.gguf", "tiny")
+    d = Driver(["--model", str(model), "--stages", "2", "a b"], PP_WARMUP="1", CACHEDB=str(tmp_path / "cache.db"))
+    loaded = re.compile(r"stage \d: loading blocks (\d+)/\1$")
+    deadline = time.monotonic() + 120
+    while sum(bool(loaded.search(line.strip())) for line in list(d.err)) < 2:  # both loaded: warm-up begins
+        assert time.monotonic() < deadline and d.proc.poll() is None, "".join(d.err)
+        time.sleep(0.05)
+    workers = [int(pid) for pid in Path(f"/proc/{d.proc.pid}/task/{d.proc.pid}/children").read_text().split()]
+    d.proc.kill()
+    assert len(workers) == 2 and not any(" ready: " in line for line in d.err), "killed after the warm-up"
+    assert all(group_gone(pid, timeout=10) for pid in workers), {pid: group_members(pid) for pid in workers}
 
 
 def test_stage_that_exits_at_start_is_reported_with_its_stderr():
@@ -369,11 +392,25 @@ def test_stage_errors_and_timeouts_end_the_run(mode, message):
         assert "| about to fail" in err
 
 
-def test_api_raises_on_failure_and_leaves_nothing_running():
+def test_api_raises_on_failure_and_leaves_nothing_running(monkeypatch):
+    """Stage 0 fails at start (PP_MAX_SESSIONS=0 is invalid) while stage 1 starts fine: the driver must stop stage 1
+    and reap both, not leave them running, or as zombies, behind the exception."""
+    from pp_worker.driver import stage_proc
     from pp_worker.driver.pipeline import StageFailed
 
-    with pytest.raises(StageFailed, match=r"stage \d exited with code 2"):
-        run_pipeline(["a"], stub=True, env={"STAGE": "9"}, load_timeout=10)
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(stage_proc.subprocess, "Popen", recording_popen)
+    with pytest.raises(StageFailed, match=r"stage 0 exited with code 2"):
+        run_pipeline(["a"], stub=True, env={"PP_MAX_SESSIONS": "{stage}"}, load_timeout=10)
+    assert len(started) == 2
+    assert started[0].returncode == 2 and started[1].returncode is not None, "not reaped"
+    assert not any(group_members(p.pid) for p in started), "a stage (or what it started) is still running"
 
 
 # --- real mode (tinygrad on CPU) -------------------------------------------------------------------------------

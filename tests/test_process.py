@@ -25,6 +25,7 @@ from conftest import (
     VENV_BIN,
     WorkerProcess,
     assert_event,
+    gone,
     make_worker,
     run_requests,
     serve_bytes,
@@ -335,6 +336,54 @@ def test_reader_closing_stdout_makes_the_worker_exit(spawn: Spawn, trigger: str)
     assert time.monotonic() - closed < 5
     stderr = w.stderr_text()
     assert "Traceback" not in stderr and "Exception ignored" not in stderr
+
+
+# --- the caller gone mid-op (worker.watchdog) -----------------------------------------------------------------------
+
+LONG_OP_ENV = {"PP_STUB_DELAY_MS": "60000"}  # one op outlasts every deadline below many times over
+# A parent that hands its own stdin and stdout to the worker, so the test keeps both pipes when the parent dies
+PARENT = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
+
+
+def test_a_worker_whose_parent_dies_mid_op_exits(spawn: Spawn) -> None:
+    w = spawn(0, 2, cmd=[sys.executable, "-c", PARENT, *MODULE_CMD], env=LONG_OP_ENV)
+    worker_pid = w.wait_ready()["pid"]
+    assert worker_pid != w.pid  # the worker is the parent's child, not the process we started
+    w.send(PREFILL)
+    time.sleep(0.3)
+    w.proc.kill()  # the parent dies; the pipes stay open (we hold them), so only the parent's death tells
+    assert gone(worker_pid, timeout=10), "the worker outlived its parent by 10 s"
+    rest = w.rest_of_stdout()
+    assert [o.get("event") for o in rest] == ["exiting"] and rest[0]["reason"] == "parent_exited", rest
+    assert "the parent process exited in the middle of an op; exiting" in w.stderr_text()
+
+
+def test_a_worker_whose_stdout_reader_leaves_mid_op_exits(spawn: Spawn) -> None:
+    w = spawn(1, 3, env=LONG_OP_ENV)
+    w.wait_ready()
+    w.send({"op": "forward_range", "request_id": 4, "position": 0, "seq_len": 1,
+            "hidden_b64": base64.b64encode(bytes(HIDDEN_DIM * 2)).decode()})
+    time.sleep(0.3)
+    assert w.proc.stdout is not None
+    w.proc.stdout.close()  # no reply can be delivered any more
+    assert w.wait(timeout=10) == 0
+    assert "stdout has no reader in the middle of an op; exiting" in w.stderr_text()
+
+
+@pytest.mark.parametrize("exit_on_eof", [True, False])
+def test_end_of_stdin_mid_op(spawn: Spawn, exit_on_eof: bool) -> None:
+    """With PP_EXIT_ON_EOF=1 (what pp-pipeline and pp-serve set) the end of stdin ends the op in progress at once;
+    without it the op finishes and its reply is written first (the contract's end of stdin)."""
+    env = LONG_OP_ENV if exit_on_eof else {"PP_STUB_DELAY_MS": "800"}
+    w = spawn(0, 2, env={**env, "PP_EXIT_ON_EOF": "1" if exit_on_eof else "0"})
+    w.wait_ready()
+    w.send(PREFILL)
+    time.sleep(0.3)
+    w.close_stdin()
+    rest = w.rest_of_stdout(timeout=10)
+    assert w.wait() == 0
+    assert rest[-1]["event"] == "exiting" and rest[-1]["reason"] == "eof"
+    assert [o.get("request_id") for o in rest[:-1]] == ([] if exit_on_eof else [21])
 
 
 def test_stdout_carries_only_json_even_with_debug(spawn: Spawn) -> None:

@@ -6,7 +6,12 @@ prompt through its own stub stages, or from the same server serving one request 
 
 from __future__ import annotations
 
+import asyncio
+import http.client
+import json
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -14,16 +19,21 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
+from conftest import gone, group_gone, group_members
 from serving import Server, request_id
 
 from pp_worker.driver.chat import chat_format
 from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import run_pipeline
+from pp_worker.serve.api import Defaults
+from pp_worker.serve.app import build_app
 from pp_worker.serve.cli import _launch, parse_args
 
+PY = shlex.quote(sys.executable)
 PROMPTS = [f"prompt {i} " + " ".join(f"w{i * j}" for j in range(i + 1)) for i in range(8)]
 STAGES = 3
 
@@ -134,8 +144,14 @@ def test_streaming_client_that_disconnects_releases_its_sessions(server: Server)
 
 
 def test_waiting_client_that_disconnects_releases_its_sessions(server: Server) -> None:
-    with pytest.raises(openai.APITimeoutError):
-        server.client(timeout=1.0).completions.create(model="m", prompt=PROMPTS[4], max_tokens=100000)
+    conn = http.client.HTTPConnection(server.url.removeprefix("http://"), timeout=60)
+    body = json.dumps({"model": "m", "prompt": PROMPTS[4], "max_tokens": 100000})  # minutes of generation
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})  # not streamed
+    held: list[list[dict[str, int]]] = []
+    server.wait_for("a session on every stage for the request",
+                    lambda: held.append(server.sessions()) or all(len(s) == 1 for s in held[-1]))
+    assert len({key for s in held[-1] for key in s}) == 1, held[-1]  # the same generation on every stage
+    conn.close()  # the client goes away without its answer
     server.wait_for("sessions released after the disconnect", lambda: server.sessions() == [{}] * STAGES)
 
 
@@ -171,25 +187,159 @@ def test_malformed_requests_get_the_error_shape(server: Server, path: str, body:
     assert server.get("/health")["status"] == "ok"  # and nothing broke
 
 
-def test_dead_stage_gives_503_and_one_clear_log_line() -> None:
-    s = Server(["--stub", "--stages", "2"], env={"PP_STUB_DELAY_MS": "5"})
+def test_an_internal_error_is_a_500_in_the_api_error_shape() -> None:
+    """A bug in a handler (here a service that raises) still gets OpenAI's shape, not a plain-text 500."""
+
+    class Broken:
+        def new_request_id(self) -> int:
+            raise RuntimeError("boom")
+
+    app = build_app(Broken(), chat_format(None), Defaults(4, Sampling()))  # type: ignore[arg-type]
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("test", 1)}
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b'{"model": "m", "prompt": "a"}', "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    with pytest.raises(RuntimeError, match="boom"):  # raised again after the reply, for the server's log
+        asyncio.run(app(scope, receive, send))
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert sent[0]["status"] == 500 and body["error"]["type"] == "server_error", body
+    assert body["error"]["message"] == "internal error: RuntimeError: boom"
+
+
+def _health(s: Server) -> tuple[int, dict]:
+    return s.request("/health")
+
+
+def _completes(s: Server) -> bool:
+    """Whether a completion is answered now (a 503 while the stages restart is not)."""
+    try:
+        return bool(s.client().completions.create(model="m", prompt="a", max_tokens=2).choices[0].text)
+    except openai.InternalServerError as e:
+        assert e.status_code == 503 and e.body["type"] == "service_unavailable", e.body
+        return False
+
+
+def test_a_dead_stage_is_replaced_and_serving_resumes() -> None:
+    s = Server(["--stub", "--stages", "2", "--restart-backoff", "2"], env={"PP_STUB_DELAY_MS": "5"})
     try:
         pids = s.stage_pids()
         stream = s.client().completions.create(model="m", prompt="a b c", max_tokens=100000, stream=True)
         next(iter(stream))
-        os.kill(pids[1], signal.SIGKILL)  # the server stays up; only its stage dies
+        os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(openai.APIError, match="stage 1 was killed by SIGKILL"):
             list(stream)  # the stream in flight ends with the error
-        for _ in range(2):  # and every request afterwards
-            with pytest.raises(openai.InternalServerError) as e:
-                s.client().completions.create(model="m", prompt="a", max_tokens=2)
-            assert e.value.status_code == 503 and "stage 1 was killed by SIGKILL" in e.value.message
-        status, health = s.request("/health")
-        assert status == 503 and "stage 1 was killed by SIGKILL" in health["error"]
-        down = [line for line in s.lines if "pipeline down" in line]
-        assert len(down) == 1 and "stage 1 was killed by SIGKILL (exit code -9)" in down[0], s.stderr
+        # the stages restart in 2 s: meanwhile every request, and /health, gets a 503 that says why
+        with pytest.raises(openai.InternalServerError) as e:
+            s.client().completions.create(model="m", prompt="a", max_tokens=2)
+        assert e.value.status_code == 503 and "restarting" in e.value.message, e.value.body
+        assert "stage 1 was killed by SIGKILL" in e.value.message
+        status, health = _health(s)
+        assert status == 503 and health["status"] == "recovering" and "stage 1 was killed" in health["error"]
+        s.wait_for("completions answered again", lambda: _completes(s), timeout=90)
+        assert _health(s) == (200, s.get("/health")) and s.get("/health")["status"] == "ok"
+        new_pids = s.stage_pids()
+        assert not set(new_pids) & set(pids) and all(gone(pid) for pid in pids), (pids, new_pids)
+        down = [line for line in s.lines if line.startswith("pipeline down")]
+        assert down == ["pipeline down: stage 1 was killed by SIGKILL (exit code -9)\n"], s.stderr
+        assert "restarting the stages in 2 s (attempt 1 of 5)" in s.stderr
+        assert "pipeline restarted (attempt 1 of 5): serving again" in s.stderr
     finally:
         assert s.stop() == 128 + signal.SIGTERM
+
+
+def test_sigterm_while_the_stages_restart_does_not_wait_for_them() -> None:
+    s = Server(["--stub", "--stages", "2", "--restart-backoff", "20"], env={"PP_STUB_DELAY_MS": "5"})
+    stream = s.client().completions.create(model="m", prompt="a b c", max_tokens=100000, stream=True)
+    next(iter(stream))
+    os.kill(s.stage_pids()[1], signal.SIGKILL)
+    with pytest.raises(openai.APIError, match="stage 1 was killed by SIGKILL"):
+        list(stream)
+    assert s.request("/health")[1]["status"] == "recovering"
+    assert s.stop(timeout=10) == 128 + signal.SIGTERM  # nothing is in flight: no drain, no 20 s wait
+    assert "Traceback" not in s.stderr
+
+
+def test_a_frozen_stage_is_killed_and_replaced() -> None:
+    s = Server(["--stub", "--stages", "2", "--step-timeout", "1", "--restart-backoff", "0"],
+               env={"PP_STUB_DELAY_MS": "5"})
+    try:
+        pids = s.stage_pids()
+        os.kill(pids[1], signal.SIGSTOP)
+        with pytest.raises(openai.InternalServerError) as e:  # it waited --step-timeout for the frozen stage
+            s.client().completions.create(model="m", prompt="a b", max_tokens=4)
+        assert e.value.status_code == 503 and "stage 1 gave no reply" in e.value.message, e.value.body
+        assert gone(pids[1], timeout=30), "the frozen stage was left behind"
+        s.wait_for("completions answered again", lambda: _completes(s), timeout=60)
+        assert not set(s.stage_pids()) & set(pids)
+    finally:
+        assert s.stop() == 128 + signal.SIGTERM
+
+
+def test_a_server_that_cannot_restart_its_stages_exits_1(tmp_path: Path) -> None:
+    once = f"sh -c 'test -e {tmp_path}/{{stage}} && exit 3; touch {tmp_path}/{{stage}}; exec {PY} -m pp_worker'"
+    s = Server(["--stub", "--stages", "2", "--restarts", "2", "--restart-backoff", "0.1", "--launcher", once])
+    pids = s.stage_pids()
+    os.kill(pids[0], signal.SIGKILL)
+    try:
+        assert s.proc.wait(60) == 1, s.stderr  # so that a supervisor starts a fresh one
+    finally:
+        s.stop()
+    assert re.search(r"restart attempt 2 failed: stage \d exited with code 3", s.stderr), s.stderr
+    assert "pipeline down for good, every request now fails: stage 0 was killed by SIGKILL (exit code -9) " \
+           "(not recovered after 2 restart attempts)" in s.stderr
+    assert "Traceback" not in s.stderr
+
+
+def test_sigterm_drains_the_requests_in_flight_and_refuses_new_ones() -> None:
+    s = Server(["--stub", "--stages", str(STAGES)], env={"PP_STUB_DELAY_MS": "20"})  # 40 tokens: about 2.5 s
+    expected, _, _ = driver_text(PROMPTS[2], 40)
+    chunks = iter(s.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=40, stream=True))
+    first = next(chunks)
+    os.kill(s.proc.pid, signal.SIGTERM)
+    s.wait_for("the drain to begin", lambda: "SIGTERM: draining 1 running" in s.stderr)
+    with pytest.raises(openai.InternalServerError) as e:
+        s.client().completions.create(model="m", prompt="a", max_tokens=2)
+    assert e.value.status_code == 503 and e.value.body["type"] == "service_unavailable", e.value.body
+    assert "shutting down" in e.value.message
+    status, health = s.request("/health")
+    assert status == 503 and health["status"] == "draining" and health["running"] == 1
+    rest = list(chunks)
+    assert first.choices[0].text + "".join(c.choices[0].text for c in rest) == expected
+    assert rest[-1].choices[0].finish_reason == "length"
+    assert s.stop(timeout=30) == 128 + signal.SIGTERM
+    assert "Traceback" not in s.stderr, s.stderr
+
+
+def test_requests_still_running_at_the_drain_timeout_end_in_openai_errors() -> None:
+    s = Server(["--stub", "--stages", "2", "--drain-timeout", "1"], env={"PP_STUB_DELAY_MS": "5"})
+    endless = {"model": "m", "prompt": "a b", "max_tokens": 100000}
+    conn = http.client.HTTPConnection(s.url.removeprefix("http://"), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({**endless, "stream": True}),
+                 {"Content-Type": "application/json"})
+    streamed = conn.getresponse()
+    assert streamed.status == 200 and streamed.readline().startswith(b"data: {")
+    plain: list[tuple[int, dict]] = []
+    waiter = threading.Thread(target=lambda: plain.append(s.request("/v1/completions", json.dumps(endless).encode())))
+    waiter.start()
+    s.wait_for("both requests running", lambda: s.get("/health")["running"] == 2)
+    os.kill(s.proc.pid, signal.SIGTERM)
+    events = [line.decode().strip() for line in streamed if line.startswith(b"data: ")]
+    assert events[-1] == "data: [DONE]", events[-3:]  # the stream ends as streams do, after an error event
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert error["type"] == "service_unavailable" and "shutting down" in error["message"], error
+    waiter.join(30)
+    status, body = plain[0]
+    assert status == 503 and body["error"]["type"] == "service_unavailable", (status, body)
+    assert "shutting down" in body["error"]["message"]
+    assert s.stop(timeout=30) == 128 + signal.SIGTERM
+    assert "Traceback" not in s.stderr and "still in flight end with 503" in s.stderr, s.stderr
 
 
 def test_sigterm_shuts_the_stages_down() -> None:
@@ -200,6 +350,19 @@ def test_sigterm_shuts_the_stages_down() -> None:
     for pid in pids:  # reaped by the server before it exited
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+def test_a_killed_server_leaves_no_worker_running() -> None:
+    s = Server(["--stub", "--stages", "2"], env={"PP_STUB_DELAY_MS": "60000"})  # one forward op: a minute
+    pids = s.stage_pids()
+    conn = http.client.HTTPConnection(s.url.removeprefix("http://"), timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "a b", "max_tokens": 4}),
+                 {"Content-Type": "application/json"})
+    time.sleep(0.5)  # stage 0 is in the middle of the prefill
+    s.proc.kill()
+    s.proc.wait(5)
+    conn.close()
+    assert all(group_gone(pid, timeout=10) for pid in pids), {pid: group_members(pid) for pid in pids}
 
 
 def test_workers_get_a_session_for_every_generation_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -3,13 +3,23 @@ a queued generation cancelled, and every generation's end reported exactly once.
 
 from __future__ import annotations
 
+import os
+import shlex
+import signal
+import subprocess
+import sys
 import threading
+import time
 
+from conftest import group_members
+
+from pp_worker.driver import stage_proc
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
 from pp_worker.driver.stage_proc import Launch
 
 PROMPTS = ["one two three", "four five", "six seven eight nine"]
+PY = shlex.quote(sys.executable)
 
 
 def test_submitted_generations_run_one_at_a_time_and_a_queued_one_can_be_cancelled() -> None:
@@ -46,3 +56,33 @@ def test_submitted_generations_run_one_at_a_time_and_a_queued_one_can_be_cancell
         raise AssertionError("a closed service took a generation")
     except Unavailable as e:
         assert "shutting down" in str(e)
+
+
+def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, monkeypatch) -> None:
+    """A stage dies, and the restart's stages never become ready: closing the service (pp-serve's
+    SIGTERM) must not wait out --load-timeout, and must stop them too."""
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def recording_popen(*args, **kwargs):
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(stage_proc.subprocess, "Popen", recording_popen)
+    mark = f"{tmp_path}/{{stage}}"  # the second start of each stage echoes its stdin and never says ready
+    once = f"sh -c 'test -e {mark} && exec cat; touch {mark}; exec {PY} -m pp_worker'"
+    service = PipelineService(Launch(2, stub=True, launcher=once), concurrency=1, log=None, restarts=1, backoff_s=0)
+    try:
+        os.kill(started[1].pid, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while len(started) < 4:  # the restart has started its two stages
+            assert time.monotonic() < deadline and not service.failure, "no restart"
+            time.sleep(0.05)
+        assert service.status == "recovering"
+        service.close(timeout=20)
+        assert not service._thread.is_alive(), "close waited for the restart's stages to load"
+        assert all(p.returncode is not None and not group_members(p.pid) for p in started), "a stage left running"
+    finally:
+        for p in started:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)

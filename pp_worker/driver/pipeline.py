@@ -370,6 +370,7 @@ class Pipeline:
             if st.outstanding and now - st.last_progress > self.step_timeout:
                 ops = sorted((p.sent, p.op, rid) for (s, rid), q in self._pending.items() if s == st.index for p in q)
                 what = f" to {ops[0][1]} (request {ops[0][2]})" if ops else ""
+                st.signal(signal.SIGKILL)  # hung or frozen (SIGSTOP): it would answer neither shutdown nor SIGTERM
                 raise StageFailed(st, f"gave no reply{what} within --step-timeout {self.step_timeout:g} s")
 
     def _on_line(self, st: Stage, line: bytes) -> None:

@@ -7,14 +7,21 @@ finished, failed alone (a prompt the context cannot hold), cancelled, or lost wi
 generation that is running stops after its current step and, like any finished one, releases its KV session on
 every stage.
 
-When a stage dies the service is down for good: ``failure`` says why (one log line names the stage and its exit
-code, its stderr tail follows), every generation ends with that error and ``submit`` refuses new ones.
+When a stage dies, freezes (no reply within the step timeout) or answers an error, every generation in flight ends
+with that error (one log line names the stage and its exit code, its stderr tail follows), the stages are stopped (a
+frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most ``restarts`` times; meanwhile
+``recovering`` says why and ``submit`` refuses new generations. Once the attempts are spent the service is down for
+good: ``failure`` says why, ``on_down`` is called, and every call refuses.
+
+``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
+import signal
 import sys
 import threading
 import traceback
@@ -24,12 +31,14 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from pp_worker.driver.generation import Call, Generation, Reply
-from pp_worker.driver.pipeline import Cancel, Pipeline, PipelineError
+from pp_worker.driver.pipeline import Cancel, Interrupted, Pipeline, PipelineError
 from pp_worker.driver.stage_proc import Launch
+
+MAX_BACKOFF_S = 30.0  # the longest wait before a restart attempt
 
 
 class Unavailable(Exception):
-    """The pipeline is down (or shutting down): nothing can be generated any more."""
+    """The pipeline is down, restarting or shutting down: nothing can be generated now."""
 
 
 @dataclass
@@ -74,22 +83,34 @@ class _Wake(Cancel):
         except BlockingIOError:  # the pipe is full: a wake-up is pending anyway
             pass
 
+    def interrupt(self) -> None:
+        """Make the pipeline's next round raise ``Interrupted``, even while it waits for its stages to load."""
+        self.signum = signal.SIGTERM
+        self.wake()
+
 
 class PipelineService:
     """A running pipeline that generations can be submitted to from any thread."""
 
     def __init__(self, launch: Launch, *, concurrency: int, load_timeout: float = 600.0,
                  step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
-                 prefill_chunk: int | None = None, schedule: str = "auto"):
+                 prefill_chunk: int | None = None, schedule: str = "auto", restarts: int = 0,
+                 backoff_s: float = 1.0):
         self.log = log
         self._wake = _Wake()
-        self.pipeline = Pipeline(launch, load_timeout=load_timeout, step_timeout=step_timeout, cancel=self._wake,
-                                 echo_stderr=echo_stderr, log=log, prefill_chunk=prefill_chunk,
-                                 schedule=schedule)  # loads every stage
+        self._start = functools.partial(Pipeline, launch, load_timeout=load_timeout, step_timeout=step_timeout,
+                                        cancel=self._wake, echo_stderr=echo_stderr, log=log,
+                                        prefill_chunk=prefill_chunk, schedule=schedule)
+        self.pipeline = self._start()  # loads every stage
         self.model = str((self.pipeline.stages[-1].ready or {}).get("model") or "")
         # every generation in flight holds a KV session on every stage: more than the workers keep would evict some
         self.concurrency = min(concurrency, self.pipeline.max_sessions or concurrency)
-        self.failure = ""
+        self.restarts, self.backoff_s = restarts, backoff_s
+        self.failure = ""  # down for good: why
+        self.recovering = ""  # restarting the stages: why
+        self.draining = False  # taking nothing new (SIGTERM): what was accepted runs on
+        self.on_down: Callable[[], None] | None = None  # called (pipeline thread) once the service is down for good
+        self._closed = threading.Event()  # close() was called: a restart's waits and loads stop
         self._ids = itertools.count(1)  # 0 is the pipeline's own control id (shutdown)
         self._lock = threading.Lock()
         self._inbox: deque[Callable[[], None]] = deque()  # work for the pipeline thread, in order
@@ -105,10 +126,14 @@ class PipelineService:
 
     def submit(self, g: ServedGeneration) -> None:
         """Queue a generation (its ``on_end`` is called once, from the pipeline thread); raises ``Unavailable``."""
-        self._post(lambda: self._waiting.append(g))
+        if self.draining:  # one that slips in as the drain begins is accepted: the drain waits for it too
+            raise Unavailable("the server is shutting down")
+        self._post(lambda: self._waiting.append(g), new=True)
 
     def cancel(self, request_id: int) -> None:
         """Stop a generation (queued or running) and release its sessions; nothing if it is already over."""
+        if self.recovering:  # every generation ended when the pipeline failed; a drain must not wait on this
+            return
         try:
             self._post(lambda: self._cancel(request_id))
         except Unavailable:  # everything has ended already
@@ -116,40 +141,76 @@ class PipelineService:
 
     def stage_status(self, on_reply: Callable[[list[Reply]], None]) -> None:
         """Every stage's ``status`` reply (its KV sessions, pid, ...), in stage order, to ``on_reply``."""
-        self._post(lambda: self._ask_status(on_reply))
+        self._post(lambda: self._ask_status(on_reply), new=True)
 
     @property
     def load(self) -> tuple[int, int]:
         """(running, waiting) generations: a snapshot for /health (list() copies in one step under the GIL)."""
         return sum(not g.ended for g in list(self._running.values())), len(self._waiting)
 
+    @property
+    def status(self) -> str:
+        """``ok``, ``draining``, ``recovering`` or ``down``."""
+        return "down" if self.failure else "recovering" if self.recovering else "draining" if self.draining else "ok"
+
+    def idle(self) -> bool:
+        """Nothing accepted is left to run: no generation running or waiting, nothing posted."""
+        with self._lock:
+            posted = bool(self._inbox)
+        return not posted and self.load == (0, 0)
+
+    def drain(self) -> None:
+        """Take no new generation (``submit`` raises ``Unavailable``); those accepted run on."""
+        with self._lock:
+            self.draining = True
+
+    def expire(self, error: str) -> None:
+        """End every generation still running or waiting with ``error`` (a 503: the server's, not the request's)."""
+        with self._lock:
+            if self.failure or self._closing:
+                return
+            self._inbox.append(lambda: self._end_all(error, closing=False))
+        self._wake.wake()
+
     def close(self, timeout: float = 30.0) -> None:
-        """End every generation, shut the stages down and wait for that (idempotent)."""
+        """End every generation, shut the stages down (a restart in progress too) and wait for that (idempotent)."""
         with self._lock:
             self._closing = True
-        self._wake.wake()
+        self._closed.set()
+        self._wake.interrupt()
         self._thread.join(timeout)
 
-    def _post(self, work: Callable[[], None]) -> None:
+    def _post(self, work: Callable[[], None], new: bool = False) -> None:
+        """Queue work for the pipeline thread; ``new`` work (a generation, a status request) is refused while the
+        stages restart."""
         with self._lock:
             if self.failure or self._closing:
                 raise Unavailable(self.failure or "the server is shutting down")
+            if new and self.recovering:
+                raise Unavailable(f"the pipeline is restarting after a failure: {self.recovering}")
             self._inbox.append(work)
         self._wake.wake()
 
     # --- the pipeline thread ------------------------------------------------------------------------------------
     def _loop(self) -> None:
         try:
-            while self._take_work():
-                self.pipeline.pump()
-            self._end_all("the server is shutting down")
-        except PipelineError as e:
-            self._fail(str(e))
-        except Exception as e:  # a bug: the same treatment, with its traceback
-            self._say(traceback.format_exc())
-            self._fail(f"internal error: {type(e).__name__}: {e}")
+            while self._run():
+                pass
         finally:
             self.pipeline.close(failed=bool(self.failure))
+
+    def _run(self) -> bool:
+        """Serve until closed (False) or until the pipeline fails; then recover (True: a new pipeline runs)."""
+        try:
+            while self._take_work():
+                self.pipeline.pump()
+        except PipelineError as e:
+            return self._recover(str(e))
+        except Exception as e:  # a bug: the same treatment, with its traceback
+            self._say(traceback.format_exc())
+            return self._recover(f"internal error: {type(e).__name__}: {e}")
+        self._end_all("the server is shutting down")
+        return False
 
     def _take_work(self) -> bool:
         """Run what other threads posted, start waiting generations while there is room; False when closing."""
@@ -185,22 +246,64 @@ class PipelineService:
         for s in range(n):
             self.pipeline.ask(s, "status", self.new_request_id(), lambda r, s=s: collect(s, r))
 
-    def _fail(self, message: str) -> None:
-        first, _, rest = message.partition("\n")
-        self._say(f"pipeline down, every request now fails: {first}")
-        if rest:
-            self._say(rest)
-        with self._lock:
-            self.failure = first
-        self._end_all(f"the pipeline is down: {first}")
+    def _recover(self, error: str) -> bool:
+        """The pipeline failed: end every generation with its error, stop its stages (a frozen one gets SIGTERM,
+        then SIGKILL) and start new ones. True once a new pipeline runs; False when closing or given up."""
+        if not self._closed.is_set():  # else the close interrupted it: not a failure
+            first, _, rest = error.partition("\n")
+            self._say(f"pipeline down: {first}" + (f"\n{rest}" if rest else ""))
+            with self._lock:
+                self.recovering = first
+            self._end_all(f"the pipeline failed: {first}", closing=False)
+            self.pipeline.close(failed=True)
+            if self._restart():
+                return True
+            if not self._closed.is_set():
+                tried = f" (not recovered after {self.restarts} restart attempts)" if self.restarts else ""
+                self._fail(first + tried)
+                return False
+        self._end_all("the server is shutting down")
+        return False
 
-    def _end_all(self, error: str) -> None:
+    def _restart(self) -> bool:
+        """Start a new pipeline after 1, 2, 4, ... x ``backoff_s``, at most ``restarts`` times; True once one runs."""
+        for attempt in range(1, self.restarts + 1):
+            delay = min(self.backoff_s * 2 ** (attempt - 1), MAX_BACKOFF_S)
+            self._say(f"restarting the stages in {delay:g} s (attempt {attempt} of {self.restarts})")
+            if self._closed.wait(delay):
+                return False
+            try:
+                self.pipeline = self._start()
+            except Interrupted:  # closed while the new stages loaded
+                return False
+            except Exception as e:  # the stages' report, or a bug (with its traceback): the next attempt may do
+                self._say(f"restart attempt {attempt} failed: {e}" if isinstance(e, PipelineError)
+                          else traceback.format_exc())
+                continue
+            with self._lock:
+                self.recovering = ""
+            self._say(f"pipeline restarted (attempt {attempt} of {self.restarts}): serving again")
+            return True
+        return False
+
+    def _fail(self, message: str) -> None:
+        self._say(f"pipeline down for good, every request now fails: {message}")
         with self._lock:
-            self._closing = True  # nothing more is taken in
+            self.failure = message
+            self.recovering = ""
+        self._end_all(f"the pipeline is down: {message}")
+        if self.on_down:
+            self.on_down()
+
+    def _end_all(self, error: str, closing: bool = True) -> None:
+        """End every generation, queued or running, with ``error`` (a 503); ``closing``: and take nothing more."""
+        with self._lock:
+            self._closing = self._closing or closing
             inbox, self._inbox = self._inbox, deque()
         for work in inbox:  # a generation submitted meanwhile is queued here, and so ends below with the rest
             work()
         for g in [*self._waiting, *self._running.values()]:
+            g.stop_requested = True  # a running one stops after its current step (and releases its sessions)
             g.end(error, unavailable=True)
         self._waiting.clear()
         self._running.clear()

@@ -45,8 +45,10 @@ class Launch:
     ray: RayPlacement | None = None  # with launcher "ray": where the actors go (None: RayPlacement's defaults)
 
     def worker_env(self, stage: int) -> dict[str, str]:
-        """The variables a worker needs, beyond what it inherits."""
-        env = {"STAGE": str(stage), "NUM_STAGES": str(self.num_stages)}
+        """The variables a worker needs, beyond what it inherits. ``PP_EXIT_ON_EOF``: the driver closes a worker's
+        stdin only to stop it, and through ssh or a Ray actor the end of stdin is all that reaches a worker whose
+        driver died, so it must end an op or a load in progress (worker.watchdog)."""
+        env = {"STAGE": str(stage), "NUM_STAGES": str(self.num_stages), "PP_EXIT_ON_EOF": "1"}
         if self.model:
             env["MODEL"] = self.model
         if self.stub:

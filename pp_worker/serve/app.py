@@ -58,7 +58,7 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults)
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
               Route("/v1/models", models), Route("/health", health), Route("/stages", stages)]
-    handlers: dict[Any, Any] = {ApiError: _api_error, HTTPException: _http_error}
+    handlers: dict[Any, Any] = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)
 
 
@@ -102,8 +102,9 @@ async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed,
         if ask.chat:
             yield _sse(_chunk(api, ask, rid, {"role": "assistant", "content": ""}, None))
         while True:
-            if update.error:
+            if update.error:  # a stream always ends in [DONE], an error too: clients wait for it
                 yield _sse(_error(update).body())
+                yield "data: [DONE]\n\n"
                 return
             if update.text:
                 yield _sse(_chunk(api, ask, rid, {"content": update.text} if ask.chat else update.text, None))
@@ -176,11 +177,14 @@ def _model(api: Api) -> dict[str, Any]:
 
 # --- the rest ---------------------------------------------------------------------------------------------------
 def _health(service: PipelineService) -> Response:
-    if service.failure:
-        return JSONResponse({"status": "down", "error": service.failure}, 503)
+    """200 while requests are taken; 503 while draining (SIGTERM), while the stages restart, and once down."""
+    status = service.status
+    if status in ("down", "recovering"):
+        return JSONResponse({"status": status, "error": service.failure or service.recovering}, 503)
     running, waiting = service.load
-    return JSONResponse({"status": "ok", "model": service.model, "stages": len(service.pipeline.stages),
-                         "running": running, "waiting": waiting, "concurrency": service.concurrency})
+    return JSONResponse({"status": status, "model": service.model, "stages": len(service.pipeline.stages),
+                         "running": running, "waiting": waiting, "concurrency": service.concurrency},
+                        200 if status == "ok" else 503)
 
 
 async def _stage_status(service: PipelineService) -> list[dict[str, Any]]:
@@ -210,6 +214,11 @@ async def _body(request: Request) -> dict[str, Any]:
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ApiError)
     return JSONResponse(exc.body(), exc.status)
+
+
+async def _internal_error(request: Request, exc: Exception) -> Response:
+    """A bug: still OpenAI's error shape, never Starlette's plain-text 500 (the traceback goes to the log)."""
+    return JSONResponse(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body(), 500)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -7,8 +7,9 @@ completions API in front of them.
 
 The stages load before the port answers (progress on stderr); ``--port 0`` picks a free port. The sampling flags
 and ``--max-tokens`` are the defaults for requests that leave those fields out (with neither: argmax, 64 tokens).
-Exit status: 0 after a clean stop; 1 when the stages cannot start; 128 + the signal (130 for Ctrl-C, 143 for
-SIGTERM) after a signal, once the stages are shut down.
+A stage that dies or freezes is replaced (``--restarts``); a signal drains the requests in flight first
+(``--drain-timeout``, serve.drain). Exit status: 0 after a clean stop; 1 when the stages cannot start, or cannot be
+restarted; 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after a signal, once the stages are shut down.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pp_worker.driver.service import PipelineService
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
+from pp_worker.serve.drain import DrainingServer
 
 DEFAULT_CONCURRENCY = 8  # the workers' default PP_MAX_SESSIONS: every generation in flight holds one session
 
@@ -41,12 +43,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed)")
     ap.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                     help="uvicorn's log level (info: one line per request)")
+    ap.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                    help="on SIGTERM or Ctrl-C, seconds the requests in flight get to finish while new ones get 503 "
+                    "(default 30); then the rest end with 503")
+    ap.add_argument("--restarts", type=int, default=5, metavar="N",
+                    help="times the stages are restarted when one dies or gives no reply within --step-timeout, before "
+                    "the server gives up and exits 1 (default 5; 0: exit on the first failure)")
+    ap.add_argument("--restart-backoff", type=float, default=1.0, metavar="S",
+                    help="seconds before the first restart attempt, doubled for each next one up to 30 (default 1)")
     add_pipeline_flags(ap, concurrency=DEFAULT_CONCURRENCY,
                        max_tokens_help="max_tokens of a request that does not say (default 64)")
     args = ap.parse_args(argv)
     check_pipeline_flags(ap, args)
     if not 0 <= args.port < 65536:
         ap.error("--port must be in [0, 65535]")
+    if min(args.drain_timeout, args.restarts, args.restart_backoff) < 0:
+        ap.error("--drain-timeout, --restarts and --restart-backoff must be >= 0")
     return args
 
 
@@ -82,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
                                   step_timeout=args.step_timeout, echo_stderr=args.verbose,
-                                  prefill_chunk=args.prefill_chunk, schedule=args.schedule)
+                                  prefill_chunk=args.prefill_chunk, schedule=args.schedule, restarts=args.restarts,
+                                  backoff_s=args.restart_backoff)
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
         return e.exit_code
@@ -95,8 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pp-serve: listening on http://{host}:{port} (model {service.model}, {args.stages} stages, up to "
               f"{service.concurrency} generations at once)", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off")
-        uvicorn.Server(config).run(sockets=[sock])
-        return 0
+        server = DrainingServer(config, service, args.drain_timeout)
+        service.on_down = lambda: server.stop(1)  # a supervisor can then start a fresh server
+        server.run(sockets=[sock])
+        return server.exit_code
     except KeyboardInterrupt:
         return 130
     finally:

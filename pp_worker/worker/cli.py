@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from dataclasses import dataclass
 from types import FrameType
 
@@ -22,6 +23,7 @@ from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, s
 from pp_worker.worker.loop import LineReader, LoopState, serve
 from pp_worker.worker.q8 import SCALE_BYTES, WIRE_DTYPES
 from pp_worker.worker.stdout import Out, protect_stdout
+from pp_worker.worker.watchdog import start_watchdog
 
 _ASCII_INT = re.compile(r"[0-9]{1,9}")
 KV_DTYPE_NAMES = ("float32", "float16")  # engines.kvcache.KV_DTYPES, named here so stub mode never imports tinygrad
@@ -49,6 +51,7 @@ class Config:
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
     wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts either
     beam: int = 0  # PP_BEAM: tinygrad BEAM search width for the decode JIT; 0: off
+    exit_on_eof: bool = False  # PP_EXIT_ON_EOF: the end of stdin ends an op or a load in progress (worker.watchdog)
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -112,7 +115,7 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
                   wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16",
-                  beam=_env_int(env, "PP_BEAM", 0) or 0)
+                  beam=_env_int(env, "PP_BEAM", 0) or 0, exit_on_eof=_env_flag(env, "PP_EXIT_ON_EOF"))
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -176,7 +179,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"pp_worker: {e}", file=sys.stderr, flush=True)
         return 2
-    out = Out(protect_stdout())
+    stdout = protect_stdout()
+    out = Out(stdout)
     clock = Clock()
     events = Events(out, cfg.stage, clock)
     install_excepthook(events)
@@ -185,10 +189,12 @@ def main(argv: list[str] | None = None) -> int:
     events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
                 model=None if cfg.stub else cfg.model, python_version=sys.version.split()[0])
     stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
+    stop_watchdog = start_watchdog(events, state, stdout.fileno(), cfg.exit_on_eof)
     try:
-        return _run(cfg, out, clock, events, state, wake_r)
+        return _run(cfg, out, clock, events, state, wake_r, stop_watchdog)
     finally:
         stop_heartbeat.set()
+        stop_watchdog.set()
 
 
 def _poke(fd: int) -> None:
@@ -221,7 +227,8 @@ def _load(cfg: Config, events: Events) -> Engine | None:
         return None
 
 
-def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, wake_r: int) -> int:
+def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, wake_r: int,
+         stop_watchdog: threading.Event) -> int:
     engine = _load(cfg, events)
     if engine is None:
         return 2
@@ -237,6 +244,7 @@ def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, 
     events.emit("pp_worker_ready", pid=os.getpid(), uptime_ms=clock.uptime_ms())
     state.loading = False
     reason = serve(LineReader(sys.stdin.buffer, cap, wake_fd=wake_r), out, worker, state)
+    stop_watchdog.set()  # from here this thread writes the last line and exits
     if reason == "stdout_closed":
         print(f"pp_worker: stage {cfg.stage}: stdout closed by the reader; exiting", file=sys.stderr, flush=True)
         return 0
