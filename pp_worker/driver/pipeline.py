@@ -165,6 +165,11 @@ class Pipeline:
         return self._smallest("max_context")
 
     @property
+    def vocab_size(self) -> int | None:
+        """Token ids are below it (the last stage's ready line), None if it does not say."""
+        return self._smallest("vocab_size")
+
+    @property
     def max_sessions(self) -> int | None:
         """KV sessions every stage holds at once (PP_MAX_SESSIONS), None if no ready line says."""
         return self._smallest("max_sessions")
