@@ -16,7 +16,8 @@ MAX_LOGIT_BIAS = 100.0  # worker.protocol.MAX_LOGIT_BIAS, as OpenAI
 def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tokens_help: str) -> None:
     """The stages (how many, which model, how started), the limits, and the sampling defaults."""
     ap.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
-    ap.add_argument("--model", help="GGUF path or tinygrad model name (default: the worker's embedded model)")
+    ap.add_argument("--model", help="GGUF path, http(s) URL (each stage fetches only its own tensors' bytes) or "
+                    "tinygrad model name (default: the worker's embedded model)")
     ap.add_argument("--stub", action="store_true", help="stub workers (PP_WORKER_STUB=1): no model, fake tensors")
     ap.add_argument("--launcher", help="command template per stage, e.g. 'ssh node{stage} python3 -m pp_worker'; "
                     "placeholders {stage} {num_stages} {python} {env} (where the env K=V words go); "

@@ -452,11 +452,14 @@ class Pipeline:
 
     def _on_event(self, st: Stage, obj: Reply) -> None:
         if obj["event"] == "loading":
-            done, total = obj.get("blocks_done"), obj.get("blocks_total")
+            fetching = "bytes_total" in obj  # a model given by URL: the stage's bytes, downloading
+            done, total = (obj.get("bytes_done"), obj.get("bytes_total")) if fetching else \
+                (obj.get("blocks_done"), obj.get("blocks_total"))
             now = time.monotonic()
             if done == total or now - self._loading_shown.get(st.index, 0.0) >= 1.0:  # at most one line a second
                 self._loading_shown[st.index] = now
-                self._say(f"stage {st.index}: loading blocks {done}/{total}")
+                self._say(f"stage {st.index}: fetching its share of the model, {_mib(done)} of {_mib(total)} MiB"
+                          if fetching else f"stage {st.index}: loading blocks {done}/{total}")
         elif obj["event"] in ("model_load_failed", "uncaught_exception", "session_evicted"):
             self._say(f"stage {st.index}: {obj['event']}: {obj.get('value') or obj.get('session', '')}")
 
@@ -491,6 +494,10 @@ class Pipeline:
     def _say(self, text: str) -> None:
         if self.log:
             print(text, file=self.log, flush=True)
+
+
+def _mib(n: object) -> str:
+    return f"{n / 2**20:.1f}" if isinstance(n, int) else "?"
 
 
 def run_pipeline(prompts: list[str], *, stages: int = 2, model: str | None = None, stub: bool = False,
