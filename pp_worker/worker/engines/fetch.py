@@ -126,8 +126,9 @@ class RemoteFile:
         return header
 
     def ensure(self, ranges: list[Range]) -> None:
-        """Make the bytes of ``ranges`` present, fetching what the cache lacks; `loading` events report the bytes
-        (``bytes_done`` of ``bytes_total``) while more than a request's worth is fetched."""
+        """Make the bytes of ``ranges`` present, fetching what the cache lacks (ranges within ``GAP`` of each other
+        in one request); `loading` events report the bytes fetched, ``bytes_done`` of ``bytes_total``, at most one a
+        second and one at the end."""
         want = merge(ranges)
         if missing(want, self.have):
             self._reload()  # another stage on this machine may have fetched some meanwhile
@@ -170,8 +171,9 @@ class RemoteFile:
                                      f"(the file changed on the server, or it stopped serving ranges)")
             if _content_range(r, self.url) != (a, b, self.size) or _etag(r) not in ("", self.etag):
                 raise ModelLoadError(f"{self.url}: asked for bytes {a}-{b - 1} of {self.size} (ETag {self.etag!r}), "
-                                     f"the server sent {r.headers.get('Content-Range')!r} (ETag {_etag(r)!r}): the "
-                                     f"file changed on the server; start again to fetch the new one")
+                                     f"the server sent {r.headers.get('Content-Range')!r} (ETag {_etag(r)!r}): not "
+                                     f"what was asked for; if the file changed on the server, start again to fetch "
+                                     f"the new one")
             self._write(r, a, b)
 
     def _get(self, a: int, b: int) -> http.client.HTTPResponse:
