@@ -204,6 +204,28 @@ def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:
     assert sent(p, 1) == [("forward_range", [1]), ("forward_range", [2])]
 
 
+def test_without_batching_a_stage_gets_one_one_token_forward_at_a_time() -> None:
+    p = bare_pipeline(2, in_flight=4)
+    p.batch = False
+    for rid in (1, 2):
+        p._send(rid, Call(0, "decode_step", {"token_id": 1, "position": 5}), None)
+    p._send(3, Call(0, "tokenize", {"prompt": "x"}), None)  # behind a held step: held too, the stage's order kept
+    p._send(4, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}), None)
+    p._flush()
+    # a worker batches one-token forwards it finds queued together: never two on one stage's stdin
+    assert sent(p, 0) == [("decode_step", [1])] and sent(p, 1) == [("forward_and_sample", [4])]
+    p._flush()
+    assert len(sent(p, 0)) == 1
+    p._on_reply(p.stages[0], {"request_id": 1, "hidden_b64": "AAAA", "seq_len": 1}, counted=False)
+    p._flush()
+    assert sent(p, 0)[1:] == [("decode_step", [2]), ("tokenize", [3])]
+    p._on_reply(p.stages[0], {"request_id": 2, "hidden_b64": "AAAA", "seq_len": 1}, counted=False)
+    p._send(5, Call(0, "embed_and_forward", {"tokens": [7], "position": 0}), None)  # a one-token prefill counts too
+    p._send(6, Call(0, "decode_step", {"token_id": 1, "position": 5}), None)
+    p._flush()
+    assert sent(p, 0)[3:] == [("embed_and_forward", [5])]
+
+
 def test_stub_pipeline_batches_k_generations_and_gives_their_solo_tokens() -> None:
     prompts = ["one two three", "four five", "six seven eight nine", "ten"]
     alone = [run_pipeline([q], stages=3, stub=True, max_tokens=5).generations[0].tokens for q in prompts]

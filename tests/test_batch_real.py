@@ -73,16 +73,21 @@ def test_k_generations_are_batched_and_each_is_its_solo_run(pipeline: Pipeline) 
 
 
 def test_without_batching_nothing_is_batched(pipeline: Pipeline) -> None:
-    pipeline.batch = False
+    alone = [pipeline.run(make_generations(pipeline, [prompt], 4, Sampling())).generations[0].tokens
+             for prompt in PROMPTS[:2]]
+    pipeline.batch, pipeline.trace = False, []
     try:
         before = [s["batched_requests"] for s in statuses(pipeline)]
-        pipeline.run(make_generations(pipeline, PROMPTS[:2], 4, Sampling()), concurrency=2)
+        together = pipeline.run(make_generations(pipeline, PROMPTS[:2], 4, Sampling()), concurrency=2)
         after = [s["batched_requests"] for s in statuses(pipeline)]
+        steps = [rid for _, stage, rid, op, d in pipeline.trace if (stage, op, d) == (0, "decode_step", "send")]
     finally:
-        pipeline.batch = True
-    # the workers may still batch steps they find queued together; the driver sent none as a batch, and two
-    # generations' steps reach a stage one reply apart: mostly alone
-    assert sum(after) - sum(before) < 3 * 2 * 4
+        pipeline.batch, pipeline.trace = True, None
+    assert [g.tokens for g in together.generations] == alone
+    # both were decoding at once (their steps interleave), yet no stage ran a batched forward: the driver sent no
+    # batch, nor two one-token steps a worker could find queued together
+    assert len(steps) == 6 and sum(a != b for a, b in zip(steps, steps[1:], strict=False)) > 1, steps
+    assert after == before
 
 
 def test_a_long_prompt_is_pipelined_and_gives_what_the_whole_prompt_gives(pipeline: Pipeline) -> None:

@@ -103,6 +103,23 @@ def test_sampling_fields_reach_the_last_stage(spawn):
     assert tokens_of(stats) != tokens_of(run_pipeline([PROMPTS[2]], stub=True, max_tokens=10))
 
 
+def test_logit_bias_from_the_flag_reaches_the_last_stage(spawn):
+    expected, text = chained(spawn, 2, PROMPTS[2], 8, logit_bias={"3": 6, "11": -100})  # stub logits: [-8, 8)
+    assert expected != chained(spawn, 2, PROMPTS[2], 8)[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PP_")}
+    driver = [sys.executable, "-m", "pp_worker.driver", "--stub", "--max-tokens", "8"]
+    result = subprocess.run([*driver, "--logit-bias", "3=6", "--logit-bias", "11=-100", PROMPTS[2]],
+                            capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == text.strip(), result.stderr[-2000:]
+    # an id the vocabulary lacks (the stub's is 32) would fail the stage's request: refused once the stages are up
+    result = subprocess.run([*driver, "--logit-bias", "32=1", "a b"], capture_output=True, text=True, timeout=60,
+                            env=env)
+    assert result.returncode == 2 and "token id 32 is outside the vocabulary [0, 32)" in result.stderr
+    for bad in ("3", "x=1", "-1=1", "3=101"):
+        with pytest.raises(SystemExit):
+            parse_args(["--stub", "--logit-bias", bad, "a b"])
+
+
 def test_concurrent_generations_equal_solo_runs_and_overlap():
     launch = Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "25"})
     with Pipeline(launch, log=None) as p:

@@ -343,3 +343,25 @@ def test_bad_recent_tokens_are_rejected(value: object, fragment: str) -> None:
 def test_token_bound_follows_the_vocab_size() -> None:
     with pytest.raises(ProtocolError, match=r"\[0, 4\)"):
         parse_sampling({"recent_tokens": [4]}, 4)
+
+
+def test_logit_bias_parses_to_id_bias_pairs() -> None:
+    params = parse_sampling({"logit_bias": {"0": -100, "9": 100, "3": 2.5}}, SAMPLING_VOCAB)
+    assert params == SamplingParams(logit_bias=((0, -100.0), (9, 100.0), (3, 2.5))) and params.greedy
+    assert parse_sampling({"logit_bias": {}}, SAMPLING_VOCAB) == SamplingParams()
+
+
+@pytest.mark.parametrize(
+    "value, fragment",
+    [([1, 2], "'logit_bias' must be an object"), ("{}", "'logit_bias' must be an object"),
+     ({"10": 1}, "[0, 10)"), ({"-1": 1}, "keys must be token ids"), ({"01": 1}, "keys must be token ids"),
+     ({"a": 1}, "keys must be token ids"), ({"1" * 5000: 1}, "keys must be token ids"),
+     ({"\uff11": 1}, "keys must be token ids"), ({"2": 100.5}, "'logit_bias[2]'"), ({"2": -101}, "[-100, 100]"),
+     ({"2": True}, "'logit_bias[2]'"), ({"2": "5"}, "'logit_bias[2]'"), ({"2": math.nan}, "'logit_bias[2]'"),
+     ({"2": None}, "'logit_bias[2]'")],
+    ids=lambda v: repr(v)[:30],
+)
+def test_bad_logit_bias_is_rejected(value: object, fragment: str) -> None:
+    with pytest.raises(ProtocolError, match="must be") as err:
+        parse_sampling({"logit_bias": value}, SAMPLING_VOCAB)
+    assert fragment in str(err.value)

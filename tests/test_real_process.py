@@ -116,6 +116,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             infos = [header.tensors[n] for n in names]
             assert r["weights"] == {"F16": len(names)} and r["weights_converted"] == {}
             assert r["weight_bytes"] == sum(i.nbytes if i.ggml_type == 1 else 2 * i.n_elements for i in infos)
+        assert [r["jits_compiled"] for r in ready] == [0, 0]  # no PP_WARMUP: each compiles at its first use
         tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
         hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})
         token = last.request({"op": "forward_and_sample", "request_id": 5, "hidden_b64": hidden["hidden_b64"],
@@ -217,14 +218,18 @@ def test_sigterm_while_loading_exits_at_once(model: Path) -> None:
         w.kill()
 
 
-def test_warmup_before_ready_leaves_no_session_behind(model: Path) -> None:
+def test_warmup_compiles_every_forward_before_ready_and_leaves_no_session_behind(model: Path) -> None:
     w = spawn_real(1, 2, model, PP_WARMUP="1")
     try:
-        w.wait_ready(120)
+        ready = w.wait_ready(120)
+        # one JIT per prefill size (32 on the CPU and the powers of two below it, 1 for decode) and per batch size
+        # (8, 4, 2 with the default PP_MAX_BATCH): all compiled before the ready line
+        assert (ready["jits"], ready["jits_compiled"]) == (6 + 3, 6 + 3)
         assert w.request({"op": "status", "request_id": 1})["sessions"] == {}  # the scratch session is gone
         hidden = base64.b64encode(bytes(read_header(model).kv["llama.embedding_length"] * 2)).decode()  # zeros
         reply = w.request({"op": "forward_and_sample", "request_id": 2, "hidden_b64": hidden, "position": 0,
                            "seq_len": 1})
         assert isinstance(reply["token_id"], int)
+        assert w.request({"op": "status", "request_id": 3})["jits_compiled"] == 6 + 3
     finally:
         w.kill()

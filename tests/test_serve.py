@@ -112,6 +112,40 @@ def test_sampling_fields_and_seed_reach_the_workers(server: Server) -> None:
         assert r.choices[0].text == text
 
 
+def test_logit_bias_reaches_the_last_stage(server: Server) -> None:
+    greedy, _, _ = driver_text(PROMPTS[2], 6)
+    first = greedy.split()[0]  # the stub's text is each token id after a space
+    bias = ((int(first), -100.0), (7, 30.0))
+    text, _, _ = driver_text(PROMPTS[2], 6, Sampling(logit_bias=bias))
+    assert text != greedy and text.split()[0] != first  # otherwise this test could not tell
+    for stream in (False, True):
+        r = server.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=6, stream=stream,
+                                               logit_bias={first: -100, "7": 30})
+        assert ("".join(c.choices[0].text for c in r) if stream else r.choices[0].text) == text
+
+
+def test_response_format_text_and_tool_choice_none_are_accepted_and_change_nothing(server: Server) -> None:
+    client, messages = server.client(), [{"role": "user", "content": "hello there pipeline"}]
+    plain = client.chat.completions.create(model="m", messages=messages, max_tokens=5)
+    same = client.chat.completions.create(model="m", messages=messages, max_tokens=5,
+                                          response_format={"type": "text"}, tool_choice="none")
+    assert same.choices[0].message.content == plain.choices[0].message.content
+    for field, value in (("response_format", {"type": "json_object"}), ("tool_choice", "auto")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="m", messages=messages, max_tokens=5, **{field: value})
+        assert e.value.param == field
+
+
+def test_models_retrieve_names_the_served_model(server: Server) -> None:
+    client = server.client()
+    model = client.models.retrieve("stub")
+    assert (model.id, model.object, model.owned_by) == ("stub", "model", "pp_worker")
+    assert model.created == client.models.list().data[0].created
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
+
+
 def _stream_text(server: Server, prompt: str) -> str:
     stream = server.client().completions.create(model="m", prompt=prompt, max_tokens=16, stream=True)
     return "".join(c.choices[0].text for c in stream)
@@ -159,6 +193,8 @@ def test_waiting_client_that_disconnects_releases_its_sessions(server: Server) -
     ({"n": 2}, "n"), ({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 3}, "logprobs"), ({"seed": -1}, "seed"),
     ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x" * 70000}, "prompt"),
+    ({"logit_bias": {"32": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
 ])
 def test_bad_values_get_400_in_the_api_error_shape(server: Server, fields: dict, param: str) -> None:
     body = {"model": "m", "prompt": "a b", "max_tokens": 2, **fields}
@@ -175,6 +211,8 @@ def test_bad_values_get_400_in_the_api_error_shape(server: Server, fields: dict,
     ("/v1/completions", b'{"model": "m"}', 422),
     ("/v1/completions", b'{"model": "m", "prompt": 3}', 422),
     ("/v1/completions", b'{"model": "m", "prompt": "a", "max_tokens": "5"}', 422),
+    ("/v1/completions", b'{"model": "m", "prompt": "a", "logit_bias": {"1": "5"}}', 422),
+    ("/v1/completions", b'{"model": "m", "prompt": "a", "logit_bias": [1]}', 422),
     ("/v1/chat/completions", b'{"model": "m", "messages": "hi"}', 422),
     ("/v1/chat/completions", b'{"model": "m", "messages": []}', 400),
     ("/v1/chat/completions", b'{"model": "m", "messages": [{"role": "tool", "content": "x"}]}', 400),

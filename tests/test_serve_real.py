@@ -68,8 +68,10 @@ def test_output_is_cut_to_the_context_and_a_longer_prompt_refused(server: Server
     # the session then holds prompt + completion - 1 positions: exactly the context, and no stage saw a step past it
     assert r.usage.prompt_tokens + r.usage.completion_tokens - 1 == CONTEXT
     assert r.choices[0].finish_reason == "length"
-    with pytest.raises(openai.BadRequestError, match=f"exceeds max_context {CONTEXT}"):
-        _complete(server, " ".join(["Beautiful"] * (CONTEXT + 5)), max_tokens=2)
+    for stream in (False, True):  # a prompt under the API's 65,536 characters but over the context
+        with pytest.raises(openai.BadRequestError, match=f"exceeds max_context {CONTEXT}") as e:
+            _complete(server, " ".join(["Beautiful"] * (CONTEXT + 5)), max_tokens=2, stream=stream)
+        assert (e.value.code, e.value.param) == ("context_length_exceeded", "prompt")
     assert server.get("/health")["status"] == "ok"
 
 

@@ -413,14 +413,18 @@ def test_missing_tensor(models, tmp_path):
 
 
 def test_model_name_download_failure_names_the_url(monkeypatch):
-    import tinygrad.helpers
+    import urllib.request
+
     from tinygrad.llm.cli import models
 
-    def offline(url, *args, **kwargs):
+    from pp_worker.worker.engines import fetch
+
+    def offline(request, *args, **kwargs):
         raise OSError("network is unreachable")
 
-    monkeypatch.setattr(tinygrad.helpers, "fetch", offline)
-    with pytest.raises(ModelLoadError, match=f"could not download llama3.2:1b from {models['llama3.2:1b']}.*local"):
+    monkeypatch.setattr(urllib.request, "urlopen", offline)
+    monkeypatch.setattr(fetch, "RETRY_S", 0.0)
+    with pytest.raises(ModelLoadError, match=f"could not fetch the first bytes of {models['llama3.2:1b']}.*local"):
         TinygradEngine("llama3.2:1b", 0, 2)
 
 

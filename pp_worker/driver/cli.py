@@ -13,8 +13,8 @@ Launcher placeholders: {stage}, {num_stages}, {python} (this interpreter) and {e
 ``env STAGE=.. NUM_STAGES=.. MODEL=..`` words go; without {env} they go right after ssh's destination, or in
 front of the whole command. Exit status: 0; 1 when a stage dies, answers an error or times out (stderr names
 the stage, its exit code and its stderr tail), or when a generation could not run (its prompt does not fit in
-max_context; the other prompts still run); 2 for bad arguments (an empty prompt among them); 128 + the signal
-(130 for Ctrl-C) when interrupted.
+max_context; the other prompts still run); 2 for bad arguments (an empty prompt among them, or a --logit-bias
+token the vocabulary lacks); 128 + the signal (130 for Ctrl-C) when interrupted.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ import sys
 from typing import TextIO
 
 from pp_worker.driver.chat import chat
-from pp_worker.driver.flags import add_pipeline_flags, check_pipeline_flags, launch_from, sampling_from
+from pp_worker.driver.flags import (
+    add_pipeline_flags,
+    check_pipeline_flags,
+    launch_from,
+    logit_bias_problem,
+    sampling_from,
+)
 from pp_worker.driver.generation import Generation
 from pp_worker.driver.pipeline import Cancel, Pipeline, PipelineError, RunStats, make_generations
 
@@ -109,6 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         with Pipeline(launch_from(args), load_timeout=args.load_timeout, step_timeout=args.step_timeout,
                       cancel=cancel, echo_stderr=args.verbose, prefill_chunk=args.prefill_chunk,
                       schedule=args.schedule) as p:
+            if problem := logit_bias_problem(sampling_from(args), p.vocab_size):
+                print(f"pp-pipeline: {problem}", file=sys.stderr, flush=True)
+                return 2
             if args.chat:
                 chat(p, args.max_tokens, sampling_from(args), cancel)
                 return 0

@@ -10,12 +10,14 @@ from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
 from pp_worker.driver.stage_proc import Launch
 
 WIRE_DTYPES = ("f16", "q8")  # worker.q8.WIRE_DTYPES; the driver imports nothing of the worker
+MAX_LOGIT_BIAS = 100.0  # worker.protocol.MAX_LOGIT_BIAS, as OpenAI
 
 
 def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tokens_help: str) -> None:
     """The stages (how many, which model, how started), the limits, and the sampling defaults."""
     ap.add_argument("--stages", type=int, default=2, help="number of stages (default 2)")
-    ap.add_argument("--model", help="GGUF path or tinygrad model name (default: the worker's embedded model)")
+    ap.add_argument("--model", help="GGUF path, http(s) URL (each stage fetches only its own tensors' bytes) or "
+                    "tinygrad model name (default: the worker's embedded model)")
     ap.add_argument("--stub", action="store_true", help="stub workers (PP_WORKER_STUB=1): no model, fake tensors")
     ap.add_argument("--launcher", help="command template per stage, e.g. 'ssh node{stage} python3 -m pp_worker'; "
                     "placeholders {stage} {num_stages} {python} {env} (where the env K=V words go); "
@@ -53,6 +55,20 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
     sampling.add_argument("--min-p", type=float)
     sampling.add_argument("--repetition-penalty", type=float, help=f"over the last {RECENT_TOKENS} tokens")
     sampling.add_argument("--seed", type=int)
+    sampling.add_argument("--logit-bias", action="append", default=[], type=_bias_entry, metavar="ID=BIAS",
+                          help="add BIAS, in [-100, 100], to token ID's logit before sampling (repeatable; -100 all "
+                          "but bans the token, 100 all but forces it)")
+
+
+def _bias_entry(text: str) -> tuple[int, float]:
+    token, _, bias = text.partition("=")
+    try:
+        entry = int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ID=BIAS (a token id and a number), got {text!r}") from None
+    if entry[0] < 0 or not abs(entry[1]) <= MAX_LOGIT_BIAS:
+        raise argparse.ArgumentTypeError(f"expected a token id >= 0 and a bias in [-100, 100], got {text!r}")
+    return entry
 
 
 def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -79,4 +95,12 @@ def launch_from(args: argparse.Namespace) -> Launch:
 
 
 def sampling_from(args: argparse.Namespace) -> Sampling:
-    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed)
+    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.repetition_penalty, args.seed,
+                    tuple(dict(args.logit_bias).items()))  # a token given twice: the last bias counts
+
+
+def logit_bias_problem(sampling: Sampling, vocab_size: int | None) -> str:
+    """Why the stages would refuse ``--logit-bias`` (a token id outside the vocabulary), "" when they would not: an
+    error reply fails the whole pipeline, so this is checked once the stages' ready lines give ``vocab_size``."""
+    bad = [token for token, _ in sampling.logit_bias if vocab_size is not None and token >= vocab_size]
+    return f"--logit-bias: token id {bad[0]} is outside the vocabulary [0, {vocab_size})" if bad else ""

@@ -27,11 +27,14 @@ class Sampling:
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
 
     def fields(self, context: list[int]) -> dict[str, Any]:
-        out = {f.name: v for f in fields(self) if (v := getattr(self, f.name)) is not None}
+        out = {f.name: v for f in fields(self) if f.name != "logit_bias" and (v := getattr(self, f.name)) is not None}
         if self.repetition_penalty is not None:
             out["recent_tokens"] = context[-RECENT_TOKENS:]
+        if self.logit_bias:
+            out["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}  # JSON keys are strings
         return out
 
 
@@ -69,6 +72,7 @@ class Generation:
     # "error" (this generation could not run; ``error`` says why, the others go on)
     stop_reason: str = ""
     error: str = ""
+    error_code: str = ""  # with some errors, OpenAI's code for them: "context_length_exceeded"
     stop_requested: bool = False
     # streaming: a detokenize is in flight (later tokens do not queue more, the updates coalesce), the text streamed
     # so far, and how many tokens it covers (the rest end in an unfinished character or are not sent yet)
@@ -96,7 +100,7 @@ class Generation:
         self.t_start = time.monotonic()
         reply = yield Call(0, "tokenize", {"prompt": self.prompt})
         self.prompt_tokens = reply["tokens"]
-        self.error = _refusal(self.prompt_tokens, max_context)
+        self.error, self.error_code = _refusal(self.prompt_tokens, max_context)
         if self.error:  # this generation alone cannot run; it never touches a KV session
             self.stop_reason = "error"
             self._finish("")
@@ -190,13 +194,13 @@ def _onward(stage: int, n: int, position: int, seq_len: int) -> Callable[[Reply]
     return then
 
 
-def _refusal(prompt_tokens: list[int], max_context: int | None) -> str:
-    """Why a prompt cannot be generated from ("" when it can)."""
+def _refusal(prompt_tokens: list[int], max_context: int | None) -> tuple[str, str]:
+    """Why a prompt cannot be generated from, and the error's code (both "" when it can)."""
     if not prompt_tokens:
-        return "prompt is empty (no tokens)"
+        return "prompt is empty (no tokens)", ""
     if max_context is not None and len(prompt_tokens) > max_context:
-        return f"prompt of {len(prompt_tokens)} tokens exceeds max_context {max_context}"
-    return ""
+        return f"prompt of {len(prompt_tokens)} tokens exceeds max_context {max_context}", "context_length_exceeded"
+    return "", ""
 
 
 def _reusable(cached: list[int], tokens: list[int]) -> int:

@@ -95,6 +95,10 @@ class _Pending:
     sent: float
     waiter: Waiter  # a callback may answer with the next call to send (a prefill chunk's next stage)
     step: bool = False  # a one-token step (what a batch can hold)
+    one_token: bool = False  # a one-token forward of any kind: what a worker batches with others queued behind it
+
+
+Outgoing = tuple[int, Call, _Pending]  # a call waiting to be written: (request_id, call, its pending entry)
 
 
 BATCH_OPS = frozenset({"decode_step", "forward_range", "forward_and_sample"})  # one-token steps a batch can hold
@@ -103,6 +107,12 @@ SCHEDULES = ("auto", "lockstep", "overlap")  # how generations in flight share t
 
 def is_step(call: Call) -> bool:
     return call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
+
+
+def is_one_token(call: Call) -> bool:
+    """A forward the worker itself may batch with one-token forwards queued behind it (docs/protocol.md, Batched
+    decode): every step, and a one-token prefill."""
+    return is_step(call) or call.op == "embed_and_forward" and len(call.fields.get("tokens", ())) == 1
 
 
 class Pipeline:
@@ -153,6 +163,11 @@ class Pipeline:
     def max_context(self) -> int | None:
         """Positions a KV session holds on every stage (the smallest a ready line reports), None if none says."""
         return self._smallest("max_context")
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids are below it (the last stage's ready line), None if it does not say."""
+        return self._smallest("vocab_size")
 
     @property
     def max_sessions(self) -> int | None:
@@ -278,7 +293,7 @@ class Pipeline:
 
     def _send(self, rid: int, call: Call, waiter: Waiter) -> None:
         """Queue a call; the next round's `_flush` writes it (with the others of this round: a batch can form)."""
-        pending = _Pending(call.op, time.monotonic(), waiter, is_step(call))
+        pending = _Pending(call.op, time.monotonic(), waiter, is_step(call), is_one_token(call))
         self._pending.setdefault((call.stage, rid), deque()).append(pending)
         self._outbox.append((rid, call, pending))
 
@@ -293,11 +308,17 @@ class Pipeline:
         pass one batch of K around. Where the stages share the same cores that is the fastest way: a batch of 4
         costs about 1.6x one step (bench/NOTES.md), and two batches on two stages at once only share the cores.
         Otherwise (``overlap``) each generation goes on as soon as its token is back, so with K generations in
-        flight stage s works on one batch while stage s+1 works on another, as stages on devices of their own should."""
+        flight stage s works on one batch while stage s+1 works on another, as stages on devices of their own should.
+
+        Without batching (``batch`` false) a stage has at most one one-token forward outstanding: two queued on its
+        stdin would be batched by the worker itself."""
         calls, self._outbox = self._outbox, []
+        unsent = {id(p) for _, _, p in calls}
         if self.lockstep and self._mid_token(calls):
             self._outbox = [c for c in calls if self._starts_token(c[1])]  # held until the round completes
             calls = [c for c in calls if not self._starts_token(c[1])]
+        if not self.batch:
+            calls = self._one_at_a_time(calls, unsent)
         for st in self.stages:
             group: list[tuple[int, Call, _Pending]] = []
             for rid, call, pending in (c for c in calls if c[1].stage == st.index):
@@ -309,6 +330,22 @@ class Pipeline:
                 if not group:
                     self._write(st, [(rid, call, pending)])
             self._write(st, group)
+
+    def _one_at_a_time(self, calls: list[Outgoing], unsent: set[int]) -> list[Outgoing]:
+        """The calls to write now such that no stage gets a one-token forward while it has one outstanding; the
+        rest wait in the outbox (with every later call to the same stage, which keeps each stage's order)."""
+        busy = {s for (s, _), queue in self._pending.items() for p in queue if p.one_token and id(p) not in unsent}
+        now: list[Outgoing] = []
+        held: set[int] = set()
+        for rid, call, pending in calls:
+            if call.stage in held or (pending.one_token and call.stage in busy):
+                held.add(call.stage)
+                self._outbox.append((rid, call, pending))
+                continue
+            now.append((rid, call, pending))
+            if pending.one_token:
+                busy.add(call.stage)
+        return now
 
     @staticmethod
     def _starts_token(call: Call) -> bool:
@@ -416,11 +453,14 @@ class Pipeline:
 
     def _on_event(self, st: Stage, obj: Reply) -> None:
         if obj["event"] == "loading":
-            done, total = obj.get("blocks_done"), obj.get("blocks_total")
+            fetching = "bytes_total" in obj  # a model given by URL: the stage's bytes, downloading
+            done, total = (obj.get("bytes_done"), obj.get("bytes_total")) if fetching else \
+                (obj.get("blocks_done"), obj.get("blocks_total"))
             now = time.monotonic()
             if done == total or now - self._loading_shown.get(st.index, 0.0) >= 1.0:  # at most one line a second
                 self._loading_shown[st.index] = now
-                self._say(f"stage {st.index}: loading blocks {done}/{total}")
+                self._say(f"stage {st.index}: fetching its share of the model, {_mib(done)} of {_mib(total)} MiB"
+                          if fetching else f"stage {st.index}: loading blocks {done}/{total}")
         elif obj["event"] in ("model_load_failed", "uncaught_exception", "session_evicted"):
             self._say(f"stage {st.index}: {obj['event']}: {obj.get('value') or obj.get('session', '')}")
 
@@ -455,6 +495,10 @@ class Pipeline:
     def _say(self, text: str) -> None:
         if self.log:
             print(text, file=self.log, flush=True)
+
+
+def _mib(n: object) -> str:
+    return f"{n / 2**20:.1f}" if isinstance(n, int) else "?"
 
 
 def run_pipeline(prompts: list[str], *, stages: int = 2, model: str | None = None, stub: bool = False,

@@ -1,9 +1,10 @@
 """The edge of the HTTP API: a request body -> a validated ``Ask``, or an ``ApiError`` in OpenAI's error shape.
 
 Status codes: 422 when the body does not fit the schema (a field of the wrong JSON type, a required field missing),
-400 when it fits but a value cannot be served (out of range, a feature not supported such as ``n`` > 1).
-Fields the API defines that change nothing here (``user``, ``logit_bias`` empty, ``n`` = 1) are accepted; unknown
-fields are ignored, as OpenAI-compatible servers commonly do.
+400 when it fits but a value cannot be served (out of range, a token id outside the vocabulary, a feature not
+supported such as ``n`` > 1). ``logit_bias`` goes to the last stage's sampler. Fields the API defines that change
+nothing here (``user``, ``n`` = 1, ``response_format`` ``{"type": "text"}``, ``tool_choice`` ``"none"``) are
+accepted; unknown fields are ignored, as OpenAI-compatible servers commonly do.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pp_worker.wire import WireError, parse_json
 
 MAX_PROMPT_CHARS = 1 << 16  # keeps a tokenize line far below the workers' line limit (PP_MAX_LINE_BYTES)
 MAX_STOPS = 4  # as OpenAI
+MAX_LOGIT_BIAS = 100.0  # as OpenAI (and the workers)
 SEED_LIMIT = 1 << 63  # the workers' seed range
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -52,10 +54,12 @@ class Ask:
 
 @dataclass(frozen=True)
 class Defaults:
-    """The server's defaults for fields a request leaves out (from pp-serve's command line)."""
+    """The server's defaults for fields a request leaves out (from pp-serve's command line), and the vocabulary size
+    that token ids in a request are checked against (from the stages' ready lines)."""
 
     max_tokens: int
     sampling: Sampling
+    vocab_size: int | None = None
 
 
 def parse_body(raw: bytes) -> dict[str, Any]:
@@ -89,7 +93,8 @@ def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: Format) -> Ask:
     if not messages:
         raise ApiError(400, "messages: at least one message is needed", "messages")
     turns = [_turn(m, i) for i, m in enumerate(messages)]
-    _unsupported(body, tools=None, functions=None, top_logprobs=None, response_format=None)
+    _unsupported(body, tools=None, functions=None, top_logprobs=None, response_format={"type": "text"},
+                 tool_choice="none")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     ask = _ask(body, _prompt(fmt.render(turns)), defaults, chat=True, max_tokens_field=field)
     return replace(ask, stop=tuple(dict.fromkeys(ask.stop + fmt.stop)))  # the format's end-of-turn text ends it
@@ -104,20 +109,40 @@ def _ask(body: dict[str, Any], prompt: str, defaults: Defaults, *, chat: bool, m
     options = _typed(body, "stream_options", dict)
     include_usage = bool(stream and options and options.get("include_usage") is True)
     max_tokens = _int(body, max_tokens_field, 1, 1 << 30)
-    return Ask(prompt, max_tokens or defaults.max_tokens, _sampling(body, defaults.sampling), _stop(body), stream,
+    return Ask(prompt, max_tokens or defaults.max_tokens, _sampling(body, defaults), _stop(body), stream,
                include_usage, chat)
 
 
-def _sampling(body: dict[str, Any], default: Sampling) -> Sampling:
+def _sampling(body: dict[str, Any], defaults: Defaults) -> Sampling:
     """The request's sampling fields over the server's defaults; ranges as the workers check them."""
-    return replace(default, **{k: v for k, v in {
+    return replace(defaults.sampling, **{k: v for k, v in {
         "temperature": _number(body, "temperature", 0.0, 2.0),
         "top_p": _number(body, "top_p", 0.0, 1.0, low_open=True),
         "top_k": _int(body, "top_k", 0, 1 << 30),
         "min_p": _number(body, "min_p", 0.0, 1.0, high_open=True),
         "repetition_penalty": _number(body, "repetition_penalty", 0.0, 100.0, low_open=True),
         "seed": _int(body, "seed", 0, SEED_LIMIT - 1),
+        "logit_bias": _logit_bias(body, defaults.vocab_size),
     }.items() if v is not None})
+
+
+def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int, float], ...] | None:
+    """OpenAI's ``{"token id": bias}``, checked here: a worker's error reply would take the whole pipeline down."""
+    value = _typed(body, "logit_bias", dict)
+    if value is None:
+        return None
+    bias = []
+    for key, number in value.items():
+        if not (key.isascii() and key.isdigit() and len(key) <= 12 and key == str(int(key))) \
+                or vocab_size is not None and int(key) >= vocab_size:
+            raise ApiError(400, f"logit_bias: keys must be token ids in [0, {vocab_size}), got {key!r:.40}",
+                           "logit_bias")
+        if isinstance(number, bool) or not isinstance(number, int | float):
+            raise ApiError(422, f"logit_bias[{key}]: expected a number", "logit_bias", "invalid_type")
+        if not abs(number) <= MAX_LOGIT_BIAS:
+            raise ApiError(400, f"logit_bias[{key}]: expected a number in [-100, 100], got {number:g}", "logit_bias")
+        bias.append((int(key), float(number)))
+    return tuple(bias)
 
 
 def _stop(body: dict[str, Any]) -> tuple[str, ...]:

@@ -1,5 +1,5 @@
-"""The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list,
-``/health``, and ``/stages`` (every stage worker's ``status`` reply).
+"""The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
+the model, ``/health``, and ``/stages`` (every stage worker's ``status`` reply).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
@@ -49,6 +49,13 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults)
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_model(api)]})
 
+    async def model(request: Request) -> Response:
+        name = request.path_params["name"]
+        if name != api.service.model:  # completions take any name, but only the served model exists
+            raise ApiError(404, f"the model {name!r:.100} does not exist; this server serves {api.service.model!r}",
+                           "model", "model_not_found")
+        return JSONResponse(_model(api))
+
     async def health(request: Request) -> Response:
         return _health(api.service)
 
@@ -57,7 +64,8 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults)
 
     routes = [Route("/v1/completions", completions, methods=["POST"]),
               Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/models", models), Route("/health", health), Route("/stages", stages)]
+              Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
+              Route("/stages", stages)]
     handlers: dict[Any, Any] = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, exception_handlers=handlers)
 
@@ -139,7 +147,9 @@ def _raise_for(update: Update) -> None:
 
 
 def _error(update: Update) -> ApiError:
-    return unavailable(update.error) if update.unavailable else ApiError(400, update.error, "prompt")
+    if update.unavailable:
+        return unavailable(update.error)
+    return ApiError(400, update.error, "prompt", update.code or None)
 
 
 # --- response shapes --------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ The stages load before the port answers (progress on stderr); ``--port 0`` picks
 and ``--max-tokens`` are the defaults for requests that leave those fields out (with neither: argmax, 64 tokens).
 A stage that dies or freezes is replaced (``--restarts``); a signal drains the requests in flight first
 (``--drain-timeout``, serve.drain). Exit status: 0 after a clean stop; 1 when the stages cannot start, or cannot be
-restarted; 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after a signal, once the stages are shut down.
+restarted; 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after a signal, once the stages are shut down; 2 for a
+--logit-bias token the vocabulary lacks.
 """
 
 from __future__ import annotations
@@ -25,7 +26,13 @@ from types import FrameType
 import uvicorn
 
 from pp_worker.driver.chat import pipeline_chat_format
-from pp_worker.driver.flags import add_pipeline_flags, check_pipeline_flags, launch_from, sampling_from
+from pp_worker.driver.flags import (
+    add_pipeline_flags,
+    check_pipeline_flags,
+    launch_from,
+    logit_bias_problem,
+    sampling_from,
+)
 from pp_worker.driver.pipeline import PipelineError
 from pp_worker.driver.service import PipelineService
 from pp_worker.driver.stage_proc import Launch
@@ -103,7 +110,11 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     try:
         fmt = pipeline_chat_format(service.pipeline, log=lambda msg: print(f"pp-serve: {msg}", file=sys.stderr))
-        app = build_app(service, fmt, Defaults(args.max_tokens, sampling_from(args)))
+        sampling, vocab_size = sampling_from(args), service.pipeline.vocab_size
+        if problem := logit_bias_problem(sampling, vocab_size):
+            print(f"pp-serve: {problem}", file=sys.stderr, flush=True)
+            return 2
+        app = build_app(service, fmt, Defaults(args.max_tokens, sampling, vocab_size))
         host, port = sock.getsockname()[:2]
         print(f"pp-serve: listening on http://{host}:{port} (model {service.model}, {args.stages} stages, up to "
               f"{service.concurrency} generations at once)", file=sys.stderr, flush=True)

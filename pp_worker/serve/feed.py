@@ -24,6 +24,7 @@ class Update:
     usage: dict[str, int] | None = None
     error: str = ""
     unavailable: bool = False  # the error is the pipeline's (503), not the request's (400)
+    code: str = ""  # the error's code in OpenAI's shape, if it has one
 
 
 class Feed:
@@ -47,7 +48,7 @@ class Feed:
 
     def on_end(self, g: ServedGeneration) -> None:
         if g.error:
-            self._put(Update("", error=g.error, unavailable=g.unavailable))
+            self._put(Update("", error=g.error, unavailable=g.unavailable, code=g.error_code))
             return
         final = self._cut(g.text)
         reason = "stop" if self.stopped else FINISH_REASONS.get(g.stop_reason, "stop")

@@ -91,7 +91,8 @@ def _env_seconds(env: dict[str, str], name: str, default: float) -> float:
 def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
     parser = argparse.ArgumentParser(prog="pp-worker", description="one stage of a pipeline-parallel LLM")
     parser.add_argument("--stub", action="store_true", help="deterministic fake engine, no model (PP_WORKER_STUB=1)")
-    parser.add_argument("--model", help="a .gguf path or a tinygrad model name (MODEL); default: the embedded model")
+    parser.add_argument("--model", help="a .gguf path, an http(s) URL of one or a tinygrad model name (MODEL); "
+                        "default: the embedded model")
     parser.add_argument("--max-context", type=int, help="KV cache length per session (MAX_CONTEXT)")
     args = parser.parse_args(argv)
     stage, num_stages = _env_int(env, "STAGE"), _env_int(env, "NUM_STAGES")

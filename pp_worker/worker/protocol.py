@@ -20,6 +20,7 @@ from pp_worker.worker.sampling import SamplingParams
 
 MAX_INT = 2**53  # ints beyond this are not portable JSON numbers; nothing legal needs them
 MAX_RECENT_TOKENS = 4096
+MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI
 
 
 class ProtocolError(Exception):
@@ -204,13 +205,31 @@ def _recent_tokens(value: object, vocab_size: int) -> tuple[int, ...]:
     return tuple(value)
 
 
+def _logit_bias(value: object, vocab_size: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's shape: token ids as decimal strings (the keys of a JSON object) -> a number in [-100, 100]."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"'logit_bias' must be an object mapping token ids to numbers, got {_show(value)}")
+    out = []
+    for key, bias in value.items():
+        digits = isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12  # no 4300-digit int()
+        if not (digits and key == str(int(key)) and int(key) < vocab_size):
+            raise ProtocolError(f"'logit_bias' keys must be token ids in [0, {vocab_size}) written in decimal, "
+                                f"got {key!r:.40}")
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not abs(bias) <= MAX_LOGIT_BIAS:
+            raise ProtocolError(f"'logit_bias[{key}]' must be a number in [-100, 100], got {reprlib.repr(bias)}")
+        out.append((int(key), float(bias)))
+    return tuple(out)
+
+
 def parse_sampling(req: dict[str, Any], vocab_size: int) -> SamplingParams | None:
     """Validated sampling fields of a request, or None when it carries none (the stage stays on plain argmax)."""
-    if not any(name in req for name in (*_SAMPLING_NUMBERS, "recent_tokens")):
+    if not any(name in req for name in (*_SAMPLING_NUMBERS, "recent_tokens", "logit_bias")):
         return None
     fields: dict[str, Any] = {name: _sampling_number(name, req[name]) for name in _SAMPLING_NUMBERS if name in req}
     if "recent_tokens" in req:
         fields["recent_tokens"] = _recent_tokens(req["recent_tokens"], vocab_size)
+    if "logit_bias" in req:
+        fields["logit_bias"] = _logit_bias(req["logit_bias"], vocab_size)
     return SamplingParams(**fields)
 
 

@@ -1,8 +1,9 @@
 """Turn the last position's logits (vocab,) into a token id: argmax, or seeded sampling.
 
 Filter order, the same on every path; each step means what it does in llama.cpp and HF transformers:
+  0. logit_bias: each listed token's bias added to its logit (OpenAI's field; llama.cpp applies it first too)
   1. repetition penalty on the distinct ``recent_tokens`` (positive logit / penalty, negative * penalty)
-  2. temperature == 0 -> argmax of the penalised logits, no random draw; else logits / temperature
+  2. temperature == 0 -> argmax of the biased, penalised logits, no random draw; else logits / temperature
   3. top_k: keep the k highest logits (ties: the lower id wins)
   4. softmax in float64, shifted by the max so it cannot overflow
   5. top_p: keep the smallest prefix of the sorted distribution whose mass >= top_p (never empty)
@@ -44,10 +45,21 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     recent_tokens: tuple[int, ...] = ()
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), distinct ids
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def _bias(x: np.ndarray, params: SamplingParams) -> np.ndarray:
+    if not params.logit_bias:
+        return x
+    ids = np.array([t for t, _ in params.logit_bias], dtype=np.int64)
+    if ids.min() < 0 or ids.max() >= x.size:
+        raise ValueError(f"logit_bias ids must lie in [0, {x.size})")
+    x[ids] += np.array([b for _, b in params.logit_bias], dtype=np.float64)
+    return x
 
 
 def _penalise(x: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -74,7 +86,7 @@ def _candidates(x: np.ndarray, top_k: int, ordered: bool) -> np.ndarray:
 
 def distribution(logits: Sequence[float] | np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
     """Token ids the filters keep and their renormalised probabilities; most probable first if top_k/top_p is set."""
-    x = _penalise(_as_logits(logits), params)
+    x = _penalise(_bias(_as_logits(logits), params), params)
     if params.greedy:
         return np.array([argmax_sample(x)]), np.ones(1)
     ids = _candidates(x, params.top_k, ordered=params.top_k > 0 or params.top_p < 1.0)

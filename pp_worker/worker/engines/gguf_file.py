@@ -1,13 +1,15 @@
 """GGUF header parsing: metadata and the tensor directory, read with bounds checks.
 
 Every read fails with `ModelLoadError` (one line, naming the file) rather than reading past the end of a truncated
-or malformed file, and every tensor's data is checked to lie inside the file. Tensor data itself is read by
-`gguf_loader`. tinygrad is imported only to size a tensor's data, so `ModelLoadError` can be imported cheaply.
+or malformed file, and every tensor's data is checked to lie inside the file. Tensor data is read by `read_data`
+(for `gguf_loader`), which first makes the bytes present when the file is a remote model's cache (`fetch`).
+tinygrad is imported only to size a tensor's data, so `ModelLoadError` can be imported cheaply.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -30,6 +32,15 @@ def type_name(ggml_type: int) -> str:
 
 class ModelLoadError(Exception):
     """The model cannot be loaded (missing, malformed, unsupported); the message is one line."""
+
+
+class HeaderTruncated(ModelLoadError):
+    """A header read past the end of the bytes at hand: a truncated file, or a header fetched only in part so far
+    (`fetch` then fetches more). ``needed``: the offset where that read would have ended."""
+
+    def __init__(self, message: str, needed: int):
+        super().__init__(message)
+        self.needed = needed
 
 
 @dataclass(frozen=True)
@@ -64,6 +75,8 @@ class GGUFHeader:
     path: Path
     kv: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    # a remote model's cache (`fetch`): makes the bytes of the [start, end) ranges present in ``path``; None: local
+    ensure: Callable[[list[tuple[int, int]]], None] | None = None
 
 
 class _Reader:
@@ -74,7 +87,8 @@ class _Reader:
 
     def bytes(self, n: int) -> bytes:
         if n < 0 or self.f.tell() + n > self.size:
-            raise ModelLoadError(f"{self.path}: truncated or malformed GGUF header (read of {n} bytes past the end)")
+            raise HeaderTruncated(f"{self.path}: truncated or malformed GGUF header (read of {n} bytes past the end)",
+                                  self.f.tell() + n)
         return self.f.read(n)
 
     def scalar(self, fmt: str) -> Any:
@@ -98,11 +112,13 @@ class _Reader:
         return self.scalar(_SCALARS[typ])
 
 
-def read_header(path: Path) -> GGUFHeader:
-    """Metadata and tensor directory of a GGUF file; checks that every tensor's data lies inside the file."""
+def read_header(path: Path, available: int | None = None) -> GGUFHeader:
+    """Metadata and tensor directory of a GGUF file; checks that every tensor's data lies inside the file.
+    ``available``: only that many bytes at the start of ``path`` are the file's yet (a cache being filled, `fetch`);
+    reading past them raises `HeaderTruncated`."""
     size = path.stat().st_size
     with open(path, "rb") as f:
-        r = _Reader(f, size, path)
+        r = _Reader(f, size if available is None else min(available, size), path)
         magic = f.read(4)
         if magic != b"GGUF":
             raise ModelLoadError(f"{path}: not a GGUF file (magic {magic!r}, expected b'GGUF')")
@@ -123,3 +139,13 @@ def read_header(path: Path) -> GGUFHeader:
     if kv.get("split.count", 1) > 1:
         raise ModelLoadError(f"{path}: multi-part GGUF files are not supported (split.count={kv['split.count']})")
     return GGUFHeader(path, kv, tensors)
+
+
+def read_data(header: GGUFHeader, offset: int, out: memoryview) -> int:
+    """Read ``len(out)`` bytes of tensor data at ``offset`` into ``out``; the number of bytes read. The one reader
+    of tensor data: a remote model's cache fetches the bytes first if it lacks them (``header.ensure``)."""
+    if header.ensure is not None:
+        header.ensure([(offset, offset + len(out))])
+    with open(header.path, "rb") as f:
+        f.seek(offset)
+        return f.readinto(out) or 0

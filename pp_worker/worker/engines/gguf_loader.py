@@ -7,7 +7,9 @@ as `from_gguf` does (a packed row's blocks move whole). A matrix whose type has 
 (`weights.PackedWeight`: F16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): on the CPU F16 too, since the C
 kernels read every type (`weights`); elsewhere F16 is a native fp16 buffer. Any other type (and every tensor when
 ``keep_quantized`` is off, the reference path of the tests) is dequantized once, here, with tinygrad's
-`ggml_data_to_tensor`, and cast to fp16 (`HALF=1`, tinygrad's default); norm gains are always fp16 values.
+`ggml_data_to_tensor`, and cast to fp16 (`HALF=1`, tinygrad's default); norm gains are always fp16 values. A model
+given by URL is read the same way from a sparse cache file that `fetch` fills with the header and this stage's
+tensors only.
 
 Context: ``max_context = min(requested or context_length, context_length, cap)`` with ``cap`` 4096 by default.
 Every session holds a KV cache of max_context positions per block, so an uncapped 128k-context model would need
@@ -29,7 +31,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from pp_worker.worker.engines.detokenizer import Detokenizer
-from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_header, type_name
+from pp_worker.worker.engines.fetch import RemoteFile, is_url
+from pp_worker.worker.engines.gguf_file import (GGUFHeader, ModelLoadError, TensorInfo, read_data, read_header,
+                                                type_name)
 from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.shard import Shard
@@ -52,24 +56,36 @@ END_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", 
 # ---------------------------------------------------------------- file
 
 
-def resolve_model(model: str) -> Path:
-    """A local .gguf path, or a name from tinygrad.llm.cli.models fetched into tinygrad's download cache."""
+def resolve_model(model: str) -> Path | str:
+    """A local .gguf path, or the URL of one: given as such (http:// or https://), or a name from
+    tinygrad.llm.cli.models. A URL's stage fetches only its own bytes (`fetch`)."""
+    if is_url(model):
+        return model
     path = Path(model).expanduser()
     if path.is_file():
         return path
     from tinygrad.llm.cli import models
 
     if model not in models:
-        raise ModelLoadError(f"model file not found: {model} (not a file, nor one of tinygrad's model names: "
-                             f"{', '.join(sorted(models))})")
-    from tinygrad.helpers import fetch
+        raise ModelLoadError(f"model file not found: {model} (not a file, nor an http(s) URL, nor one of tinygrad's "
+                             f"model names: {', '.join(sorted(models))})")
+    return models[model]
 
-    url = models[model]
-    try:
-        return fetch(url)
-    except Exception as e:
-        raise ModelLoadError(f"could not download {model} from {url} ({type(e).__name__}: {e}); "
-                             f"a local .gguf path works too") from e
+
+def open_header(model: str, emit: Callable[..., None]) -> GGUFHeader:
+    """The header of a local file, or of a URL's (fetched into the cache, which then serves its tensors)."""
+    where = resolve_model(model)
+    return read_header(where) if isinstance(where, Path) else RemoteFile(where, emit).open()
+
+
+def stage_tensors(header: GGUFHeader, shard: Shard) -> list[TensorInfo]:
+    """Every tensor this stage reads: its blocks', the embedding on the first stage, the output norm and head
+    (or the embedding, when tied) on the last, and the RoPE factors."""
+    blocks = tuple(f"blk.{i}." for i in range(shard.start, shard.end))
+    wanted = {"rope_freqs.weight"} | ({"token_embd.weight"} if shard.is_first else set())
+    if shard.is_last:
+        wanted |= {"output_norm.weight", "output.weight" if "output.weight" in header.tensors else "token_embd.weight"}
+    return [t for name, t in header.tensors.items() if name in wanted or name.startswith(blocks)]
 
 
 # ---------------------------------------------------------------- config
@@ -257,10 +273,7 @@ class TensorSource:
             buf.copyin(memoryview(staging))
 
     def _read(self, info: TensorInfo, mv: memoryview) -> None:
-        with open(self.header.path, "rb") as f:
-            f.seek(info.offset)
-            got = f.readinto(mv)
-        if got != info.nbytes:
+        if read_data(self.header, info.offset, mv) != info.nbytes:
             raise ModelLoadError(f"{self.header.path}: truncated file: tensor {info.name} is short of data")
 
 
@@ -343,14 +356,15 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     kernels = default_kernels(Device.DEFAULT) if kernels is None else kernels
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    path = resolve_model(model)
-    header = read_header(path)
+    header = open_header(model, lambda kind, **fields: emit(kind, **fields, stage_index=stage))
     check_architecture(header.kv)  # first, so an unsupported model is named as such
     config = build_config(header, context_length(header.kv, max_context, context_cap))
     try:
         shard = Shard.of(stage, num_stages, config.num_blocks)
     except ValueError as e:
         raise ModelLoadError(f"cannot split {config.num_blocks} blocks: {e}") from e
+    if header.ensure is not None:  # a URL's: this stage's bytes in as few requests as they allow, with progress
+        header.ensure([(t.offset, t.offset + (t.nbytes or 0)) for t in stage_tensors(header, shard)])
     # tokenizers first: building one peaks above what it keeps (freed heap goes back below), better before the weights
     tokenizer = _load_tokenizer(header.kv, Tokenizer.from_gguf_kv) if shard.is_first else None
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
@@ -365,7 +379,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     token_embd = _load_embedding(source, config) if shard.is_first else None
     output_norm, output = _load_head(source, config) if shard.is_last else (None, None)
     return StageWeights(shard, config, header.kv, blocks, token_embd, output_norm, output, tokenizer, detokenizer,
-                        rope, source.loaded, path, kernels, source.held, source.converted)
+                        rope, source.loaded, header.path, kernels, source.held, source.converted)
 
 
 def _rope_freqs(source: TensorSource) -> np.ndarray | None:
@@ -377,7 +391,10 @@ def _rope_freqs(source: TensorSource) -> np.ndarray | None:
     if info.ggml_type != GGML_F32:
         raise ModelLoadError(f"{source.header.path}: rope_freqs.weight has GGML type {info.ggml_type}, expected F32")
     source.loaded[info.name] = info.n_elements * 4
-    return np.fromfile(source.header.path, np.float32, info.n_elements, offset=info.offset)
+    factors = np.empty(info.n_elements, np.float32)
+    if read_data(source.header, info.offset, memoryview(factors).cast("B")) != factors.nbytes:
+        raise ModelLoadError(f"{source.header.path}: truncated file: rope_freqs.weight is short of data")
+    return factors
 
 
 def _load_embedding(source: TensorSource, config: TransformerConfig) -> Embedding:

@@ -92,6 +92,15 @@ class CompiledStage:
     def decode(self) -> Replay:
         return self.jits[1]
 
+    @property
+    def all_jits(self) -> list[Replay]:
+        return [*self.jits.values(), *self.batch_jits.values()]
+
+    @property
+    def compiled(self) -> int:
+        """How many of the JITs have captured (their kernels compiled): every one after `TinygradEngine.warmup`."""
+        return sum(j.captured is not None for j in self.all_jits)
+
     def _forward(self, inp: Tensor, cache: KVCache, start_pos: UOp) -> Tensor:
         w = self.w
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (1, T, D)
@@ -172,7 +181,8 @@ class TinygradEngine:
         return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
                 "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
                 "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe(),
-                "graph": "native" if self.native_graph else "tinygrad"}
+                "graph": "native" if self.native_graph else "tinygrad",
+                "jits": len(self._stage.all_jits), "jits_compiled": self._stage.compiled}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.
