@@ -32,8 +32,7 @@ import numpy as np
 
 from pp_worker.worker.engines.detokenizer import Detokenizer
 from pp_worker.worker.engines.fetch import RemoteFile, is_url
-from pp_worker.worker.engines.gguf_file import (GGUFHeader, ModelLoadError, TensorInfo, read_data, read_header,
-                                                type_name)
+from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_data, read_header, type_name
 from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.shard import Shard
