@@ -25,6 +25,7 @@ from pp_worker.worker.stdout import Out, protect_stdout
 
 _ASCII_INT = re.compile(r"[0-9]{1,9}")
 KV_DTYPE_NAMES = ("float32", "float16")  # engines.kvcache.KV_DTYPES, named here so stub mode never imports tinygrad
+MAX_LANES = 64  # PP_DECODE_LANES' bound: far past the widths measured (engines.lanes.LANES: 1 to 8)
 _LINE_HEADROOM = 1 << 20  # JSON envelope, token lists and sampling fields around the largest payload
 
 
@@ -49,6 +50,10 @@ class Config:
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
     wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts either
     beam: int = 0  # PP_BEAM: tinygrad BEAM search width for the decode JIT; 0: off
+    # None: the device's default, as for prefill_chunk and kv_dtype (engines.gguf_loader, .lanes, .hostio)
+    packed_weights: bool | None = None  # PP_PACKED_WEIGHTS: fp16 weights as uint8 buffers viewed as fp16
+    decode_lanes: int | None = None  # PP_DECODE_LANES: one-token products in that many lanes; 0: tinygrad's matvec
+    pinned_host: bool | None = None  # PP_PINNED_HOST: outputs copied into host memory from the device's allocator
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -60,11 +65,25 @@ def _env_int(env: dict[str, str], name: str, default: int | None = None, low: in
     return int(raw)
 
 
-def _env_flag(env: dict[str, str], name: str) -> bool:
+def _env_switch(env: dict[str, str], name: str) -> bool | None:
+    """A 1/0 switch; None when unset (its default applies)."""
     raw = env.get(name, "").strip()
     if raw not in ("", "0", "1"):
         raise ConfigError(f"{name}={env[name]!r} is invalid: expected 1 or 0")
-    return raw == "1"
+    return raw == "1" if raw else None
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    return bool(_env_switch(env, name))
+
+
+def _env_lanes(env: dict[str, str], name: str) -> int | None:
+    """0, or a power of two up to MAX_LANES: a product whose length is not a multiple of the lanes keeps tinygrad's
+    matvec, and model widths are multiples of powers of two, so another count would quietly leave most products."""
+    lanes = _env_int(env, name)
+    if lanes is not None and (lanes > MAX_LANES or lanes & (lanes - 1)):
+        raise ConfigError(f"{name}={env[name]!r} is invalid: expected 0 or a power of two up to {MAX_LANES}")
+    return lanes
 
 
 def _env_choice(env: dict[str, str], name: str, choices: tuple[str, ...]) -> str | None:
@@ -112,7 +131,9 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
                   wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16",
-                  beam=_env_int(env, "PP_BEAM", 0) or 0)
+                  beam=_env_int(env, "PP_BEAM", 0) or 0,
+                  packed_weights=_env_switch(env, "PP_PACKED_WEIGHTS"), decode_lanes=_env_lanes(env, "PP_DECODE_LANES"),
+                  pinned_host=_env_switch(env, "PP_PINNED_HOST"))
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -126,7 +147,8 @@ def build_engine(cfg: Config, events: Events) -> Engine:
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
                             max_sessions=cfg.max_sessions, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
-                            kv_dtype=cfg.kv_dtype, beam=cfg.beam, emit=events.emit)
+                            kv_dtype=cfg.kv_dtype, beam=cfg.beam, packed_weights=cfg.packed_weights,
+                            decode_lanes=cfg.decode_lanes, pinned_host=cfg.pinned_host, emit=events.emit)
     if cfg.warmup:
         engine.warmup()
     return engine
