@@ -118,6 +118,9 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_WIRE_DTYPE": "int8"}, "PP_WIRE_DTYPE", "int8"),
     ({"PP_BEAM": "-1"}, "PP_BEAM", "-1"),
     ({"PP_BEAM": "two"}, "PP_BEAM", "two"),
+    ({"PP_PACKED_WEIGHTS": "yes"}, "PP_PACKED_WEIGHTS", "yes"),
+    ({"PP_DECODE_LANES": "3"}, "PP_DECODE_LANES", "3"),
+    ({"PP_PINNED_HOST": "true"}, "PP_PINNED_HOST", "true"),
 ]
 
 
