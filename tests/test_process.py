@@ -119,6 +119,8 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_WIRE_DTYPE": "int8"}, "PP_WIRE_DTYPE", "int8"),
     ({"PP_BEAM": "-1"}, "PP_BEAM", "-1"),
     ({"PP_BEAM": "two"}, "PP_BEAM", "two"),
+    ({"PP_KERNELS": "cuda"}, "PP_KERNELS", "cuda"),
+    ({"PP_PINNED_HOST": "true"}, "PP_PINNED_HOST", "true"),
 ]
 
 

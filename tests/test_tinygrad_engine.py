@@ -24,7 +24,7 @@ from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
 from pp_worker.worker.engines.gguf_loader import context_length
-from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer
+from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, pinned_allocator
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, ladder, split
 
 MAX_CONTEXT = 96  # room for prompts of 70 tokens: two full prefill chunks of 32 and a remainder
@@ -217,6 +217,7 @@ def test_every_prompt_length_in_flight_matches_the_float64_reference(chain, mode
 
 
 def test_host_buffer_reuses_its_memory_and_frees_pinned_memory_when_it_grows():
+    """Plain memory, CUDA's allocator (faked), and the CPU's real one as PP_PINNED_HOST=1 takes it (an HCQBuffer)."""
     class FakePinned:  # CUDA's allocator as HostBuffer uses it: alloc(size, host spec) -> a c_void_p
         def __init__(self):
             self.live: dict[int, ctypes.Array] = {}
@@ -230,13 +231,14 @@ def test_host_buffer_reuses_its_memory_and_frees_pinned_memory_when_it_grows():
         def free(self, opaque, size, options):
             assert options.host and len(self.live.pop(opaque.value)) == size
 
-    for pinned in (None, FakePinned()):
+    for pinned in (None, FakePinned(), pinned_allocator("CPU", pinned=True)):
         host = HostBuffer(8, pinned)
+        assert host.pinned == (pinned is not None)
         a = host.view(8)
         a[:] = b"abcdefgh"
         assert host.view(4).obj is a.obj and bytes(host.view(4)) == b"abcd"  # the same memory, no allocation
         assert len(host.view(20)) == 20  # grown for a longer request
-        if pinned is not None:
+        if isinstance(pinned, FakePinned):
             assert len(pinned.live) == 1  # the smaller allocation was freed
 
 

@@ -27,6 +27,7 @@ from pp_worker.worker.watchdog import start_watchdog
 
 _ASCII_INT = re.compile(r"[0-9]{1,9}")
 KV_DTYPE_NAMES = ("float32", "float16")  # engines.kvcache.KV_DTYPES, named here so stub mode never imports tinygrad
+KERNEL_NAMES = ("c", "tinygrad")  # engines.weights.KERNELS, named here so stub mode never imports tinygrad
 _LINE_HEADROOM = 1 << 20  # JSON envelope, token lists and sampling fields around the largest payload
 
 
@@ -52,6 +53,9 @@ class Config:
     wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts either
     beam: int = 0  # PP_BEAM: tinygrad BEAM search width for the decode JIT; 0: off
     exit_on_eof: bool = False  # PP_EXIT_ON_EOF: the end of stdin ends an op or a load in progress (worker.watchdog)
+    # None: the device's default, as for prefill_chunk and kv_dtype (engines.weights, .hostio)
+    kernels: str | None = None  # PP_KERNELS: "c" (the CPU's C kernels and native replays) or "tinygrad"
+    pinned_host: bool | None = None  # PP_PINNED_HOST: outputs copied into host memory from the device's allocator
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -63,11 +67,16 @@ def _env_int(env: dict[str, str], name: str, default: int | None = None, low: in
     return int(raw)
 
 
-def _env_flag(env: dict[str, str], name: str) -> bool:
+def _env_switch(env: dict[str, str], name: str) -> bool | None:
+    """A 1/0 switch; None when unset (its default applies)."""
     raw = env.get(name, "").strip()
     if raw not in ("", "0", "1"):
         raise ConfigError(f"{name}={env[name]!r} is invalid: expected 1 or 0")
-    return raw == "1"
+    return raw == "1" if raw else None
+
+
+def _env_flag(env: dict[str, str], name: str) -> bool:
+    return bool(_env_switch(env, name))
 
 
 def _env_choice(env: dict[str, str], name: str, choices: tuple[str, ...]) -> str | None:
@@ -116,7 +125,8 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
                   wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16",
-                  beam=_env_int(env, "PP_BEAM", 0) or 0, exit_on_eof=_env_flag(env, "PP_EXIT_ON_EOF"))
+                  beam=_env_int(env, "PP_BEAM", 0) or 0, exit_on_eof=_env_flag(env, "PP_EXIT_ON_EOF"),
+                  kernels=_env_choice(env, "PP_KERNELS", KERNEL_NAMES), pinned_host=_env_switch(env, "PP_PINNED_HOST"))
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -130,7 +140,8 @@ def build_engine(cfg: Config, events: Events) -> Engine:
 
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
                             max_sessions=cfg.max_sessions, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
-                            kv_dtype=cfg.kv_dtype, beam=cfg.beam, emit=events.emit)
+                            kv_dtype=cfg.kv_dtype, beam=cfg.beam, kernels=cfg.kernels, pinned_host=cfg.pinned_host,
+                            emit=events.emit)
     if cfg.warmup:
         engine.warmup()
     return engine

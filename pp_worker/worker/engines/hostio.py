@@ -2,9 +2,9 @@
 
 Inputs: a persistent realized tensor per JIT, written from a staging array of its exact size with copyin (writable:
 CUDA's copyin takes the address of its source). Outputs: copied with copyout into one reusable host buffer,
-page-locked on CUDA. No allocation per call. On the CPU, copyin/copyout are a synchronize and a memmove, the same
-work as writing through a zero-copy view, so there is one code path, and it is the one CI runs
-(tests/test_device_memory.py runs it with GPU-like memory).
+page-locked on CUDA (``PP_PINNED_HOST`` forces either way). No allocation per call. On the CPU, copyin/copyout are
+a synchronize and a memmove, the same work as writing through a zero-copy view, so there is one code path, and it
+is the one CI runs (tests/test_device_memory.py runs it with GPU-like memory).
 """
 
 from __future__ import annotations
@@ -50,6 +50,11 @@ class HostBuffer:
         self._held: tuple[Any, int] | None = None  # (pinned allocation, its size) to free when growing
         self._mv = self._allocate(nbytes)
 
+    @property
+    def pinned(self) -> bool:
+        """Whether this memory comes from a device's allocator (page-locked on CUDA), not from a bytearray."""
+        return self._held is not None
+
     def view(self, nbytes: int) -> memoryview:
         if nbytes > len(self._mv):
             self._mv = self._allocate(max(nbytes, 2 * len(self._mv)))
@@ -64,10 +69,29 @@ class HostBuffer:
         if self._held is not None:
             self._pinned.free(self._held[0], self._held[1], BufferSpec(host=True))
         self._held = (self._pinned.alloc(nbytes, BufferSpec(host=True)), nbytes)
-        return to_mv(self._held[0].value, nbytes)
+        return to_mv(_host_address(self._held[0]), nbytes)
 
 
-def pinned_allocator(device: str) -> Any:
-    """The allocator that gives page-locked host memory on this device, or None. Only CUDA: tinygrad's other GPU
-    backends (NV, AMD) copy through their own pinned buffers already."""
-    return Device[device].allocator if device_kind(device) == "CUDA" else None
+def _host_address(opaque: Any) -> int:
+    """Where a host allocation starts: CUDA's allocator returns a c_void_p, the HCQ devices' (CPU, NV, AMD) an
+    HCQBuffer. Any other device's allocation is refused by name rather than misread."""
+    address = getattr(opaque, "va_addr", None) or getattr(opaque, "value", None)
+    if not isinstance(address, int):
+        raise RuntimeError(f"pinned host memory is not supported here: the device's allocator returned a "
+                           f"{type(opaque).__name__} with no host address")
+    return address
+
+
+def default_pinned_host(device: str) -> bool:
+    """Whether outputs go to page-locked memory by default: on CUDA only. tinygrad's other GPU backends (NV, AMD)
+    copy through their own pinned buffers already."""
+    return device_kind(device) == "CUDA"
+
+
+def pinned_allocator(device: str, pinned: bool | None = None) -> Any:
+    """The allocator whose host memory outputs are copied into, or None for plain host memory. ``pinned`` None: as
+    `default_pinned_host`; True: the device's allocator on any device (PP_PINNED_HOST=1; on the CPU it maps ordinary
+    memory, which is how CI runs this path); False: never."""
+    if pinned is None:
+        pinned = default_pinned_host(device)
+    return Device[device].allocator if pinned else None

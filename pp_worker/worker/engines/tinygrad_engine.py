@@ -18,6 +18,9 @@ preparation (`replay.Replay`): the arguments are always whole realized buffers a
 
 Host <-> device copies (`hostio`): inputs go through one staging array per JIT, outputs come back into one reusable
 host buffer; no allocation per call.
+
+What depends on the device (prefill chunk, KV dtype, weight layout, decode lanes, pinned host memory) is decided by
+one function each, here and in the modules named; a keyword argument (the worker's PP_* switch) overrides it.
 """
 
 from __future__ import annotations
@@ -145,7 +148,10 @@ class TinygradEngine:
     def __init__(self, model: str, stage: int, num_stages: int, *, max_context: int | None = None,
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
                  max_batch: int = 8, beam: int = 0, kernels: str | None = None, keep_quantized: bool = True,
-                 emit: Callable[..., None] = lambda kind, **f: None):
+                 pinned_host: bool | None = None, emit: Callable[..., None] = lambda kind, **f: None):
+        """None for ``prefill_chunk``, ``kv_dtype``, ``kernels``, ``pinned_host``: the device's default
+        (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`).
+        ``keep_quantized`` False dequantizes quantized matrices to fp16 at load (the tests' reference)."""
         self.device = Device.DEFAULT
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit, kernels=kernels,
                              keep_quantized=keep_quantized)
@@ -169,7 +175,7 @@ class TinygradEngine:
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
         self._row_bytes = cfg.dim * 2  # one fp16 hidden row
         out_bytes = cfg.vocab_size * 4 if self.shard.is_last else self._stage.rungs[0] * self._row_bytes
-        self._host = HostBuffer(out_bytes, pinned_allocator(self.device))
+        self._host = HostBuffer(out_bytes, pinned_allocator(self.device, pinned_host))
 
     @property
     def loaded_tensors(self) -> dict[str, int]:
@@ -181,7 +187,7 @@ class TinygradEngine:
         return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
                 "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
                 "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe(),
-                "graph": "native" if self.native_graph else "tinygrad",
+                "graph": "native" if self.native_graph else "tinygrad", "pinned_host": self._host.pinned,
                 "jits": len(self._stage.all_jits), "jits_compiled": self._stage.compiled}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
