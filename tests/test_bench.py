@@ -125,6 +125,14 @@ def fake_raw() -> dict:
                "echo": {"f16": {"mb_per_s": 160.0}},  # the q8 round trip failed: its rows say n/a
                "pp2": {"n": 4, "first_divergence": [4, 2], "identical": [4, 3], "prefix_fraction": 0.75,
                        "overall_fraction": 0.875, "hidden_dim": 64, "b64_chars_per_token": {"f16": 172, "q8": 92}}},
+        "quant": {"file_bytes": {"F16": 2 << 20, "Q8_0": 1 << 20}, "prefill_tokens": 512,
+                  "rounds": [{"pp2 F16": 100.0, "pp2 Q8_0": 150.0, "llama.cpp F16": 180.0},
+                             {"pp2 F16": 100.0, "pp2 Q8_0": 130.0, "llama.cpp F16": 220.0}],
+                  "prefill_s": {"F16": [1.0, 1.2], "Q8_0": [1.5, 1.4]}, "load_s": {"F16": [2.0], "Q8_0": [1.9]},
+                  "peak_rss_mb": {"F16": [200.0, 201.0], "Q8_0": [150.0, 151.0]}, "peer_info": {"F16": "AVX2"}},
+        "qrss": {"max_context": 64, "Q4_0": {"file_bytes": 100 << 20, "idle": {"peak_rss_mb": 140.0},
+                                             "pp2": {"file_share": [50 << 20, 50 << 20], "kv": [1 << 20, 1 << 20],
+                                                     "peak_rss_mb": [250.0, 260.0]}}},
     }
 
 
@@ -149,7 +157,14 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section[0] for r in rows} == set("12345678")
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 11)}
+    assert by_name["Q8_0 / F16 decode"].value == pytest.approx(1.4) and by_name["Q8_0 / F16 decode"].verdict == "PASS"
+    assert by_name["2 stages / llama.cpp, F16"].value == pytest.approx((100 / 180 + 100 / 220) / 2)  # two rounds
+    assert by_name["Q8_0 prefill speed / F16's"].value == pytest.approx(1.1 / 1.45)  # medians: F16 1.1 s, Q8_0 1.45
+    assert by_name["Q8_0 prefill speed / F16's"].verdict == "MISS"
+    assert by_name["Q8_0 / F16 load time"].verdict == "PASS" and "llama.cpp one process, Q8_0 file" not in by_name
+    stages = [r for r in rows if r.name.startswith("Q4_0 (100 MiB file), 2 stages")]
+    assert [(r.value, r.target, r.verdict) for r in stages] == [(250.0, 254.0, "PASS"), (260.0, 254.0, "MISS")]
     assert by_name["2 stages: tokens identical before the first divergence"].value == 0.75
     assert by_name["3 stages: greedy agreement"].value is None  # not measured: n/a, no crash
     assert by_name["bytes per token, hidden 64: q8 / f16"].value == pytest.approx(92 / 172)
