@@ -7,6 +7,7 @@ import base64
 import dataclasses
 import io
 import os
+import threading
 from typing import Any
 
 import numpy as np
@@ -233,7 +234,8 @@ def test_a_stage_of_hidden_dim_4_refuses_to_emit_q8(monkeypatch: pytest.MonkeyPa
     sink, clock = io.BytesIO(), Clock()
     wake_r, wake_w = os.pipe()
     try:
-        assert cli._run(cfg, Out(sink), clock, Events(Out(sink), 0, clock), LoopState(), wake_r) == 2
+        assert cli._run(cfg, Out(sink), clock, Events(Out(sink), 0, clock), LoopState(), wake_r,
+                        threading.Event()) == 2
     finally:
         os.close(wake_r)
         os.close(wake_w)
