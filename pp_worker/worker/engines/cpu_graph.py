@@ -20,6 +20,7 @@ import ctypes
 import functools
 import platform
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -33,37 +34,105 @@ from tinygrad.uop.ops import Ops, UOp
 MAX_ARGS = 24  # argument slots of a table row: a kernel's buffers, then its variables
 ROW = 4 + MAX_ARGS  # kernel address, threads, argument count, index of core_id (-1: none), arguments
 
+# The runner: the table's rows in order, each kernel's parts (core_id 0..threads-1) dealt over the runner's threads
+# (part t to thread t mod n), a barrier after each row. The calling thread is thread 0; thread 1 is a helper that
+# waits in pp_help between tables (spinning briefly, then asleep in a futex), so one call runs a whole table.
+# State words (int64; futexes use the low 32 bits): see the S_ names below.
 RUNNER = r"""
 typedef void (*kernel)(%(params)s);
-void pp_run_table(long* restrict table, int rows) {
-  for (int r = 0; r < rows; r++) {
-    long* row = table + (long)r * %(row)d;
+enum { S_GEN, S_TABLE, S_ROWS, S_THREADS, S_COUNT, S_SENSE, S_SLEEPING, S_SPIN };
+static long futex(long* word, long op, long val) {  /* Linux x86-64: futex(2) on the word's low 32 bits */
+  long ret; register long timeout __asm__("r10") = 0;
+  __asm__ volatile("syscall" : "=a"(ret) : "0"(202L), "D"(word), "S"(op), "d"(val), "r"(timeout)
+                   : "rcx", "r11", "memory");
+  return ret;
+}
+static inline long get(long* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
+static inline void put(long* p, long v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
+static void barrier(long* s, long* sense, long n) {
+  *sense = !*sense;
+  if (__atomic_add_fetch(&s[S_COUNT], 1, __ATOMIC_SEQ_CST) == n) { put(&s[S_COUNT], 0); put(&s[S_SENSE], *sense); }
+  else while (get(&s[S_SENSE]) != *sense) __builtin_ia32_pause();
+}
+static void run_rows(long* s, long tid) {
+  long* table = (long*)get(&s[S_TABLE]);
+  long rows = get(&s[S_ROWS]), n = get(&s[S_THREADS]), sense = get(&s[S_SENSE]);
+  for (long r = 0; r < rows; r++) {
+    long* row = table + r * %(row)d;
     kernel f = (kernel)row[0];
-    long threads = row[1], core = row[3];
-    long* a = row + 4;
-    for (long t = 0; t < threads; t++) {
+    long threads = row[1], core = row[3], a[%(max_args)d];
+    for (int i = 0; i < %(max_args)d; i++) a[i] = row[4 + i];
+    for (long t = tid; t < threads; t += n) {
       if (core >= 0) a[core] = t;
       f(%(args)s);
     }
+    if (n > 1) barrier(s, &sense, n);
   }
 }
 """
+MAIN = r"""
+void pp_run(long* s) {  /* run the table in s[S_TABLE] as thread 0, with the helper as thread 1 */
+  put(&s[S_GEN], get(&s[S_GEN]) + 1);
+  if (get(&s[S_SLEEPING])) futex(&s[S_GEN], 1 | 128, 1);  /* FUTEX_WAKE_PRIVATE */
+  run_rows(s, 0);
+}
+"""
+HELP = r"""
+void pp_help(long* s) {  /* thread 1, for ever: each new generation's table, then wait for the next */
+  long seen = 0;  /* started before the first table: generation 1 is its first (pp_run may have announced it) */
+  for (;;) {
+    for (long spins = 0; get(&s[S_GEN]) == seen;) {
+      if (++spins < s[S_SPIN]) { __builtin_ia32_pause(); continue; }
+      put(&s[S_SLEEPING], 1);
+      if (get(&s[S_GEN]) == seen) futex(&s[S_GEN], 0 | 128, seen);  /* FUTEX_WAIT_PRIVATE while GEN is seen */
+      put(&s[S_SLEEPING], 0);
+    }
+    seen = get(&s[S_GEN]);
+    run_rows(s, 1);
+  }
+}
+"""
+STATE = {"gen": 0, "table": 1, "rows": 2, "threads": 3, "spin": 7}
+SPIN = 20000  # pauses before the helper sleeps: ~0.1-0.5 ms, past the gap between a forward's graphs
 
 
 def supported() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64") and sys.platform.startswith("linux")
 
 
-@functools.cache
-def _runner(device: str) -> Any:
-    """The compiled table runner, loaded as a program of ``device`` (kept: its memory holds the code)."""
-    from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+class Runner:
+    """The compiled runner of one CPU device: its programs (kept: their memory holds the code), its state words,
+    and its helper thread (started on first use; a daemon, asleep in a futex between tables)."""
 
-    src = RUNNER % {"params": ", ".join(["long"] * MAX_ARGS), "args": ", ".join(f"a[{i}]" for i in range(MAX_ARGS)),
-                    "row": ROW}
-    dev = Device[device]
-    lib = ClangJITCompiler(dev.arch.split(",")).compile_cached(src)
-    return dev.runtime("pp_run_table", lib)
+    def __init__(self, device: str, threads: int):
+        from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+
+        dev = Device[device]
+        compiler = ClangJITCompiler(dev.arch.split(","))
+        common = RUNNER % {"params": ", ".join(["long"] * MAX_ARGS), "row": ROW, "max_args": MAX_ARGS,
+                           "args": ", ".join(f"a[{i}]" for i in range(MAX_ARGS))}
+        self.main = dev.runtime("pp_run", compiler.compile_cached(common + MAIN))
+        self.help = dev.runtime("pp_help", compiler.compile_cached(common + HELP))
+        self.state = np.zeros(16, np.int64)
+        self.state[STATE["threads"]], self.state[STATE["spin"]] = threads, SPIN
+        self.lock = threading.Lock()  # one table at a time: the helper serves one caller
+        self.helper: threading.Thread | None = None
+
+    def run(self, table: np.ndarray) -> None:
+        with self.lock:
+            if self.helper is None and self.state[STATE["threads"]] > 1:
+                self.helper = threading.Thread(target=self.help.fxn, args=(ctypes.c_uint64(self.state.ctypes.data),),
+                                               name="pp-cpu-graph-helper", daemon=True)
+                self.helper.start()
+            self.state[STATE["table"]], self.state[STATE["rows"]] = table.ctypes.data, len(table)
+            self.main.fxn(ctypes.c_uint64(self.state.ctypes.data))
+
+
+@functools.cache
+def _runner(device: str) -> Runner:
+    from tinygrad.helpers import CPU_COUNT
+
+    return Runner(device, min(2, CPU_COUNT.value))
 
 
 class NativeGraph(GraphRunner):
@@ -110,7 +179,7 @@ class NativeGraph(GraphRunner):
             table[row, slot] = var_vals[name]
         Device[self.device].synchronize()  # whatever tinygrad queued before this replay runs first
         start = time.perf_counter()
-        self.runner.fxn(ctypes.c_uint64(table.ctypes.data), ctypes.c_int32(len(table)))
+        self.runner.run(table)
         return time.perf_counter() - start if wait else None
 
 

@@ -56,57 +56,53 @@ SCALE_MIN = r"""static inline void scale_min(int j, const unsigned char* q, floa
   else { *sc = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); } }
 """
 
-# One block -> w[0 .. QK/16): the block's values in order, as ggml's dequantize_row_<type> computes them.
+# decode32(block, g, w): values 32g .. 32g+31 of a block into w[0], w[1], as ggml's dequantize_row_<type> computes
+# them (g is 0 for the types with 32 values a block). Groups of 32 keep two vectors live at a time, whatever the
+# block size: a kernel decodes a group and uses it at once (or stores it, for several rows of x).
 DECODERS: dict[int, str] = {
-    1: r"""static inline void decode(const unsigned char* b, f16v* w) {
+    1: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   for (int i = 0; i < 2; i++) { u16x16 h; __builtin_memcpy(&h, b + 32 * i, 32);
     w[i] = __builtin_convertvector(__builtin_bit_cast(h16x16, h), f16v); } }""",
-    2: r"""static inline void decode(const unsigned char* b, f16v* w) {
+    2: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   float d = half_at(b); u8x16 q = u8_at(b + 2);
   w[0] = (fu8(q & 15) - 8.0f) * d; w[1] = (fu8(q >> 4) - 8.0f) * d; }""",
-    3: r"""static inline void decode(const unsigned char* b, f16v* w) {
+    3: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   float d = half_at(b), m = half_at(b + 2); u8x16 q = u8_at(b + 4);
   w[0] = fu8(q & 15) * d + m; w[1] = fu8(q >> 4) * d + m; }""",
-    6: r"""static inline void decode(const unsigned char* b, f16v* w) {
+    6: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   float d = half_at(b); unsigned int qh; __builtin_memcpy(&qh, b + 2, 4); u8x16 q = u8_at(b + 6);
   u32x16 lo = __builtin_convertvector(q & 15, u32x16) | (((qh >> IOTA) & 1) << 4);
   u32x16 hi = __builtin_convertvector(q >> 4, u32x16) | (((qh >> (IOTA + 16)) & 1) << 4);
   w[0] = (__builtin_convertvector(lo, f16v) - 16.0f) * d; w[1] = (__builtin_convertvector(hi, f16v) - 16.0f) * d; }""",
-    7: r"""static inline void decode(const unsigned char* b, f16v* w) {
+    7: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   float d = half_at(b), m = half_at(b + 2); unsigned int qh; __builtin_memcpy(&qh, b + 4, 4); u8x16 q = u8_at(b + 8);
   u32x16 lo = __builtin_convertvector(q & 15, u32x16) | (((qh >> IOTA) & 1) << 4);
   u32x16 hi = __builtin_convertvector(q >> 4, u32x16) | (((qh >> (IOTA + 16)) & 1) << 4);
   w[0] = __builtin_convertvector(lo, f16v) * d + m; w[1] = __builtin_convertvector(hi, f16v) * d + m; }""",
-    8: r"""static inline void decode(const unsigned char* b, f16v* w) {
+    8: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   float d = half_at(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
   w[0] = __builtin_convertvector(q0, f16v) * d; w[1] = __builtin_convertvector(q1, f16v) * d; }""",
-    12: SCALE_MIN + r"""static inline void decode(const unsigned char* b, f16v* w) {
-  float d = half_at(b), dmin = half_at(b + 2); const unsigned char* s = b + 4; const unsigned char* q = b + 16;
-  for (int j = 0; j < 4; j++) {
-    float sc1, m1, sc2, m2; scale_min(2 * j, s, &sc1, &m1); scale_min(2 * j + 1, s, &sc2, &m2);
-    float d1 = d * sc1, n1 = dmin * m1, d2 = d * sc2, n2 = dmin * m2;
-    for (int h = 0; h < 2; h++) { u8x16 v = u8_at(q + 32 * j + 16 * h);
-      w[4 * j + h] = d1 * fu8(v & 15) - n1; w[4 * j + 2 + h] = d2 * fu8(v >> 4) - n2; } } }""",
-    13: SCALE_MIN + r"""static inline void decode(const unsigned char* b, f16v* w) {
-  float d = half_at(b), dmin = half_at(b + 2); const unsigned char* s = b + 4; const unsigned char* qh = b + 16;
-  const unsigned char* q = b + 48;
-  for (int j = 0; j < 4; j++) {
-    float sc1, m1, sc2, m2; scale_min(2 * j, s, &sc1, &m1); scale_min(2 * j + 1, s, &sc2, &m2);
-    float d1 = d * sc1, n1 = dmin * m1, d2 = d * sc2, n2 = dmin * m2;
-    for (int h = 0; h < 2; h++) { u8x16 v = u8_at(q + 32 * j + 16 * h), hb = u8_at(qh + 16 * h);
-      u8x16 lo = (v & 15) | (((hb >> (2 * j)) & 1) << 4), hi = (v >> 4) | (((hb >> (2 * j + 1)) & 1) << 4);
-      w[4 * j + h] = d1 * fu8(lo) - n1; w[4 * j + 2 + h] = d2 * fu8(hi) - n2; } } }""",
-    # Q6_K: two halves of 128 values, 16 sub-blocks of 16 with int8 scales
-    14: r"""static inline void decode(const unsigned char* b, f16v* w) {
-  const unsigned char* ql = b; const unsigned char* qh = b + 128; const signed char* sc = (const signed char*)(b + 192);
+    # Q4_K: group g holds the low (g even) or high (g odd) nibbles of qs[32 (g / 2) ..], sub-block g's scale and min
+    12: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  float sc, m; scale_min(g, b + 4, &sc, &m);
+  float d = half_at(b) * sc, n = half_at(b + 2) * m; const unsigned char* q = b + 16 + 32 * (g >> 1);
+  for (int h = 0; h < 2; h++) { u8x16 v = u8_at(q + 16 * h); w[h] = d * fu8(g & 1 ? v >> 4 : v & 15) - n; } }""",
+    # Q5_K: as Q4_K, the fifth bit of each value in bit g of qh[...]
+    13: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  float sc, m; scale_min(g, b + 4, &sc, &m);
+  float d = half_at(b) * sc, n = half_at(b + 2) * m; const unsigned char* q = b + 48 + 32 * (g >> 1);
+  for (int h = 0; h < 2; h++) {
+    u8x16 v = u8_at(q + 16 * h), hb = u8_at(b + 16 + 16 * h);
+    w[h] = d * fu8((g & 1 ? v >> 4 : v & 15) | (((hb >> g) & 1) << 4)) - n; } }""",
+    # Q6_K: group g is quarter g % 4 of half g / 4: low 4 bits from ql, 2 high bits from qh, a scale per 16 values
+    14: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  int half = g >> 2, quarter = g & 3;
+  const unsigned char* ql = b + 64 * half + 32 * (quarter & 1); const unsigned char* qh = b + 128 + 32 * half;
+  const signed char* sc = (const signed char*)(b + 192) + 8 * half + 2 * quarter;
   float d = half_at(b + 208);
-  for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8, w += 8)
-    for (int h = 0; h < 2; h++) {
-      u8x16 a = u8_at(ql + 16 * h), c = u8_at(ql + 32 + 16 * h), e = u8_at(qh + 16 * h);
-      w[h] = (d * sc[h]) * (fu8((a & 15) | ((e & 3) << 4)) - 32.0f);
-      w[2 + h] = (d * sc[2 + h]) * (fu8((c & 15) | (((e >> 2) & 3) << 4)) - 32.0f);
-      w[4 + h] = (d * sc[4 + h]) * (fu8((a >> 4) | (((e >> 4) & 3) << 4)) - 32.0f);
-      w[6 + h] = (d * sc[6 + h]) * (fu8((c >> 4) | (((e >> 6) & 3) << 4)) - 32.0f); } }""",
+  for (int h = 0; h < 2; h++) {
+    u8x16 a = u8_at(ql + 16 * h), e = u8_at(qh + 16 * h);
+    w[h] = (d * sc[h]) * (fu8((quarter >> 1 ? a >> 4 : a & 15) | (((e >> (2 * quarter)) & 3) << 4)) - 32.0f); } }""",
 }
 
 # out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads, ROWS rows decoded
@@ -122,14 +118,13 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
     for (int n = n0; n < n1; n++) {
       const unsigned char* row = w + (long)n * NB * BB;
       f16v acc0 = 0, acc1 = 0;
-      for (int j = 0; j < NB; j++) {
-        f16v v[QK / 16];
-        decode(row + j * BB, v);
-        for (int i = 0; i < QK / 16; i += 2) {
-          acc0 += v[i] * f_at(x + j * QK + 16 * i);
-          acc1 += v[i + 1] * f_at(x + j * QK + 16 * i + 16);
+      for (int j = 0; j < NB; j++)
+        _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++) {
+          f16v v[2];
+          decode32(row + j * BB, g, v);
+          acc0 += v[0] * f_at(x + j * QK + 32 * g);
+          acc1 += v[1] * f_at(x + j * QK + 32 * g + 16);
         }
-      }
       out[n] = hsum(acc0 + acc1);
     }
     return;
@@ -138,7 +133,9 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
   for (int n = n0; n < n1; n += R) {
     int r_n = n1 - n < R ? n1 - n : R;
     for (int r = 0; r < r_n; r++)
-      for (int j = 0; j < NB; j++) decode(w + (long)(n + r) * NB * BB + j * BB, &wbuf[r][j * (QK / 16)]);
+      for (int j = 0; j < NB; j++)
+        _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
+          decode32(w + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
     for (int bi = 0; bi < B; bi++) {
       const float* xb = x + (long)bi * K;
       f16v acc[R] = {0};
@@ -158,13 +155,15 @@ void NAME(float* restrict out, const unsigned char* restrict w, const int* restr
           int core_id) {
   enum { K = %(k)d, QK = %(qk)d, BB = %(bb)d, NB = K / QK };
   const int N = dims[0], B = dims[1];
-  f16v v[QK / 16];
+  f16v v[2];
   for (int t = 0; t < B; t++) {
     int r = idx[t] < 0 || idx[t] >= N ? 0 : idx[t];  /* ids are checked by the protocol layer; never read outside W */
-    for (int j = 0; j < NB; j++) {
-      decode(w + (long)r * NB * BB + j * BB, v);
-      for (int i = 0; i < QK / 16; i++) __builtin_memcpy(out + (long)t * K + j * QK + 16 * i, &v[i], 64);
-    }
+    for (int j = 0; j < NB; j++)
+      _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++) {
+        decode32(w + (long)r * NB * BB + j * BB, g, v);
+        __builtin_memcpy(out + (long)t * K + j * QK + 32 * g, &v[0], 64);
+        __builtin_memcpy(out + (long)t * K + j * QK + 32 * g + 16, &v[1], 64);
+      }
   }
 }
 """
