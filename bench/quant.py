@@ -25,7 +25,7 @@ from bench import models, peer, pipe, rss, solo
 class QuantPlan:
     preset: str = "bench"
     dtypes: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M")
-    peers: tuple[str, ...] = ("F16", "Q8_0")  # llama.cpp on these files
+    peers: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M")  # llama.cpp on these files
     threads: int = 2  # llama.cpp's threads: the machine's 2 cores
     decode: int = 64
     rounds: int = 5
