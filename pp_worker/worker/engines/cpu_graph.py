@@ -35,45 +35,55 @@ MAX_ARGS = 24  # argument slots of a table row: a kernel's buffers, then its var
 ROW = 4 + MAX_ARGS  # kernel address, threads, argument count, index of core_id (-1: none), arguments
 
 # The runner: the table's rows in order, each kernel's parts (core_id 0..threads-1) dealt over the runner's threads
-# (part t to thread t mod n), a barrier after each row. The calling thread is thread 0; thread 1 is a helper that
-# waits in pp_help between tables (spinning briefly, then asleep in a futex), so one call runs a whole table.
-# State words (int64; futexes use the low 32 bits): see the S_ names below.
+# (part t to thread t mod n). The calling thread is thread 0; thread 1 is a helper that waits in pp_help between
+# tables. The threads meet at a barrier after each row they share, and the helper waits at one before such a row when
+# the rows before it were the caller's alone. Waiting spins for a few microseconds, then yields the CPU (the stages of
+# a pipeline share the cores: a spinning waiter would take one from another stage's working thread); between tables
+# the helper sleeps in a futex. State words (int64; the futex uses the low 32 bits): the S_ names below.
 RUNNER = r"""
 typedef void (*kernel)(%(params)s);
 enum { S_GEN, S_TABLE, S_ROWS, S_THREADS, S_COUNT, S_SENSE, S_SLEEPING, S_SPIN };
-static long futex(long* word, long op, long val) {  /* Linux x86-64: futex(2) on the word's low 32 bits */
-  long ret; register long timeout __asm__("r10") = 0;
-  __asm__ volatile("syscall" : "=a"(ret) : "0"(202L), "D"(word), "S"(op), "d"(val), "r"(timeout)
-                   : "rcx", "r11", "memory");
+static long syscall3(long nr, long a, long b, long c) {  /* Linux x86-64; a fourth argument (r10) of 0 */
+  long ret; register long d __asm__("r10") = 0;
+  __asm__ volatile("syscall" : "=a"(ret) : "0"(nr), "D"(a), "S"(b), "d"(c), "r"(d) : "rcx", "r11", "memory");
   return ret;
 }
 static inline long get(long* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
 static inline void put(long* p, long v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
-static void barrier(long* s, long* sense, long n) {
+static void wait_for(long* p, long v) {  /* until *p == v: spin ~%(spin)d cycles, then yield between looks */
+  for (long t0 = __builtin_ia32_rdtsc(); get(p) != v;) {
+    if (__builtin_ia32_rdtsc() - t0 < %(spin)d) __builtin_ia32_pause(); else syscall3(24, 0, 0, 0);  /* sched_yield */
+  }
+}
+static void barrier(long* s, long* sense) {
   *sense = !*sense;
-  if (__atomic_add_fetch(&s[S_COUNT], 1, __ATOMIC_SEQ_CST) == n) { put(&s[S_COUNT], 0); put(&s[S_SENSE], *sense); }
-  else while (get(&s[S_SENSE]) != *sense) __builtin_ia32_pause();
+  if (__atomic_add_fetch(&s[S_COUNT], 1, __ATOMIC_SEQ_CST) == 2) { put(&s[S_COUNT], 0); put(&s[S_SENSE], *sense); }
+  else wait_for(&s[S_SENSE], *sense);
 }
 static void run_rows(long* s, long tid) {
   long* table = (long*)get(&s[S_TABLE]);
-  long rows = get(&s[S_ROWS]), n = get(&s[S_THREADS]), sense = get(&s[S_SENSE]);
+  long rows = get(&s[S_ROWS]), n = get(&s[S_THREADS]), sense = get(&s[S_SENSE]), alone = 0;
   for (long r = 0; r < rows; r++) {
     long* row = table + r * %(row)d;
+    long threads = row[1], core = row[3], shared = n > 1 && threads > 1, a[%(max_args)d];
+    if (shared && alone) barrier(s, &sense);  /* the caller's rows before this one are done */
+    alone = !shared;
+    if (!shared && tid) continue;
     kernel f = (kernel)row[0];
-    long threads = row[1], core = row[3], a[%(max_args)d];
     for (int i = 0; i < %(max_args)d; i++) a[i] = row[4 + i];
-    for (long t = tid; t < threads; t += n) {
+    for (long t = shared ? tid : 0; t < threads; t += shared ? n : 1) {
       if (core >= 0) a[core] = t;
       f(%(args)s);
     }
-    if (n > 1) barrier(s, &sense, n);
+    if (shared) barrier(s, &sense);
   }
+  if (alone && n > 1) barrier(s, &sense);  /* the table ends with the caller's rows: the helper waits them out */
 }
 """
 MAIN = r"""
 void pp_run(long* s) {  /* run the table in s[S_TABLE] as thread 0, with the helper as thread 1 */
   put(&s[S_GEN], get(&s[S_GEN]) + 1);
-  if (get(&s[S_SLEEPING])) futex(&s[S_GEN], 1 | 128, 1);  /* FUTEX_WAKE_PRIVATE */
+  if (get(&s[S_SLEEPING])) syscall3(202, (long)&s[S_GEN], 1 | 128, 1);  /* futex FUTEX_WAKE_PRIVATE */
   run_rows(s, 0);
 }
 """
@@ -81,10 +91,10 @@ HELP = r"""
 void pp_help(long* s) {  /* thread 1, for ever: each new generation's table, then wait for the next */
   long seen = 0;  /* started before the first table: generation 1 is its first (pp_run may have announced it) */
   for (;;) {
-    for (long spins = 0; get(&s[S_GEN]) == seen;) {
-      if (++spins < s[S_SPIN]) { __builtin_ia32_pause(); continue; }
+    for (long t0 = __builtin_ia32_rdtsc(); get(&s[S_GEN]) == seen;) {
+      if (__builtin_ia32_rdtsc() - t0 < s[S_SPIN]) { __builtin_ia32_pause(); continue; }
       put(&s[S_SLEEPING], 1);
-      if (get(&s[S_GEN]) == seen) futex(&s[S_GEN], 0 | 128, seen);  /* FUTEX_WAIT_PRIVATE while GEN is seen */
+      if (get(&s[S_GEN]) == seen) syscall3(202, (long)&s[S_GEN], 0 | 128, seen);  /* futex FUTEX_WAIT_PRIVATE */
       put(&s[S_SLEEPING], 0);
     }
     seen = get(&s[S_GEN]);
@@ -93,7 +103,8 @@ void pp_help(long* s) {  /* thread 1, for ever: each new generation's table, the
 }
 """
 STATE = {"gen": 0, "table": 1, "rows": 2, "threads": 3, "spin": 7}
-SPIN = 20000  # pauses before the helper sleeps: ~0.1-0.5 ms, past the gap between a forward's graphs
+SPIN_CYCLES = 100_000  # TSC cycles the helper spins after a table before it sleeps (~30-50 us: the gap between a
+# forward's graphs, not the gap between tokens), and a waiter at a barrier before it starts yielding (a tenth)
 
 
 def supported() -> bool:
@@ -110,11 +121,11 @@ class Runner:
         dev = Device[device]
         compiler = ClangJITCompiler(dev.arch.split(","))
         common = RUNNER % {"params": ", ".join(["long"] * MAX_ARGS), "row": ROW, "max_args": MAX_ARGS,
-                           "args": ", ".join(f"a[{i}]" for i in range(MAX_ARGS))}
+                           "args": ", ".join(f"a[{i}]" for i in range(MAX_ARGS)), "spin": SPIN_CYCLES // 10}
         self.main = dev.runtime("pp_run", compiler.compile_cached(common + MAIN))
         self.help = dev.runtime("pp_help", compiler.compile_cached(common + HELP))
         self.state = np.zeros(16, np.int64)
-        self.state[STATE["threads"]], self.state[STATE["spin"]] = threads, SPIN
+        self.state[STATE["threads"]], self.state[STATE["spin"]] = threads, SPIN_CYCLES
         self.lock = threading.Lock()  # one table at a time: the helper serves one caller
         self.helper: threading.Thread | None = None
 
@@ -187,20 +198,26 @@ def install(device: str) -> bool:
     """Make ``device`` (a CPU) replay the JITs it captures from now on with `NativeGraph`; False (nothing changed)
     where it cannot. Process-wide, as the device is."""
     dev = Device[device]
-    if not supported() or not dev.device.startswith("CPU") or dev.graph is None:
+    if not supported() or not dev.device.startswith("CPU") or dev.graph is None or _tinygrads:
         return False
     dev.graph = NativeGraph
     return True
 
 
+_tinygrads: list[bool] = []  # inside `tinygrads_graph`: install changes nothing
+
+
 @contextmanager
 def tinygrads_graph(device: str) -> Iterator[None]:
-    """JITs captured inside replay with the graph tinygrad gave ``device`` (the tests' comparison)."""
+    """JITs captured inside replay with the graph tinygrad gave ``device``, engines made inside included (the tests'
+    comparison)."""
     from tinygrad.runtime.graph.hcq import HCQGraph
 
     dev = Device[device]
     kept, dev.graph = dev.graph, HCQGraph
+    _tinygrads.append(True)
     try:
         yield
     finally:
+        _tinygrads.pop()
         dev.graph = kept

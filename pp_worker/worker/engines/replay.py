@@ -7,15 +7,23 @@ buffer and KV caches) and bound position variables, so what the captured JIT nee
 each variable's value. `Replay` computes that directly, after checking once, on its first replay, that it is exactly
 what tinygrad's own preparation gives (and that the inputs match what the JIT captured). Where the check fails
 (another tinygrad, an argument that is a view), every call keeps tinygrad's own path.
+
+When every call of the captured JIT is a batch replayed by `cpu_graph.NativeGraph` (the CPU's own kernels), a
+checked replay calls those runners directly, without tinygrad's walk over the captured calls; the JIT then captures
+its kernels as one batch (``JIT_BATCH_SIZE=0``), so a replay is one native call.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
-from tinygrad import Tensor, TinyJit, UOp
+from tinygrad import Context, Device, Tensor, TinyJit, UOp
+from tinygrad.engine.realize import graph_cache
 from tinygrad.uop.ops import Ops
+
+from pp_worker.worker.engines.cpu_graph import NativeGraph
 
 
 class Replay:
@@ -25,6 +33,7 @@ class Replay:
         self.jit: TinyJit = TinyJit(fn)
         self.direct: bool | None = None  # None: not checked yet; then whether replays skip the preparation
         self._signature: list[Signature] = []  # the checked call's arguments: a call unlike it takes tinygrad's path
+        self.native: list[NativeGraph] | None = None  # the runners of every captured call, when they are all native
 
     @property
     def captured(self) -> Any:
@@ -34,11 +43,18 @@ class Replay:
     def __call__(self, *args: Any) -> Tensor:
         tensors = _tensors(args)
         if self.direct and list(map(_signature, tensors)) == self._signature:
-            return self.jit.captured([t.uop.base for t in tensors], _values(args))
-        out = self.jit(*args)
+            if self.native is None:
+                return self.jit.captured([t.uop.base for t in tensors], _values(args))
+            inputs, values = tuple(t.uop.base for t in tensors), _values(args)
+            for runner in self.native:
+                runner(inputs, values)
+            return self.jit.captured.ret
+        with Context(JIT_BATCH_SIZE=0) if Device[Device.DEFAULT].graph is NativeGraph else contextlib.nullcontext():
+            out = self.jit(*args)  # the capture (second call) batches its kernels: one graph for the whole JIT
         if self.direct is None and self.jit.captured is not None and self.jit.cnt > 2:  # just replayed once
             self._signature = list(map(_signature, tensors))
             self.direct = all(sig[3] for sig in self._signature) and _shortcut_holds(self.jit, args, tensors)
+            self.native = _native_runners(self.jit, tensors) if self.direct else None
         return out
 
 
@@ -63,6 +79,16 @@ def _values(args: tuple[Any, ...]) -> dict[str, int]:
             var, value = a.unbind()
             values[var.expr] = value
     return values
+
+
+def _native_runners(jit: TinyJit, tensors: list[Tensor]) -> list[NativeGraph] | None:
+    """The NativeGraph runners of the captured JIT's calls, in order, when every call is one (and the JIT writes
+    none of its inputs, which tinygrad would copy first); else None."""
+    captured = jit.captured
+    runners = [graph_cache.get(call.src[0]) for call in captured.linear.src]
+    if not all(isinstance(r, NativeGraph) for r in runners) or {t.uop.base for t in tensors} & captured._written_uops:
+        return None
+    return runners
 
 
 def _shortcut_holds(jit: TinyJit, args: tuple[Any, ...], tensors: list[Tensor]) -> bool:

@@ -26,6 +26,7 @@ one function each, here and in the modules named; a keyword argument (the worker
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -153,8 +154,10 @@ class TinygradEngine:
         (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`).
         ``keep_quantized`` False dequantizes quantized matrices to fp16 at load (the tests' reference)."""
         self.device = Device.DEFAULT
+        t0 = time.perf_counter()
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit, kernels=kernels,
                              keep_quantized=keep_quantized)
+        self.load_ms = round((time.perf_counter() - t0) * 1000)  # reading the header, tokenizer and tensors
         # on the CPU with its own kernels, JITs replay from one native call (cpu_graph); else tinygrad's graph
         self.native_graph = self._w.kernels == "c" and cpu_graph.install(self.device)
         cfg, kv = self._w.config, self._w.kv
@@ -188,6 +191,7 @@ class TinygradEngine:
                 "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
                 "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe(),
                 "graph": "native" if self.native_graph else "tinygrad", "pinned_host": self._host.pinned,
+                "load_ms": self.load_ms,
                 "jits": len(self._stage.all_jits), "jits_compiled": self._stage.compiled}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
