@@ -135,7 +135,7 @@ def test_interleaved_generations_match_solo(chain, prompts):
         for r, p, out in zip(rids, prompts, outs, strict=True):
             out.append(int(c.step(r, [out[-1]], len(p) + len(out) - 1).argmax()))
     assert outs == solo
-    assert all(e._stage.decode.captured is not None for e in c.engines), "decode ran without the JIT"
+    assert all(e._stage.decode.ready for e in c.engines), "decode ran without the JIT"
     assert all(e._stage.decode.direct for e in c.engines), "decode replays went through tinygrad's preparation"
     held = c.engines[1].sessions()
     assert [held[r] for r in rids] == [len(p) + N_TOKENS - 1 for p in prompts]
@@ -272,7 +272,7 @@ def test_warmup_compiles_every_jit_and_leaves_no_session(small_table):
     engine.warmup()
     assert engine.sessions() == {}
     jits = engine._stage.jits
-    assert sorted(jits) == [1, 2, 4, 8, 16, 32] and all(j.captured is not None for j in jits.values())
+    assert sorted(jits) == [1, 2, 4, 8, 16, 32] and all(j.ready for j in jits.values())
 
 
 def test_eviction_then_evicted_and_unknown_sessions(small_table):

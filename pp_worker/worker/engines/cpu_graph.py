@@ -182,6 +182,15 @@ class NativeGraph(GraphRunner):
             all(s == 1 for s in info.global_size[1:]) and info.local_size in (None, (1, 1, 1))
         return fits and len(GraphRunner._all_devs(batch_devs, new_call)) == 1
 
+    def slim(self) -> None:
+        """Drop tinygrad's description of the calls (their kernels' ASTs: most of a captured JIT's memory), keeping
+        the table and what it points to: the buffers and the programs (the inputs' buffers are each replay's).
+        Replays need nothing else."""
+        inputs = [{pos for pos, _ in replace} for replace in self.uop_replace]
+        self.buffers = [b for (_, _, bufs, _), mine in zip(self.calls, inputs, strict=True)
+                        for pos, b in enumerate(bufs) if pos not in mine]
+        self.calls, self.linear = [], None
+
     def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
         table = self.table
         for row, slot, iidx in self.input_slots:

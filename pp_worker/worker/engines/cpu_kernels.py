@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import math
 
+import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
 from tinygrad.helpers import CPU_COUNT
 from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
@@ -202,8 +203,11 @@ def _binary(template: str, ggml_type: int, k: int, device: str) -> tuple[str, st
 
 @functools.cache
 def _dims(device: str, *values: int) -> Tensor:
-    """The realized int32 ``dims`` argument of a kernel call, made once per shape."""
-    return Tensor(list(values), dtype=dtypes.int32, device=device).realize()
+    """The realized int32 ``dims`` argument of a kernel call, made once per shape. Filled through the buffer itself,
+    not a realize: the first call of a shape may come while a TinyJit captures, which would record a realize."""
+    t = Tensor.empty(len(values), dtype=dtypes.int32, device=device)
+    t.uop.base.buffer.ensure_allocated().copyin(memoryview(np.array(values, np.int32)).cast("B"))
+    return t
 
 
 def _call(template: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, dims: tuple[int, ...],

@@ -8,9 +8,15 @@ each variable's value. `Replay` computes that directly, after checking once, on 
 what tinygrad's own preparation gives (and that the inputs match what the JIT captured). Where the check fails
 (another tinygrad, an argument that is a view), every call keeps tinygrad's own path.
 
+A Replay captures at its first call: TinyJit would run that call eagerly first, scheduling and compiling every
+kernel twice (once unfused) and leaving the eager run's buffers in tinygrad's allocator cache (~40 MiB on a stage of
+the 0.73B bench model).
+
 When every call of the captured JIT is a batch replayed by `cpu_graph.NativeGraph` (the CPU's own kernels), a
 checked replay calls those runners directly, without tinygrad's walk over the captured calls; the JIT then captures
-its kernels as one batch (``JIT_BATCH_SIZE=0``), so a replay is one native call.
+its kernels as one batch (``JIT_BATCH_SIZE=0``), so a replay is one native call. tinygrad's record of the capture
+(every kernel's AST, ~10 MiB a JIT) is then dropped: the runner's table, buffers and programs are all a replay
+needs. A later call unlike the checked one captures again.
 """
 
 from __future__ import annotations
@@ -31,14 +37,29 @@ class Replay:
 
     def __init__(self, fn: Callable[..., Tensor]):
         self.jit: TinyJit = TinyJit(fn)
+        self.jit.cnt = 1  # capture at the first call: tinygrad would run it eagerly first (see the module docstring)
         self.direct: bool | None = None  # None: not checked yet; then whether replays skip the preparation
         self._signature: list[Signature] = []  # the checked call's arguments: a call unlike it takes tinygrad's path
+        self.fn = fn
         self.native: list[NativeGraph] | None = None  # the runners of every captured call, when they are all native
+        self.ret: Tensor | None = None  # what the JIT returns (its output buffer), kept when the capture is dropped
 
     @property
     def captured(self) -> Any:
-        """tinygrad's CapturedJit once the JIT has captured (its second call), else None."""
+        """tinygrad's CapturedJit once the JIT has captured (its first call, here), else None (and None again once a
+        native replay dropped it)."""
         return self.jit.captured
+
+    @property
+    def ready(self) -> bool:
+        """Whether the JIT has captured: its kernels are compiled, a call replays them."""
+        return self.jit.captured is not None or self.native is not None
+
+    def buffers(self) -> set[Any]:
+        """The buffers (tinygrad ``Buffer``s) a replay reads or writes besides its inputs: weights, scratch, output."""
+        if self.native is not None:
+            return {b.base for r in self.native for b in r.buffers}
+        return {u.buffer for u in self.jit.captured.linear.toposort() if u.op is Ops.BUFFER}
 
     def __call__(self, *args: Any) -> Tensor:
         tensors = _tensors(args)
@@ -48,13 +69,20 @@ class Replay:
             inputs, values = tuple(t.uop.base for t in tensors), _values(args)
             for runner in self.native:
                 runner(inputs, values)
-            return self.jit.captured.ret
+            return self.ret
+        if self.native is not None:  # slimmed, and called unlike the checked call: capture again
+            self.jit, self.direct, self.native, self.ret = TinyJit(self.fn), None, None, None
         with Context(JIT_BATCH_SIZE=0) if Device[Device.DEFAULT].graph is NativeGraph else contextlib.nullcontext():
-            out = self.jit(*args)  # the capture (second call) batches its kernels: one graph for the whole JIT
-        if self.direct is None and self.jit.captured is not None and self.jit.cnt > 2:  # just replayed once
+            out = self.jit(*args)  # the capture (the first call) batches its kernels: one graph for the whole JIT
+        if self.direct is None and self.jit.captured is not None:  # just captured (its kernels ran once)
             self._signature = list(map(_signature, tensors))
             self.direct = all(sig[3] for sig in self._signature) and _shortcut_holds(self.jit, args, tensors)
             self.native = _native_runners(self.jit, tensors) if self.direct else None
+            if self.native is not None:
+                self.ret = self.jit.captured.ret
+                for runner in self.native:
+                    runner.slim()
+                self.jit.captured = None
         return out
 
 
@@ -103,3 +131,4 @@ def _shortcut_holds(jit: TinyJit, args: tuple[Any, ...], tensors: list[Tensor]) 
     return (captured is not None and names == captured.expected_names and info == captured.expected_input_info
             and len(buffers) == len(mine) and all(a is b for a, b in zip(buffers, mine, strict=True))
             and values == _values(args))
+

@@ -103,7 +103,7 @@ class CompiledStage:
     @property
     def compiled(self) -> int:
         """How many of the JITs have captured (their kernels compiled): every one after `TinygradEngine.warmup`."""
-        return sum(j.captured is not None for j in self.all_jits)
+        return sum(j.ready for j in self.all_jits)
 
     def _forward(self, inp: Tensor, cache: KVCache, start_pos: UOp) -> Tensor:
         w = self.w
@@ -137,7 +137,7 @@ class CompiledStage:
         """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``."""
         n = len(values)
         self.inputs[n].write(values)
-        # BEAM is read when kernels compile: the decode JIT's first call and its capture (second); replays compile
+        # BEAM is read when kernels compile: the decode JIT's first call, which captures it (Replay); replays compile
         # nothing. Decode only: its kernels run every token, and each searched size costs minutes on a CPU.
         with Context(BEAM=self.beam) if n == 1 and self.beam else contextlib.nullcontext():
             return self.jits[n](self.inputs[n].tensor, cache, self.start_pos.bind(position))
@@ -265,7 +265,7 @@ class TinygradEngine:
         return self._sessions.positions()
 
     def warmup(self) -> None:
-        """Compile every JIT (a JIT captures on its second call) on scratch sessions, then drop them: each size of
+        """Compile every JIT (a JIT captures at its first call) on scratch sessions, then drop them: each size of
         the prefill ladder, then each batch size (b one-token sessions stepped twice)."""
         cfg, first = self._w.config, self.shard.is_first
 
