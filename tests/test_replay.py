@@ -64,6 +64,18 @@ def test_the_first_call_captures_the_kernels() -> None:
     assert replay.ready and (replay.captured is not None or replay.native is not None)
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_lean_replay_drops_tinygrads_memos_after_capturing(lean: bool) -> None:
+    """A worker process's stages are lean: tinygrad's process-wide memos of lowered kernels (every kernel's AST) go
+    once a JIT has captured; engines sharing one process keep them for each other."""
+    from tinygrad.codegen import to_program_cache
+
+    inp, sessions = buffers(1)
+    replay = Replay(step, lean=lean)
+    drive(replay, inp, sessions, 2)
+    assert replay.ready and (len(to_program_cache) == 0) == lean
+
+
 def test_an_argument_that_is_a_view_keeps_tinygrads_own_path() -> None:
     def fn(x: Tensor, pos: UOp) -> Tensor:
         return (x * 2 + pos).contiguous()

@@ -141,7 +141,7 @@ def build_engine(cfg: Config, events: Events) -> Engine:
     engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
                             max_sessions=cfg.max_sessions, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
                             kv_dtype=cfg.kv_dtype, beam=cfg.beam, kernels=cfg.kernels, pinned_host=cfg.pinned_host,
-                            emit=events.emit)
+                            lean=True, emit=events.emit)
     if cfg.warmup:
         engine.warmup()
     return engine

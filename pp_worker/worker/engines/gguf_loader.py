@@ -33,6 +33,7 @@ import numpy as np
 from pp_worker.worker.engines.detokenizer import Detokenizer
 from pp_worker.worker.engines.fetch import RemoteFile, is_url
 from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_data, read_header, type_name
+from pp_worker.worker.engines.hostio import return_freed_heap
 from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.shard import Shard
@@ -367,7 +368,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     # tokenizers first: building one peaks above what it keeps (freed heap goes back below), better before the weights
     tokenizer = _load_tokenizer(header.kv, Tokenizer.from_gguf_kv) if shard.is_first else None
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
-    _return_freed_heap()
+    return_freed_heap()
     source = TensorSource(header, half=bool(getenv("HALF", 1)), kernels=kernels, keep_quantized=keep_quantized)
     rope = RopeParams.from_gguf(header.kv, config.rope_dim, _rope_freqs(source))
     blocks = []
@@ -412,19 +413,6 @@ def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSN
     # tied embeddings (e.g. Llama 3.2): no output.weight, the head is the embedding matrix
     name = "output.weight" if "output.weight" in source.header.tensors else "token_embd.weight"
     return norm, Linear(source.matrix(name, (config.vocab_size, config.dim)), None, source.kernels)
-
-
-def _return_freed_heap() -> None:
-    """Hand memory freed by Python back to the OS (glibc keeps it otherwise), e.g. after building the tokenizer."""
-    import ctypes
-    import ctypes.util
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to trim
-        pass
 
 
 def _load_tokenizer(kv: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> Any:

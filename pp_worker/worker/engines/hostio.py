@@ -9,6 +9,10 @@ is the one CI runs (tests/test_device_memory.py runs it with GPU-like memory).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import functools
+import gc
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -95,3 +99,18 @@ def pinned_allocator(device: str, pinned: bool | None = None) -> Any:
     if pinned is None:
         pinned = default_pinned_host(device)
     return Device[device].allocator if pinned else None
+
+
+def return_freed_heap() -> None:
+    """Hand memory freed by Python back to the OS (glibc keeps it otherwise), e.g. after building the tokenizer."""
+    gc.collect()
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        return None

@@ -74,19 +74,20 @@ def split(n: int, rungs: tuple[int, ...]) -> list[int]:
 class CompiledStage:
     """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer."""
 
-    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1, beam: int = 0):
+    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1, beam: int = 0, lean: bool = False):
+        """``lean``: see `Replay` (a worker process's stage drops tinygrad's memos after each capture)."""
         self.w, cfg = w, w.config
         self.beam = beam  # tinygrad BEAM search width for the decode JIT's kernels; 0: tinygrad's own setting
         self.start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
         self.rungs = ladder(min(max_chunk, cfg.max_context))
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
         self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
-        self.jits = {n: Replay(self._forward) for n in self.rungs}
+        self.jits = {n: Replay(self._forward, lean) for n in self.rungs}
         # batched decode: B sessions one token each, B on a ladder of its own (7 = 4 + 2 + 1; 1 is the decode JIT)
         self.batch_rungs = ladder(max_batch)
         self.positions = [UOp.variable(f"pos{b}", 0, cfg.max_context - 1) for b in range(max_batch)]
         self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
-        self.batch_jits = {b: Replay(self._forward_batch) for b in self.batch_rungs if b > 1}
+        self.batch_jits = {b: Replay(self._forward_batch, lean) for b in self.batch_rungs if b > 1}
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
         freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
@@ -149,9 +150,11 @@ class TinygradEngine:
     def __init__(self, model: str, stage: int, num_stages: int, *, max_context: int | None = None,
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
                  max_batch: int = 8, beam: int = 0, kernels: str | None = None, keep_quantized: bool = True,
-                 pinned_host: bool | None = None, emit: Callable[..., None] = lambda kind, **f: None):
+                 pinned_host: bool | None = None, lean: bool = False,
+                 emit: Callable[..., None] = lambda kind, **f: None):
         """None for ``prefill_chunk``, ``kv_dtype``, ``kernels``, ``pinned_host``: the device's default
         (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`).
+        ``lean``: the worker process's setting, see `Replay`.
         ``keep_quantized`` False dequantizes quantized matrices to fp16 at load (the tests' reference)."""
         self.device = Device.DEFAULT
         t0 = time.perf_counter()
@@ -172,7 +175,8 @@ class TinygradEngine:
                               eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
         self.max_batch = max(1, min(max_batch, max_sessions))  # a batch holds distinct sessions
-        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch, beam)
+        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch, beam,
+                                    lean)
         self.kv_dtype = kv_dtype or default_kv_dtype(self.device)
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions, dtype=KV_DTYPES[self.kv_dtype])
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
