@@ -59,10 +59,16 @@ def run_requests(stage: int, num_stages: int, requests: list[dict[str, Any]]) ->
 # --- subprocess -------------------------------------------------------------------------------------------
 
 
+# Compiled forwards are not kept on disk during the suite (engines.jitcache): a test sees what a first start does,
+# whatever ran before it; tests/test_jitcache.py turns the cache on in directories of its own.
+os.environ["PP_CACHE"] = "0"
+
+
 def clean_env() -> dict[str, str]:
-    """The inherited environment minus anything of ours that could leak into a worker under test."""
+    """The inherited environment minus anything of ours that could leak into a worker under test (but the suite's
+    PP_CACHE=0)."""
     return {k: v for k, v in os.environ.items()
-            if not k.startswith("PP_") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
+            if (not k.startswith("PP_") or k == "PP_CACHE") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
 
 
 def stub_env(stage: int | None, num_stages: int | None, **extra: str) -> dict[str, str]:

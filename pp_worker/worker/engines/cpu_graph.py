@@ -146,30 +146,53 @@ def _runner(device: str) -> Runner:
     return Runner(device, min(2, CPU_COUNT.value))
 
 
+class Table:
+    """Rows ready to run (kernel address, threads, argument count, core_id's index, arguments) and what changes per
+    call: input buffers' addresses (a session's KV cache) and bound variables (positions). ``keep``: what the rows
+    point to (buffers, programs), held for as long as the table lives."""
+
+    def __init__(self, device: str, table: np.ndarray, input_slots: list[tuple[int, int, int]],
+                 var_slots: list[tuple[int, int, str]], keep: list[Any]):
+        self.device, self.table, self.input_slots, self.var_slots = device, table, input_slots, var_slots
+        self.buffers = keep
+        self.runner = _runner(device)
+
+    def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
+        table = self.table
+        for row, slot, iidx in self.input_slots:
+            table[row, slot] = input_uops[iidx].buffer._buf.va_addr
+        for row, slot, name in self.var_slots:
+            table[row, slot] = var_vals[name]
+        Device[self.device].synchronize()  # whatever tinygrad queued before this replay runs first
+        start = time.perf_counter()
+        self.runner.run(table)
+        return time.perf_counter() - start if wait else None
+
+
 class NativeGraph(GraphRunner):
-    """A batch of a captured JIT's CPU kernels, replayed by one call of the table runner."""
+    """A batch of a captured JIT's CPU kernels, replayed by one call of the table runner (a `Table`)."""
 
     def __init__(self, linear: UOp, input_uops: tuple[UOp, ...] = ()):
         super().__init__(linear, input_uops)
-        self.table = np.zeros((len(self.calls), ROW), np.int64)
-        self.input_slots: list[tuple[int, int, int]] = []  # (row, slot, input index): buffers passed per call
-        self.var_slots: list[tuple[int, int, str]] = []  # (row, slot, variable): positions bound per call
+        table = np.zeros((len(self.calls), ROW), np.int64)
+        input_slots: list[tuple[int, int, int]] = []  # (row, slot, input index): buffers passed per call
+        var_slots: list[tuple[int, int, str]] = []  # (row, slot, variable): positions bound per call
         for j, ((_, ast, bufs, device_vars), rt) in enumerate(zip(self.calls, self.runtimes, strict=True)):
             info = ast.arg
-            self.table[j, :4] = (ctypes.cast(rt.fxn, ctypes.c_void_p).value, info.global_size[0],
-                                 len(bufs) + len(info.vars), -1)
-            self.table[j, 4:4 + len(bufs)] = [b._buf.va_addr for b in bufs]
+            table[j, :4] = (ctypes.cast(rt.fxn, ctypes.c_void_p).value, info.global_size[0],
+                            len(bufs) + len(info.vars), -1)
+            table[j, 4:4 + len(bufs)] = [b._buf.va_addr for b in bufs]
             for pos, iidx in self.uop_replace[j]:
-                self.input_slots.append((j, 4 + pos, iidx))
+                input_slots.append((j, 4 + pos, iidx))
             for i, v in enumerate(info.vars):
                 slot = 4 + len(bufs) + i
                 if v.expr in info.runtimevars:
-                    self.table[j, 3] = slot - 4
+                    table[j, 3] = slot - 4
                 elif v.expr in device_vars:
-                    self.table[j, slot] = device_vars[v.expr]
+                    table[j, slot] = device_vars[v.expr]
                 else:
-                    self.var_slots.append((j, slot, v.expr))
-        self.runner = _runner(self.calls[0][2][0].device)
+                    var_slots.append((j, slot, v.expr))
+        self.rows = Table(self.calls[0][2][0].device, table, input_slots, var_slots, [])
 
     @staticmethod
     def supports_uop(batch_devs: list[Any], new_call: UOp) -> bool:
@@ -182,25 +205,27 @@ class NativeGraph(GraphRunner):
             all(s == 1 for s in info.global_size[1:]) and info.local_size in (None, (1, 1, 1))
         return fits and len(GraphRunner._all_devs(batch_devs, new_call)) == 1
 
-    def slim(self) -> None:
+    def calls_made(self) -> list[tuple[str, bytes, list[Any]]]:
+        """Each row's (kernel name, machine code, argument buffers (None at an input's place)), for `jitcache`:
+        before `slim`."""
+        out = []
+        for (_, ast, bufs, _), replace in zip(self.calls, self.uop_replace, strict=True):
+            inputs = {pos for pos, _ in replace}
+            out.append((ast.arg.name, ast.src[4].arg, [None if pos in inputs else b for pos, b in enumerate(bufs)]))
+        return out
+
+    def slim(self) -> Table:
         """Drop tinygrad's description of the calls (their kernels' ASTs: most of a captured JIT's memory), keeping
         the table and what it points to: the buffers and the programs (the inputs' buffers are each replay's).
-        Replays need nothing else."""
+        Replays need nothing else: the returned `Table` is this graph from now on."""
         inputs = [{pos for pos, _ in replace} for replace in self.uop_replace]
-        self.buffers = [b for (_, _, bufs, _), mine in zip(self.calls, inputs, strict=True)
-                        for pos, b in enumerate(bufs) if pos not in mine]
+        self.rows.buffers = [b for (_, _, bufs, _), mine in zip(self.calls, inputs, strict=True)
+                             for pos, b in enumerate(bufs) if pos not in mine] + list(self.runtimes)
         self.calls, self.linear = [], None
+        return self.rows
 
     def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
-        table = self.table
-        for row, slot, iidx in self.input_slots:
-            table[row, slot] = input_uops[iidx].buffer._buf.va_addr
-        for row, slot, name in self.var_slots:
-            table[row, slot] = var_vals[name]
-        Device[self.device].synchronize()  # whatever tinygrad queued before this replay runs first
-        start = time.perf_counter()
-        self.runner.run(table)
-        return time.perf_counter() - start if wait else None
+        return self.rows(input_uops, var_vals, wait)
 
 
 def install(device: str) -> bool:

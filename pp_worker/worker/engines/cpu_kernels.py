@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import Any
 
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes
@@ -201,23 +202,32 @@ def _binary(template: str, ggml_type: int, k: int, device: str) -> tuple[str, st
     return name, src, _compiler(device).compile_cached(src)
 
 
-@functools.cache
-def _dims(device: str, *values: int) -> Tensor:
+_DIMS: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+
+
+def dims(device: str, *values: int) -> Tensor:
     """The realized int32 ``dims`` argument of a kernel call, made once per shape. Filled through the buffer itself,
     not a realize: the first call of a shape may come while a TinyJit captures, which would record a realize."""
-    t = Tensor.empty(len(values), dtype=dtypes.int32, device=device)
-    t.uop.base.buffer.ensure_allocated().copyin(memoryview(np.array(values, np.int32)).cast("B"))
+    if (t := _DIMS.get((device, values))) is None:
+        t = Tensor.empty(len(values), dtype=dtypes.int32, device=device)
+        t.uop.base.buffer.ensure_allocated().copyin(memoryview(np.array(values, np.int32)).cast("B"))
+        _DIMS[device, values] = t
     return t
 
 
-def _call(template: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, dims: tuple[int, ...],
+def dims_values(buf: Any) -> tuple[int, ...] | None:
+    """The values of a `dims` argument, given its buffer (None for any other buffer): what `jitcache` writes down."""
+    return next((values for (_, values), t in _DIMS.items() if t.uop.base.buffer is buf), None)
+
+
+def _call(template: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
           threads: int) -> Tensor:
     """``out`` after the kernel ran on (out, w, x, dims) on ``threads`` threads (``core_id`` 0..threads-1)."""
     # the first call of a kernel or shape may come while tinygrad traces a block (`function`, which forbids device
     # use to catch stray realizes): compiling our source and realizing a constant of our own are safe there
     with Context(ALLOW_DEVICE_USAGE=1):
         name, src, lib = _binary(template, ggml_type, k, x.device)
-        dims_t = _dims(x.device, *dims)
+        dims_t = dims(x.device, *shape)
 
     def fxn(*params: UOp) -> UOp:
         core = UOp.variable("core_id", 0, threads - 1, dtypes.int)

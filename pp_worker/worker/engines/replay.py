@@ -16,36 +16,43 @@ When every call of the captured JIT is a batch replayed by `cpu_graph.NativeGrap
 checked replay calls those runners directly, without tinygrad's walk over the captured calls; the JIT then captures
 its kernels as one batch (``JIT_BATCH_SIZE=0``), so a replay is one native call. tinygrad's record of the capture
 (every kernel's AST, ~10 MiB a JIT) is then dropped: the runner's table, buffers and programs are all a replay
-needs. A later call unlike the checked one captures again.
+needs (a later call unlike the checked one is refused, as tinygrad refuses one unlike its capture).
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from tinygrad import Context, Device, Tensor, TinyJit, UOp
+from tinygrad import Context, Device, Tensor, TinyJit, UOp, dtypes
+from tinygrad.device import Buffer
+from tinygrad.engine.jit import JitError
 from tinygrad.engine.realize import graph_cache
 from tinygrad.uop.ops import Ops
 
-from pp_worker.worker.engines.cpu_graph import NativeGraph
+from pp_worker.worker.engines import jitcache
+from pp_worker.worker.engines.cpu_graph import NativeGraph, Table
 from pp_worker.worker.engines.hostio import return_freed_heap
 
 
 class Replay:
     """``Replay(fn)(*args)`` is ``TinyJit(fn)(*args)``; once captured and checked, without the preparation."""
 
-    def __init__(self, fn: Callable[..., Tensor], lean: bool = False):
+    def __init__(self, fn: Callable[..., Tensor], lean: bool = False, cache: CacheSlot | None = None):
         """``lean``: after capturing, drop tinygrad's memos of lowered kernels (`forget_lowerings`): right for a
-        worker process; several engines in one process (tests, bench.gpu) are better off sharing them."""
-        self.lean = lean
+        worker process; several engines in one process (tests, bench.gpu) are better off sharing them. ``cache``:
+        where this JIT's compiled form is kept on disk (`jitcache`): read at the first call instead of capturing,
+        written after a native capture."""
+        self.lean, self.cache = lean, cache
+        self.restored = False  # whether the compiled form came from the cache
         self.jit: TinyJit = TinyJit(fn)
         self.jit.cnt = 1  # capture at the first call: tinygrad would run it eagerly first (see the module docstring)
         self.direct: bool | None = None  # None: not checked yet; then whether replays skip the preparation
         self._signature: list[Signature] = []  # the checked call's arguments: a call unlike it takes tinygrad's path
-        self.fn = fn
-        self.native: list[NativeGraph] | None = None  # the runners of every captured call, when they are all native
+        self.native: list[Table] | None = None  # the tables of every captured call, when they are all native
         self.ret: Tensor | None = None  # what the JIT returns (its output buffer), kept when the capture is dropped
 
     @property
@@ -62,7 +69,7 @@ class Replay:
     def buffers(self) -> set[Any]:
         """The buffers (tinygrad ``Buffer``s) a replay reads or writes besides its inputs: weights, scratch, output."""
         if self.native is not None:
-            return {b.base for r in self.native for b in r.buffers}
+            return {b.base for r in self.native for b in r.buffers if isinstance(b, Buffer)}
         return {u.buffer for u in self.jit.captured.linear.toposort() if u.op is Ops.BUFFER}
 
     def __call__(self, *args: Any) -> Tensor:
@@ -74,9 +81,11 @@ class Replay:
             for runner in self.native:
                 runner(inputs, values)
             return self.ret
-        if self.native is not None:  # slimmed, and called unlike the checked call: capture again
-            self.jit, self.direct, self.native, self.ret = TinyJit(self.fn), None, None, None
-            self.jit.cnt = 1
+        if self.native is not None:  # tinygrad's capture is gone: refuse as tinygrad would have
+            raise JitError(f"args mismatch in JIT: captured for {self._signature}, "
+                           f"called with {list(map(_signature, tensors))}")
+        if self.direct is None and self.cache is not None and self._restore(tensors):
+            return self(*args)
         with Context(JIT_BATCH_SIZE=0) if Device[Device.DEFAULT].graph is NativeGraph else contextlib.nullcontext():
             out = self.jit(*args)  # the capture (the first call) batches its kernels: one graph for the whole JIT
         if self.direct is None and self.jit.captured is not None:  # just captured (its kernels ran once)
@@ -85,12 +94,50 @@ class Replay:
             self.native = _native_runners(self.jit, tensors) if self.direct else None
             if self.native is not None:
                 self.ret = self.jit.captured.ret
-                for runner in self.native:
-                    runner.slim()
+                entry = self.cache and _record(self.jit, self.native, self.cache)
+                self.native = [runner.slim() for runner in self.native]
                 self.jit.captured = None
+                if entry:
+                    self.cache.store.save(self.cache.name, entry)
             if self.lean:
                 forget_lowerings()
         return out
+
+
+    def _restore(self, tensors: list[Tensor]) -> bool:
+        """Take this JIT's compiled form from the cache, if it holds it (and every argument is a whole buffer)."""
+        signature = list(map(_signature, tensors))
+        if not all(sig[3] for sig in signature) or (entry := self.cache.store.load(self.cache.name)) is None:
+            return False
+        try:
+            shape, dtype = entry["out_shape"], getattr(dtypes, entry["out_dtype"])
+            table, self.ret = jitcache.restore(entry, self.cache.named(), Device.DEFAULT, tuple(shape), dtype)
+        except Exception as e:  # an entry that does not fit this stage: compile instead
+            print(f"pp_worker: the compiled-forward cache entry {self.cache.name} does not fit "
+                  f"({type(e).__name__}: {e}); compiling again", file=sys.stderr, flush=True)
+            return False
+        self.native, self.direct, self._signature, self.restored = [table], True, signature, True
+        return True
+
+
+@dataclass(frozen=True)
+class CacheSlot:
+    """Where one JIT's compiled form lives: the store, its entry's name, the stage's named buffers (made on demand)."""
+
+    store: jitcache.Store
+    name: str
+    named: Callable[[], jitcache.Named]
+
+
+def _record(jit: TinyJit, runners: list[NativeGraph], slot: CacheSlot) -> dict[str, Any] | None:
+    """The cache entry of a just-captured all-native JIT (one table), or None when it cannot be written down."""
+    captured = jit.captured
+    if len(runners) != 1 or not isinstance(captured.ret, Tensor):
+        return None
+    arenas = list({u.src[0].buffer for u in captured.linear.toposort() if u.op is Ops.BUFFER_VIEW})
+    entry = jitcache.record(runners[0].calls_made(), runners[0].rows, slot.named(), arenas,
+                            captured.ret.uop.base.buffer)
+    return entry and {**entry, "out_shape": captured.ret.shape, "out_dtype": captured.ret.dtype.name}
 
 
 Signature = tuple[tuple[Any, ...], Any, Any, bool]  # shape, dtype, device, whether it is a whole buffer
@@ -128,7 +175,7 @@ def forget_lowerings() -> None:
     return_freed_heap()
 
 
-def _native_runners(jit: TinyJit, tensors: list[Tensor]) -> list[NativeGraph] | None:
+def _native_runners(jit: TinyJit, tensors: list[Tensor]) -> list[Any] | None:
     """The NativeGraph runners of the captured JIT's calls, in order, when every call is one (and the JIT writes
     none of its inputs, which tinygrad would copy first); else None."""
     captured = jit.captured

@@ -31,14 +31,14 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from tinygrad import Context, Device, Tensor, UOp, dtypes
+from tinygrad import Context, Device, Tensor, UOp, dtypes, getenv, nn
 
-from pp_worker.worker.engines import cpu_graph
+from pp_worker.worker.engines import cpu_graph, jitcache
 from pp_worker.worker.engines.base import ModelInfo, device_kind
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
 from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
-from pp_worker.worker.engines.replay import Replay
+from pp_worker.worker.engines.replay import CacheSlot, Replay
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import SessionTable
 from pp_worker.worker.engines.vocab import bos_token
@@ -74,24 +74,46 @@ def split(n: int, rungs: tuple[int, ...]) -> list[int]:
 class CompiledStage:
     """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer."""
 
-    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1, beam: int = 0, lean: bool = False):
-        """``lean``: see `Replay` (a worker process's stage drops tinygrad's memos after each capture)."""
+    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1, beam: int = 0, lean: bool = False,
+                 store: jitcache.Store | None = None, ident: tuple[Any, ...] = ()):
+        """``lean``: see `Replay` (a worker process's stage drops tinygrad's memos after each capture). ``store``:
+        where compiled forwards are kept on disk (`jitcache`), their entries named by ``ident`` (what else shapes
+        the kernels: the engine's settings) with the stage's config and the JIT's size."""
         self.w, cfg = w, w.config
+        self.store, self.ident = store, (*ident, repr(cfg), w.shard.start, w.shard.end, w.shard.is_first,
+                                         w.shard.is_last, beam)
+        self._named: jitcache.Named | None = None
         self.beam = beam  # tinygrad BEAM search width for the decode JIT's kernels; 0: tinygrad's own setting
         self.start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
         self.rungs = ladder(min(max_chunk, cfg.max_context))
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
         self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
-        self.jits = {n: Replay(self._forward, lean) for n in self.rungs}
+        self.jits = {n: Replay(self._forward, lean, self._slot("prefill", n)) for n in self.rungs}
         # batched decode: B sessions one token each, B on a ladder of its own (7 = 4 + 2 + 1; 1 is the decode JIT)
         self.batch_rungs = ladder(max_batch)
         self.positions = [UOp.variable(f"pos{b}", 0, cfg.max_context - 1) for b in range(max_batch)]
         self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
-        self.batch_jits = {b: Replay(self._forward_batch, lean) for b in self.batch_rungs if b > 1}
+        self.batch_jits = {b: Replay(self._forward_batch, lean, self._slot("batch", b))
+                           for b in self.batch_rungs if b > 1}
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
         freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
             block.freqs_cis = freqs
+
+    def _slot(self, kind: str, size: int) -> CacheSlot | None:
+        return None if self.store is None else CacheSlot(self.store, jitcache.key(*self.ident, kind, size), self.named)
+
+    def named(self) -> jitcache.Named:
+        """This stage's persistent buffers by name: its weights (by tensor name) and the RoPE table."""
+        if self._named is None:
+            w, parts = self.w, {}
+            for j, block in enumerate(w.blocks):
+                parts |= {f"blk.{w.shard.start + j}.{k}": t for k, t in nn.state.get_state_dict(block).items()}
+            for name, obj in (("token_embd", w.token_embd), ("output_norm", w.output_norm), ("output", w.output)):
+                if obj is not None:
+                    parts |= {f"{name}.{k}": t for k, t in nn.state.get_state_dict(obj).items()}
+            self._named = jitcache.Named.of(parts)
+        return self._named
 
     @property
     def decode(self) -> Replay:
@@ -175,9 +197,13 @@ class TinygradEngine:
                               eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
         self.max_batch = max(1, min(max_batch, max_sessions))  # a batch holds distinct sessions
-        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch, beam,
-                                    lean)
         self.kv_dtype = kv_dtype or default_kv_dtype(self.device)
+        root = jitcache.cache_root() if self.native_graph else None  # a restored table replays natively
+        file = self._w.path.resolve().stat()
+        ident = (str(self._w.path.resolve()), file.st_size, file.st_mtime_ns, self.device, self.kv_dtype,
+                 self._w.kernels, getenv("HALF", 1))
+        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch, beam,
+                                    lean, None if root is None else jitcache.Store(root), ident)
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions, dtype=KV_DTYPES[self.kv_dtype])
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
         self._row_bytes = cfg.dim * 2  # one fp16 hidden row
@@ -196,7 +222,8 @@ class TinygradEngine:
                 "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe(),
                 "graph": "native" if self.native_graph else "tinygrad", "pinned_host": self._host.pinned,
                 "load_ms": self.load_ms,
-                "jits": len(self._stage.all_jits), "jits_compiled": self._stage.compiled}
+                "jits": len(self._stage.all_jits), "jits_compiled": self._stage.compiled,
+                "jits_cached": sum(j.restored for j in self._stage.all_jits)}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.

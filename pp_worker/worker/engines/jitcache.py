@@ -1,0 +1,174 @@
+"""Compiled forwards kept on disk: a restarted stage replays its JITs without tinygrad scheduling, lowering or
+compiling anything (a cold start's first request spent most of its seconds there; bench/NOTES.md).
+
+What is kept is what a native replay needs (`cpu_graph.Table`): per row the kernel's machine code, its thread count,
+and its arguments, each written down by what it is rather than where it was: an input (the call's input buffer or
+a session's KV cache), a variable (a position), a constant, or a buffer that is one of the stage's own weights
+(by tensor name), a kernel-shape constant, the JIT's scratch arena or its output, at an offset. A restart loads the
+same weights, allocates a new arena and output, loads the machine code into executable memory through tinygrad's
+CPU runtime, and lays the rows out again. A JIT with any argument that fits none of these is not kept.
+
+Entries live under ``$PP_CACHE_DIR/jits`` (default ``$XDG_CACHE_HOME/pp_worker/jits``), one file per JIT, named by a
+digest of everything that shapes its kernels (see `key`). ``PP_CACHE=0`` turns the cache off. A file that cannot
+be read back is ignored with one line on stderr, and rebuilt; files are written whole, then renamed into place, so
+stages sharing the directory never see half of one.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import pickle
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tinygrad import Device, Tensor, dtypes
+from tinygrad.device import Buffer
+from tinygrad.uop.ops import Ops
+
+from pp_worker.worker.engines import cpu_kernels
+from pp_worker.worker.engines.cpu_graph import ROW, Table
+
+FORMAT = 1  # bump when an entry's layout changes
+
+
+def cache_root() -> Path | None:
+    """The cache directory (``PP_CACHE_DIR``...), or None when ``PP_CACHE=0``."""
+    from pp_worker.worker.engines.fetch import cache_dir
+
+    return None if os.environ.get("PP_CACHE", "1").strip() == "0" else cache_dir() / "jits"
+
+
+def key(*parts: Any) -> str:
+    """A file name for an entry: the digest of everything that shapes a JIT's kernels, with this code's and
+    tinygrad's versions and the CPU's identity (its machine code runs nowhere else)."""
+    import tinygrad
+
+    from pp_worker import __file__ as package
+
+    code = hashlib.sha256()
+    for path in sorted(Path(package).parent.joinpath("worker", "engines").glob("*.py")):
+        code.update(path.read_bytes())
+    cpu = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
+    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
+    whole = repr((FORMAT, code.hexdigest(), getattr(tinygrad, "__version__", "?"), Device[Device.DEFAULT].arch, flags,
+                  parts))
+    return hashlib.sha256(whole.encode()).hexdigest()[:32]
+
+
+@dataclass
+class Named:
+    """The stage's persistent buffers by name (weights, tables), both ways."""
+
+    by_buffer: dict[int, str]  # id(base Buffer) -> name
+    by_name: dict[str, Buffer]
+
+    @classmethod
+    def of(cls, tensors: dict[str, Tensor]) -> Named:
+        by_name: dict[str, Buffer] = {}
+        for name, t in tensors.items():
+            bufs = [u for u in t.uop.toposort() if u.op is Ops.BUFFER]  # under a view (an fp16 view of uint8 bytes)
+            if len(bufs) == 1 and bufs[0].is_realized:  # lazy leftovers of a block's constructor are no buffers
+                by_name.setdefault(name, bufs[0].buffer)
+        return cls({id(b): n for n, b in reversed(list(by_name.items()))}, by_name)
+
+    def resolve(self, name: str, device: str) -> Buffer:
+        if name.startswith("dims:"):
+            return cpu_kernels.dims(device, *map(int, name[5:].split(","))).uop.base.buffer
+        return self.by_name[name]
+
+    def name(self, buf: Buffer) -> str | None:
+        if (n := self.by_buffer.get(id(buf))) is not None:
+            return n
+        values = cpu_kernels.dims_values(buf)
+        return None if values is None else "dims:" + ",".join(map(str, values))
+
+
+def record(rows: list[tuple[str, bytes, list[Any]]], table: Table, named: Named, arenas: list[Buffer],
+           out: Buffer) -> dict[str, Any] | None:
+    """An entry for a captured native JIT (`NativeGraph.calls_made` before slimming, its table), or None when an
+    argument is none of the kinds the module docstring lists."""
+    kernels: dict[bytes, int] = {}
+    entry: dict[str, Any] = {"format": FORMAT, "kernels": [], "rows": [], "arenas": [a.nbytes for a in arenas],
+                             "out": out.nbytes, "inputs": table.input_slots, "vars": table.var_slots}
+    arena_index = {id(a): i for i, a in enumerate(arenas)}
+    for j, (name, lib, bufs) in enumerate(rows):
+        if lib not in kernels:
+            kernels[lib] = len(entry["kernels"])
+            entry["kernels"].append((name, lib))
+        args = []
+        for slot, value in enumerate(table.table[j, 4:]):
+            buf = bufs[slot] if slot < len(bufs) else None
+            if buf is None:  # an input's place, a variable's, a constant
+                args.append(("int", int(value)))
+                continue
+            base, offset = buf.base, buf.offset
+            if (n := named.name(base)) is not None:
+                args.append(("named", n, offset))
+            elif id(base) in arena_index:
+                args.append(("arena", arena_index[id(base)], offset))
+            elif base is out:
+                args.append(("out", 0, offset))
+            else:
+                return None
+        entry["rows"].append((kernels[lib], int(table.table[j, 1]), int(table.table[j, 3]), args))
+    return entry
+
+
+def restore(entry: dict[str, Any], named: Named, device: str, out_shape: tuple[int, ...],
+            out_dtype: Any) -> tuple[Table, Tensor]:
+    """The table of an entry, over this stage's buffers, and the output tensor it writes."""
+    dev = Device[device]
+    programs = [dev.runtime(name, lib) for name, lib in entry["kernels"]]
+    arenas = [Tensor.empty(n, dtype=dtypes.uint8, device=device).realize() for n in entry["arenas"]]
+    out = Tensor.empty(*out_shape, dtype=out_dtype, device=device).realize()
+    if out.nbytes() != entry["out"]:
+        raise ValueError(f"output of {out.nbytes()} bytes, the entry wrote {entry['out']}")
+    bases = {"arena": [a.uop.base.buffer for a in arenas], "out": [out.uop.base.buffer]}
+    table = np.zeros((len(entry["rows"]), ROW), np.int64)
+    for j, (k, threads, core, args) in enumerate(entry["rows"]):
+        table[j, :4] = (ctypes.cast(programs[k].fxn, ctypes.c_void_p).value, threads, len(args), core)
+        for slot, (kind, a, *rest) in enumerate(args):
+            if kind == "int":
+                table[j, 4 + slot] = a
+            else:
+                buf = named.resolve(a, device) if kind == "named" else bases[kind][a]
+                table[j, 4 + slot] = buf.ensure_allocated()._buf.va_addr + rest[0]
+    keep = [*programs, *arenas, out]
+    return Table(device, table, [tuple(s) for s in entry["inputs"]], [tuple(s) for s in entry["vars"]], keep), out
+
+
+class Store:
+    """Entries on disk under ``root``."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def load(self, name: str) -> dict[str, Any] | None:
+        path = self.root / f"{name}.jit"
+        if not path.exists():
+            return None
+        try:
+            entry = pickle.loads(path.read_bytes())
+            if not isinstance(entry, dict) or entry.get("format") != FORMAT:
+                raise ValueError("not an entry of this format")
+            return entry
+        except Exception as e:  # corrupt, truncated, another version: rebuilt by the caller
+            print(f"pp_worker: ignoring the compiled-forward cache entry {path} ({type(e).__name__}: {e}); "
+                  "compiling again", file=sys.stderr, flush=True)
+            return None
+
+    def save(self, name: str, entry: dict[str, Any]) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.root, prefix=f".{name}.", delete=False) as f:
+                f.write(pickle.dumps(entry, protocol=pickle.HIGHEST_PROTOCOL))
+            os.replace(f.name, self.root / f"{name}.jit")  # whole or not at all, whoever else writes the same entry
+        except OSError as e:
+            print(f"pp_worker: cannot write the compiled-forward cache under {self.root} ({e}); "
+                  "this start works without it", file=sys.stderr, flush=True)
