@@ -29,13 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import models, pipe, quant, report, rss, serve, solo, wire
+from bench import cold, models, pipe, quant, report, rss, serve, solo, wire
 from bench.machine import CpuMeter, describe
 from bench.quant import say
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
-SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss")
+SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss",
+            "cold")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -61,6 +62,7 @@ class Plan:
     rss: rss.RssPlan = rss.RssPlan()  # section 6 on a model whose weights dwarf tinygrad's floor
     serve: serve.ServePlan = serve.ServePlan()  # section 7: pp-serve on the embedded model
     quant: quant.QuantPlan = quant.QuantPlan()  # sections 9 and 10: quantized files, llama.cpp on the same files
+    cold: cold.ColdPlan = cold.ColdPlan()  # section 11: a cold start and a restart, against tinygrad's cold start
 
 
 FULL = Plan("bench")
@@ -68,7 +70,8 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              stub_sequential=300, stub_pipelined=2000, payload_reps=3, q8_tokens=12, rss=rss.RssPlan(preset="bench"),
              serve=serve.ServePlan(requests=8, max_tokens=8),
              quant=quant.QuantPlan(preset="small", decode=12, rounds=2, load_rounds=1, prefill_reps=1,
-                                   rss_preset="bench", rss_stages=(2,)))
+                                   rss_preset="bench", rss_stages=(2,)),
+             cold=cold.ColdPlan(decode=12, streams=8, stream_tokens=8))
 
 
 
@@ -351,6 +354,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "quant": lambda out: out.update(quant.measure(plan.quant, b.prompts, b.prompt_ids["decode"][0], (
             n := max(plan.ttft_lengths), b.prompts[f"ttft{n}"][0]), b.facts.context)),
         "qrss": lambda out: out.update(quant.big_rss(plan.quant, lambda m: rss.prompt(m, rss.RssPlan()))),
+        "cold": lambda out: out.update(cold.measure(plan.cold)),
     }
     try:
         for key in sections:

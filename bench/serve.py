@@ -41,9 +41,11 @@ class ServePlan:
 class Endpoint:
     """A pp-serve process on a free port of 127.0.0.1; ``close`` stops it (SIGTERM) and its stages."""
 
-    def __init__(self, stages: int, concurrency: int):
+    def __init__(self, stages: int, concurrency: int, env: dict[str, str] | None = None, warm: bool = True):
+        """``warm``: the stages compile every forward before the server listens (PP_WARMUP=1); ``env``: more."""
         args = ["--stages", str(stages), "--port", "0", "--concurrency", str(concurrency), "--log-level", "warning"]
-        self.proc = subprocess.Popen([sys.executable, "-m", "pp_worker.serve", *args], env={**os.environ, **QUIET},
+        env = {**os.environ, **(QUIET if warm else {}), **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "pp_worker.serve", *args], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                      text=True)
         assert self.proc.stderr is not None
@@ -60,6 +62,19 @@ class Endpoint:
         req = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=600) as r:
             return json.loads(r.read())
+
+    def stream(self, prompt: str, max_tokens: int) -> int:
+        """A streamed greedy completion read to its end; the number of events."""
+        body = json.dumps({"model": "zen", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                           "stream": True}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", body, {"Content-Type": "application/json"})
+        events = 0
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for line in r:
+                if line.startswith(b"data: [DONE]"):
+                    return events
+                events += line.startswith(b"data: ")
+        raise RuntimeError("a stream ended without [DONE]")
 
     def close(self) -> None:
         self.proc.send_signal(signal.SIGTERM)

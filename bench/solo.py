@@ -132,6 +132,17 @@ def baseline(model: str, prompts: dict[str, list[list[int]]], decode: int, max_c
     return out
 
 
+def cold(model: str, prompt: list[int], decode: int, max_context: int, mode: str) -> dict:
+    """A cold start as tinygrad's CLI makes one: load, a first generation of ``decode`` tokens after its first one
+    (their wall-clock times, ``time.time()``, so a parent can count from before it started this process), then the
+    same again, warm: the steady rate."""
+    m = load(model, max_context, mode)
+    first = [time.time() for _ in timed_tokens(m.generate(list(prompt)), decode + 1)[1]]
+    m._cached_tokens = []
+    _, steady = timed_tokens(m.generate(list(prompt)), decode + 1)
+    return {"first_times": first, "steady_times": steady}
+
+
 def serve(model: str, prompts: dict[str, list[list[int]]], max_context: int, mode: str, out: Any) -> None:
     m = load(model, max_context, mode)
     for p in prompts["warmup"]:
@@ -188,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-context", type=int, default=1024)
     ap.add_argument("--mode", choices=MODES, default="lazy", help="how the weights and rope tables are held (see load)")
     ap.add_argument("--serve", action="store_true", help="stay up: one generation per request line (see Solo)")
+    ap.add_argument("--cold", action="store_true", help="a cold start: the first generation, then a warm one (cold)")
     args = ap.parse_args(argv)
     real_stdout, sys.stdout = sys.stdout, sys.stderr  # tinygrad's prints (DEBUG) must not spoil the JSON line
     if args.serve:
@@ -196,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.idle:
         result = idle(args.model)
+    elif args.cold:
+        with open(args.prompt_file) as f:
+            result = cold(args.model, json.load(f)["decode"][0], args.decode, args.max_context, args.mode)
     else:
         with open(args.prompt_file) as f:
             prompts = json.load(f)

@@ -133,6 +133,10 @@ def fake_raw() -> dict:
         "qrss": {"max_context": 64, "Q4_0": {"file_bytes": 100 << 20, "idle": {"peak_rss_mb": 140.0},
                                              "pp2": {"file_share": [50 << 20, 50 << 20], "kv": [1 << 20, 1 << 20],
                                                      "peak_rss_mb": [250.0, 260.0]}}},
+        "cold": {"stages": 3, "decode": 48, "tinygrad": {"ttft_s": 10.0, "first_tps": 20.0, "steady_tps": 200.0},
+                 "cold": {"ready_s": 2.0, "ttft_s": 8.0, "first_tps": 150.0},
+                 "restart": {"ready_s": 1.0, "ttft_s": 3.0, "first_tps": 300.0},
+                 "serve": {"listening_s": 5.0, "first_burst_s": 3.0, "warm_burst_s": 2.0}},
     }
 
 
@@ -157,7 +161,11 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 11)}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 12)}
+    assert by_name["cold first token / tinygrad's"].value == pytest.approx(0.8)
+    assert by_name["restart first token / tinygrad's cold one"].verdict == "MISS"  # 0.3 > 0.2
+    assert by_name["first generation's decode / tinygrad's steady"].value == pytest.approx(0.75)
+    assert by_name["first burst / warm burst"].value == pytest.approx(1.5)
     assert by_name["Q8_0 / F16 decode"].value == pytest.approx(1.4) and by_name["Q8_0 / F16 decode"].verdict == "PASS"
     assert by_name["2 stages / llama.cpp, F16"].value == pytest.approx((100 / 180 + 100 / 220) / 2)  # two rounds
     assert by_name["Q8_0 prefill speed / F16's"].value == pytest.approx(1.1 / 1.45)  # medians: F16 1.1 s, Q8_0 1.45

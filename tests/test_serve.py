@@ -18,6 +18,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -318,6 +320,44 @@ def test_a_frozen_stage_is_killed_and_replaced() -> None:
         assert not set(s.stage_pids()) & set(pids)
     finally:
         assert s.stop() == 128 + signal.SIGTERM
+
+
+def test_while_the_stages_load_the_port_answers_503_warming() -> None:
+    """A supervisor polling /health sees the server on its way (503 warming), never a connection that hangs; then ok.
+    The stages' launcher sleeps 3 s first: loading (and PP_WARMUP's compiles) for a stub."""
+    slow = f"sh -c 'sleep 3; exec {PY} -m pp_worker'"
+    proc = subprocess.Popen([sys.executable, "-m", "pp_worker.serve", "--port", "0", "--stub", "--stages", "2",
+                             "--launcher", slow], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stderr is not None
+        url = re.search(r"warming up on (http://\S+)", proc.stderr.readline()).group(1)  # type: ignore[union-attr]
+        seen = []
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(st == 200 and path == "/health" for st, path, _ in seen):
+            for path in ("/v1/models", "/health"):
+                try:
+                    with urllib.request.urlopen(url + path, timeout=5) as r:
+                        seen.append((r.status, path, json.loads(r.read())))
+                except urllib.error.HTTPError as e:
+                    seen.append((e.code, path, json.loads(e.read())))
+            time.sleep(0.1)
+        warming = [(path, body) for status, path, body in seen if status == 503]
+        assert ("/health", {"status": "warming"}) in warming, seen[:4]
+        assert any(path == "/v1/models" and body["error"]["code"] == "warming_up" for path, body in warming)
+        last = [(status, body) for status, path, body in seen if path == "/health"][-1]
+        assert last == (200, {**last[1], "status": "ok"})  # then the API, on the same port
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+
+
+def test_pp_serve_compiles_before_serving_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PP_WARMUP", raising=False)
+    assert _launch(parse_args(["--stub"])).env["PP_WARMUP"] == "1"
+    assert _launch(parse_args(["--stub", "--env", "PP_WARMUP=0"])).env["PP_WARMUP"] == "0"
+    monkeypatch.setenv("PP_WARMUP", "0")  # the operator's environment, which the stages inherit
+    assert "PP_WARMUP" not in _launch(parse_args(["--stub"])).env
 
 
 def test_a_server_that_cannot_restart_its_stages_exits_1(tmp_path: Path) -> None:

@@ -5,8 +5,10 @@ completions API in front of them.
     pp-serve --model my.gguf --stages 4 --host 0.0.0.0 --concurrency 8
     pp-serve --launcher ray --ray-num-gpus 1 --model /models/m.gguf --stages 4
 
-The stages load before the port answers (progress on stderr); ``--port 0`` picks a free port. The sampling flags
-and ``--max-tokens`` are the defaults for requests that leave those fields out (with neither: argmax, 64 tokens).
+While the stages load and compile every forward (PP_WARMUP=1 unless set otherwise) the port answers 503,
+``/health`` saying ``warming`` (serve.warming); then the API (progress on stderr); ``--port 0`` picks a free port.
+The sampling flags and ``--max-tokens`` are the defaults for requests that leave those fields out (with neither:
+argmax, 64 tokens).
 A stage that dies or freezes is replaced (``--restarts``); a signal drains the requests in flight first
 (``--drain-timeout``, serve.drain). Exit status: 0 after a clean stop; 1 when the stages cannot start, or cannot be
 restarted; 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after a signal, once the stages are shut down; 2 for a
@@ -39,6 +41,7 @@ from pp_worker.driver.stage_proc import Launch
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
 from pp_worker.serve.drain import DrainingServer
+from pp_worker.serve.warming import warming
 
 DEFAULT_CONCURRENCY = 8  # the workers' default PP_MAX_SESSIONS: every generation in flight holds one session
 
@@ -76,12 +79,13 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 def _launch(args: argparse.Namespace) -> Launch:
-    """As pp-pipeline's, with room for every generation in flight: each holds a KV session on every stage, and a
-    worker evicting one that is still running would fail its next step (and with it the pipeline)."""
+    """As pp-pipeline's, with room for every generation in flight (each holds a KV session on every stage, and a
+    worker evicting one that is still running would fail its next step, and with it the pipeline), and with every
+    forward compiled before the stages are ready (PP_WARMUP=1: a server that says ok answers at full speed; from the
+    second start on, the compiled forwards come from the cache). The operator's own settings win."""
     launch = launch_from(args)
-    if "PP_MAX_SESSIONS" in launch.env or "PP_MAX_SESSIONS" in os.environ:  # the operator's choice
-        return launch
-    return dataclasses.replace(launch, env={**launch.env, "PP_MAX_SESSIONS": str(args.concurrency)})
+    env = {"PP_MAX_SESSIONS": str(args.concurrency), "PP_WARMUP": "1"}
+    return dataclasses.replace(launch, env={**{k: v for k, v in env.items() if k not in os.environ}, **launch.env})
 
 
 def _exit_on(signum: int, frame: FrameType | None) -> None:
@@ -98,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
     # uvicorn handles SIGTERM while serving, then raises it again: this makes that (or one while loading) an exit
     # through the finally below, which shuts the stages down
     signal.signal(signal.SIGTERM, _exit_on)
+    host, port = sock.getsockname()[:2]
+    print(f"pp-serve: warming up on http://{host}:{port} (503 until the stages are loaded and compiled)",
+          file=sys.stderr, flush=True)
     try:
-        service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
-                                  step_timeout=args.step_timeout, echo_stderr=args.verbose,
-                                  prefill_chunk=args.prefill_chunk, schedule=args.schedule, restarts=args.restarts,
-                                  backoff_s=args.restart_backoff)
+        with warming(sock):
+            service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
+                                      step_timeout=args.step_timeout, echo_stderr=args.verbose,
+                                      prefill_chunk=args.prefill_chunk, schedule=args.schedule,
+                                      restarts=args.restarts, backoff_s=args.restart_backoff)
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
         return e.exit_code
@@ -115,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
             print(f"pp-serve: {problem}", file=sys.stderr, flush=True)
             return 2
         app = build_app(service, fmt, Defaults(args.max_tokens, sampling, vocab_size))
-        host, port = sock.getsockname()[:2]
         print(f"pp-serve: listening on http://{host}:{port} (model {service.model}, {args.stages} stages, up to "
               f"{service.concurrency} generations at once)", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off")
