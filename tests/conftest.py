@@ -255,3 +255,19 @@ def assert_event(obj: dict[str, Any], stage: int) -> None:
     assert isinstance(obj.get("event"), str), obj
     assert obj.get("stage_index") == stage, obj
     assert "request_id" not in obj, obj
+
+
+@pytest.fixture
+def started_processes(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen]:
+    """Every process the driver starts from now on (stage_proc's Popen, recorded), to check each is reaped."""
+    from pp_worker.driver import stage_proc
+
+    started: list[subprocess.Popen] = []
+    popen = subprocess.Popen
+
+    def recording_popen(*args: Any, **kwargs: Any) -> subprocess.Popen:
+        started.append(popen(*args, **kwargs))
+        return started[-1]
+
+    monkeypatch.setattr(stage_proc.subprocess, "Popen", recording_popen)
+    return started

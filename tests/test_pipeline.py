@@ -409,20 +409,12 @@ def test_stage_errors_and_timeouts_end_the_run(mode, message):
         assert "| about to fail" in err
 
 
-def test_api_raises_on_failure_and_leaves_nothing_running(monkeypatch):
+def test_api_raises_on_failure_and_leaves_nothing_running(started_processes):
     """Stage 0 fails at start (PP_MAX_SESSIONS=0 is invalid) while stage 1 starts fine: the driver must stop stage 1
     and reap both, not leave them running, or as zombies, behind the exception."""
-    from pp_worker.driver import stage_proc
     from pp_worker.driver.pipeline import StageFailed
 
-    started: list[subprocess.Popen] = []
-    popen = subprocess.Popen
-
-    def recording_popen(*args, **kwargs):
-        started.append(popen(*args, **kwargs))
-        return started[-1]
-
-    monkeypatch.setattr(stage_proc.subprocess, "Popen", recording_popen)
+    started = started_processes
     with pytest.raises(StageFailed, match=r"stage 0 exited with code 2"):
         run_pipeline(["a"], stub=True, env={"PP_MAX_SESSIONS": "{stage}"}, load_timeout=10)
     assert len(started) == 2

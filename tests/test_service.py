@@ -6,14 +6,12 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
 
 from conftest import group_members
 
-from pp_worker.driver import stage_proc
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
 from pp_worker.driver.stage_proc import Launch
@@ -58,17 +56,10 @@ def test_submitted_generations_run_one_at_a_time_and_a_queued_one_can_be_cancell
         assert "shutting down" in str(e)
 
 
-def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, monkeypatch) -> None:
+def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, started_processes) -> None:
     """A stage dies, and the restart's stages never become ready: closing the service (pp-serve's
     SIGTERM) must not wait out --load-timeout, and must stop them too."""
-    started: list[subprocess.Popen] = []
-    popen = subprocess.Popen
-
-    def recording_popen(*args, **kwargs):
-        started.append(popen(*args, **kwargs))
-        return started[-1]
-
-    monkeypatch.setattr(stage_proc.subprocess, "Popen", recording_popen)
+    started = started_processes
     mark = f"{tmp_path}/{{stage}}"  # the second start of each stage echoes its stdin and never says ready
     once = f"sh -c 'test -e {mark} && exec cat; touch {mark}; exec {PY} -m pp_worker'"
     service = PipelineService(Launch(2, stub=True, launcher=once), concurrency=1, log=None, restarts=1, backoff_s=0)
