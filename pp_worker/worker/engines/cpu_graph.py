@@ -7,7 +7,8 @@ bench model. `NativeGraph` is a graph runner of tinygrad's own kind (`GraphRunne
 ``graph``, so TinyJit builds it for the batches it would have given `HCQGraph`): it lays the captured calls out
 as one table of (kernel address, argument values) and runs the table with one C function, compiled by tinygrad's
 clang compiler and loaded by its CPU runtime. The kernels are the same programs with the same arguments and the same
-``core_id`` split, run one after the other on the calling thread, so results are bit-identical (the tests compare).
+``core_id`` split (the parts dealt over the calling thread and one helper thread, see RUNNER), so results are
+bit-identical (the tests compare).
 
 Per replay only what changes is written into the table: the input buffers' addresses (a session's KV cache) and
 the symbolic values (positions). Only for x86-64 Linux, where a kernel's arguments are 64-bit slots whatever their
