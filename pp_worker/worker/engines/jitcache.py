@@ -17,6 +17,7 @@ stages sharing the directory never see half of one.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import pickle
@@ -45,8 +46,13 @@ def cache_root() -> Path | None:
 
 
 def key(*parts: Any) -> str:
-    """A file name for an entry: the digest of everything that shapes a JIT's kernels, with this code's and
-    tinygrad's versions and the CPU's identity (its machine code runs nowhere else)."""
+    """A file name for an entry: the digest of everything that shapes a JIT's kernels (``parts``), with this code's
+    and tinygrad's versions and the CPU's identity (its machine code runs nowhere else)."""
+    return hashlib.sha256(repr((_machine(), parts)).encode()).hexdigest()[:32]
+
+
+@functools.cache
+def _machine() -> tuple[Any, ...]:
     import tinygrad
 
     from pp_worker import __file__ as package
@@ -56,9 +62,7 @@ def key(*parts: Any) -> str:
         code.update(path.read_bytes())
     cpu = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    whole = repr((FORMAT, code.hexdigest(), getattr(tinygrad, "__version__", "?"), Device[Device.DEFAULT].arch, flags,
-                  parts))
-    return hashlib.sha256(whole.encode()).hexdigest()[:32]
+    return FORMAT, code.hexdigest(), getattr(tinygrad, "__version__", "?"), Device[Device.DEFAULT].arch, flags
 
 
 @dataclass
