@@ -53,7 +53,7 @@ def key(*parts: Any) -> str:
 
 @functools.cache
 def _machine() -> tuple[Any, ...]:
-    import tinygrad
+    from importlib.metadata import version
 
     from pp_worker import __file__ as package
 
@@ -62,7 +62,7 @@ def _machine() -> tuple[Any, ...]:
         code.update(path.read_bytes())
     cpu = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
     flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    return FORMAT, code.hexdigest(), getattr(tinygrad, "__version__", "?"), Device[Device.DEFAULT].arch, flags
+    return FORMAT, code.hexdigest(), version("tinygrad"), Device[Device.DEFAULT].arch, flags
 
 
 @dataclass
