@@ -137,7 +137,8 @@ def cold(model: str, prompt: list[int], decode: int, max_context: int, mode: str
     (their wall-clock times, ``time.time()``, so a parent can count from before it started this process), then the
     same again, warm: the steady rate."""
     m = load(model, max_context, mode)
-    first = [time.time() for _ in timed_tokens(m.generate(list(prompt)), decode + 1)[1]]
+    to_epoch = time.time() - time.perf_counter()  # timed_tokens' perf_counter times -> the wall clock
+    first = [t + to_epoch for t in timed_tokens(m.generate(list(prompt)), decode + 1)[1]]
     m._cached_tokens = []
     _, steady = timed_tokens(m.generate(list(prompt)), decode + 1)
     return {"first_times": first, "steady_times": steady}

@@ -45,7 +45,7 @@ def compiled_beams(monkeypatch) -> list[int]:
 
 
 def test_pp_beam_applies_to_the_decode_jit_only(compiled_beams):
-    engine = TinygradEngine(str(DEFAULT_MODEL), 1, 2, max_context=32, prefill_chunk=4, beam=3)
+    engine = TinygradEngine(str(DEFAULT_MODEL), 1, 2, max_context=32, prefill_chunk=4, beam=3, every_size=True)
     assert engine.describe()["beam"] == 3
     row = np.zeros(engine.info.hidden_dim, np.float16).tobytes()
     for _ in range(2):  # the prefill JIT's first call and its capture

@@ -58,7 +58,7 @@ def test_the_loader_reads_identical_weights_through_copyin(models: dict[str, Pat
 def _serve(model: Path, warmup: bool) -> list[bytes]:
     """(Warm-up,) prefills of several lengths, interleaved decode steps, a release and a reused cache, on a
     2-stage chain; every hidden-state payload and logit vector, as bytes."""
-    first, last = (TinygradEngine(str(model), s, 2, max_context=64) for s in (0, 1))
+    first, last = (TinygradEngine(str(model), s, 2, max_context=64, every_size=True) for s in (0, 1))
     if warmup:  # the JITs capture during warm-up; without it, during the requests: the same kernels either way
         first.warmup()
         last.warmup()

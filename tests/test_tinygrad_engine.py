@@ -275,6 +275,29 @@ def test_warmup_compiles_every_jit_and_leaves_no_session(small_table):
     assert sorted(jits) == [1, 2, 4, 8, 16, 32] and all(j.ready for j in jits.values())
 
 
+def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, prompts):
+    """The worker's start compiles only the decode JIT (``warmup(full=False)``). A prompt then runs in single-token
+    calls while they cost less than compiling a size of the ladder (here, a small model: ~ms a call), with the
+    logits of the every-size chain; once a single-token call costs as much as compiling (a big model's), the sizes
+    the prompt fills compile."""
+    lazy, eager = Chain(models["F16"], 2, every_size=False), chain("F16", 2)
+    for e in lazy.engines:
+        e.warmup(full=False)
+    stages = [e._stage for e in lazy.engines]
+    assert [sorted(n for n, j in s.jits.items() if j.ready) for s in stages] == [[1], [1]]
+    assert all(0 < s.step_s < s.compile_s for s in stages)  # both measured by the warmup's calls
+    prompt = prompts[2]  # 40 tokens: 32 + 8 on the ladder
+    want = eager.step(50, prompt, 0)
+    np.testing.assert_allclose(lazy.step(50, prompt, 0), want, rtol=0, atol=1e-4)
+    assert [s.compiled for s in stages] == [1, 1], "a prompt of a small model compiled a prefill size"
+    for s in stages:
+        s.step_s = s.compile_s  # as slow as a big model's single-token call
+    assert stages[0].usable(len(prompt)) == (32, 8, 1)
+    np.testing.assert_allclose(lazy.step(51, prompt, 0), want, rtol=0, atol=1e-4)
+    assert [sorted(n for n, j in s.jits.items() if j.ready) for s in stages] == [[1, 8, 32], [1, 8, 32]]
+    eager.release(50)
+
+
 def test_eviction_then_evicted_and_unknown_sessions(small_table):
     engine, events = small_table
     for rid in (1, 2):

@@ -12,9 +12,11 @@ from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
 
 class Chain:
-    """``num_stages`` engines on one GGUF; ``kw`` goes to every engine (prefill_chunk, kv_dtype...)."""
+    """``num_stages`` engines on one GGUF; ``kw`` goes to every engine (prefill_chunk, kv_dtype...). Its engines
+    compile every prefill size a prompt needs (``every_size``) unless told otherwise: the tests cover each size."""
 
     def __init__(self, path: Path | str, num_stages: int, max_context: int, **kw: Any):
+        kw.setdefault("every_size", True)
         self.engines = [TinygradEngine(str(path), s, num_stages, max_context=max_context, **kw)
                         for s in range(num_stages)]
 

@@ -142,8 +142,7 @@ def build_engine(cfg: Config, events: Events) -> Engine:
                             max_sessions=cfg.max_sessions, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
                             kv_dtype=cfg.kv_dtype, beam=cfg.beam, kernels=cfg.kernels, pinned_host=cfg.pinned_host,
                             lean=True, emit=events.emit)
-    if cfg.warmup:
-        engine.warmup()
+    engine.warmup(full=cfg.warmup)  # without PP_WARMUP, the decode JIT only (TinygradEngine.warmup)
     return engine
 
 

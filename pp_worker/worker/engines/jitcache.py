@@ -153,6 +153,9 @@ class Store:
     def __init__(self, root: Path):
         self.root = root
 
+    def has(self, name: str) -> bool:
+        return (self.root / f"{name}.jit").exists()
+
     def load(self, name: str) -> dict[str, Any] | None:
         path = self.root / f"{name}.jit"
         if not path.exists():

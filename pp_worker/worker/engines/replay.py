@@ -66,6 +66,11 @@ class Replay:
         """Whether the JIT has captured: its kernels are compiled, a call replays them."""
         return self.jit.captured is not None or self.native is not None
 
+    @property
+    def cached(self) -> bool:
+        """Whether the compiled form is kept on disk (`jitcache`): the first call reads it instead of compiling."""
+        return self.cache is not None and self.cache.store.has(self.cache.name)
+
     def buffers(self) -> set[Any]:
         """The buffers (tinygrad ``Buffer``s) a replay reads or writes besides its inputs: weights, scratch, output."""
         if self.native is not None:

@@ -43,6 +43,7 @@ from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import SessionTable
 from pp_worker.worker.engines.vocab import bos_token
 
+COMPILE_GUESS_S = 2.0  # compiling a JIT, until one is timed: a cold stage of the bench models (bench/NOTES.md)
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
 
 
@@ -95,6 +96,9 @@ class CompiledStage:
         self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
         self.batch_jits = {b: Replay(self._forward_batch, lean, self._slot("batch", b))
                            for b in self.batch_rungs if b > 1}
+        self.every_size = False  # see TinygradEngine
+        self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
+        self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
         freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
@@ -122,6 +126,29 @@ class CompiledStage:
     @property
     def all_jits(self) -> list[Replay]:
         return [*self.jits.values(), *self.batch_jits.values()]
+
+    def usable(self, n: int) -> tuple[int, ...]:
+        """The ladder sizes a prefill of ``n`` tokens runs in: 1 (decode's), those compiled or kept on disk, and
+        each other one whose calls save more time than compiling it costs (a call of r tokens replaces r
+        single-token calls). On a cold stage of a small model a new size costs ~1-2 s of compiling, more than a
+        short prompt's single-token calls (bench/NOTES.md); on a big model every single-token call reads all the
+        stage's weights, and compiling soon pays."""
+        out = []
+        for r in self.rungs:
+            jit = self.jits[r]
+            saves = (n // r) * (r - 1) * self.step_s  # the single-token calls its calls replace
+            if r == 1 or self.every_size or jit.ready or jit.cached or saves > self.compile_s:
+                out.append(r)
+                n %= r
+        return tuple(out)
+
+    def timed(self, n: int, fresh: bool, seconds: float) -> None:
+        """A call's time, input written to output taken: the cost of compiling when it was a size's first call
+        (not read from the cache), else, for 1 token, of a single-token call (what `usable` weighs)."""
+        if fresh and not self.jits[n].restored:
+            self.compile_s = seconds
+        elif n == 1 and not fresh:
+            self.step_s = seconds
 
     @property
     def compiled(self) -> int:
@@ -172,11 +199,12 @@ class TinygradEngine:
     def __init__(self, model: str, stage: int, num_stages: int, *, max_context: int | None = None,
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
                  max_batch: int = 8, beam: int = 0, kernels: str | None = None, keep_quantized: bool = True,
-                 pinned_host: bool | None = None, lean: bool = False,
+                 pinned_host: bool | None = None, lean: bool = False, every_size: bool = False,
                  emit: Callable[..., None] = lambda kind, **f: None):
         """None for ``prefill_chunk``, ``kv_dtype``, ``kernels``, ``pinned_host``: the device's default
         (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`).
-        ``lean``: the worker process's setting, see `Replay`.
+        ``lean``: the worker process's setting, see `Replay`. ``every_size``: a prefill compiles each ladder size it
+        needs at its first use (the exactness tests', so they cover every size), not only when it pays (`usable`).
         ``keep_quantized`` False dequantizes quantized matrices to fp16 at load (the tests' reference)."""
         self.device = Device.DEFAULT
         t0 = time.perf_counter()
@@ -204,6 +232,7 @@ class TinygradEngine:
                  self._w.kernels, getenv("HALF", 1))
         self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch, beam,
                                     lean, None if root is None else jitcache.Store(root), ident)
+        self._stage.every_size = every_size
         self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions, dtype=KV_DTYPES[self.kv_dtype])
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
         self._row_bytes = cfg.dim * 2  # one fp16 hidden row
@@ -295,9 +324,11 @@ class TinygradEngine:
     def sessions(self) -> dict[int, int]:
         return self._sessions.positions()
 
-    def warmup(self) -> None:
+    def warmup(self, full: bool = True) -> None:
         """Compile every JIT (a JIT captures at its first call) on scratch sessions, then drop them: each size of
-        the prefill ladder, then each batch size (b one-token sessions stepped twice)."""
+        the prefill ladder, then each batch size (b one-token sessions stepped twice). ``full`` False: only the
+        decode JIT, which every generation needs at once (the worker's default before its ready line: the stages
+        compile it side by side instead of one after the other at the first request)."""
         cfg, first = self._w.config, self.shard.is_first
 
         def fake(n: int) -> np.ndarray:
@@ -306,11 +337,13 @@ class TinygradEngine:
         def ignore(out: Tensor, start: int, n: int) -> None:
             pass
 
-        for n in self._stage.rungs:
+        for n in self._stage.rungs if full else (1,):
             if n + 1 < cfg.max_context:  # decode runs at positions 1 and 2, past a one-token prefix
-                for position in ((0, 0) if n > 1 else (1, 2)):
-                    self._run(WARMUP_SESSION, fake(n), position, ignore)
+                for position in ((0, 0) if n > 1 else (0, 1, 2)):
+                    self._run(WARMUP_SESSION, fake(n), position, ignore, rungs=(n,))
         self._sessions.release(WARMUP_SESSION)
+        if not full:
+            return
         # the batch sizes need as many sessions: scratch caches from a pool that keeps none, so the stage does not
         # hold max_batch caches for sessions it may never have (the JITs drop theirs at their first real batch)
         sessions = self._sessions
@@ -346,13 +379,17 @@ class TinygradEngine:
         self._run(rid, values, position, take)
         return rows
 
-    def _run(self, rid: int, values: np.ndarray, position: int, take: Callable[[Tensor, int, int], None]) -> None:
-        """Check the session rules, then run ``values`` through the stage in ladder-sized calls; ``take(out,
-        start, n)`` after each call, before the next one can overwrite its output."""
+    def _run(self, rid: int, values: np.ndarray, position: int, take: Callable[[Tensor, int, int], None],
+             rungs: tuple[int, ...] | None = None) -> None:
+        """Check the session rules, then run ``values`` through the stage in ladder-sized calls (``rungs``, by
+        default `CompiledStage.usable`); ``take(out, start, n)`` after each call, before the next one can overwrite
+        its output."""
         seq_len = len(values)
         session = self._sessions.begin(rid, position, seq_len)
         start = 0
-        for n in split(seq_len, self._stage.rungs):
+        for n in split(seq_len, rungs or self._stage.usable(seq_len)):
+            fresh, t0 = not self._stage.jits[n].ready, time.perf_counter()
             take(self._stage.run(values[start:start + n], session.cache, position + start), start, n)
+            self._stage.timed(n, fresh, time.perf_counter() - t0)
             start += n
         self._sessions.commit(session, position, seq_len)
