@@ -33,7 +33,7 @@ import numpy as np
 from pp_worker.worker.engines.detokenizer import Detokenizer
 from pp_worker.worker.engines.fetch import RemoteFile, is_url
 from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, TensorInfo, read_data, read_header, type_name
-from pp_worker.worker.engines.hostio import return_freed_heap
+from pp_worker.worker.engines.hostio import filled, return_freed_heap
 from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.shard import Shard
@@ -193,7 +193,7 @@ class TensorSource:
         interleaved-rope Q/K rows un-permuted (`unpermute_rows`). F16 data is read straight into its final
         buffer; other types are dequantized by tinygrad once, here. ``raw``: an fp16 tensor held in a uint8
         buffer (see the class) is returned as that uint8 buffer."""
-        from tinygrad import Tensor, dtypes
+        from tinygrad import dtypes
 
         info = self._info(name)
         self.loaded[name] = info.nbytes
@@ -211,9 +211,7 @@ class TensorSource:
         if self.kernels == "c" and dtype == dtypes.float16:
             t = self._raw(nbytes, fill)
             return t if raw else self._view(t, info.shape)
-        t = Tensor.empty(*info.shape, dtype=dtype)
-        self._fill(t, fill)
-        return t
+        return filled(info.shape, dtype, fill)
 
     def _filler(self, info: TensorInfo, heads: tuple[int, int] | None) -> Callable[[memoryview], None]:
         """Writes ``info``'s file bytes into a buffer, rows un-permuted in place when ``heads`` (whole rows move, so
@@ -235,21 +233,28 @@ class TensorSource:
         return info
 
     def _dequantized(self, info: TensorInfo, dtype: DType) -> np.ndarray:
-        """Any GGML type -> ``dtype`` values (shape ``info.shape``), by tinygrad's dequantizer and cast."""
-        from tinygrad import Tensor, dtypes
+        """Any GGML type -> ``dtype`` values (shape ``info.shape``), by tinygrad's dequantizer and cast; float32 and
+        float16 data by numpy's cast (the same rounding): a stage's first tinygrad kernels, scheduled and compiled
+        here for the norms' gains, cost a restart ~0.3 s (bench/NOTES.md)."""
+        from tinygrad import dtypes
         from tinygrad.llm.gguf import ggml_data_to_tensor
 
-        raw = Tensor.empty(info.nbytes, dtype=dtypes.uint8)
-        self._fill(raw, lambda mv: self._read(info, mv))
+        if info.ggml_type in (GGML_F32, GGML_F16):
+            data = np.empty(info.nbytes, np.uint8)
+            self._read(info, memoryview(data))
+            values = data.view(np.float32 if info.ggml_type == GGML_F32 else np.float16).reshape(info.shape)
+            return values.astype(np.float16 if dtype == dtypes.float16 else np.float32)
+
+        raw = self._raw(info.nbytes, lambda mv: self._read(info, mv))
         return ggml_data_to_tensor(raw, info.n_elements, info.ggml_type).reshape(info.shape).cast(dtype).numpy()
 
-    def _raw(self, nbytes: int, fill: Callable[[memoryview], None]) -> Tensor:
-        """A new realized uint8 buffer of ``nbytes``, filled by ``fill(its bytes)``."""
-        from tinygrad import Tensor, dtypes
+    @staticmethod
+    def _raw(nbytes: int, fill: Callable[[memoryview], None]) -> Tensor:
+        """A new realized uint8 buffer of ``nbytes``, filled by ``fill(its bytes)``: in place on the CPU
+        (`hostio.filled`; a numpy copy plus a device copy per tensor used to stay resident)."""
+        from tinygrad import dtypes
 
-        t = Tensor.empty(nbytes, dtype=dtypes.uint8)
-        self._fill(t, fill)
-        return t
+        return filled((nbytes,), dtypes.uint8, fill)
 
     @staticmethod
     def _view(t: Tensor, shape: tuple[int, ...]) -> Tensor:
@@ -257,20 +262,6 @@ class TensorSource:
         from tinygrad import dtypes
 
         return t.bitcast(dtypes.float16).reshape(shape) if t.dtype == dtypes.uint8 else t
-
-    @staticmethod
-    def _fill(t: Tensor, fill: Callable[[memoryview], None]) -> None:
-        """Write ``t``'s device buffer through ``fill``: in place when the device memory is host memory (CPU), else
-        through one staging copy. A numpy copy plus a device copy per tensor used to stay resident."""
-        buf = t.uop.base.buffer.ensure_allocated()
-        if hasattr(buf.allocator, "_as_buffer") and buf.options is None:  # host memory we may write
-            fill(buf.as_memoryview(force_zero_copy=True).cast("B"))
-        else:
-            # writable: CUDA's copyin takes the address of its source, which a bytes object cannot give.
-            # One per tensor, freed at once: copyin has copied it out (into pinned memory on CUDA) on return.
-            staging = bytearray(buf.nbytes)
-            fill(memoryview(staging))
-            buf.copyin(memoryview(staging))
 
     def _read(self, info: TensorInfo, mv: memoryview) -> None:
         if read_data(self.header, info.offset, mv) != info.nbytes:

@@ -19,6 +19,7 @@ from tinygrad.llm.model import TransformerBlock, TransformerConfig, apply_rope
 from tinygrad.uop.ops import resolve
 
 from pp_worker.worker.engines.base import device_kind
+from pp_worker.worker.engines.hostio import filled
 
 KVCache = Tensor  # (n_blocks, 2, 1, KvH, max_context, Hd), blocks in the stage's order
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
@@ -51,7 +52,7 @@ class KVPool:
         if self._free:
             return self._free.pop()
         self.allocated += 1
-        return Tensor.zeros(*self.shape, dtype=self.dtype).contiguous().realize()
+        return filled(self.shape, self.dtype)
 
     def release(self, cache: KVCache) -> None:
         if len(self._free) < self.keep:

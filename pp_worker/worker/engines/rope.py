@@ -95,7 +95,15 @@ def rope_table(p: RopeParams, positions: int) -> np.ndarray:
 
 
 def freqs_cis(p: RopeParams, max_context: int) -> Tensor:
-    """A drop-in for tinygrad's precompute_freqs_cis(dim, max_context, base): (max_context, dim) float32."""
-    from tinygrad import Tensor
+    """A drop-in for tinygrad's precompute_freqs_cis(dim, max_context, base): (max_context, dim) float32, realized
+    (written in place on the CPU: `hostio.filled`)."""
+    from tinygrad import dtypes
 
-    return Tensor(rope_table(p, max_context).astype(np.float32))
+    from pp_worker.worker.engines.hostio import filled
+
+    table = rope_table(p, max_context).astype(np.float32)
+
+    def fill(mv: memoryview) -> None:
+        np.frombuffer(mv, np.float32)[:] = table.reshape(-1)
+
+    return filled(table.shape, dtypes.float32, fill)

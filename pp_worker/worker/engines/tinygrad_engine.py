@@ -100,7 +100,7 @@ class CompiledStage:
         self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
-        freqs = freqs_cis(w.rope, cfg.max_context).realize()  # with the model's RoPE scaling, unlike tinygrad's
+        freqs = freqs_cis(w.rope, cfg.max_context)  # with the model's RoPE scaling, unlike tinygrad's
         for block in w.blocks:
             block.freqs_cis = freqs
 
