@@ -5,6 +5,7 @@ writing one directory at once both find their entries on a restart."""
 from __future__ import annotations
 
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -88,9 +89,11 @@ def test_pp_cache_0_keeps_nothing(model, tmp_path, monkeypatch):
     assert not (tmp_path / "jits").exists()
 
 
-def test_two_stages_sharing_a_directory_find_their_entries_on_a_restart(model, tmp_path):
+def test_two_stages_sharing_a_directory_find_their_entries_on_a_restart(model, tmp_path, monkeypatch):
     env = {**clean_env(), "PP_CACHE": "1", "PP_CACHE_DIR": str(tmp_path), "PP_WARMUP": "1", "MAX_CONTEXT": "48",
            "PP_PREFILL_CHUNK": "8", "PP_MAX_BATCH": "2"}
+    env.pop("DEV", None)  # tinygrad picks (the first stages write its pick down: engines.device_pick)
+    monkeypatch.delenv("DEV", raising=False)  # which this process's tinygrad set, and the stages would inherit
     runs = []
     for _ in range(2):  # the stages start together and compile (then read) at the same time
         with Pipeline(Launch(2, model=str(model), env=env), log=io.StringIO()) as p:
@@ -101,3 +104,4 @@ def test_two_stages_sharing_a_directory_find_their_entries_on_a_restart(model, t
     assert all(r["jits_compiled"] == r["jits"] and r["jits_cached"] == 0 for r in first)
     assert all(r["jits_cached"] == r["jits"] for r in second)  # every forward from the cache, none compiled
     assert tokens1 == tokens2 and len(list((tmp_path / "jits").glob("*.jit"))) == sum(r["jits"] for r in first)
+    assert json.loads((tmp_path / "device.json").read_text())["device"] == first[0]["device"] == "CPU"

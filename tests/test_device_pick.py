@@ -1,0 +1,68 @@
+"""tinygrad's device pick remembered per boot (engines.device_pick): written by a stage that let tinygrad pick,
+read back by the next, before tinygrad's import; never over the operator's DEV, never from another boot, another
+environment or a corrupt file, never with PP_CACHE=0."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from pp_worker.worker.engines import device_pick
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("PP_CACHE", "1")
+    monkeypatch.setenv("PP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("DEV", "")  # so that what recall sets is undone, as is this
+    monkeypatch.delenv("DEV")
+    monkeypatch.delitem(sys.modules, "tinygrad", raising=False)  # as before the engine import
+    boot = tmp_path / "boot_id"
+    boot.write_text("a-boot\n")
+    monkeypatch.setattr(device_pick, "BOOT_ID", boot)
+    return tmp_path
+
+
+def test_a_pick_written_down_is_read_back_before_tinygrad_is_imported(cache: Path) -> None:
+    assert not device_pick.recall()  # nothing remembered yet: tinygrad picks
+    device_pick.remember("CPU")
+    assert json.loads((cache / "device.json").read_text())["device"] == "CPU"
+    assert device_pick.recall() and os.environ["DEV"] == "CPU"
+
+
+def test_the_operators_dev_wins(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device_pick.remember("CPU")
+    monkeypatch.setenv("DEV", "NULL")
+    assert not device_pick.recall() and os.environ["DEV"] == "NULL"
+
+
+def test_another_boot_or_environment_picks_again(cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    device_pick.remember("CPU")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # a device made visible
+    assert not device_pick.recall() and "DEV" not in os.environ
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    (cache / "boot_id").write_text("another-boot\n")
+    assert not device_pick.recall() and "DEV" not in os.environ
+
+
+@pytest.mark.parametrize("text", ["", "{", "[]", '{"key": 1}', '{"device": "CPU"}'])
+def test_a_corrupt_entry_is_ignored(cache: Path, text: str) -> None:
+    (cache / "device.json").write_text(text)
+    assert not device_pick.recall() and "DEV" not in os.environ
+    device_pick.remember("CPU")  # written again, whole
+    assert device_pick.recall()
+
+
+def test_after_tinygrads_import_or_with_pp_cache_0_nothing_happens(cache: Path, monkeypatch) -> None:
+    device_pick.remember("CPU")
+    monkeypatch.setitem(sys.modules, "tinygrad", object())  # too late: tinygrad has read DEV already
+    assert not device_pick.recall()
+    monkeypatch.delitem(sys.modules, "tinygrad")
+    monkeypatch.setenv("PP_CACHE", "0")
+    (cache / "device.json").unlink()
+    device_pick.remember("CPU")
+    assert not (cache / "device.json").exists() and not device_pick.recall()
