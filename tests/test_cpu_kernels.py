@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
 from tinygrad import Tensor, TinyJit
+from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 
 from pp_worker.worker.engines import cpu_kernels
 from pp_worker.worker.engines.gguf_file import type_name
@@ -61,6 +62,44 @@ def test_kernels_are_captured_and_replayed_by_the_jit_with_new_inputs():
         want = x.astype(np.float64) @ w.T
         np.testing.assert_allclose(step(Tensor(x)).numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
     assert step.captured is not None
+
+
+@pytest.fixture
+def without_avx512(monkeypatch):
+    """Kernels compiled as for a CPU without AVX-512 (the C kernels' portable path), for the test's duration."""
+    native = cpu_kernels._compiler("CPU")
+    portable = ClangJITCompiler([native.arch, "native", "-avx512f"])
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
+    cpu_kernels._binary.cache_clear()
+    yield
+    cpu_kernels._binary.cache_clear()
+
+
+def products_and_rows(ggml_type: int, b: int, n: int = 37, k: int = 512) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the kernels' products of b random rows x with a random W, float64 x @ W^T, rows 3 and 0 of W decoded)."""
+    raw, w = random_rows(ggml_type, n, k, seed=4)
+    x = np.random.default_rng(5).standard_normal((b, k)).astype(np.float32)
+    got = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
+    rows = cpu_kernels.gather(Tensor(np.array([3, 0], np.int32)), Tensor(raw), ggml_type, n, k).numpy()
+    return got, x.astype(np.float64) @ w.T, rows
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+def test_without_avx512_the_kernels_are_right_too(ggml_type, without_avx512):
+    for b in (1, 5):
+        got, want, _ = products_and_rows(ggml_type, b)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="no AVX-512 here: no lookup compiled")
+@pytest.mark.parametrize("ggml_type", sorted(cpu_kernels.LOOKUPS), ids=type_name)
+def test_the_avx512_lookup_gives_the_portable_decoders_floats(ggml_type, request):
+    """The 4-bit types' table lookup against the portable decoder: the same floats, so the same sums, bit for bit."""
+    native = [products_and_rows(ggml_type, b) for b in (1, 5)]
+    request.getfixturevalue("without_avx512")
+    portable = [products_and_rows(ggml_type, b) for b in (1, 5)]
+    for (got, _, rows), (ref, _, ref_rows) in zip(native, portable, strict=True):
+        assert np.array_equal(got, ref) and np.array_equal(rows, ref_rows)
 
 
 def test_supported_needs_whole_blocks():

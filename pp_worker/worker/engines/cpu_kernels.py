@@ -49,6 +49,9 @@ static inline float hsum(f16v v) {
   f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
         + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   float r = 0; for (int i = 0; i < 8; i++) r += a[i]; return r; }
+typedef int i32x16 __attribute__((ext_vector_type(16)));
+static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
+static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 """
 
@@ -105,6 +108,23 @@ DECODERS: dict[int, str] = {
   for (int h = 0; h < 2; h++) {
     u8x16 a = u8_at(ql + 16 * h), e = u8_at(qh + 16 * h);
     w[h] = (d * sc[h]) * (fu8((quarter >> 1 ? a >> 4 : a & 15) | (((e >> (2 * quarter)) & 3) << 4)) - 32.0f); } }""",
+}
+
+# With AVX-512's 16-float table lookup (vpermps: out[i] = t[idx[i] & 15]), the 4-bit types look each value up in a
+# table of its 16 possible values, made per block (Q4_K: per group of 32) by the expression above: the same floats,
+# one lookup where the decoders above spend a conversion and a multiply-add (bench/NOTES.md has the numbers).
+LOOKUPS: dict[int, str] = {
+    2: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  f16v t = (FIOTA - 8.0f) * half_at(b); i32x16 q = i32_at(b + 2);
+  w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }""",
+    3: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  f16v t = FIOTA * half_at(b) + half_at(b + 2); i32x16 q = i32_at(b + 4);
+  w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }""",
+    12: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  float sc, m; scale_min(g, b + 4, &sc, &m);
+  float d = half_at(b) * sc, n = half_at(b + 2) * m; const unsigned char* q = b + 16 + 32 * (g >> 1);
+  f16v t = d * FIOTA - n;
+  for (int h = 0; h < 2; h++) { i32x16 v = i32_at(q + 16 * h); w[h] = LOOK(t, g & 1 ? v >> 4 : v); } }""",
 }
 
 # out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads, ROWS rows decoded
@@ -185,7 +205,11 @@ def source(template: str, ggml_type: int, k: int, name: str) -> str:
     """C source of kernel ``name`` from ``template`` (KERNEL or GATHER) for rows of ``k`` values of ``ggml_type``."""
     qk, bb = BLOCKS[ggml_type]
     body = template % {"k": k, "rows": ROWS, "qk": qk, "bb": bb}
-    return HEADER + DECODERS[ggml_type] + body.replace("NAME", name)
+    decoder = DECODERS[ggml_type]
+    if ggml_type in LOOKUPS:  # AVX-512 where the compiler targets it, else the portable decoder
+        decoder = (f"#if defined(__AVX512F__)\n#define LOOK __builtin_ia32_permvarsf512\n{LOOKUPS[ggml_type]}\n"
+                   f"#else\n{decoder}\n#endif")
+    return HEADER + decoder + body.replace("NAME", name)
 
 
 @functools.cache
