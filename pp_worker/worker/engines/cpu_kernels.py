@@ -35,6 +35,8 @@ ROWS = 4  # weight rows decoded per step: each input vector loaded once serves R
 HEADER = r"""
 typedef float f16v __attribute__((ext_vector_type(16)));
 typedef float f8v __attribute__((ext_vector_type(8)));
+typedef unsigned char u8x32 __attribute__((ext_vector_type(32)));
+typedef signed char i8x32 __attribute__((ext_vector_type(32)));
 typedef unsigned char u8x16 __attribute__((ext_vector_type(16)));
 typedef signed char i8x16 __attribute__((ext_vector_type(16)));
 typedef unsigned int u32x16 __attribute__((ext_vector_type(16)));
@@ -45,6 +47,10 @@ static inline float half_at(const unsigned char* p) { unsigned short h; __builti
 static inline u8x16 u8_at(const unsigned char* p) { u8x16 v; __builtin_memcpy(&v, p, 16); return v; }
 static inline f16v f_at(const float* p) { f16v v; __builtin_memcpy(&v, p, 64); return v; }
 static inline f16v fu8(u8x16 v) { return __builtin_convertvector(v, f16v); }
+static inline f16v lo16(i8x32 v) { return __builtin_convertvector(
+  __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), f16v); }
+static inline f16v hi16(i8x32 v) { return __builtin_convertvector(
+  __builtin_shufflevector(v, v, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31), f16v); }
 static inline float hsum(f16v v) {
   f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
         + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -99,15 +105,16 @@ DECODERS: dict[int, str] = {
   for (int h = 0; h < 2; h++) {
     u8x16 v = u8_at(q + 16 * h), hb = u8_at(b + 16 + 16 * h);
     w[h] = d * fu8((g & 1 ? v >> 4 : v & 15) | (((hb >> g) & 1) << 4)) - n; } }""",
-    # Q6_K: group g is quarter g % 4 of half g / 4: low 4 bits from ql, 2 high bits from qh, a scale per 16 values
+    # Q6_K: group g is quarter g % 4 of half g / 4: low 4 bits from ql, 2 high bits from qh, a scale per 16 values.
+    # The bits of a group's 32 values are put together in one 32-byte vector; the scales converted all at once.
     14: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   int half = g >> 2, quarter = g & 3;
   const unsigned char* ql = b + 64 * half + 32 * (quarter & 1); const unsigned char* qh = b + 128 + 32 * half;
-  const signed char* sc = (const signed char*)(b + 192) + 8 * half + 2 * quarter;
-  float d = half_at(b + 208);
-  for (int h = 0; h < 2; h++) {
-    u8x16 a = u8_at(ql + 16 * h), e = u8_at(qh + 16 * h);
-    w[h] = (d * sc[h]) * (fu8((quarter >> 1 ? a >> 4 : a & 15) | (((e >> (2 * quarter)) & 3) << 4)) - 32.0f); } }""",
+  i8x16 sc; __builtin_memcpy(&sc, b + 192, 16);
+  f16v ds = __builtin_convertvector(sc, f16v) * half_at(b + 208);
+  u8x32 l, e; __builtin_memcpy(&l, ql, 32); __builtin_memcpy(&e, qh, 32);
+  i8x32 q = (i8x32)((quarter >> 1 ? l >> 4 : l & 15) | (((e >> (2 * quarter)) & 3) << 4)) - 32;
+  w[0] = ds[8 * half + 2 * quarter] * lo16(q); w[1] = ds[8 * half + 2 * quarter + 1] * hi16(q); }""",
 }
 
 # With AVX-512's 16-float table lookup (vpermps: out[i] = t[idx[i] & 15]), the 4-bit types look each value up in a
