@@ -138,14 +138,20 @@ def build_engine(cfg: Config, events: Events) -> Engine:
                           max_batch=cfg.max_batch)
     from pp_worker.worker.engines import device_pick
 
-    picked = bool(os.environ.get("DEV")) or device_pick.recall()  # before tinygrad's import, which reads DEV
-    from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
+    operators = bool(os.environ.get("DEV"))
+    recalled = not operators and device_pick.recall()  # before tinygrad's import, which reads DEV
+    try:
+        from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
-    engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
-                            max_sessions=cfg.max_sessions, max_batch=cfg.max_batch, prefill_chunk=cfg.prefill_chunk,
-                            kv_dtype=cfg.kv_dtype, beam=cfg.beam, kernels=cfg.kernels, pinned_host=cfg.pinned_host,
-                            lean=True, emit=events.emit)
-    if not picked:
+        engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
+                                max_sessions=cfg.max_sessions, max_batch=cfg.max_batch,
+                                prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype, beam=cfg.beam,
+                                kernels=cfg.kernels, pinned_host=cfg.pinned_host, lean=True, emit=events.emit)
+    except Exception:
+        if recalled:  # perhaps the device, not the model: the next start lets tinygrad pick again
+            device_pick.forget()
+        raise
+    if not operators and not recalled:
         device_pick.remember(engine.device)
     engine.warmup(full=cfg.warmup)  # without PP_WARMUP, the decode JIT only (TinygradEngine.warmup)
     return engine

@@ -5,7 +5,8 @@ Without ``DEV``, tinygrad picks a device by opening each backend in turn (METAL,
 The first stage started after a boot writes down what tinygrad chose (``$PP_CACHE_DIR/device.json``); the next ones
 start on it. The entry is keyed by the boot, tinygrad's version and the environment's library paths and visible
 devices: a new driver, a changed path or another tinygrad makes the next stage pick again. ``DEV`` set by the
-operator always wins; ``PP_CACHE=0`` turns this off with the rest of the cache. Imports no tinygrad: `recall` must
+operator always wins; ``PP_CACHE=0`` turns this off with the rest of the cache. A stage that fails to load on a
+remembered device forgets it, so the next one picks again. Imports no tinygrad: `recall` must
 run before it is imported (tinygrad reads ``DEV`` once, at import).
 """
 
@@ -51,6 +52,12 @@ def recall() -> bool:
         return False
     os.environ["DEV"] = device
     return True
+
+
+def forget() -> None:
+    """Drop the remembered device: one that failed to open must not fail every start until the next boot."""
+    if (path := _path()) is not None:
+        path.unlink(missing_ok=True)
 
 
 def remember(device: str) -> None:
