@@ -26,6 +26,7 @@ from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 
 from pp_worker.worker.engines.gguf_file import type_name
+from pp_worker.worker.engines.hostio import filled
 
 # ggml type -> (elements per block, bytes per block): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
 BLOCKS: dict[int, tuple[int, int]] = {1: (32, 64), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
@@ -242,12 +243,14 @@ _DIMS: dict[tuple[str, tuple[int, ...]], Tensor] = {}
 
 
 def dims(device: str, *values: int) -> Tensor:
-    """The realized int32 ``dims`` argument of a kernel call, made once per shape. Filled through the buffer itself,
-    not a realize: the first call of a shape may come while a TinyJit captures, which would record a realize."""
+    """The realized int32 ``dims`` argument of a kernel call, made once per shape. Written through the buffer
+    (`hostio.filled`), not realized: the first call of a shape may come while a TinyJit captures, which would record
+    a realize."""
     if (t := _DIMS.get((device, values))) is None:
-        t = Tensor.empty(len(values), dtype=dtypes.int32, device=device)
-        t.uop.base.buffer.ensure_allocated().copyin(memoryview(np.array(values, np.int32)).cast("B"))
-        _DIMS[device, values] = t
+        def fill(mv: memoryview) -> None:
+            np.frombuffer(mv, np.int32)[:] = values
+
+        t = _DIMS[device, values] = filled((len(values),), dtypes.int32, fill, device)
     return t
 
 

@@ -19,7 +19,7 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from pp_worker.worker.engines.fetch import cache_dir
+from pp_worker.worker.engines.fetch import kept
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -35,7 +35,7 @@ def key() -> str | None:
 
 
 def _path() -> Path | None:
-    return None if os.environ.get("PP_CACHE", "1").strip() == "0" else cache_dir() / "device.json"
+    return kept("device.json")
 
 
 def recall() -> bool:

@@ -61,6 +61,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pp_worker"
 
 
+def kept(name: str) -> Path | None:
+    """``name`` under `cache_dir`, for what a stage keeps between starts (compiled forwards, the device pick), or
+    None when ``PP_CACHE=0`` turns that off (fetched models are kept either way)."""
+    return None if os.environ.get("PP_CACHE", "1").strip() == "0" else cache_dir() / name
+
+
 # ---------------------------------------------------------------- byte ranges
 
 

@@ -32,14 +32,16 @@ def device_buffer(t: Tensor) -> Buffer:
     return buf
 
 
-def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None] | None = None) -> Tensor:
+def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None] | None = None,
+           device: str | None = None) -> Tensor:
     """A new realized tensor whose bytes ``fill`` writes (zeros without one), with no kernel scheduled (a cold
-    stage's first kernels cost it ~0.1-0.3 s): in place where the device memory is host memory (the CPU's), else
-    through one staging copy, freed at once (writable: CUDA's copyin takes the address of its source)."""
-    t = Tensor.empty(*shape, dtype=dtype)
+    stage's first kernels cost it ~0.1-0.3 s; and none is recorded by a TinyJit capturing meanwhile): in place where
+    the device memory is host memory (the CPU's), else through one staging copy, freed at once (writable: CUDA's
+    copyin takes the address of its source)."""
+    t = Tensor.empty(*shape, dtype=dtype, device=device)
     host = hasattr(Device[t.device].allocator, "_as_buffer")
     if fill is None and not host:
-        return Tensor.zeros(*shape, dtype=dtype).contiguous().realize()  # a device memset, no host copy
+        return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()  # a device memset
     buf = t.uop.base.buffer.ensure_allocated()
     if host and buf.options is None:  # host memory we may write
         mv = buf.as_memoryview(force_zero_copy=True).cast("B")

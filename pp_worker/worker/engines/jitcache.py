@@ -40,9 +40,9 @@ FORMAT = 1  # bump when an entry's layout changes
 
 def cache_root() -> Path | None:
     """The cache directory (``PP_CACHE_DIR``...), or None when ``PP_CACHE=0``."""
-    from pp_worker.worker.engines.fetch import cache_dir
+    from pp_worker.worker.engines.fetch import kept
 
-    return None if os.environ.get("PP_CACHE", "1").strip() == "0" else cache_dir() / "jits"
+    return kept("jits")
 
 
 def key(*parts: Any) -> str:

@@ -108,7 +108,6 @@ class Replay:
                 forget_lowerings()
         return out
 
-
     def _restore(self, tensors: list[Tensor]) -> bool:
         """Take this JIT's compiled form from the cache, if it holds it (and every argument is a whole buffer)."""
         signature = list(map(_signature, tensors))
@@ -202,4 +201,3 @@ def _shortcut_holds(jit: TinyJit, args: tuple[Any, ...], tensors: list[Tensor]) 
     return (captured is not None and names == captured.expected_names and info == captured.expected_input_info
             and len(buffers) == len(mine) and all(a is b for a, b in zip(buffers, mine, strict=True))
             and values == _values(args))
-
