@@ -232,11 +232,9 @@ def _compiler(device: str) -> ClangJITCompiler:
 
 
 @functools.cache
-def _binary(template: str, ggml_type: int, k: int, device: str) -> tuple[str, str, bytes]:
-    """(name, source, machine code) of one kernel, compiled once per process (and cached on disk by tinygrad)."""
-    name = f"{type_name(ggml_type).lower()}_{'gather' if template is GATHER else 'mm'}_{k}"
-    src = source(template, ggml_type, k, name)
-    return name, src, _compiler(device).compile_cached(src)
+def _binary(name: str, src: str, device: str) -> bytes:
+    """The machine code of kernel ``name``, compiled once per process (and cached on disk by tinygrad)."""
+    return _compiler(device).compile_cached(src)
 
 
 _DIMS: dict[tuple[str, tuple[int, ...]], Tensor] = {}
@@ -259,23 +257,41 @@ def dims_values(buf: Any) -> tuple[int, ...] | None:
     return next((values for (_, values), t in _DIMS.items() if t.uop.base.buffer is buf), None)
 
 
-def _call(template: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
-          threads: int) -> Tensor:
-    """``out`` after the kernel ran on (out, w, x, dims) on ``threads`` threads (``core_id`` 0..threads-1)."""
+def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, ...], threads: int,
+           bound: tuple[UOp, ...] = ()) -> Tensor:
+    """The first of ``tensors`` (the output) after C function ``name`` of ``src`` ran on (*tensors, dims) on
+    ``threads`` threads. The function's parameters: the tensors' buffers, the int32 ``dims`` holding ``shape``,
+    ``int core_id`` (0..threads-1), then one int per variable of ``bound`` (bound variables: positions)."""
+    device = tensors[0].device
+    variables = tuple(b.unbind()[0] if b.op is Ops.BIND else b for b in bound)
     # the first call of a kernel or shape may come while tinygrad traces a block (`function`, which forbids device
     # use to catch stray realizes): compiling our source and realizing a constant of our own are safe there
     with Context(ALLOW_DEVICE_USAGE=1):
-        name, src, lib = _binary(template, ggml_type, k, x.device)
-        dims_t = dims(x.device, *shape)
+        lib = _binary(name, src, device)
+        dims_t = dims(device, *shape)
+    n = len(tensors) + 1
 
     def fxn(*params: UOp) -> UOp:
         core = UOp.variable("core_id", 0, threads - 1, dtypes.int)
-        sink = UOp.sink(*params, core, arg=KernelInfo(name=name))
-        info = ProgramInfo(name=name, global_size=(threads, 1, 1), local_size=None, vars=(core,),
-                           globals=(0, 1, 2, 3), outs=(0,), ins=(1, 2, 3))
-        return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=x.device), UOp(Ops.LINEAR, src=(*sink.src, sink)),
+        sink = UOp.sink(*params, core, *variables, arg=KernelInfo(name=name))
+        info = ProgramInfo(name=name, global_size=(threads, 1, 1), local_size=None, vars=(core, *variables),
+                           globals=tuple(range(n)), outs=(0,), ins=tuple(range(1, n)))
+        return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=(*sink.src, sink)),
                                      UOp(Ops.SOURCE, arg=src), UOp(Ops.BINARY, arg=lib)), arg=info)
-    return Tensor.custom_kernel(out, w, x, dims_t, fxn=fxn)[0]
+    if not variables:
+        return Tensor.custom_kernel(*tensors, dims_t, fxn=fxn)[0]
+    # as Tensor.custom_kernel, with the variables' bindings as arguments of the call: what tells the schedule their
+    # values when nothing else in it uses them
+    srcs = tuple(x.contiguous() if x.op is not Ops.AFTER else x for x in (*(t.uop for t in tensors), dims_t.uop))
+    call = fxn(*(UOp.placeholder_like(x, slot=i) for i, x in enumerate(srcs))).call(*srcs, *bound)
+    return Tensor(srcs[0].after(call))
+
+
+def _call(template: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
+          threads: int) -> Tensor:
+    """``out`` after the product (KERNEL) or gather (GATHER) kernel ran on (out, w, x, dims)."""
+    name = f"{type_name(ggml_type).lower()}_{'gather' if template is GATHER else 'mm'}_{k}"
+    return launch(name, source(template, ggml_type, k, name), (out, w, x), shape, threads)
 
 
 def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:

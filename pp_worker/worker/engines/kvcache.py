@@ -18,6 +18,7 @@ from tinygrad.dtype import DType
 from tinygrad.llm.model import TransformerBlock, TransformerConfig, apply_rope
 from tinygrad.uop.ops import resolve
 
+from pp_worker.worker.engines import cpu_attention
 from pp_worker.worker.engines.base import device_kind
 from pp_worker.worker.engines.hostio import filled
 
@@ -67,8 +68,12 @@ class CacheBlock(TransformerBlock):
     CPU's C compiler converts silently, but CUDA renders a vectorized store as ``half2 = float2``, which NVRTC
     refuses. `_attention` is tinygrad's, split in two (`_heads`, `_attend`) so the batched step reuses it, with
     one change: the cast marked below (tests/test_kvcache.py fails if tinygrad's own version changes, so the copy
-    cannot drift unnoticed).
+    cannot drift unnoticed). ``cache_kv`` is the session's whole cache, this block's the row ``kv_row`` of it: one
+    token's attention on the CPU (`c_attention`) is a C kernel that reads the row after the store.
     """
+
+    kv_row = 0  # this block's row in a session's cache (its index in the stage)
+    c_attention = False  # whether one token's attention runs as `cpu_attention`'s kernel (the CPU's C kernels)
 
     def _attention(self, x: Tensor, start_pos: int | UOp) -> Tensor:
         c = self.config
@@ -82,9 +87,9 @@ class CacheBlock(TransformerBlock):
         return self.attn_output(attn if gate is None else (attn * gate.sigmoid()))
 
     def step_batch(self, x: Tensor, caches: list[Tensor], positions: list[UOp]) -> Tensor:
-        """One token of each of B sessions: ``x`` (B, 1, D), session b's cache ``caches[b]`` (this block's row of
-        it) at ``positions[b]``. The projections and the feed-forward run batched (one pass over the weights);
-        the attention runs per session, over its own cache and length."""
+        """One token of each of B sessions: ``x`` (B, 1, D), session b's cache ``caches[b]`` (the whole session's;
+        this block's is its row `kv_row`) at ``positions[b]``. The projections and the feed-forward run batched (one
+        pass over the weights); the attention runs per session, over its own cache and length."""
         assert not self.config.attn_output_gate, "no supported architecture gates its attention output"
         h = self.attn_norm(x)
         q, k, v = self.attn_q(h), self.attn_k(h), self.attn_v(h)
@@ -110,11 +115,15 @@ class CacheBlock(TransformerBlock):
         return q, k, v
 
     def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: Tensor, start_pos: int | UOp) -> Tensor:
-        """Store k and v at [start_pos, start_pos + T) of ``cache`` and attend over [0, start_pos + T): (B, T, H*Hd)."""
+        """Store k and v at [start_pos, start_pos + T) of this block's row of ``cache`` (a session's, all blocks)
+        and attend over [0, start_pos + T): (B, T, H*Hd). One token on the C kernels' CPU: `cpu_attention`."""
         B, _, T, _ = q.shape
         new_kv = Tensor.stack(k, v).cast(cache.dtype)  # the change: a no-op for a float32 cache
-        slot = cache[:, :, :, start_pos:start_pos + T, :]
-        assigned_kv = Tensor(cache.uop.after(slot.uop.store(new_kv.uop)))
+        slot = cache[self.kv_row, :, :, :, start_pos:start_pos + T, :]
+        stored = Tensor(cache.uop.after(slot.uop.store(new_kv.uop)))
+        if self.c_attention and B == 1 and T == 1 and isinstance(start_pos, UOp):
+            return cpu_attention.attend(q, stored, self.kv_row, start_pos)
+        assigned_kv = stored[self.kv_row]
         k = assigned_kv[0, :, :, 0:start_pos + T, :]  # (B, KvH, start_pos + T, Hd)
         v = assigned_kv[1, :, :, 0:start_pos + T, :]
         mask = Tensor.full((1, 1, T, start_pos + T), float("-inf"), dtype=q.dtype, device=q.device,

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes, getenv, nn
 
-from pp_worker.worker.engines import cpu_graph, jitcache
+from pp_worker.worker.engines import cpu_attention, cpu_graph, jitcache
 from pp_worker.worker.engines.base import ModelInfo, device_kind
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
@@ -101,8 +101,9 @@ class CompiledStage:
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
         # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
         freqs = freqs_cis(w.rope, cfg.max_context)  # with the model's RoPE scaling, unlike tinygrad's
-        for block in w.blocks:
-            block.freqs_cis = freqs
+        for j, block in enumerate(w.blocks):
+            block.freqs_cis, block.kv_row = freqs, j
+            block.c_attention = w.kernels == "c" and cpu_attention.supported(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
 
     def _slot(self, kind: str, size: int) -> CacheSlot | None:
         return None if self.store is None else CacheSlot(self.store, jitcache.key(*self.ident, kind, size), self.named)
@@ -158,8 +159,8 @@ class CompiledStage:
     def _forward(self, inp: Tensor, cache: KVCache, start_pos: UOp) -> Tensor:
         w = self.w
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (1, T, D)
-        for j, block in enumerate(w.blocks):
-            block.cache_kv = cache[j]  # a view of the argument: the JIT substitutes each call's session cache
+        for block in w.blocks:
+            block.cache_kv = cache  # the argument itself: the JIT substitutes each call's session cache
             x = block(x, start_pos)
         for block in w.blocks:  # the graph holds the caches now; a block must not keep a released session's
             del block.cache_kv
@@ -170,8 +171,8 @@ class CompiledStage:
     def _forward_batch(self, inp: Tensor, caches: list[KVCache], *positions: UOp) -> Tensor:
         w = self.w
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (B, 1, D)
-        for j, block in enumerate(w.blocks):
-            x = block.step_batch(x, [cache[j] for cache in caches], list(positions))
+        for block in w.blocks:
+            x = block.step_batch(x, caches, list(positions))
         if w.output is None:
             return x.half()  # (B, 1, D)
         return w.output(w.output_norm(x))[:, 0, :].float()  # (B, V)
