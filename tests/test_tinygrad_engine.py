@@ -25,6 +25,7 @@ from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
 from pp_worker.worker.engines.gguf_loader import context_length
 from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, pinned_allocator
+from pp_worker.worker.engines.replay import Replay
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, ladder, split
 
 MAX_CONTEXT = 96  # room for prompts of 70 tokens: two full prefill chunks of 32 and a remainder
@@ -275,7 +276,7 @@ def test_warmup_compiles_every_jit_and_leaves_no_session(small_table):
     assert sorted(jits) == [1, 2, 4, 8, 16, 32] and all(j.ready for j in jits.values())
 
 
-def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, prompts):
+def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, prompts, monkeypatch):
     """The worker's start compiles only the decode JIT (``warmup(full=False)``). A prompt then runs in single-token
     calls while they cost less than compiling a size of the ladder (here, a small model: ~ms a call), with the
     logits of the every-size chain; once a single-token call costs as much as compiling (a big model's), the sizes
@@ -296,6 +297,9 @@ def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, p
     np.testing.assert_allclose(lazy.step(51, prompt, 0), want, rtol=0, atol=1e-4)
     assert [sorted(n for n, j in s.jits.items() if j.ready) for s in stages] == [[1, 8, 32], [1, 8, 32]]
     eager.release(50)
+    asked: list[int] = []  # a decode call weighs no bigger size: it asks the disk about none (a stat each, per token)
+    monkeypatch.setattr(Replay, "cached", property(lambda jit: asked.append(1) or False))
+    assert stages[0].usable(1) == (1,) and not asked  # before: (32, 8, 1), and a stat for each of 16, 4 and 2
 
 
 def test_eviction_then_evicted_and_unknown_sessions(small_table):

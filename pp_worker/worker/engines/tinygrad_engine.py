@@ -136,6 +136,8 @@ class CompiledStage:
         stage's weights, and compiling soon pays."""
         out = []
         for r in self.rungs:
+            if n < r > 1:  # no call of this size: nothing to weigh (a decode call weighs none, asks the disk nothing)
+                continue
             jit = self.jits[r]
             saves = (n // r) * (r - 1) * self.step_s  # the single-token calls its calls replace
             if r == 1 or self.every_size or jit.ready or jit.cached or saves > self.compile_s:
