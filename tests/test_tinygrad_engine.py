@@ -302,6 +302,31 @@ def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, p
     assert stages[0].usable(1) == (1,) and not asked  # before: (32, 8, 1), and a stat for each of 16, 4 and 2
 
 
+def test_a_cpu_decode_call_copies_through_views_and_binds_nothing(chain, prompts, monkeypatch):
+    """Once captured, a CPU stage's single-token call writes its input and reads its output through views of host
+    memory, and replays with the position as a value: tinygrad's copyin/copyout and a bound variable cost ~0.15 ms
+    of Python a call (bench/NOTES.md). The results equal the full path's (the tinygrad calls, allowed)."""
+    from tinygrad import UOp
+    from tinygrad.device import Buffer
+
+    c = chain("F16", 2)
+    prompt = prompts[0]
+    want = [c.step(60, prompt, 0), c.step(60, [7], len(prompt)), c.step(60, [9], len(prompt) + 1)]
+    c.release(60)
+    assert all(e.native_graph for e in c.engines)
+    c.step(61, prompt, 0)
+    used: list[str] = []
+    for name in ("copyin", "copyout"):
+        real = getattr(Buffer, name)
+        monkeypatch.setattr(Buffer, name, lambda self, *a, name=name, real=real: used.append(name) or real(self, *a))
+    bind = UOp.bind
+    monkeypatch.setattr(UOp, "bind", lambda self, v: used.append("bind") or bind(self, v))
+    got = [c.step(61, [7], len(prompt)), c.step(61, [9], len(prompt) + 1)]
+    assert used == []
+    np.testing.assert_array_equal(np.stack(got), np.stack(want[1:]))
+    c.release(61)
+
+
 def test_eviction_then_evicted_and_unknown_sessions(small_table):
     engine, events = small_table
     for rid in (1, 2):

@@ -2,9 +2,10 @@
 
 Inputs: a persistent realized tensor per JIT, written from a staging array of its exact size with copyin (writable:
 CUDA's copyin takes the address of its source). Outputs: copied with copyout into one reusable host buffer,
-page-locked on CUDA (``PP_PINNED_HOST`` forces either way). No allocation per call. On the CPU, copyin/copyout are
-a synchronize and a memmove, the same work as writing through a zero-copy view, so there is one code path, and it
-is the one CI runs (tests/test_device_memory.py runs it with GPU-like memory).
+page-locked on CUDA (``PP_PINNED_HOST`` forces either way). No allocation per call. Where device memory is host
+memory (the CPU's), both go through a zero-copy view of the tensor's memory, made once, after a synchronize: the
+same work as copyin/copyout without their Python (~0.1 ms of a ~0.8 ms decode request, bench/NOTES.md).
+tests/test_device_memory.py runs the copy path with GPU-like memory.
 """
 
 from __future__ import annotations
@@ -57,17 +58,55 @@ def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None
     return t
 
 
+def host_view(t: Tensor) -> memoryview | None:
+    """A zero-copy byte view of a realized tensor's memory where that is host memory we may write (the CPU's), else
+    None (device memory: copy with copyin/copyout)."""
+    buf = device_buffer(t)
+    if not hasattr(buf.allocator, "_as_buffer") or buf.options is not None:
+        return None
+    return buf.as_memoryview(force_zero_copy=True).cast("B")
+
+
 class InputBuffer:
-    """A persistent realized input a JIT reads, written through a host staging array of its exact size: a new
-    Tensor per call would cost milliseconds of scheduling, this costs a copy."""
+    """A persistent realized input a JIT reads, written in place (host memory) or through a host staging array of
+    its exact size: a new Tensor per call would cost milliseconds of scheduling, this costs a copy."""
 
     def __init__(self, shape: tuple[int, ...], dtype: Any):
         self.tensor = filled(shape, dtype)
         self.staging = np.zeros(shape, dtype=np.dtype(self.tensor.dtype.fmt))
+        view = host_view(self.tensor)
+        self._host = None if view is None else np.frombuffer(view, self.staging.dtype).reshape(shape)
+        self._device = Device[self.tensor.device]
 
     def write(self, values: np.ndarray) -> None:
+        if self._host is not None:
+            self._device.synchronize()  # kernels still reading it finish first
+            self._host[...] = values.reshape(self._host.shape)
+            return
         self.staging[...] = values.reshape(self.staging.shape)
         device_buffer(self.tensor).copyin(memoryview(self.staging).cast("B"))  # ordered after kernels still reading it
+
+
+class Outputs:
+    """Copies the tensors a stage's JITs return into host memory: through a zero-copy view of each where its memory
+    is host memory (made at its first copy: a JIT returns the same tensor every call), else with copyout."""
+
+    def __init__(self) -> None:
+        self._views: dict[int, tuple[Tensor, Any, memoryview | None]] = {}  # id -> (tensor, device, view)
+
+    def copy(self, t: Tensor, dst: memoryview) -> None:
+        """``dst`` (exactly the tensor's size) = the tensor's bytes, once the kernels writing them are done."""
+        known = self._views.get(id(t))
+        if known is None or known[0] is not t:
+            if len(self._views) >= 64:  # a caller returning new tensors: never hold more than a few
+                self._views.clear()
+            known = self._views[id(t)] = (t, Device[t.device], host_view(t))
+        _, device, view = known
+        if view is None:
+            device_buffer(t).copyout(dst)
+            return
+        device.synchronize()
+        dst[:] = view
 
 
 class HostBuffer:

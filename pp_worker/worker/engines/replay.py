@@ -77,15 +77,23 @@ class Replay:
             return {b.base for r in self.native for b in r.buffers if isinstance(b, Buffer)}
         return {u.buffer for u in self.jit.captured.linear.toposort() if u.op is Ops.BUFFER}
 
+    def replay(self, tensors: list[Tensor], values: dict[str, int]) -> Tensor | None:
+        """A native replay given the argument tensors (in `_tensors`' order) and the variables' values, with no
+        bound variables to make (~30 us a call); None where that does not apply (not captured natively yet, or
+        arguments unlike the checked call's): call the Replay instead."""
+        if self.native is None or list(map(_signature, tensors)) != self._signature:
+            return None
+        inputs = tuple(t.uop.base for t in tensors)
+        for runner in self.native:
+            runner(inputs, values)
+        return self.ret
+
     def __call__(self, *args: Any) -> Tensor:
         tensors = _tensors(args)
-        if self.direct and list(map(_signature, tensors)) == self._signature:
-            if self.native is None:
-                return self.jit.captured([t.uop.base for t in tensors], _values(args))
-            inputs, values = tuple(t.uop.base for t in tensors), _values(args)
-            for runner in self.native:
-                runner(inputs, values)
-            return self.ret
+        if self.native is not None and (out := self.replay(tensors, _values(args))) is not None:
+            return out
+        if self.direct and self.native is None and list(map(_signature, tensors)) == self._signature:
+            return self.jit.captured([t.uop.base for t in tensors], _values(args))
         if self.native is not None:  # tinygrad's capture is gone: refuse as tinygrad would have
             raise JitError(f"args mismatch in JIT: captured for {self._signature}, "
                            f"called with {list(map(_signature, tensors))}")

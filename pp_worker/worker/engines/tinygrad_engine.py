@@ -36,7 +36,7 @@ from tinygrad import Context, Device, Tensor, UOp, dtypes, getenv, nn
 from pp_worker.worker.engines import cpu_attention, cpu_graph, jitcache
 from pp_worker.worker.engines.base import ModelInfo, device_kind
 from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
-from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, device_buffer, pinned_allocator
+from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
 from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
 from pp_worker.worker.engines.replay import CacheSlot, Replay
 from pp_worker.worker.engines.rope import freqs_cis
@@ -183,17 +183,24 @@ class CompiledStage:
         """One token for each of B sessions (B a batch ladder size > 1): ``values`` B token ids or (B, D) rows."""
         b = len(values)
         self.batch_inputs[b].write(values)
+        jit, inp = self.batch_jits[b], self.batch_inputs[b].tensor
+        values_of = {v.expr: p for v, p in zip(self.positions, positions, strict=False)}
+        if (out := jit.replay([inp, *caches], values_of)) is not None:
+            return out
         bound = [var.bind(p) for var, p in zip(self.positions, positions, strict=False)]
-        return self.batch_jits[b](self.batch_inputs[b].tensor, caches, *bound)
+        return jit(inp, caches, *bound)
 
     def run(self, values: np.ndarray, cache: KVCache, position: int) -> Tensor:
         """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``."""
         n = len(values)
         self.inputs[n].write(values)
+        jit, inp = self.jits[n], self.inputs[n].tensor
+        if (out := jit.replay([inp, cache], {self.start_pos.expr: position})) is not None:
+            return out
         # BEAM is read when kernels compile: the decode JIT's first call, which captures it (Replay); replays compile
         # nothing. Decode only: its kernels run every token, and each searched size costs minutes on a CPU.
         with Context(BEAM=self.beam) if n == 1 and self.beam else contextlib.nullcontext():
-            return self.jits[n](self.inputs[n].tensor, cache, self.start_pos.bind(position))
+            return jit(inp, cache, self.start_pos.bind(position))
 
 
 class TinygradEngine:
@@ -241,6 +248,7 @@ class TinygradEngine:
         self._row_bytes = cfg.dim * 2  # one fp16 hidden row
         out_bytes = cfg.vocab_size * 4 if self.shard.is_last else self._stage.rungs[0] * self._row_bytes
         self._host = HostBuffer(out_bytes, pinned_allocator(self.device, pinned_host))
+        self._outputs = Outputs()
 
     @property
     def loaded_tensors(self) -> dict[str, int]:
@@ -287,7 +295,7 @@ class TinygradEngine:
         last: list[Tensor] = []
         self._run(session, self._hidden(hidden, seq_len), position, lambda out, start, n: last.append(out))
         view = self._host.view(self.info.vocab_size * 4)
-        device_buffer(last[-1]).copyout(view)  # the last call's logits are the last position's
+        self._outputs.copy(last[-1], view)  # the last call's logits are the last position's
         return np.frombuffer(view, dtype=np.float32)  # (V,)
 
     def can_batch(self, session: int, position: int) -> bool:
@@ -313,7 +321,7 @@ class TinygradEngine:
                 result = self._stage.run(values[part], held[start].cache, positions[start])
             else:
                 result = self._stage.run_batch(values[part], [s.cache for s in held[part]], positions[part])
-            device_buffer(result).copyout(out[start * width:(start + b) * width])  # before a JIT is called again
+            self._outputs.copy(result, out[start * width:(start + b) * width])  # before a JIT is called again
             start += b
         for session, position in zip(held, positions, strict=True):
             self._sessions.commit(session, position, 1)
@@ -377,7 +385,7 @@ class TinygradEngine:
         row = self._row_bytes
 
         def take(out: Tensor, start: int, n: int) -> None:
-            device_buffer(out).copyout(rows[start * row:(start + n) * row])  # before the next call reuses ``out``
+            self._outputs.copy(out, rows[start * row:(start + n) * row])  # before the next call reuses ``out``
 
         self._run(rid, values, position, take)
         return rows
