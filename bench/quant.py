@@ -27,9 +27,11 @@ class QuantPlan:
     dtypes: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M")
     peers: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M")  # llama.cpp on these files
     threads: int = 2  # llama.cpp's threads: the machine's 2 cores
-    decode: int = 64
-    rounds: int = 5
-    load_rounds: int = 3
+    # many short rounds: this VM's speed swings ~2x over seconds, so each round's files are best measured close
+    # together (~0.5 s a round), and the median of many rounds' ratios is steady (bench/NOTES.md)
+    decode: int = 32
+    rounds: int = 24
+    load_rounds: int = 5
     prefill_reps: int = 3
     rss_preset: str = "rss"
     rss_dtypes: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_K_M")
