@@ -94,3 +94,44 @@ def test_a_kernel_with_more_arguments_than_a_row_runs_outside_the_table():
     calls = jit.captured.linear.src
     programs = [c for c in calls if c.src[0].op.name == "PROGRAM"]
     assert any(len(c.src[0].arg.globals) > cpu_graph.MAX_ARGS for c in programs)  # left out of any graph
+
+
+class _Signal:
+    def __init__(self, value: int):
+        self.memory = np.array([value], np.uint64)
+        self.value_addr = self.memory.ctypes.data
+
+
+class _Device:
+    """What `hostio.settle` reads of a tinygrad HCQ device, with a counting synchronize."""
+
+    def __init__(self, done: int, submitted: int, cpu: bool = True):
+        self.timeline_signal, self.timeline_value, self.error_state, self.cpu = _Signal(done), submitted, None, cpu
+        self.synced = 0
+
+    def _is_cpu(self) -> bool:
+        return self.cpu
+
+    def synchronize(self) -> None:
+        self.synced += 1
+
+
+def test_settle_synchronizes_only_while_work_is_queued(monkeypatch):
+    from pp_worker.worker.engines.hostio import settle
+
+    idle, busy, gpu = _Device(done=6, submitted=7), _Device(done=5, submitted=7), _Device(6, 7, cpu=False)
+    for dev in (idle, busy, gpu):
+        settle(dev)
+    assert (idle.synced, busy.synced, gpu.synced) == (0, 1, 1)
+    busy.timeline_signal.memory[0] = 6  # its work finished: read through the same view
+    settle(busy)
+    assert busy.synced == 1
+    # tinygrad's own CPU device, idle once synchronized: the fast path reads what it names (a rename would fall back
+    # to the full synchronize silently, and this would fail)
+    Tensor.ones(4).contiguous().realize()
+    cpu = Device["CPU"]
+    cpu.synchronize()
+    calls: list[int] = []
+    monkeypatch.setattr(type(cpu), "synchronize", lambda self, timeout=None: calls.append(1))
+    settle(cpu)
+    assert calls == []

@@ -304,9 +304,10 @@ def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, p
 
 def test_a_cpu_decode_call_copies_through_views_and_binds_nothing(chain, prompts, monkeypatch):
     """Once captured, a CPU stage's single-token call writes its input and reads its output through views of host
-    memory, and replays with the position as a value: tinygrad's copyin/copyout and a bound variable cost ~0.15 ms
-    of Python a call (bench/NOTES.md). The results equal the full path's (the tinygrad calls, allowed)."""
-    from tinygrad import UOp
+    memory, replays with the position as a value, and finds the device idle without tinygrad's synchronize:
+    copyin/copyout, a bound variable and three synchronizes cost ~0.15 ms of Python a call (bench/NOTES.md). The
+    results equal the full path's (the tinygrad calls, allowed)."""
+    from tinygrad import Device, UOp
     from tinygrad.device import Buffer
 
     c = chain("F16", 2)
@@ -321,6 +322,9 @@ def test_a_cpu_decode_call_copies_through_views_and_binds_nothing(chain, prompts
         monkeypatch.setattr(Buffer, name, lambda self, *a, name=name, real=real: used.append(name) or real(self, *a))
     bind = UOp.bind
     monkeypatch.setattr(UOp, "bind", lambda self, v: used.append("bind") or bind(self, v))
+    cpu = type(Device["CPU"])
+    sync = cpu.synchronize
+    monkeypatch.setattr(cpu, "synchronize", lambda self, timeout=None: used.append("sync") or sync(self, timeout))
     got = [c.step(61, [7], len(prompt)), c.step(61, [9], len(prompt) + 1)]
     assert used == []
     np.testing.assert_array_equal(np.stack(got), np.stack(want[1:]))

@@ -32,6 +32,8 @@ from tinygrad import Device
 from tinygrad.engine.jit import GraphRunner
 from tinygrad.uop.ops import Ops, UOp
 
+from pp_worker.worker.engines.hostio import settle
+
 MAX_ARGS = 24  # argument slots of a table row: a kernel's buffers, then its variables
 ROW = 4 + MAX_ARGS  # kernel address, threads, argument count, index of core_id (-1: none), arguments
 
@@ -157,14 +159,22 @@ class Table:
         self.device, self.table, self.input_slots, self.var_slots = device, table, input_slots, var_slots
         self.buffers = keep
         self.runner = _runner(device)
+        # the same slots as index arrays, written with one numpy assignment each per call
+        self._inputs = sorted({iidx for _, _, iidx in input_slots})
+        self._in_at = tuple(np.array([x[i] for x in input_slots], np.intp) for i in (0, 1))
+        self._in_of = np.array([self._inputs.index(iidx) for _, _, iidx in input_slots], np.intp)
+        self._vars = sorted({name for _, _, name in var_slots})
+        self._var_at = tuple(np.array([x[i] for x in var_slots], np.intp) for i in (0, 1))
+        self._var_of = np.array([self._vars.index(name) for _, _, name in var_slots], np.intp)
 
     def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
         table = self.table
-        for row, slot, iidx in self.input_slots:
-            table[row, slot] = input_uops[iidx].buffer._buf.va_addr
-        for row, slot, name in self.var_slots:
-            table[row, slot] = var_vals[name]
-        Device[self.device].synchronize()  # whatever tinygrad queued before this replay runs first
+        if self.input_slots:
+            addresses = np.array([input_uops[i].buffer._buf.va_addr for i in self._inputs], np.int64)
+            table[self._in_at] = addresses[self._in_of]
+        if self.var_slots:
+            table[self._var_at] = np.array([var_vals[name] for name in self._vars], np.int64)[self._var_of]
+        settle(Device[self.device])  # whatever tinygrad queued before this replay runs first
         start = time.perf_counter()
         self.runner.run(table)
         return time.perf_counter() - start if wait else None
