@@ -295,7 +295,7 @@ def wire_q8(q: dict[str, Any] | None) -> list[Row]:
 
 
 QUANT_TARGETS = {"Q8_0": 1.4, "Q4_K_M": 1.6}  # decode / the F16 file's (issue 17)
-PEER_TARGET = 0.5  # 2 stages / llama.cpp's one process on the same file (issue 19)
+PEER_TARGETS = {"F16": 0.5, "Q8_0": 0.5}  # 2 stages / llama.cpp's one process on the same file (issue 19: these two)
 
 
 def quantized(q: dict[str, Any] | None) -> list[Row]:
@@ -317,7 +317,8 @@ def quantized(q: dict[str, Any] | None) -> list[Row]:
         rows += [Row(S9, f"llama.cpp one process, {dt} file", statistics.median(rates), "tok/s",
                      note=f"{q['peer_info'].get(dt) or ''}"[:160]),
                  Row(S9, f"  2 stages / llama.cpp, {dt}", median_ratio(rounds, f"pp2 {dt}", f"llama.cpp {dt}"), "x",
-                     PEER_TARGET, note="median of the rounds' ratios, both decoding the same file in the same round")]
+                     PEER_TARGETS.get(dt),
+                     note="median of the rounds' ratios, both decoding the same file in the same round")]
     if q.get("peers_skipped"):
         rows.append(Row(S9, "llama.cpp one process", None, "tok/s", note=q["peers_skipped"]))
     return rows + _quant_prefill_and_load(q)

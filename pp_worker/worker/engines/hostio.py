@@ -66,7 +66,7 @@ def settle(dev: Any) -> None:
     native replays (which run to completion): tinygrad counts a device's finished work in its timeline signal, read
     here through a view made once. Any other device, or work still queued: the full synchronize."""
     signal = getattr(dev, "timeline_signal", None)
-    if signal is not None and dev.error_state is None and dev._is_cpu():
+    if signal is not None and getattr(dev, "error_state", None) is None and getattr(dev, "_is_cpu", bool)():
         known = _TIMELINES.get(id(dev))
         if known is None or known[0] is not signal:
             from tinygrad.helpers import to_mv
