@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ from pp_worker.driver.pipeline import Pipeline, Sampling, make_generations
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.chain import Chain
 from pp_worker.testing.modelgen import generate
-from pp_worker.worker.engines import cpu_graph
+from pp_worker.worker.engines import cpu_graph, jitcache
 
 pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the cache keeps native tables (x86-64 Linux)")
 PROMPTS = ([5, 9, 11, 3, 7, 2, 40, 41, 42, 43, 44], [4, 8, 1])
@@ -105,3 +107,27 @@ def test_two_stages_sharing_a_directory_find_their_entries_on_a_restart(model, t
     assert all(r["jits_cached"] == r["jits"] for r in second)  # every forward from the cache, none compiled
     assert tokens1 == tokens2 and len(list((tmp_path / "jits").glob("*.jit"))) == sum(r["jits"] for r in first)
     assert json.loads((tmp_path / "device.json").read_text())["device"] == first[0]["device"] == "CPU"
+
+
+def test_past_its_budget_the_directory_keeps_the_entries_used_last(tmp_path, monkeypatch, capsys):
+    """Every new version, model or setting writes entries of its own: without a budget the directory only grows."""
+    monkeypatch.setattr(jitcache, "BUDGET", 4000)
+    store = jitcache.Store(tmp_path)
+    entry = {"format": jitcache.FORMAT, "pad": bytes(900)}  # ~1 KB a file
+
+    def written(name: str, age_s: float) -> None:
+        store.save(name, entry)
+        t = time.time() - age_s
+        os.utime(tmp_path / f"{name}.jit", (t, t))
+
+    for i, name in enumerate("abcd"):
+        written(name, 400 - 100 * i)  # a is the oldest
+    assert sorted(p.stem for p in tmp_path.glob("*.jit")) == ["a", "b", "c", "d"]  # ~4 KB: within budget
+    assert store.load("a") == entry  # used now: the newest
+    leftover = tmp_path / ".x.abandoned"  # a write whose process died before its rename
+    leftover.write_bytes(b"half")
+    os.utime(leftover, (time.time() - 2 * jitcache.STALE_S,) * 2)
+    store.save("e", entry)  # over budget: the least recently used go, down to 3/4 of it
+    assert sorted(p.stem for p in tmp_path.glob("*.jit")) == ["a", "d", "e"]
+    assert not leftover.exists()
+    assert store.load("b") is None and capsys.readouterr().err == ""  # gone: a plain miss, compiled again

@@ -11,11 +11,15 @@ CPU runtime, and lays the rows out again. A JIT with any argument that fits none
 Entries live under ``$PP_CACHE_DIR/jits`` (default ``$XDG_CACHE_HOME/pp_worker/jits``), one file per JIT, named by a
 digest of everything that shapes its kernels (see `key`). ``PP_CACHE=0`` turns the cache off. A file that cannot
 be read back is ignored with one line on stderr, and rebuilt; files are written whole, then renamed into place, so
-stages sharing the directory never see half of one.
+stages sharing the directory never see half of one. Every new version of this code, of tinygrad, and every model
+or setting gets entries of its own, so the directory would only grow: past `BUDGET` bytes, a write removes the
+entries used longest ago (a read marks an entry used) down to three quarters of it, and writes some crashed
+process left half done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -23,6 +27,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +41,8 @@ from pp_worker.worker.engines import cpu_kernels
 from pp_worker.worker.engines.cpu_graph import ROW, Table
 
 FORMAT = 1  # bump when an entry's layout changes
+BUDGET = 512 << 20  # bytes of entries kept: thousands of forwards (one is 10-100 KiB on the development machine)
+STALE_S = 3600.0  # a write's temporary file this old was left by a process that died mid-write
 
 
 def cache_root() -> Path | None:
@@ -158,10 +165,14 @@ class Store:
 
     def load(self, name: str) -> dict[str, Any] | None:
         path = self.root / f"{name}.jit"
-        if not path.exists():
-            return None
         try:
-            entry = pickle.loads(path.read_bytes())
+            data = path.read_bytes()
+        except OSError:  # none (or another stage's prune just removed it): compiled by the caller
+            return None
+        with contextlib.suppress(OSError):  # a read-only cache still serves
+            os.utime(path)  # used now: the last to go when the directory is over its budget
+        try:
+            entry = pickle.loads(data)
             if not isinstance(entry, dict) or entry.get("format") != FORMAT:
                 raise ValueError("not an entry of this format")
             return entry
@@ -179,3 +190,30 @@ class Store:
         except OSError as e:
             print(f"pp_worker: cannot write the compiled-forward cache under {self.root} ({e}); "
                   "this start works without it", file=sys.stderr, flush=True)
+            return
+        self.prune()
+
+    def prune(self) -> None:
+        """Past `BUDGET` bytes of entries, remove those used longest ago down to three quarters of it; and
+        temporary files older than `STALE_S`. Another stage may be pruning too: a file already gone is skipped."""
+        entries, now = [], time.time()
+        for path in self.root.iterdir():
+            try:
+                st = path.stat()
+                if path.name.startswith(".") and now - st.st_mtime > STALE_S:
+                    path.unlink()
+                elif path.suffix == ".jit":
+                    entries.append((st.st_mtime, st.st_size, path))
+            except OSError:
+                continue
+        total = sum(size for _, size, _ in entries)
+        if total <= BUDGET:
+            return
+        for _, size, path in sorted(entries):
+            if total <= BUDGET * 3 // 4:
+                break
+            try:
+                path.unlink()
+            except OSError:
+                pass
+            total -= size
