@@ -232,8 +232,8 @@ def _compiler(device: str) -> ClangJITCompiler:
 
 
 @functools.cache
-def _binary(name: str, src: str, device: str) -> bytes:
-    """The machine code of kernel ``name``, compiled once per process (and cached on disk by tinygrad)."""
+def _binary(src: str, device: str) -> bytes:
+    """The machine code of ``src``, compiled once per process (and cached on disk by tinygrad)."""
     return _compiler(device).compile_cached(src)
 
 
@@ -267,7 +267,7 @@ def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, .
     # the first call of a kernel or shape may come while tinygrad traces a block (`function`, which forbids device
     # use to catch stray realizes): compiling our source and realizing a constant of our own are safe there
     with Context(ALLOW_DEVICE_USAGE=1):
-        lib = _binary(name, src, device)
+        lib = _binary(src, device)
         dims_t = dims(device, *shape)
     n = len(tensors) + 1
 
@@ -278,10 +278,8 @@ def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, .
                            globals=tuple(range(n)), outs=(0,), ins=tuple(range(1, n)))
         return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=(*sink.src, sink)),
                                      UOp(Ops.SOURCE, arg=src), UOp(Ops.BINARY, arg=lib)), arg=info)
-    if not variables:
-        return Tensor.custom_kernel(*tensors, dims_t, fxn=fxn)[0]
-    # as Tensor.custom_kernel, with the variables' bindings as arguments of the call: what tells the schedule their
-    # values when nothing else in it uses them
+    # Tensor.custom_kernel's call, with the variables' bindings as arguments of the call too: what tells the schedule
+    # their values when nothing else in it uses them
     srcs = tuple(x.contiguous() if x.op is not Ops.AFTER else x for x in (*(t.uop for t in tensors), dims_t.uop))
     call = fxn(*(UOp.placeholder_like(x, slot=i) for i, x in enumerate(srcs))).call(*srcs, *bound)
     return Tensor(srcs[0].after(call))

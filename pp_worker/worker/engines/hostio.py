@@ -44,8 +44,7 @@ def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None
     if fill is None and not host:
         return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()  # a device memset
     buf = t.uop.base.buffer.ensure_allocated()
-    if host and buf.options is None:  # host memory we may write
-        mv = buf.as_memoryview(force_zero_copy=True).cast("B")
+    if (mv := _host_bytes(buf)) is not None:
         if fill is None:
             ctypes.memset((ctypes.c_char * len(mv)).from_buffer(mv), 0, len(mv))
         else:
@@ -80,7 +79,10 @@ def settle(dev: Any) -> None:
 def host_view(t: Tensor) -> memoryview | None:
     """A zero-copy byte view of a realized tensor's memory where that is host memory we may write (the CPU's), else
     None (device memory: copy with copyin/copyout)."""
-    buf = device_buffer(t)
+    return _host_bytes(device_buffer(t))
+
+
+def _host_bytes(buf: Buffer) -> memoryview | None:
     if not hasattr(buf.allocator, "_as_buffer") or buf.options is not None:
         return None
     return buf.as_memoryview(force_zero_copy=True).cast("B")

@@ -136,7 +136,7 @@ class CompiledStage:
         stage's weights, and compiling soon pays."""
         out = []
         for r in self.rungs:
-            if n < r > 1:  # no call of this size: nothing to weigh (a decode call weighs none, asks the disk nothing)
+            if r != 1 and r > n:  # no call of this size: nothing to weigh (a decode call asks the disk nothing)
                 continue
             jit = self.jits[r]
             saves = (n // r) * (r - 1) * self.step_s  # the single-token calls its calls replace
