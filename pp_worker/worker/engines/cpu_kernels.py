@@ -148,7 +148,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
           int core_id) {
   enum { K = %(k)d, R = %(rows)d, QK = %(qk)d, BB = %(bb)d, NB = K / QK, V = K / 16 };
   const int N = dims[0], B = dims[1], T = dims[2];
-  int per = (N / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
   if (B == 1) {  /* one row of x: each block decoded into registers and used at once */
     for (int n = n0; n < n1; n++) {
       const unsigned char* row = w + (long)n * NB * BB;
