@@ -95,12 +95,27 @@ def test_without_avx512_the_kernels_are_right_too(ggml_type, without_avx512):
 @pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="no AVX-512 here: no lookup compiled")
 @pytest.mark.parametrize("ggml_type", sorted(cpu_kernels.LOOKUPS), ids=type_name)
 def test_the_avx512_lookup_gives_the_portable_decoders_floats(ggml_type, request):
-    """The 4-bit types' table lookup against the portable decoder: the same floats, so the same sums, bit for bit."""
-    native = [products_and_rows(ggml_type, b) for b in (1, 5)]
+    """The 4-bit types' table lookup against the portable decoder: the same floats, so the same sums, bit for bit
+    (one row of x too, unless the type has a one-row product of its own: that one sums in another order)."""
+    sizes = (5,) if ggml_type in cpu_kernels.ROW_DOTS else (1, 5)
+    native = [products_and_rows(ggml_type, b) for b in sizes]
     request.getfixturevalue("without_avx512")
-    portable = [products_and_rows(ggml_type, b) for b in (1, 5)]
+    portable = [products_and_rows(ggml_type, b) for b in sizes]
     for (got, _, rows), (ref, _, ref_rows) in zip(native, portable, strict=True):
         assert np.array_equal(got, ref) and np.array_equal(rows, ref_rows)
+
+
+@pytest.mark.parametrize("ggml_type", sorted(cpu_kernels.ROW_DOTS), ids=type_name)
+@pytest.mark.parametrize("n, k", [(37, 1536), (9, 256)])
+def test_a_types_one_row_product_is_the_dequantized_product(ggml_type, n, k):
+    """The one-row products that rearrange the sum (compiled natively, AVX-512 where this CPU has it): several
+    blocks a row, rows split unevenly over the threads, within float32 rounding of float64 on gguf's values."""
+    raw, w = random_rows(ggml_type, n, k, seed=6)
+    for seed in (7, 8):
+        x = np.random.default_rng(seed).standard_normal((1, k)).astype(np.float32)
+        got = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
+        want = x.astype(np.float64) @ w.T.astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
 
 
 def test_supported_needs_whole_blocks():
