@@ -177,6 +177,43 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
   float m = 0; for (int i = 0; i < 8; i++) m += mins[i];
   return hsum(acc) - m;
 }""",
+    # Q6_K: the same lanes over a half-block's 64 bytes of low 4 bits; each lane's 2 high bits from qh (its 32 bytes
+    # in both halves of a vector) by a shift per lane, looked up in a table of 16 (h & 3) - 32; the 4 lanes of a
+    # quarter share a scale. Cache-hot, one thread: 1.13-1.23x the group-by-group decoder.
+    14: r"""#define ROW_DOT
+typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
+#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
+static const f16v THI = {-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16};
+static inline void prep_x(const float* restrict x, float* restrict xp, float* restrict xs, int nb) {
+  static const int at[16] = {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60};
+  for (int c = 0; c < 2 * nb; c++)  /* lane l, nibble m of half c: byte 4 l + m / 2 of ql's 64 */
+    _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m++)
+      _Pragma("clang loop unroll(full)") for (int l = 0; l < 16; l++)
+        xp[128 * c + 16 * m + l] = x[128 * c + 64 * (m & 1) + m / 2 + at[l]];
+}
+#define HALF(h) { \
+  u32x16 q; __builtin_memcpy(&q, b + 64 * h, 64); \
+  u32x8 h8; __builtin_memcpy(&h8, b + 128 + 32 * h, 32); \
+  u32x16 hb = __builtin_shufflevector(h8, h8, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7); \
+  const float* p = xp + 256 * j + 128 * h; \
+  f16v e = 0, o = 0; \
+  _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m += 2) { \
+    u32x16 at = (u32x16){0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2} + 4 * m; \
+    e += (LOOK(FIOTA, (i32x16)(q >> (4 * m))) + LOOK(THI, (i32x16)(hb >> at))) * f_at(p + 16 * m); \
+    o += (LOOK(FIOTA, (i32x16)(q >> (4 * m + 4))) + LOOK(THI, (i32x16)(hb >> (at + 4)))) * f_at(p + 16 * m + 16); } \
+  acc += e * SPLAT4(sf, 8 * h, 8 * h + 1, 8 * h + 2, 8 * h + 3) \
+       + o * SPLAT4(sf, 8 * h + 4, 8 * h + 5, 8 * h + 6, 8 * h + 7); }
+static inline float row_dot(const unsigned char* restrict row, const float* restrict xp, const float* restrict xs,
+                            int nb) {
+  f16v acc = 0;
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + 210 * j;
+    i8x16 sc; __builtin_memcpy(&sc, b + 192, 16);
+    f16v sf = __builtin_convertvector(sc, f16v) * half_at(b + 208);
+    HALF(0) HALF(1)
+  }
+  return hsum(acc);
+}""",
 }
 
 # out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads, ROWS rows decoded
@@ -268,7 +305,8 @@ def source(template: str, ggml_type: int, k: int, name: str) -> str:
         decoder = (f"#if defined(__AVX512F__)\n#define LOOK __builtin_ia32_permvarsf512\n{LOOKUPS[ggml_type]}\n"
                    f"#else\n{decoder}\n#endif")
     if ggml_type in ROW_DOTS:
-        decoder += f"\n#if defined(__AVX512F__)\n{ROW_DOTS[ggml_type]}\n#endif"
+        decoder += (f"\n#if defined(__AVX512F__)\n#define LOOK __builtin_ia32_permvarsf512\n{ROW_DOTS[ggml_type]}"
+                    f"\n#endif")
     return HEADER + decoder + body.replace("NAME", name)
 
 
