@@ -54,6 +54,22 @@ def test_argmax_rejects_empty_and_all_nan(logits: list[float]) -> None:
         argmax_sample(logits)
 
 
+def test_argmax_of_a_large_float32_vocabulary_equals_the_masked_argmax() -> None:
+    """The one-pass path (no NaN) and the masked one (NaN before, after or at the max; ties) against numpy's argmax
+    of the float64 logits with NaN as -inf."""
+    rng = np.random.default_rng(0)
+    for case in range(40):
+        x = rng.standard_normal(128_256).astype(np.float32)
+        if case % 4 == 1:
+            x[rng.integers(0, x.size, 3)] = np.nan
+        if case % 4 == 2:
+            x[rng.integers(0, x.size, 5)] = x.max()  # ties with the max
+        if case % 4 == 3:
+            x[int(np.argmax(x))] = np.nan
+        ref = np.where(np.isnan(x), -np.inf, x.astype(np.float64))
+        assert argmax_sample(x) == int(np.argmax(ref))
+
+
 def test_argmax_rejects_a_2d_array() -> None:
     with pytest.raises(ValueError, match="1-D"):
         argmax_sample(np.zeros((2, 3)))

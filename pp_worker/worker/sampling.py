@@ -27,7 +27,14 @@ def _as_logits(logits: Sequence[float] | np.ndarray) -> np.ndarray:
 
 
 def argmax_sample(logits: Sequence[float] | np.ndarray) -> int:
-    """Index of the largest logit; ties -> lowest index; NaN counts as -inf. ValueError if empty or all NaN."""
+    """Index of the largest logit; ties -> lowest index; NaN counts as -inf. ValueError if empty or all NaN.
+
+    One pass over the logits as they come (float32 from an engine): np.argmax returns the first NaN if there is
+    one, so a non-NaN answer is the answer. Only logits holding a NaN pay for the copy that masks it (a 128K
+    vocabulary: ~8 us against ~1 ms for the copy, the mask and the argmax)."""
+    x = np.asarray(logits)
+    if x.ndim == 1 and x.size and x.dtype.kind == "f" and not np.isnan(x[i := int(np.argmax(x))]):
+        return i
     x = _as_logits(logits)
     if np.isnan(x).all():
         raise ValueError("all logits are NaN")
@@ -50,6 +57,11 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether a logit bias or a repetition penalty changes the logits before any choice."""
+        return bool(self.logit_bias) or (self.repetition_penalty != 1.0 and bool(self.recent_tokens))
 
 
 def _bias(x: np.ndarray, params: SamplingParams) -> np.ndarray:
@@ -105,7 +117,7 @@ def distribution(logits: Sequence[float] | np.ndarray, params: SamplingParams) -
 
 def sample(logits: np.ndarray, params: SamplingParams | None, step_key: int = 0) -> int:
     """Next token id. ``step_key`` (e.g. the position) varies the draw between steps of one seeded request."""
-    if params is None:
+    if params is None or (params.greedy and not params.adjusts_logits):
         return argmax_sample(logits)
     ids, p = distribution(logits, params)
     if ids.size == 1:  # greedy, or the filters left one token: no random draw needed
