@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pp_worker.worker import sampling
 from pp_worker.worker.sampling import SamplingParams, argmax_sample, distribution, sample
 
 LN2, LN4 = math.log(2), math.log(4)
@@ -182,6 +183,21 @@ def test_top_p_stops_at_a_prefix_whose_mass_equals_top_p() -> None:
 )
 def test_min_p_drops_tokens_below_a_fraction_of_the_max(min_p: float, want: dict[int, float]) -> None:
     assert_probs(probs_of(P3, SamplingParams(temperature=1.0, min_p=min_p)), want)
+
+
+@pytest.mark.parametrize("spread", [0.05, 1.0, 8.0])  # flat (the whole vocabulary's sort) to peaked (one round)
+def test_top_p_prefix_is_the_full_sorts_prefix(spread: float) -> None:
+    """The prefix found by sorting the best few first equals the one a full stable sort gives, ties included."""
+    rng = np.random.default_rng(int(spread * 100))
+    for _ in range(5):
+        xs = np.round(rng.standard_normal(40_000) * spread, 2)  # rounded: many ties
+        p = np.exp(xs - xs.max())
+        p /= p.sum()
+        order = np.argsort(-xs, kind="stable")
+        mass = np.cumsum(p[order])
+        for top_p in (0.05, 0.5, 0.9, 0.999):
+            want = order[:int(np.searchsorted(mass, top_p)) + 1]
+            assert np.array_equal(sampling._top_p_prefix(xs, p, top_p), want)
 
 
 def test_top_p_runs_before_min_p() -> None:
