@@ -39,9 +39,15 @@ def _replays(graph_on: bool) -> tuple[list[np.ndarray], list[type]]:
     step, pos = _step_fn(weight)
     jit = TinyJit(step)
     outs = []
-    for i in range(8):  # captures on the second call, then replays, alternating the caches and moving positions
+    # captures on the second call, then replays: alternating the caches, one cache twice in a row (the table keeps
+    # its addresses), and a cache freed and replaced by a new one (which may take the freed memory's address)
+    for i, which in enumerate((0, 1, 0, 1, 1, 0, 0, 1, "new", 1, "new")):
+        if which == "new":  # the old one freed first, so its memory is free to take
+            caches.pop(0)
+            caches.insert(0, Tensor.zeros(16, 64).contiguous().realize())
+            which = 0
         x = Tensor(rng.standard_normal((1, 64)).astype(np.float32)).realize()
-        outs.append(jit(x, caches[i % 2], pos.bind(i // 2)).numpy().copy())
+        outs.append(jit(x, caches[which], pos.bind(i // 2)).numpy().copy())
     outs += [c.numpy() for c in caches]
     graphs = [type(graph_cache[c.src[0]]) for c in jit.captured.linear.src if c.src[0] in graph_cache]
     return outs, graphs
@@ -55,6 +61,18 @@ def test_native_replays_are_bit_identical_to_tinygrads_graph():
     assert got_graphs and all(g is NativeGraph for g in got_graphs)
     assert want_graphs and not any(g is NativeGraph for g in want_graphs)
     assert all(np.array_equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_same_objects_never_takes_a_new_object_for_a_freed_one():
+    class Obj:
+        pass
+
+    a, b = Obj(), Obj()
+    refs = [cpu_graph.weakref.ref(a), cpu_graph.weakref.ref(b)]
+    assert cpu_graph.same_objects([a, b], refs) and not cpu_graph.same_objects([b, a], refs)
+    assert not cpu_graph.same_objects([a], refs)
+    del a
+    assert not any(cpu_graph.same_objects([Obj(), b], refs) for _ in range(100))  # ids get reused; refs do not
 
 
 def test_a_stage_decodes_the_same_bits_with_either_graph(tmp_path):

@@ -23,7 +23,8 @@ import platform
 import sys
 import threading
 import time
-from collections.abc import Iterator
+import weakref
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -149,6 +150,12 @@ def _runner(device: str) -> Runner:
     return Runner(device, min(2, CPU_COUNT.value))
 
 
+def same_objects(objs: Sequence[Any], refs: list[weakref.ref[Any]]) -> bool:
+    """Whether ``objs`` are the very objects ``refs`` point to, in order. A weak reference is never alive for an
+    object that was freed, so an object made since at the same address cannot pass for it (as an id could)."""
+    return len(objs) == len(refs) and all(r() is o for o, r in zip(objs, refs, strict=True))
+
+
 class Table:
     """Rows ready to run (kernel address, threads, argument count, core_id's index, arguments) and what changes per
     call: input buffers' addresses (a session's KV cache) and bound variables (positions). ``keep``: what the rows
@@ -166,12 +173,14 @@ class Table:
         self._vars = sorted({name for _, _, name in var_slots})
         self._var_at = tuple(np.array([x[i] for x in var_slots], np.intp) for i in (0, 1))
         self._var_of = np.array([self._vars.index(name) for _, _, name in var_slots], np.intp)
+        self._written: list[weakref.ref[UOp]] = []  # the inputs whose addresses the table holds (see same_objects)
 
     def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
         table = self.table
-        if self.input_slots:
+        if self.input_slots and not same_objects(input_uops, self._written):  # else the addresses are written
             addresses = np.array([input_uops[i].buffer._buf.va_addr for i in self._inputs], np.int64)
             table[self._in_at] = addresses[self._in_of]
+            self._written = [weakref.ref(u) for u in input_uops]
         if self.var_slots:
             table[self._var_at] = np.array([var_vals[name] for name in self._vars], np.int64)[self._var_of]
         settle(Device[self.device])  # whatever tinygrad queued before this replay runs first

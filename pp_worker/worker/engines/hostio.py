@@ -57,22 +57,25 @@ def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None
     return t
 
 
-_TIMELINES: dict[int, tuple[Any, np.ndarray]] = {}  # id(device) -> (its timeline signal, a view of its value)
+_TIMELINES: dict[int, tuple[Any, Any]] = {}  # id(device) -> (its timeline signal, a view of its value or None)
 
 
 def settle(dev: Any) -> None:
     """``dev.synchronize()``, without its Python (~10 us) when a CPU device has nothing queued, as between a stage's
     native replays (which run to completion): tinygrad counts a device's finished work in its timeline signal, read
-    here through a view made once. Any other device, or work still queued: the full synchronize."""
+    here through a view made once (None: not a CPU device). Any other device, or work still queued: the full
+    synchronize."""
     signal = getattr(dev, "timeline_signal", None)
-    if signal is not None and getattr(dev, "error_state", None) is None and getattr(dev, "_is_cpu", bool)():
-        known = _TIMELINES.get(id(dev))
-        if known is None or known[0] is not signal:
+    known = _TIMELINES.get(id(dev))
+    if known is None or known[0] is not signal:
+        view = None
+        if signal is not None and getattr(dev, "_is_cpu", bool)():
             from tinygrad.helpers import to_mv
 
-            known = _TIMELINES[id(dev)] = (signal, np.frombuffer(to_mv(signal.value_addr, 8), np.uint64))
-        if int(known[1][0]) >= dev.timeline_value - 1:
-            return
+            view = np.frombuffer(to_mv(signal.value_addr, 8), np.uint64)
+        known = _TIMELINES[id(dev)] = (signal, view)
+    if known[1] is not None and dev.error_state is None and int(known[1][0]) >= dev.timeline_value - 1:
+        return
     dev.synchronize()
 
 

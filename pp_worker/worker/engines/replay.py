@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +35,7 @@ from tinygrad.engine.realize import graph_cache
 from tinygrad.uop.ops import Ops
 
 from pp_worker.worker.engines import jitcache
-from pp_worker.worker.engines.cpu_graph import NativeGraph, Table
+from pp_worker.worker.engines.cpu_graph import NativeGraph, Table, same_objects
 from pp_worker.worker.engines.hostio import return_freed_heap
 
 
@@ -52,6 +53,7 @@ class Replay:
         self.jit.cnt = 1  # capture at the first call: tinygrad would run it eagerly first (see the module docstring)
         self.direct: bool | None = None  # None: not checked yet; then whether replays skip the preparation
         self._signature: list[Signature] = []  # the checked call's arguments: a call unlike it takes tinygrad's path
+        self._checked: list[weakref.ref[UOp]] = []  # the arguments of the last call `replay` checked
         self.native: list[Table] | None = None  # the tables of every captured call, when they are all native
         self.ret: Tensor | None = None  # what the JIT returns (its output buffer), kept when the capture is dropped
 
@@ -81,9 +83,14 @@ class Replay:
         """A native replay given the argument tensors (in `_tensors`' order) and the variables' values, with no
         bound variables to make (~30 us a call); None where that does not apply (not captured natively yet, or
         arguments unlike the checked call's): call the Replay instead."""
-        if self.native is None or list(map(_signature, tensors)) != self._signature:
+        if self.native is None:
             return None
-        inputs = tuple(t.uop.base for t in tensors)
+        uops = [t.uop for t in tensors]
+        if not same_objects(uops, self._checked):  # the last checked call's arguments again: nothing to check
+            if list(map(_signature, tensors)) != self._signature:
+                return None
+            self._checked = [weakref.ref(u) for u in uops]  # weak: a released session's cache is not kept alive
+        inputs = tuple(u.base for u in uops)
         for runner in self.native:
             runner(inputs, values)
         return self.ret
