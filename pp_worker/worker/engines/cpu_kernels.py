@@ -140,15 +140,18 @@ LOOKUPS: dict[int, str] = {
   for (int h = 0; h < 2; h++) { i32x16 v = i32_at(q + 16 * h); w[h] = LOOK(t, g & 1 ? v >> 4 : v); } }""",
 }
 
-# One row of x with AVX-512, Q4_K: a 64-byte half of a block's nibbles read as 16 int32 lanes of 8 nibbles each, and
-# nibble m of all 16 lanes looked up at once (vpermps reads only an index's low 4 bits: a shift per 16 values, no
-# widening load). Lanes 0-7 hold values of one group and lanes 8-15 of another, so the lookup is of q itself, a
+# One row of x with AVX-512, Q4_K and Q5_K: a 64-byte half of a block's nibbles read as 16 int32 lanes of 8 nibbles
+# each, and nibble m of all 16 lanes looked up at once (vpermps reads only an index's low 4 bits: a shift per 16
+# values, no widening load); Q5_K's fifth bits shifted out of qh (its 32 bytes in both halves of a vector) per lane,
+# and looked up too. Lanes 0-7 hold values of one group and lanes 8-15 of another, so the lookup is of q itself, a
 # group's scale multiplies its sum (d * sum(q x)) and its min x's group sum (dmin * m * sum(x)): the dequantized
 # product rearranged, exact to float32 rounding. x is put in the lanes' order once per call (xp), its group sums
-# with it (xs). Cache-hot, one thread, 512 rows: 1.3-1.6x the group-by-group lookup (bench/NOTES.md).
-ROW_DOTS: dict[int, str] = {
-    12: r"""#define ROW_DOT
+# with it (xs). Cache-hot, one thread, 512 rows: Q4_K 1.3-1.5x the group-by-group lookup, Q5_K 1.1-1.2x its
+# decoder (bench/NOTES.md).
+K4_LANES = r"""#define ROW_DOT
 #define SPLAT2(v, a, c) __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
+typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
+static const f16v TB = {0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16};  /* a fifth bit's value */
 static inline void prep_x(const float* restrict x, float* restrict xp, float* restrict xs, int nb) {
   static const int at[16] = {0, 4, 8, 12, 16, 20, 24, 28, 64, 68, 72, 76, 80, 84, 88, 92};
   for (int g = 0; g < 8 * nb; g++) xs[g] = hsum(f_at(x + 32 * g) + f_at(x + 32 * g + 16));
@@ -158,25 +161,36 @@ static inline void prep_x(const float* restrict x, float* restrict xp, float* re
         xp[128 * c + 16 * m + l] = x[128 * c + 32 * (m & 1) + m / 2 + at[l]];
 }
 #define HALF(h) { \
-  u32x16 q; __builtin_memcpy(&q, b + 16 + 64 * h, 64); \
+  u32x16 q; __builtin_memcpy(&q, b + QS + 64 * h, 64); \
   const float* p = xp + 256 * j + 128 * h; \
-  f16v e = LOOK(FIOTA, (i32x16)q) * f_at(p), o = LOOK(FIOTA, (i32x16)(q >> 4)) * f_at(p + 16); \
-  _Pragma("clang loop unroll(full)") for (int m = 2; m < 8; m += 2) { \
-    e += LOOK(FIOTA, (i32x16)(q >> (4 * m))) * f_at(p + 16 * m); \
-    o += LOOK(FIOTA, (i32x16)(q >> (4 * m + 4))) * f_at(p + 16 * m + 16); } \
+  f16v e = 0, o = 0; \
+  _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m += 2) { \
+    e += (LOOK(FIOTA, (i32x16)(q >> (4 * m))) HIGH(h, m)) * f_at(p + 16 * m); \
+    o += (LOOK(FIOTA, (i32x16)(q >> (4 * m + 4))) HIGH(h, m + 1)) * f_at(p + 16 * m + 16); } \
   acc += e * SPLAT2(ds, 4 * h, 4 * h + 2) + o * SPLAT2(ds, 4 * h + 1, 4 * h + 3); }
 static inline float row_dot(const unsigned char* restrict row, const float* restrict xp, const float* restrict xs,
                             int nb) {
   f16v acc = 0; f8v mins = 0;
   for (int j = 0; j < nb; j++) {
-    const unsigned char* b = row + 144 * j;
+    const unsigned char* b = row + BLOCK * j;
     f8v ds, dm, s; scale_min(b, &ds, &dm); __builtin_memcpy(&s, xs + 8 * j, 32);
     mins += dm * s;
+    HIGH_BITS
     HALF(0) HALF(1)
   }
   float m = 0; for (int i = 0; i < 8; i++) m += mins[i];
   return hsum(acc) - m;
-}""",
+}"""
+ROW_DOTS: dict[int, str] = {
+    12: "#define QS 16\n#define BLOCK 144\n#define HIGH_BITS\n#define HIGH(h, m)\n" + K4_LANES,
+    # Q5_K: value m of lane l in half h is bit 8 (m / 2) + 4 h + (m & 1) (+ 2 in lanes 8-15) of qh's int32 l % 8
+    13: r"""#define QS 48
+#define BLOCK 176
+#define HIGH_BITS u32x8 h8; __builtin_memcpy(&h8, b + 16, 32); \
+  u32x16 hb = __builtin_shufflevector(h8, h8, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
+#define HIGH(h, m) + LOOK(TB, (i32x16)(hb >> ((u32x16){0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2} \
+  + (8 * ((m) / 2) + 4 * (h) + ((m) & 1)))))
+""" + K4_LANES,
     # Q6_K: the same lanes over a half-block's 64 bytes of low 4 bits; each lane's 2 high bits from qh (its 32 bytes
     # in both halves of a vector) by a shift per lane, looked up in a table of 16 (h & 3) - 32; the 4 lanes of a
     # quarter share a scale. Cache-hot, one thread: 1.13-1.23x the group-by-group decoder.
