@@ -64,6 +64,23 @@ def _run(w: StageWeights, decode_steps: int = 4) -> tuple[CompiledStage, list[np
     return stage, outs
 
 
+def test_a_stage_loads_without_initialising_weights_it_replaces(models, monkeypatch):
+    """tinygrad's nn.Linear starts from random weights (a threefry graph per matrix, ~70% of a small stage's load);
+    the loader's blocks never make them, and every projection a block has is one of the file's matrices."""
+    from tinygrad import nn
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a random initialisation while loading")
+
+    monkeypatch.setattr(Tensor, "uniform", refuse)
+    tinygrads = nn.Linear
+    w = load_stage(str(models["Q8_0"]), 0, 2, MAX_CONTEXT)
+    assert nn.Linear is tinygrads  # tinygrad's own again once the blocks are made
+    for block in w.blocks:
+        assert not any(isinstance(v, nn.Linear) for v in vars(block).values())
+        assert sum(isinstance(v, Linear) for v in vars(block).values()) == 7
+
+
 def test_the_cpu_runs_the_c_kernels_and_other_devices_tinygrads():
     assert default_kernels("CPU") == default_kernels("CPU:LLVM") == "c"
     assert default_kernels("CUDA") == default_kernels("NV") == default_kernels("METAL") == "tinygrad"

@@ -26,7 +26,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
@@ -41,11 +41,12 @@ from pp_worker.worker.shard import Shard
 if TYPE_CHECKING:
     from tinygrad import Tensor, nn
     from tinygrad.dtype import DType
-    from tinygrad.llm.model import TransformerConfig
+    from tinygrad.llm.model import TransformerBlock, TransformerConfig
 
     from pp_worker.worker.engines.kvcache import CacheBlock
     from pp_worker.worker.engines.weights import Embedding, Linear, PackedWeight
 
+B = TypeVar("B", bound="TransformerBlock")
 CONTEXT_CAP = 4096
 GGML_F32, GGML_F16 = 0, 1  # ggml type ids of float32 and float16 data
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # plain attention + dense FFN, tinygrad's TransformerBlock
@@ -277,6 +278,26 @@ def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
     return np.concatenate([w[:, :keep], roped], axis=1).reshape(n * hd, d)
 
 
+def unweighted_block(cls: type[B], config: TransformerConfig) -> B:
+    """A block of class ``cls`` (tinygrad's TransformerBlock or a subclass) whose projections have shapes but no
+    values yet. tinygrad's ``nn.Linear`` starts from ``Tensor.uniform``, whose threefry graph takes ~15-25 ms a
+    matrix to build: 70% of loading the bench model's stage, seconds on a 32-block stage, all for weights the
+    loader replaces. While the block is made, ``nn.Linear`` is a subclass whose weight is ``Tensor.empty``
+    (nothing allocated); nothing else is made then (the loader runs on one thread)."""
+    from tinygrad import Tensor, nn
+
+    class ShapedLinear(nn.Linear):
+        def __init__(self, in_features: int, out_features: int, bias: bool = True):
+            self.weight = Tensor.empty(out_features, in_features)
+            self.bias = Tensor.empty(out_features) if bias else None
+
+    real, nn.Linear = nn.Linear, ShapedLinear  # type: ignore[misc]
+    try:
+        return cls(config)
+    finally:
+        nn.Linear = real  # type: ignore[misc]
+
+
 def load_block(source: TensorSource, config: TransformerConfig, i: int) -> CacheBlock:
     """Block ``i`` (absolute index, ``blk.{i}.*`` in the file), each weight in its own realized buffer; its
     projections are `weights.Linear` over matrices as `TensorSource.matrix` holds them."""
@@ -285,7 +306,7 @@ def load_block(source: TensorSource, config: TransformerConfig, i: int) -> Cache
     from pp_worker.worker.engines.kvcache import CacheBlock
     from pp_worker.worker.engines.weights import Linear
 
-    block = CacheBlock(config)
+    block = unweighted_block(CacheBlock, config)
     heads: dict[str, tuple[int, int]] = {}
     if source.header.kv["general.architecture"] == "llama":
         heads = {"attn_q": (config.n_heads, config.head_dim - config.rope_dim), "attn_k": (config.n_kv_heads, 0)}
