@@ -31,7 +31,7 @@ class QuantPlan:
     # together (~0.5 s a round), and the median of many rounds' ratios is steady (bench/NOTES.md)
     decode: int = 32
     rounds: int = 24
-    load_rounds: int = 5
+    load_rounds: int = 9  # a load is ~0.2 s of fixed costs (imports, tokenizer, device): the bytes are a few ms
     prefill_reps: int = 3
     rss_preset: str = "rss"
     rss_dtypes: tuple[str, ...] = ("Q8_0", "Q4_0", "Q4_K_M")
@@ -68,10 +68,13 @@ def measure(plan: QuantPlan, prompts: dict[str, list[str]], decode_ids: list[int
 
 def _load_rounds(files: dict[str, Path], rounds: int) -> dict[str, list[float]]:
     """The load of a 2-stage pipeline (PP_WARMUP off): the slower stage's own load time (its ready line's
-    ``load_ms``: header, tokenizer, tensors), starts taken in turn."""
+    ``load_ms``: header, tokenizer, tensors), starts taken in turn, each round starting with the next file (so no
+    file always follows the same one)."""
     out: dict[str, list[float]] = {dt: [] for dt in files}
+    names = list(files)
     for r in range(rounds):
-        for dt, f in files.items():
+        for dt in names[r % len(names):] + names[:r % len(names)]:
+            f = files[dt]
             say(f"quantized files: load round {r + 1} of {rounds}, {dt}")
             with pipe.start(f, 2, {"PP_WARMUP": "0"}) as p:
                 out[dt].append(max((st.ready or {}).get("load_ms", 0) for st in p.stages) / 1000)
