@@ -60,6 +60,9 @@ typedef int i32x16 __attribute__((ext_vector_type(16)));
 static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
 static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#if defined(__AVX512F__)
+#define LOOK __builtin_ia32_permvarsf512  /* 16 floats: out[i] = t[idx[i] & 15] (vpermps) */
+#endif
 """
 
 # Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins (ggml's get_scale_min_k4), all 8 at once as vectors:
@@ -337,12 +340,10 @@ def source(template: str, ggml_type: int, k: int, name: str) -> str:
     body = template % {"k": k, "rows": ROWS, "qk": qk, "bb": bb}
     decoder = DECODERS[ggml_type]
     if ggml_type in LOOKUPS:  # AVX-512 where the compiler targets it, else the portable decoder
-        decoder = (f"#if defined(__AVX512F__)\n#define LOOK __builtin_ia32_permvarsf512\n{LOOKUPS[ggml_type]}\n"
-                   f"#else\n{decoder}\n#endif")
+        decoder = f"#if defined(__AVX512F__)\n{LOOKUPS[ggml_type]}\n#else\n{decoder}\n#endif"
     if ggml_type in ROW_DOTS:
         avx512, row = ROW_DOTS[ggml_type]
-        decoder += (f"\n#if defined(__AVX512F__)\n#define LOOK __builtin_ia32_permvarsf512\n{row}\n#endif" if avx512
-                    else f"\n{row}")
+        decoder += f"\n#if defined(__AVX512F__)\n{row}\n#endif" if avx512 else f"\n{row}"
     return HEADER + decoder + body.replace("NAME", name)
 
 
