@@ -155,13 +155,15 @@ K4_LANES = r"""#define ROW_DOT
 #define SPLAT2(v, a, c) __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
 typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
 static const f16v TB = {0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16};  /* a fifth bit's value */
-static inline void prep_x(const float* restrict x, float* restrict xp, float* restrict xs, int nb) {
+static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
+                                  int nb) {
   static const int at[16] = {0, 4, 8, 12, 16, 20, 24, 28, 64, 68, 72, 76, 80, 84, 88, 92};
   for (int g = 0; g < 8 * nb; g++) xs[g] = hsum(f_at(x + 32 * g) + f_at(x + 32 * g + 16));
   for (int c = 0; c < 2 * nb; c++)  /* lane l, nibble m of half c: byte 4 l + m / 2 of its 64, low nibble if m even */
     _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m++)
       _Pragma("clang loop unroll(full)") for (int l = 0; l < 16; l++)
         xp[128 * c + 16 * m + l] = x[128 * c + 32 * (m & 1) + m / 2 + at[l]];
+  return xp;
 }
 #define HALF(h) { \
   u32x16 q; __builtin_memcpy(&q, b + QS + 64 * h, 64); \
@@ -185,8 +187,9 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
   return hsum(acc) - m;
 }"""
 Q8_0_ROW = r"""#define ROW_DOT
-static inline void prep_x(const float* restrict x, float* restrict xp, float* restrict xs, int nb) {
-  for (int i = 0; i < 32 * nb; i += 16) __builtin_memcpy(xp + i, x + i, 64); }  /* x as it is */
+static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
+                                  int nb) {
+  return x; }  /* read as it is */
 static inline f16v block_dot(const unsigned char* b, const float* x) {
   i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
   return half_at(b) * (__builtin_convertvector(q0, f16v) * f_at(x) + __builtin_convertvector(q1, f16v) * f_at(x + 16));
@@ -222,12 +225,14 @@ ROW_DOTS: dict[int, tuple[bool, str]] = {
 typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
 #define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
 static const f16v THI = {-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16};
-static inline void prep_x(const float* restrict x, float* restrict xp, float* restrict xs, int nb) {
+static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
+                                  int nb) {
   static const int at[16] = {0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60};
   for (int c = 0; c < 2 * nb; c++)  /* lane l, nibble m of half c: byte 4 l + m / 2 of ql's 64 */
     _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m++)
       _Pragma("clang loop unroll(full)") for (int l = 0; l < 16; l++)
         xp[128 * c + 16 * m + l] = x[128 * c + 64 * (m & 1) + m / 2 + at[l]];
+  return xp;
 }
 #define HALF(h) { \
   u32x16 q; __builtin_memcpy(&q, b + 64 * h, 64); \
@@ -264,10 +269,10 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
   const int N = dims[0], B = dims[1], T = dims[2];
   int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
   if (B == 1) {  /* one row of x: each block decoded into registers and used at once */
-#ifdef ROW_DOT  /* or the type's own one-row product (ROW_DOTS), x prepared once per call */
+#ifdef ROW_DOT  /* or the type's own one-row product (ROW_DOTS), x prepared once per call (into xp, or as it is) */
     float xp[K] __attribute__((aligned(64))), xs[K / 32];
-    prep_x(x, xp, xs, NB);
-    for (int n = n0; n < n1; n++) out[n] = row_dot(w + (long)n * NB * BB, xp, xs, NB);
+    const float* xr = prep_x(x, xp, xs, NB);
+    for (int n = n0; n < n1; n++) out[n] = row_dot(w + (long)n * NB * BB, xr, xs, NB);
 #else
     for (int n = n0; n < n1; n++) {
       const unsigned char* row = w + (long)n * NB * BB;
