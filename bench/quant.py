@@ -47,8 +47,9 @@ def measure(plan: QuantPlan, prompts: dict[str, list[str]], decode_ids: list[int
     """Section 9 (see the module docstring); ``prompts`` as `bench.run.Bench` builds them, ``prefill`` the
     (token count, text) of the long prompt."""
     files = {dt: models.ensure_model(plan.preset, dtype=dt) for dt in plan.dtypes}
-    out: dict[str, Any] = {"file_bytes": {dt: f.stat().st_size for dt, f in files.items()},
-                           "load_s": _load_rounds(files, plan.load_rounds), "prefill_tokens": prefill[0]}
+    load_s, ready_s = _load_rounds(files, plan.load_rounds)
+    out: dict[str, Any] = {"file_bytes": {dt: f.stat().st_size for dt, f in files.items()}, "load_s": load_s,
+                           "ready_s": ready_s, "prefill_tokens": prefill[0]}
     with contextlib.ExitStack() as stack:
         pipes = {dt: stack.enter_context(pipe.start(f, 2)) for dt, f in files.items()}
         peers = _peers(stack, files, plan, decode_ids, max_context)
@@ -66,19 +67,23 @@ def measure(plan: QuantPlan, prompts: dict[str, list[str]], decode_ids: list[int
     return out
 
 
-def _load_rounds(files: dict[str, Path], rounds: int) -> dict[str, list[float]]:
-    """The load of a 2-stage pipeline (PP_WARMUP off): the slower stage's own load time (its ready line's
-    ``load_ms``: header, tokenizer, tensors), starts taken in turn, each round starting with the next file (so no
-    file always follows the same one)."""
-    out: dict[str, list[float]] = {dt: [] for dt in files}
+def _load_rounds(files: dict[str, Path], rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """The load of a 2-stage pipeline (PP_WARMUP off), starts taken in turn, each round starting with the next file
+    (so no file always follows the same one): the slower stage's own load time (its ready line's ``load_ms``:
+    header, tokenizer, tensors), and its time from process start to ready (``uptime_ms``: imports and the device
+    too, the same for every file)."""
+    load: dict[str, list[float]] = {dt: [] for dt in files}
+    ready: dict[str, list[float]] = {dt: [] for dt in files}
     names = list(files)
     for r in range(rounds):
         for dt in names[r % len(names):] + names[:r % len(names)]:
             f = files[dt]
             say(f"quantized files: load round {r + 1} of {rounds}, {dt}")
             with pipe.start(f, 2, {"PP_WARMUP": "0"}) as p:
-                out[dt].append(max((st.ready or {}).get("load_ms", 0) for st in p.stages) / 1000)
-    return out
+                lines = [st.ready or {} for st in p.stages]
+                load[dt].append(max(line.get("load_ms", 0) for line in lines) / 1000)
+                ready[dt].append(max(line.get("uptime_ms", 0) for line in lines) / 1000)
+    return load, ready
 
 
 def _peers(stack: contextlib.ExitStack, files: dict[str, Path], plan: QuantPlan, ids: list[int],

@@ -337,9 +337,11 @@ def _quant_prefill_and_load(q: dict[str, Any]) -> list[Row]:
                             note="the F16 file's time over this file's"))
     for dt, times in q["load_s"].items():
         t = statistics.median(times)
+        ready = q.get("ready_s", {}).get(dt)
         rows.append(Row(S9, f"{dt}: load, the slower of 2 stages", t, "s",
                         note=f"ready line load_ms (header, tokenizer, tensors); median of {len(times)} starts taken in "
-                             "turn with the other files'"))
+                             "turn with the other files'"
+                             + (f"; process start to ready {statistics.median(ready):.2f} s" if ready else "")))
         if dt != "F16":
             rows.append(Row(S9, f"  {dt} / F16 load time", ratio(t, f16_load), "x", 1.0, at_most=True))
     return rows

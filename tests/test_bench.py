@@ -129,6 +129,7 @@ def fake_raw() -> dict:
                   "rounds": [{"pp2 F16": 100.0, "pp2 Q8_0": 150.0, "llama.cpp F16": 180.0},
                              {"pp2 F16": 100.0, "pp2 Q8_0": 130.0, "llama.cpp F16": 220.0}],
                   "prefill_s": {"F16": [1.0, 1.2], "Q8_0": [1.5, 1.4]}, "load_s": {"F16": [2.0], "Q8_0": [1.9]},
+                  "ready_s": {"F16": [2.5, 2.7, 2.6], "Q8_0": [2.4]},
                   "peak_rss_mb": {"F16": [200.0, 201.0], "Q8_0": [150.0, 151.0]}, "peer_info": {"F16": "AVX2"}},
         "qrss": {"max_context": 64, "Q4_0": {"file_bytes": 100 << 20, "idle": {"peak_rss_mb": 140.0},
                                              "pp2": {"file_share": [50 << 20, 50 << 20], "kv": [1 << 20, 1 << 20],
@@ -171,6 +172,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["Q8_0 prefill speed / F16's"].value == pytest.approx(1.1 / 1.45)  # medians: F16 1.1 s, Q8_0 1.45
     assert by_name["Q8_0 prefill speed / F16's"].verdict == "MISS"
     assert by_name["Q8_0 / F16 load time"].verdict == "PASS" and "llama.cpp one process, Q8_0 file" not in by_name
+    assert by_name["F16: load, the slower of 2 stages"].note.endswith("process start to ready 2.60 s")  # the median
     stages = [r for r in rows if r.name.startswith("Q4_0 (100 MiB file), 2 stages")]
     assert [(r.value, r.target, r.verdict) for r in stages] == [(250.0, 254.0, "PASS"), (260.0, 254.0, "MISS")]
     assert by_name["2 stages: tokens identical before the first divergence"].value == 0.75
