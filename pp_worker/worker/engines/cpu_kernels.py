@@ -190,23 +190,31 @@ Q8_0_ROW = r"""#define ROW_DOT
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
   return x; }  /* read as it is */
-static inline f16v block_dot(const unsigned char* b, const float* x) {
+static inline f16v q_dot_x(const unsigned char* b, const float* x) {  /* a block's sum of q x, not yet scaled */
   i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
-  return half_at(b) * (__builtin_convertvector(q0, f16v) * f_at(x) + __builtin_convertvector(q1, f16v) * f_at(x + 16));
+  return __builtin_convertvector(q0, f16v) * f_at(x) + __builtin_convertvector(q1, f16v) * f_at(x + 16);
 }
 static inline float row_dot(const unsigned char* restrict row, const float* restrict xp, const float* restrict xs,
                             int nb) {
-  f16v acc0 = 0, acc1 = 0; int j = 0;
-  for (; j + 1 < nb; j += 2) {
-    acc0 += block_dot(row + 34 * j, xp + 32 * j);
-    acc1 += block_dot(row + 34 * j + 34, xp + 32 * j + 32);
+  f16v acc0 = 0, acc1 = 0;
+  for (int j0 = 0; j0 < nb; j0 += 16) {  /* 16 blocks at a time: their scales first, then their sums */
+    const unsigned char* b = row + 34 * j0;
+    const float* x = xp + 32 * j0;
+    int n = nb - j0 < 16 ? nb - j0 : 16, j = 0;
+    float d[16];
+    for (int i = 0; i < n; i++) d[i] = half_at(b + 34 * i);
+    for (; j + 1 < n; j += 2) {  /* acc += d * sum in one expression: one FMA */
+      acc0 += d[j] * q_dot_x(b + 34 * j, x + 32 * j);
+      acc1 += d[j + 1] * q_dot_x(b + 34 * j + 34, x + 32 * j + 32);
+    }
+    if (j < n) acc0 += d[j] * q_dot_x(b + 34 * j, x + 32 * j);
   }
-  if (j < nb) acc0 += block_dot(row + 34 * j, xp + 32 * j);
   return hsum(acc0 + acc1);
 }"""
 # type -> (whether it needs AVX-512, its one-row product). Q8_0 (any CPU): a block's sum of q x times its scale, once,
-# in place of a multiply per value: cache-hot, one thread 1.07-1.12x; a live 2-stage pipeline on the Q8_0 bench
-# file, in turn with the per-value product, 1.10-1.14x (the stages' weights mostly in L3, where compute counts).
+# in place of a multiply per value, the scaling and the accumulation one FMA, the scales of 16 blocks converted
+# before their sums (so that a row of up to 512 values unrolls whole): cache-hot, one thread, 1.1-1.3x the
+# per-value product (bench/NOTES.md).
 ROW_DOTS: dict[int, tuple[bool, str]] = {
     8: (False, Q8_0_ROW),
     12: (True, "#define QS 16\n#define BLOCK 144\n#define HIGH_BITS\n#define HIGH(h, m)\n" + K4_LANES),
