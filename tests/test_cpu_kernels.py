@@ -110,6 +110,17 @@ def test_the_avx512_lookup_gives_the_portable_decoders_floats(ggml_type, request
 def test_a_types_one_row_product_is_the_dequantized_product(ggml_type, n, k):
     """The one-row products that rearrange the sum (compiled natively, AVX-512 where this CPU has it): several
     blocks a row, rows split unevenly over the threads, within float32 rounding of float64 on gguf's values."""
+    check_one_row(ggml_type, n, k)
+
+
+@pytest.mark.parametrize("k", [96, 800])
+def test_q8_0_one_row_product_over_partial_runs_of_blocks(k):
+    """Q8_0's one-row product takes a row's blocks 16 at a time, then two at a time: 3 blocks (a pair and one),
+    25 (16, then 9: four pairs and one)."""
+    check_one_row(8, 11, k)
+
+
+def check_one_row(ggml_type: int, n: int, k: int) -> None:
     raw, w = random_rows(ggml_type, n, k, seed=6)
     for seed in (7, 8):
         x = np.random.default_rng(seed).standard_normal((1, k)).astype(np.float32)
