@@ -4,6 +4,7 @@ KV cache), symbolic positions, multi-threaded kernels and the C kernels of engin
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import numpy as np
@@ -92,6 +93,39 @@ def test_a_stage_decodes_the_same_bits_with_either_graph(tmp_path):
     # tinygrad's record of the capture is dropped: the table, its buffers and programs are all that is kept
     assert all(r is not None and len(r) == 1 and isinstance(r[0], Table) and r[0].buffers for r in runners)
     assert tokens == want_tokens and all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
+def test_the_caller_runs_alone_until_the_helper_joins_and_the_helper_never_hangs_on():
+    """Tables back to back and after pauses (the helper spinning, asleep, or still waking when a table starts), two
+    tables to a replay: the same bits as tinygrad's graph every time; after every replay the join word names the last
+    table's generation (the caller said from which row the helper shared its parts, or that it finished alone); and
+    the helper goes back to sleep afterwards, not left waiting on a table that has ended."""
+    from gguf import GGMLQuantizationType, quants
+
+    rng = np.random.default_rng(2)
+    weights = [Tensor(quants.quantize(rng.standard_normal((512, 512)).astype(np.float32) * 0.05,
+                                      GGMLQuantizationType.Q8_0)).realize() for _ in range(4)]
+
+    def chain(x: Tensor) -> Tensor:
+        for i in range(24):  # C kernels on both threads, tinygrad's tanh on one; tinygrad cuts two tables of them
+            x = cpu_kernels.matmul(x, weights[i % 4], 8, 512, 512).tanh()
+        return x.realize()
+
+    x = Tensor(rng.standard_normal((1, 512)).astype(np.float32)).realize()
+    with cpu_graph.tinygrads_graph(Device.DEFAULT):
+        reference = TinyJit(chain)
+        want = [reference(x).numpy().copy() for _ in range(3)][-1]
+    assert cpu_graph.install(Device.DEFAULT)
+    jit, runner = TinyJit(chain), cpu_graph._runner(Device.DEFAULT)
+    state, words = runner.state, cpu_graph.STATE
+    for i in range(40):
+        time.sleep((0.0, 0.002, 0.02)[i % 3])
+        assert np.array_equal(jit(x).numpy(), want)
+        assert i < 2 or state[words["join"]] >> 24 == state[words["gen"]]  # from the capture on, tables ran
+    deadline = time.monotonic() + 5.0
+    while not state[words["sleeping"]] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert state[words["sleeping"]] == 1
 
 
 def test_a_kernel_with_more_arguments_than_a_row_runs_outside_the_table():

@@ -40,13 +40,17 @@ ROW = 4 + MAX_ARGS  # kernel address, threads, argument count, index of core_id 
 
 # The runner: the table's rows in order, each kernel's parts (core_id 0..threads-1) dealt over the runner's threads
 # (part t to thread t mod n). The calling thread is thread 0; thread 1 is a helper that waits in pp_help between
-# tables. The threads meet at a barrier after each row they share, and the helper waits at one before such a row when
-# the rows before it were the caller's alone. Waiting spins for a few microseconds, then yields the CPU (the stages of
-# a pipeline share the cores: a spinning waiter would take one from another stage's working thread); between tables
+# tables. The helper is usually asleep when a table starts and takes ~30 us to wake, so the caller does not wait for
+# it: it runs every part of each row itself until the helper says it is here (S_READY), then names the row from which
+# they share the parts (S_JOIN: generation and row; a row of JOIN_NONE when the table ended first). From there the
+# threads meet at a barrier after each row they share, and the helper waits at one before such a row when the rows
+# before it were the caller's alone. Waiting spins for a few microseconds, then yields the CPU (the stages of a
+# pipeline share the cores: a spinning waiter would take one from another stage's working thread); between tables
 # the helper sleeps in a futex. State words (int64; the futex uses the low 32 bits): the S_ names below.
 RUNNER = r"""
 typedef void (*kernel)(%(params)s);
-enum { S_GEN, S_TABLE, S_ROWS, S_THREADS, S_COUNT, S_SENSE, S_SLEEPING, S_SPIN };
+enum { S_GEN, S_TABLE, S_ROWS, S_THREADS, S_COUNT, S_SENSE, S_SLEEPING, S_SPIN, S_READY, S_JOIN };
+enum { JOIN_ROW = (1 << 24) - 1, JOIN_NONE = JOIN_ROW };  /* S_JOIN = generation << 24 | row */
 static long syscall3(long nr, long a, long b, long c) {  /* Linux x86-64; a fourth argument (r10) of 0 */
   long ret; register long d __asm__("r10") = 0;
   __asm__ volatile("syscall" : "=a"(ret) : "0"(nr), "D"(a), "S"(b), "d"(c), "r"(d) : "rcx", "r11", "memory");
@@ -64,12 +68,26 @@ static void barrier(long* s, long* sense) {
   if (__atomic_add_fetch(&s[S_COUNT], 1, __ATOMIC_SEQ_CST) == 2) { put(&s[S_COUNT], 0); put(&s[S_SENSE], *sense); }
   else wait_for(&s[S_SENSE], *sense);
 }
-static void run_rows(long* s, long tid) {
+static long joined_at(long* s, long gen) {  /* the helper: the row the caller shares from (JOIN_NONE: none) */
+  long join;
+  for (long t0 = __builtin_ia32_rdtsc(); (join = get(&s[S_JOIN])) >> 24 != gen;) {
+    if (get(&s[S_GEN]) != gen) return JOIN_NONE;  /* that table is over, and its word overwritten by a later one's */
+    if (__builtin_ia32_rdtsc() - t0 < %(spin)d) __builtin_ia32_pause(); else syscall3(24, 0, 0, 0);
+  }
+  return join & JOIN_ROW;
+}
+static void run_rows(long* s, long tid, long from) {
   long* table = (long*)get(&s[S_TABLE]);
   long rows = get(&s[S_ROWS]), n = get(&s[S_THREADS]), sense = get(&s[S_SENSE]), alone = 0;
-  for (long r = 0; r < rows; r++) {
+  long gen = get(&s[S_GEN]), joined = tid || n < 2;  /* the caller: every part itself until the helper is here */
+  for (long r = from; r < rows; r++) {
     long* row = table + r * %(row)d;
-    long threads = row[1], core = row[3], shared = n > 1 && threads > 1, a[%(max_args)d];
+    long threads = row[1], core = row[3], a[%(max_args)d];
+    if (!joined && threads > 1 && get(&s[S_READY]) == gen) {  /* the helper is here: shared from this row on */
+      put(&s[S_JOIN], gen << 24 | r);
+      joined = 1, alone = 0;
+    }
+    long shared = joined && n > 1 && threads > 1;
     if (shared && alone) barrier(s, &sense);  /* the caller's rows before this one are done */
     alone = !shared;
     if (!shared && tid) continue;
@@ -81,14 +99,15 @@ static void run_rows(long* s, long tid) {
     }
     if (shared) barrier(s, &sense);
   }
-  if (alone && n > 1) barrier(s, &sense);  /* the table ends with the caller's rows: the helper waits them out */
+  if (!joined) put(&s[S_JOIN], gen << 24 | JOIN_NONE);  /* done before the helper came: nothing left to share */
+  else if (alone && n > 1) barrier(s, &sense);  /* the table ends with the caller's rows: the helper waits them out */
 }
 """
 MAIN = r"""
 void pp_run(long* s) {  /* run the table in s[S_TABLE] as thread 0, with the helper as thread 1 */
   put(&s[S_GEN], get(&s[S_GEN]) + 1);
   if (get(&s[S_SLEEPING])) syscall3(202, (long)&s[S_GEN], 1 | 128, 1);  /* futex FUTEX_WAKE_PRIVATE */
-  run_rows(s, 0);
+  run_rows(s, 0, 0);
 }
 """
 HELP = r"""
@@ -102,11 +121,13 @@ void pp_help(long* s) {  /* thread 1, for ever: each new generation's table, the
       put(&s[S_SLEEPING], 0);
     }
     seen = get(&s[S_GEN]);
-    run_rows(s, 1);
+    put(&s[S_READY], seen);
+    long from = joined_at(s, seen);
+    if (from != JOIN_NONE) run_rows(s, 1, from);
   }
 }
 """
-STATE = {"gen": 0, "table": 1, "rows": 2, "threads": 3, "spin": 7}
+STATE = {"gen": 0, "table": 1, "rows": 2, "threads": 3, "sleeping": 6, "spin": 7, "join": 9}
 SPIN_CYCLES = 100_000  # TSC cycles the helper spins after a table before it sleeps (~30-50 us: the gap between a
 # forward's graphs, not the gap between tokens), and a waiter at a barrier before it starts yielding (a tenth)
 
