@@ -212,9 +212,9 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
   return hsum(acc0 + acc1);
 }"""
 # type -> (whether it needs AVX-512, its one-row product). Q8_0 (any CPU): a block's sum of q x times its scale, once,
-# in place of a multiply per value, the scaling and the accumulation one FMA, the scales of 16 blocks converted
-# before their sums (so that a row of up to 512 values unrolls whole): cache-hot, one thread, 1.1-1.3x the
-# per-value product (bench/NOTES.md).
+# in place of a multiply per value (1.07-1.12x); the scaling and the accumulation one FMA, the scales of 16 blocks
+# converted before their sums, so that a row of up to 512 values unrolls whole (a further 1.1-1.3x): cache-hot, one
+# thread (bench/NOTES.md).
 ROW_DOTS: dict[int, tuple[bool, str]] = {
     8: (False, Q8_0_ROW),
     12: (True, "#define QS 16\n#define BLOCK 144\n#define HIGH_BITS\n#define HIGH(h, m)\n" + K4_LANES),
