@@ -52,10 +52,13 @@ static inline f16v lo16(i8x32 v) { return __builtin_convertvector(
   __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), f16v); }
 static inline f16v hi16(i8x32 v) { return __builtin_convertvector(
   __builtin_shufflevector(v, v, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31), f16v); }
-static inline float hsum(f16v v) {
+typedef float f4v __attribute__((ext_vector_type(4)));
+static inline float hsum(f16v v) {  /* halves added pairwise: 4 adds deep (a row's last step; 9 one by one) */
   f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
         + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  float r = 0; for (int i = 0; i < 8; i++) r += a[i]; return r; }
+  f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return b[0] + b[1]; }
 typedef int i32x16 __attribute__((ext_vector_type(16)));
 static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
 static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
@@ -74,6 +77,20 @@ static inline void scale_min(const unsigned char* b, f8v* ds, f8v* dm) {
   u8x8 sc = __builtin_shufflevector(a & 63, (e & 15) | ((a >> 6) << 4), 0, 1, 2, 3, 4, 5, 6, 7);
   u8x8 m = __builtin_shufflevector(c & 63, (e >> 4) | ((c >> 6) << 4), 0, 1, 2, 3, 4, 5, 6, 7);
   *ds = half_at(b) * __builtin_convertvector(sc, f8v); *dm = half_at(b + 2) * __builtin_convertvector(m, f8v); }
+/* The same 16 products in one vector, {ds, dm}, from the block's first 16 bytes read once: the 6-bit fields put
+   together by byte shuffles and masks, d and dmin converted together (the one-row product's per-block step) */
+typedef __fp16 h16x8 __attribute__((ext_vector_type(8)));
+static inline f16v scale_min16(const unsigned char* b) {
+  u8x16 v = u8_at(b);
+  u8x16 a = __builtin_shufflevector(v, v, 4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
+  u8x16 t = __builtin_shufflevector(v, v, 0, 0, 0, 0, 4, 5, 6, 7, 0, 0, 0, 0, 8, 9, 10, 11);
+  const u8x16 lo = {63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 0, 0, 0, 0};
+  const u8x16 hi = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 15, 15, 15, 15};
+  const u8x16 top = {0, 0, 0, 0, 48, 48, 48, 48, 0, 0, 0, 0, 48, 48, 48, 48};
+  u8x16 q = (a & lo) | ((a >> 4) & hi) | ((t >> 2) & top);
+  f8v d = __builtin_convertvector(__builtin_bit_cast(h16x8, v), f8v);  /* d, dmin (then scale bytes as halves) */
+  return __builtin_convertvector(q, f16v) * __builtin_shufflevector(d, d, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1,
+                                                                    1, 1); }
 """
 
 # decode32(block, g, w): values 32g .. 32g+31 of a block into w[0], w[1], as ggml's dequantize_row_<type> computes
@@ -150,7 +167,8 @@ LOOKUPS: dict[int, str] = {
 # group's scale multiplies its sum (d * sum(q x)) and its min x's group sum (dmin * m * sum(x)): the dequantized
 # product rearranged, exact to float32 rounding. x is put in the lanes' order once per call (xp), its group sums
 # with it (xs). Cache-hot, one thread, 512 rows: Q4_K 1.3-1.5x the group-by-group lookup, Q5_K 1.1-1.2x its
-# decoder (bench/NOTES.md).
+# decoder. A block's 8 scales and 8 mins come out as one vector (scale_min16), and the mins' products are summed
+# with the rest at the row's end: a further 1.14-1.25x (bench/NOTES.md).
 K4_LANES = r"""#define ROW_DOT
 #define SPLAT2(v, a, c) __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
 typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
@@ -175,16 +193,15 @@ static inline const float* prep_x(const float* restrict x, float* restrict xp, f
   acc += e * SPLAT2(ds, 4 * h, 4 * h + 2) + o * SPLAT2(ds, 4 * h + 1, 4 * h + 3); }
 static inline float row_dot(const unsigned char* restrict row, const float* restrict xp, const float* restrict xs,
                             int nb) {
-  f16v acc = 0; f8v mins = 0;
+  f16v acc = 0, mins = 0;  /* mins: lanes 8-15, with dm */
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + BLOCK * j;
-    f8v ds, dm, s; scale_min(b, &ds, &dm); __builtin_memcpy(&s, xs + 8 * j, 32);
-    mins += dm * s;
+    f16v ds = scale_min16(b); f8v s; __builtin_memcpy(&s, xs + 8 * j, 32);
+    mins += ds * __builtin_shufflevector((f8v)0, s, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     HIGH_BITS
     HALF(0) HALF(1)
   }
-  float m = 0; for (int i = 0; i < 8; i++) m += mins[i];
-  return hsum(acc) - m;
+  return hsum(acc - mins);
 }"""
 Q8_0_ROW = r"""#define ROW_DOT
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
