@@ -68,19 +68,11 @@ static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 #endif
 """
 
-# Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins (ggml's get_scale_min_k4), all 8 at once as vectors:
-# ds = d * scales, dm = dmin * mins (the same products as one at a time, without a conversion and a broadcast each)
-SCALE_MIN = r"""typedef unsigned char u8x4 __attribute__((ext_vector_type(4)));
-typedef unsigned char u8x8 __attribute__((ext_vector_type(8)));
-static inline void scale_min(const unsigned char* b, f8v* ds, f8v* dm) {
-  u8x4 a, c, e; __builtin_memcpy(&a, b + 4, 4); __builtin_memcpy(&c, b + 8, 4); __builtin_memcpy(&e, b + 12, 4);
-  u8x8 sc = __builtin_shufflevector(a & 63, (e & 15) | ((a >> 6) << 4), 0, 1, 2, 3, 4, 5, 6, 7);
-  u8x8 m = __builtin_shufflevector(c & 63, (e >> 4) | ((c >> 6) << 4), 0, 1, 2, 3, 4, 5, 6, 7);
-  *ds = half_at(b) * __builtin_convertvector(sc, f8v); *dm = half_at(b + 2) * __builtin_convertvector(m, f8v); }
-/* The same 16 products in one vector, {ds, dm}, from the block's first 16 bytes read once: the 6-bit fields put
-   together by byte shuffles and masks, d and dmin converted together (the one-row product's per-block step) */
-typedef __fp16 h16x8 __attribute__((ext_vector_type(8)));
-static inline f16v scale_min16(const unsigned char* b) {
+# Q4_K and Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins (ggml's get_scale_min_k4), all 16 at once as one
+# vector {d * scales, dmin * mins} (the same products as one at a time), from the block's first 16 bytes read once: the
+# 6-bit fields put together by byte shuffles and masks, d and dmin converted together
+SCALE_MIN = r"""typedef __fp16 h16x8 __attribute__((ext_vector_type(8)));
+static inline f16v scale_min(const unsigned char* b) {
   u8x16 v = u8_at(b);
   u8x16 a = __builtin_shufflevector(v, v, 4, 5, 6, 7, 12, 13, 14, 15, 8, 9, 10, 11, 12, 13, 14, 15);
   u8x16 t = __builtin_shufflevector(v, v, 0, 0, 0, 0, 4, 5, 6, 7, 0, 0, 0, 0, 8, 9, 10, 11);
@@ -121,13 +113,13 @@ DECODERS: dict[int, str] = {
   w[0] = __builtin_convertvector(q0, f16v) * d; w[1] = __builtin_convertvector(q1, f16v) * d; }""",
     # Q4_K: group g holds the low (g even) or high (g odd) nibbles of qs[32 (g / 2) ..], sub-block g's scale and min
     12: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
-  f8v ds, dm; scale_min(b, &ds, &dm);
-  float d = ds[g], n = dm[g]; const unsigned char* q = b + 16 + 32 * (g >> 1);
+  f16v sm = scale_min(b);
+  float d = sm[g], n = sm[8 + g]; const unsigned char* q = b + 16 + 32 * (g >> 1);
   for (int h = 0; h < 2; h++) { u8x16 v = u8_at(q + 16 * h); w[h] = d * fu8(g & 1 ? v >> 4 : v & 15) - n; } }""",
     # Q5_K: as Q4_K, the fifth bit of each value in bit g of qh[...]
     13: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
-  f8v ds, dm; scale_min(b, &ds, &dm);
-  float d = ds[g], n = dm[g]; const unsigned char* q = b + 48 + 32 * (g >> 1);
+  f16v sm = scale_min(b);
+  float d = sm[g], n = sm[8 + g]; const unsigned char* q = b + 48 + 32 * (g >> 1);
   for (int h = 0; h < 2; h++) {
     u8x16 v = u8_at(q + 16 * h), hb = u8_at(b + 16 + 16 * h);
     w[h] = d * fu8((g & 1 ? v >> 4 : v & 15) | (((hb >> g) & 1) << 4)) - n; } }""",
@@ -154,8 +146,8 @@ LOOKUPS: dict[int, str] = {
   f16v t = FIOTA * half_at(b) + half_at(b + 2); i32x16 q = i32_at(b + 4);
   w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }""",
     12: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
-  f8v ds, dm; scale_min(b, &ds, &dm);
-  float d = ds[g], n = dm[g]; const unsigned char* q = b + 16 + 32 * (g >> 1);
+  f16v sm = scale_min(b);
+  float d = sm[g], n = sm[8 + g]; const unsigned char* q = b + 16 + 32 * (g >> 1);
   f16v t = d * FIOTA - n;
   for (int h = 0; h < 2; h++) { i32x16 v = i32_at(q + 16 * h); w[h] = LOOK(t, g & 1 ? v >> 4 : v); } }""",
 }
@@ -167,7 +159,7 @@ LOOKUPS: dict[int, str] = {
 # group's scale multiplies its sum (d * sum(q x)) and its min x's group sum (dmin * m * sum(x)): the dequantized
 # product rearranged, exact to float32 rounding. x is put in the lanes' order once per call (xp), its group sums
 # with it (xs). Cache-hot, one thread, 512 rows: Q4_K 1.3-1.5x the group-by-group lookup, Q5_K 1.1-1.2x its
-# decoder. A block's 8 scales and 8 mins come out as one vector (scale_min16), and the mins' products are summed
+# decoder. A block's 8 scales and 8 mins come out as one vector (scale_min), and the mins' products are summed
 # with the rest at the row's end: a further 1.14-1.25x (bench/NOTES.md).
 K4_LANES = r"""#define ROW_DOT
 #define SPLAT2(v, a, c) __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
@@ -196,7 +188,7 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
   f16v acc = 0, mins = 0;  /* mins: lanes 8-15, with dm */
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + BLOCK * j;
-    f16v ds = scale_min16(b); f8v s; __builtin_memcpy(&s, xs + 8 * j, 32);
+    f16v ds = scale_min(b); f8v s; __builtin_memcpy(&s, xs + 8 * j, 32);
     mins += ds * __builtin_shufflevector((f8v)0, s, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     HIGH_BITS
     HALF(0) HALF(1)
