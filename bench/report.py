@@ -312,6 +312,9 @@ def quantized(q: dict[str, Any] | None) -> list[Row]:
         if dt != "F16":
             rows.append(Row(S9, f"  {dt} / F16 decode", median_ratio(rounds, f"pp2 {dt}", "pp2 F16"), "x",
                             QUANT_TARGETS.get(dt), note="median of the rounds' ratios"))
+            if (peer := median_ratio(rounds, f"llama.cpp {dt}", "llama.cpp F16")) is not None:
+                rows.append(Row(S9, f"  llama.cpp {dt} / F16 decode", peer, "x",
+                                note="what llama.cpp gains from the same file here, in the same rounds (context)"))
     for dt in (d for d in q["file_bytes"] if any(f"llama.cpp {d}" in r for r in rounds)):
         rates = [r[f"llama.cpp {dt}"] for r in rounds]
         rows += [Row(S9, f"llama.cpp one process, {dt} file", statistics.median(rates), "tok/s",

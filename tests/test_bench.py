@@ -125,9 +125,11 @@ def fake_raw() -> dict:
                "echo": {"f16": {"mb_per_s": 160.0}},  # the q8 round trip failed: its rows say n/a
                "pp2": {"n": 4, "first_divergence": [4, 2], "identical": [4, 3], "prefix_fraction": 0.75,
                        "overall_fraction": 0.875, "hidden_dim": 64, "b64_chars_per_token": {"f16": 172, "q8": 92}}},
-        "quant": {"file_bytes": {"F16": 2 << 20, "Q8_0": 1 << 20}, "prefill_tokens": 512,
-                  "rounds": [{"pp2 F16": 100.0, "pp2 Q8_0": 150.0, "llama.cpp F16": 180.0},
-                             {"pp2 F16": 100.0, "pp2 Q8_0": 130.0, "llama.cpp F16": 220.0}],
+        "quant": {"file_bytes": {"F16": 2 << 20, "Q8_0": 1 << 20, "Q4_K_M": 1 << 19}, "prefill_tokens": 512,
+                  "rounds": [{"pp2 F16": 100.0, "pp2 Q8_0": 150.0, "pp2 Q4_K_M": 160.0, "llama.cpp F16": 180.0,
+                              "llama.cpp Q8_0": 270.0},
+                             {"pp2 F16": 100.0, "pp2 Q8_0": 130.0, "pp2 Q4_K_M": 170.0, "llama.cpp F16": 220.0,
+                              "llama.cpp Q8_0": 264.0}],
                   "prefill_s": {"F16": [1.0, 1.2], "Q8_0": [1.5, 1.4]}, "load_s": {"F16": [2.0], "Q8_0": [1.9]},
                   "ready_s": {"F16": [2.5, 2.7, 2.6], "Q8_0": [2.4]},
                   "peak_rss_mb": {"F16": [200.0, 201.0], "Q8_0": [150.0, 151.0]}, "peer_info": {"F16": "AVX2"}},
@@ -171,7 +173,13 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["2 stages / llama.cpp, F16"].value == pytest.approx((100 / 180 + 100 / 220) / 2)  # two rounds
     assert by_name["Q8_0 prefill speed / F16's"].value == pytest.approx(1.1 / 1.45)  # medians: F16 1.1 s, Q8_0 1.45
     assert by_name["Q8_0 prefill speed / F16's"].verdict == "MISS"
-    assert by_name["Q8_0 / F16 load time"].verdict == "PASS" and "llama.cpp one process, Q8_0 file" not in by_name
+    assert by_name["Q8_0 / F16 load time"].verdict == "PASS"
+    peer = by_name["llama.cpp Q8_0 / F16 decode"]  # llama.cpp's own gain, same rounds: context, no target
+    assert peer.value == pytest.approx((270 / 180 + 264 / 220) / 2) and peer.verdict == ""
+    assert by_name["2 stages / llama.cpp, Q8_0"].value == pytest.approx((150 / 270 + 130 / 264) / 2)
+    q4 = by_name["Q4_K_M / F16 decode"]
+    assert q4.value == pytest.approx(1.65) and q4.verdict == "PASS"
+    assert not {"llama.cpp one process, Q4_K_M file", "llama.cpp Q4_K_M / F16 decode"} & set(by_name)  # no rounds
     assert by_name["F16: load, the slower of 2 stages"].note.endswith("process start to ready 2.60 s")  # the median
     stages = [r for r in rows if r.name.startswith("Q4_0 (100 MiB file), 2 stages")]
     assert [(r.value, r.target, r.verdict) for r in stages] == [(250.0, 254.0, "PASS"), (260.0, 254.0, "MISS")]
