@@ -13,6 +13,7 @@ Filter order, the same on every path; each step means what it does in llama.cpp 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,9 +33,9 @@ def argmax_sample(logits: Sequence[float] | np.ndarray) -> int:
     One pass over the logits as they come (float32 from an engine): np.argmax returns the first NaN if there is
     one, so a non-NaN answer is the answer. Only logits holding a NaN pay for the copy that masks it (a 128K
     vocabulary: ~8 us against ~1 ms for the copy, the mask and the argmax)."""
-    x = np.asarray(logits)
-    if x.ndim == 1 and x.size and x.dtype.kind == "f" and not np.isnan(x[i := int(np.argmax(x))]):
-        return i
+    x = logits if isinstance(logits, np.ndarray) else np.asarray(logits)
+    if x.ndim == 1 and x.size and x.dtype.kind == "f" and not math.isnan(x[i := int(x.argmax())]):
+        return i  # ndarray.argmax and math.isnan: the same answer with less of numpy's code run per token
     x = _as_logits(logits)
     if np.isnan(x).all():
         raise ValueError("all logits are NaN")

@@ -151,17 +151,22 @@ class Runner:
         self.help = dev.runtime("pp_help", compiler.compile_cached(common + HELP))
         self.state = np.zeros(16, np.int64)
         self.state[STATE["threads"]], self.state[STATE["spin"]] = threads, SPIN_CYCLES
+        # written per table through a plain view and passed as a ready argument: numpy's item and ctypes paths are
+        # cold code each time between two tokens (~10-20 us each from memory in a live pipeline; bench/NOTES.md)
+        self._words = memoryview(self.state).cast("B").cast("q")
+        self._arg = ctypes.c_uint64(self.state.ctypes.data)
         self.lock = threading.Lock()  # one table at a time: the helper serves one caller
         self.helper: threading.Thread | None = None
 
-    def run(self, table: np.ndarray) -> None:
+    def run(self, address: int, rows: int) -> None:
+        """Run the table of ``rows`` rows at ``address`` (an int64 array's data, see `Table`)."""
         with self.lock:
-            if self.helper is None and self.state[STATE["threads"]] > 1:
-                self.helper = threading.Thread(target=self.help.fxn, args=(ctypes.c_uint64(self.state.ctypes.data),),
-                                               name="pp-cpu-graph-helper", daemon=True)
+            if self.helper is None and self._words[STATE["threads"]] > 1:
+                self.helper = threading.Thread(target=self.help.fxn, args=(self._arg,), name="pp-cpu-graph-helper",
+                                               daemon=True)
                 self.helper.start()
-            self.state[STATE["table"]], self.state[STATE["rows"]] = table.ctypes.data, len(table)
-            self.main.fxn(ctypes.c_uint64(self.state.ctypes.data))
+            self._words[STATE["table"]], self._words[STATE["rows"]] = address, rows
+            self.main.fxn(self._arg)
 
 
 @functools.cache
@@ -186,14 +191,16 @@ class Table:
                  var_slots: list[tuple[int, int, str]], keep: list[Any]):
         self.device, self.table, self.input_slots, self.var_slots = device, table, input_slots, var_slots
         self.buffers = keep
-        self.runner = _runner(device)
+        self.runner, self._dev = _runner(device), Device[device]
         # the same slots as index arrays, written with one numpy assignment each per call
         self._inputs = sorted({iidx for _, _, iidx in input_slots})
         self._in_at = tuple(np.array([x[i] for x in input_slots], np.intp) for i in (0, 1))
         self._in_of = np.array([self._inputs.index(iidx) for _, _, iidx in input_slots], np.intp)
-        self._vars = sorted({name for _, _, name in var_slots})
-        self._var_at = tuple(np.array([x[i] for x in var_slots], np.intp) for i in (0, 1))
-        self._var_of = np.array([self._vars.index(name) for _, _, name in var_slots], np.intp)
+        # each variable's words in the table (row * width + column), written per call through a plain view
+        self._var_words = [(name, [r * table.shape[1] + c for r, c, n in var_slots if n == name])
+                           for name in sorted({name for _, _, name in var_slots})]
+        self._words = memoryview(table).cast("B").cast("q")
+        self._address, self._rows = table.ctypes.data, len(table)
         self._written: list[weakref.ref[UOp]] = []  # the inputs whose addresses the table holds (see same_objects)
 
     def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
@@ -202,11 +209,14 @@ class Table:
             addresses = np.array([input_uops[i].buffer._buf.va_addr for i in self._inputs], np.int64)
             table[self._in_at] = addresses[self._in_of]
             self._written = [weakref.ref(u) for u in input_uops]
-        if self.var_slots:
-            table[self._var_at] = np.array([var_vals[name] for name in self._vars], np.int64)[self._var_of]
-        settle(Device[self.device])  # whatever tinygrad queued before this replay runs first
+        words = self._words
+        for name, at in self._var_words:
+            value = var_vals[name]
+            for i in at:
+                words[i] = value
+        settle(self._dev)  # whatever tinygrad queued before this replay runs first
         start = time.perf_counter()
-        self.runner.run(table)
+        self.runner.run(self._address, self._rows)
         return time.perf_counter() - start if wait else None
 
 
