@@ -155,6 +155,10 @@ _ENCODER = json.JSONEncoder(allow_nan=False)  # built once: json.dumps with an a
 
 def to_line(obj: dict[str, Any]) -> bytes:
     """One JSON line. A base64 payload (``B64``, megabytes on a prefill) is spliced in as is: it needs no escaping."""
+    pieces: list[bytes] = []
+    if _plain(obj, pieces):
+        pieces.append(b"\n")
+        return b"".join(pieces)
     payloads = {k: v for k, v in obj.items() if isinstance(v, B64)}
     if not payloads:
         return (_ENCODER.encode(obj) + "\n").encode("ascii")
@@ -164,6 +168,37 @@ def to_line(obj: dict[str, Any]) -> bytes:
         head, sep, text = text.partition(_ENCODER.encode(key) + ': "')
         parts += [head.encode("ascii"), sep.encode("ascii"), value.data]
     return b"".join([*parts, text.encode("ascii"), b"\n"])
+
+
+_escape = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # the encoder's own string escape
+
+
+def _plain(obj: Any, out: list[bytes]) -> bool:
+    """Append the JSON of a dict whose keys are strings and whose values are ints, strings, booleans, None, ``B64``
+    payloads or such dicts, exactly as the encoder writes it; False (``out`` then unusable) for anything else, which
+    the encoder takes. Every decode step's lines are of this kind: built here, they skip the encoder's machinery,
+    code fetched from memory again every token in a live pipeline (~15 us a line; bench/NOTES.md)."""
+    if type(obj) is not dict:
+        return False
+    sep = b"{"
+    for key, value in obj.items():
+        kind = type(value)
+        if type(key) is not str:
+            return False
+        out += [sep, _escape(key).encode("ascii"), b": "]
+        sep = b", "
+        if kind is int:
+            out.append(b"%d" % value)
+        elif kind is str:
+            out.append(_escape(value).encode("ascii"))
+        elif kind is B64:
+            out += [b'"', value.data, b'"']
+        elif value is None or kind is bool:
+            out.append(b"null" if value is None else b"true" if value else b"false")
+        elif not _plain(value, out):
+            return False
+    out.append(b"{}" if sep == b"{" else b"}")
+    return True
 
 
 def widen_pipe(fd: int, size: int = 1 << 20) -> None:

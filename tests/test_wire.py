@@ -79,6 +79,24 @@ def test_a_spliced_payload_line_is_exactly_what_json_dumps_writes(fields: dict, 
     assert json.loads(line)["hidden_b64"] == base64.b64encode(payload).decode()
 
 
+_SCALARS = st.one_of(st.integers(), st.text(max_size=12), st.booleans(), st.none(), st.floats(allow_nan=False, allow_infinity=False))
+
+
+@given(st.recursive(st.dictionaries(st.text(max_size=6), _SCALARS, max_size=4),
+                    lambda inner: st.dictionaries(st.one_of(st.text(max_size=6), st.integers()),
+                                                  st.one_of(inner, st.lists(_SCALARS, max_size=3)), max_size=3),
+                    max_leaves=12))
+def test_every_line_is_exactly_what_json_dumps_writes(obj: dict) -> None:
+    """Decode steps' lines are built without the encoder when every value is plain; any line, either way, is
+    byte for byte the encoder's (nested dicts, floats, lists, integer keys: the encoder takes those)."""
+    assert to_line(obj) == (json.dumps(obj) + "\n").encode()
+
+
+def test_a_line_that_json_refuses_is_refused() -> None:
+    with pytest.raises(ValueError):
+        to_line({"request_id": 1, "x": {"y": float("nan")}})
+
+
 @pytest.mark.parametrize("text", ['AAAA", "position": 9, "x": "', "AA\nA", "AAA\u00e9", "AA=A"])
 def test_text_from_a_worker_is_checked_before_it_is_spliced(text: str) -> None:
     with pytest.raises(ValueError):
