@@ -174,10 +174,11 @@ _escape = json.encoder.encode_basestring_ascii  # type: ignore[attr-defined]  # 
 
 
 def _plain(obj: Any, out: list[bytes]) -> bool:
-    """Append the JSON of a dict whose keys are strings and whose values are ints, strings, booleans, None, ``B64``
-    payloads or such dicts, exactly as the encoder writes it; False (``out`` then unusable) for anything else, which
-    the encoder takes. Every decode step's lines are of this kind: built here, they skip the encoder's machinery,
-    code fetched from memory again every token in a live pipeline (~15 us a line; bench/NOTES.md)."""
+    """Append the JSON of a dict whose keys are strings and whose values are ints, finite floats, strings, booleans,
+    None, ``B64`` payloads or such dicts, exactly as the encoder writes it; False (``out`` then unusable) for
+    anything else, which the encoder takes (or refuses). Every decode step's lines are of this kind: built here,
+    they skip the encoder's machinery, code fetched from memory again every token in a live pipeline (~15 us a
+    line; bench/NOTES.md)."""
     if type(obj) is not dict:
         return False
     sep = b"{"
@@ -189,6 +190,8 @@ def _plain(obj: Any, out: list[bytes]) -> bool:
         sep = b", "
         if kind is int:
             out.append(b"%d" % value)
+        elif kind is float and math.isfinite(value):
+            out.append(float.__repr__(value).encode("ascii"))  # the encoder's own float text
         elif kind is str:
             out.append(_escape(value).encode("ascii"))
         elif kind is B64:
