@@ -182,6 +182,11 @@ def same_objects(objs: Sequence[Any], refs: list[weakref.ref[Any]]) -> bool:
     return len(objs) == len(refs) and all(r() is o for o, r in zip(objs, refs, strict=True))
 
 
+def _words_of(slots: list[tuple[int, int, Any]], width: int) -> list[tuple[Any, list[int]]]:
+    """(row, column, key) slots of a table ``width`` words wide -> each key with its words' flat indices."""
+    return [(key, [r * width + c for r, c, k in slots if k == key]) for key in sorted({k for _, _, k in slots})]
+
+
 class Table:
     """Rows ready to run (kernel address, threads, argument count, core_id's index, arguments) and what changes per
     call: input buffers' addresses (a session's KV cache) and bound variables (positions). ``keep``: what the rows
@@ -192,24 +197,20 @@ class Table:
         self.device, self.table, self.input_slots, self.var_slots = device, table, input_slots, var_slots
         self.buffers = keep
         self.runner, self._dev = _runner(device), Device[device]
-        # the same slots as index arrays, written with one numpy assignment each per call
-        self._inputs = sorted({iidx for _, _, iidx in input_slots})
-        self._in_at = tuple(np.array([x[i] for x in input_slots], np.intp) for i in (0, 1))
-        self._in_of = np.array([self._inputs.index(iidx) for _, _, iidx in input_slots], np.intp)
-        # each variable's words in the table (row * width + column), written per call through a plain view
-        self._var_words = [(name, [r * table.shape[1] + c for r, c, n in var_slots if n == name])
-                           for name in sorted({name for _, _, name in var_slots})]
+        # each input's and each variable's words in the table, written per call through a plain view
+        self._in_words, self._var_words = _words_of(input_slots, table.shape[1]), _words_of(var_slots, table.shape[1])
         self._words = memoryview(table).cast("B").cast("q")
         self._address, self._rows = table.ctypes.data, len(table)
         self._written: list[weakref.ref[UOp]] = []  # the inputs whose addresses the table holds (see same_objects)
 
     def __call__(self, input_uops: tuple[UOp, ...], var_vals: dict[str, int], wait: bool = False) -> float | None:
-        table = self.table
-        if self.input_slots and not same_objects(input_uops, self._written):  # else the addresses are written
-            addresses = np.array([input_uops[i].buffer._buf.va_addr for i in self._inputs], np.int64)
-            table[self._in_at] = addresses[self._in_of]
-            self._written = [weakref.ref(u) for u in input_uops]
         words = self._words
+        if self.input_slots and not same_objects(input_uops, self._written):  # else the addresses are written
+            for iidx, at in self._in_words:
+                address = input_uops[iidx].buffer._buf.va_addr
+                for i in at:
+                    words[i] = address
+            self._written = [weakref.ref(u) for u in input_uops]
         for name, at in self._var_words:
             value = var_vals[name]
             for i in at:
