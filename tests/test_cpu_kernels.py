@@ -15,7 +15,8 @@ from pp_worker.worker.engines import cpu_kernels
 from pp_worker.worker.engines.gguf_file import type_name
 
 TYPES = sorted(cpu_kernels.BLOCKS)
-SCALES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 12: (0, 2), 13: (0, 2), 14: (208,)}  # fp16 fields
+SCALES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
+          14: (208,)}  # fp16 fields
 
 
 def random_rows(ggml_type: int, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

@@ -151,7 +151,7 @@ def test_q8_0_matches_ggml_reference_rounding():
     np.testing.assert_array_equal(blocks[:, 2:].copy().view(np.int8), q.astype(np.int8))
 
 
-@pytest.mark.parametrize("type_name, levels", [("Q4_K", 15), ("Q5_K", 31), ("Q6_K", 63)])
+@pytest.mark.parametrize("type_name, levels", [("Q2_K", 3), ("Q3_K", 7), ("Q4_K", 15), ("Q5_K", 31), ("Q6_K", 63)])
 def test_k_quant_packer_round_trips_through_gguf_dequantize(type_name, levels):
     """The test-only packer (testing.kquants), read back by the gguf package's own dequantizer: every value within
     one step of its sub-block (range / levels, plus the 6-bit rounding of the scales), and zeros stay zero."""
@@ -164,7 +164,7 @@ def test_k_quant_packer_round_trips_through_gguf_dequantize(type_name, levels):
     data, qtype = mg._encode_tensor(x, type_name)
     assert qtype == GGMLQuantizationType[type_name] and data.shape == (6, 2 * kquants.BLOCK_BYTES[type_name])
     back = quants.dequantize(data, qtype).reshape(x.shape)
-    sub = 16 if type_name == "Q6_K" else 32
+    sub = 32 if type_name in ("Q4_K", "Q5_K") else 16
     step = np.ptp(x.reshape(-1, sub), -1).max() / levels
     assert np.abs(back - x).max() <= step and np.all(back[0, :256] == 0)
     assert np.sqrt(((back - x) ** 2).mean()) < step / 2
@@ -178,6 +178,17 @@ def test_q4_k_m_mixes_as_llama_cpp_does():
     assert [types[f"blk.{i}.ffn_down.weight"] for i in range(n)] == ["Q4_K", "Q4_K", "Q6_K", "Q4_K", "Q4_K", "Q6_K"]
     assert [types[f"blk.{i}.attn_v.weight"] for i in range(n)] == [types[f"blk.{i}.ffn_down.weight"] for i in range(n)]
     assert {types[f"blk.{i}.attn_q.weight"] for i in range(n)} == {"Q4_K"} and types["blk.0.attn_norm.weight"] == "F32"
+
+
+def test_q3_k_m_mixes_as_llama_cpp_does():
+    spec, vocab_size = _spec_and_vocab("kq")
+    types = mg.tensor_types(spec, vocab_size, "Q3_K_M")
+    n = spec.n_layers  # 6: n / 16 is 0, so every ffn_down is Q4_K
+    assert types["output.weight"] == "Q6_K" and types["token_embd.weight"] == "Q3_K"
+    assert [types[f"blk.{i}.attn_v.weight"] for i in range(n)] == ["Q5_K", "Q5_K"] + ["Q4_K"] * (n - 2)
+    assert {types[f"blk.{i}.{m}.weight"] for i in range(n) for m in ("ffn_down", "attn_output")} == {"Q4_K"}
+    assert {types[f"blk.{i}.{m}.weight"] for i in range(n) for m in ("attn_q", "attn_k", "ffn_gate", "ffn_up")} == \
+        {"Q3_K"}
 
 
 def test_mixed_files_hold_every_type_in_any_two_consecutive_blocks():

@@ -1,8 +1,8 @@
 """Quantized files kept quantized (engines.weights, cpu_kernels) through whole chains of stage engines: every block
 type on 2 and 3 stages gives the tokens of the dequantize-at-load path and stays within the float64 reference's
-tolerance; so does a Q4_K_M-like mix. The models: ``kq`` (dim 256, 6 blocks, every width a multiple of 256), as
-MIXED (all nine kept types cycling over the matrices: any two consecutive blocks hold every one, so every stage of
-2 or 3 holds every type) and as Q4_K_M."""
+tolerance; so do Q4_K_M- and Q3_K_M-like mixes. The models: ``kq`` (dim 256, 6 blocks, every width a multiple of
+256), as MIXED (all eleven kept types cycling over the matrices: any two consecutive blocks hold every one, so every
+stage of 2 or 3 holds every type), as Q4_K_M and as Q3_K_M."""
 
 from __future__ import annotations
 
@@ -24,17 +24,18 @@ LOGIT_ATOL_FP16_WEIGHTS = 3e-2  # dequantized-at-load weights are rounded to fp1
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("quantized")
-    return {dt: generate(d / f"kq-{dt}.gguf", "kq", seed=3, dtype=dt) for dt in ("MIXED", "Q4_K_M")}
+    return {dt: generate(d / f"kq-{dt}.gguf", "kq", seed=3, dtype=dt) for dt in ("MIXED", "Q4_K_M", "Q3_K_M")}
 
 
 @pytest.fixture(scope="module")
 def chains(models):
-    built: dict[tuple[str, int, bool], Chain] = {}
+    built: dict[tuple[str, int, bool, str], Chain] = {}
 
-    def get(dtype: str, num_stages: int, keep_quantized: bool = True) -> Chain:
-        key = (dtype, num_stages, keep_quantized)
+    def get(dtype: str, num_stages: int, keep_quantized: bool = True, kernels: str = "c") -> Chain:
+        key = (dtype, num_stages, keep_quantized, kernels)
         if key not in built:
-            built[key] = Chain(models[dtype], num_stages, MAX_CONTEXT, prefill_chunk=8, keep_quantized=keep_quantized)
+            built[key] = Chain(models[dtype], num_stages, MAX_CONTEXT, prefill_chunk=8, keep_quantized=keep_quantized,
+                               kernels=kernels)
         return built[key]
 
     return get
@@ -63,7 +64,7 @@ def test_every_type_kept_packed_gives_the_tokens_of_dequantize_at_load(chains, p
 
 
 @pytest.mark.parametrize("dtype, num_stages, keep", [("MIXED", 2, True), ("MIXED", 3, True), ("MIXED", 2, False),
-                                                     ("Q4_K_M", 2, True), ("Q4_K_M", 3, True)])
+                                                     ("Q4_K_M", 2, True), ("Q4_K_M", 3, True), ("Q3_K_M", 2, True)])
 def test_quantized_chains_match_the_float64_reference(chains, models, prompts, dtype, num_stages, keep):
     c, ref = chains(dtype, num_stages, keep), RefModel.from_gguf(models[dtype])
     prompt = prompts[1]
@@ -74,15 +75,39 @@ def test_quantized_chains_match_the_float64_reference(chains, models, prompts, d
     c.release(100)
 
 
-def test_q4_k_m_stages_hold_their_share_of_the_file(chains, models):
+@pytest.mark.parametrize("dtype, num_stages, types", [("Q4_K_M", 3, {"Q4_K", "Q6_K"}),
+                                                      ("Q3_K_M", 2, {"Q3_K", "Q4_K", "Q5_K", "Q6_K"})])
+def test_mixes_stages_hold_their_share_of_the_file(chains, models, dtype, num_stages, types):
     """Each stage holds its tensors' bytes of the file (norm gains, F32 there, as fp16) and nothing expanded."""
     from pp_worker.worker.engines.gguf_file import read_header
 
-    header = read_header(models["Q4_K_M"])
-    c = chains("Q4_K_M", 3)
+    header = read_header(models[dtype])
+    c = chains(dtype, num_stages)
     for stage in c.engines:
         held = stage.describe()
-        assert set(held["weights"]) <= {"Q4_K", "Q6_K", "F16"} and held["weights_converted"] == {}
+        assert set(held["weights"]) <= {*types, "F16"} and held["weights_converted"] == {}
         infos = [header.tensors[n] for n in stage.loaded_tensors]
         assert held["weight_bytes"] == sum(i.nbytes if len(i.shape) == 2 else 2 * i.n_elements for i in infos)
     assert sum(len(s.loaded_tensors) for s in c.engines) == len(header.tensors)  # each tensor on one stage
+
+
+def test_tinygrads_kernels_convert_only_the_types_tinygrad_cannot_expand(chains, models, prompts):
+    """Off the CPU (forced here) matrices stay packed for tinygrad's dequantize expressions, but tinygrad 0.13.0 has
+    none for Q3_K: those are dequantized at load (by the gguf package), named as converted, and the chain still
+    gives the float64 reference's tokens."""
+    from pp_worker.worker.engines.gguf_file import read_header
+
+    header = read_header(models["Q3_K_M"])
+    c = chains("Q3_K_M", 2, kernels="tinygrad")
+    converted = 0
+    for stage in c.engines:
+        held = stage.describe()
+        assert set(held["weights"]) <= {"Q4_K", "Q5_K", "Q6_K", "F16"} and set(held["weights_converted"]) == {"Q3_K"}
+        converted += held["weights_converted"]["Q3_K"]
+    assert converted == sum(i.ggml_type == 11 for i in header.tensors.values())  # every Q3_K matrix, on either stage
+    ref, prompt = RefModel.from_gguf(models["Q3_K_M"]), prompts[0]
+    tokens, logits = c.generate(101, prompt, N_TOKENS)
+    want = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]
+    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)
+    assert tokens == ref.greedy(prompt, N_TOKENS)
+    c.release(101)

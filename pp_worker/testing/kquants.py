@@ -1,4 +1,4 @@
-"""A test-only packer for ggml's K-quant blocks (Q4_K, Q5_K, Q6_K), written from the block format.
+"""A test-only packer for ggml's K-quant blocks (Q2_K ... Q6_K), written from the block format.
 
 The `gguf` package dequantizes these types but cannot quantize them. This packer is simple, not llama.cpp's: each
 sub-block's scale (and min) is its range over the levels, the super-block keeps them as 6-bit (8-bit signed for
@@ -7,6 +7,8 @@ weights are close to the float ones (tests/test_modelgen.py checks the round tri
 which is all the tests need: the engine is checked against the dequantized file, never against the float weights.
 
 Layouts (ggml-common.h), 256 values per block:
+- Q2_K (84 bytes): scales[16] (a 4-bit scale and a 4-bit min per 16 values), qs[64] (2-bit values), d, dmin (fp16).
+- Q3_K (110 bytes): hmask[32] (the third bits), qs[64] (the low 2 bits), scales[12] (16 six-bit scales), d (fp16).
 - Q4_K (144 bytes): d, dmin (fp16), scales[12] (8 six-bit scales and 8 six-bit mins), qs[128] (4-bit values).
 - Q5_K (176 bytes): d, dmin, scales[12], qh[32] (the fifth bits), qs[128].
 - Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d (fp16).
@@ -85,8 +87,48 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([ql, qh.reshape(-1, 64), sc.view(np.uint8), d.reshape(-1, 1).view(np.uint8)], axis=1)
 
 
-QUANTIZERS = {"Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k, "Q6_K": quantize_q6_k}
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+def _bit_pairs(q: np.ndarray) -> np.ndarray:
+    """Values (n, 256) in 0..3 -> qs (n, 64): value 128 c + 32 j + l is bit pair j of qs[32 c + l]."""
+    c = q.reshape(-1, 2, 4, 32) & 3
+    return (c << (2 * np.arange(4))[None, None, :, None]).sum(2).astype(np.uint8).reshape(-1, 64)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16).astype(np.float32)  # 16 sub-blocks of 16
+    lo = np.minimum(sub.min(-1), 0.0)
+    scale, offset = (sub.max(-1) - lo) / 3, -lo
+    d, dmin = _fp16(scale.max(-1) / 15), _fp16(offset.max(-1) / 15)
+    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 15).astype(np.uint8)
+    mn = np.clip(np.rint(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, 15).astype(np.uint8)
+    step, base = (df * sc)[..., None], (dminf * mn)[..., None]
+    q = np.clip(np.rint(np.divide(sub + base, step, out=np.zeros_like(sub), where=step > 0)), 0, 3).astype(np.uint8)
+    return np.concatenate([sc | (mn << 4), _bit_pairs(q.reshape(-1, QK)), _header(d, dmin)], axis=1)
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 16, 16).astype(np.float32)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
+    scale = -peak / 4  # values -4..3: the largest magnitude lands on -4 (as Q6_K's on -32)
+    d = _fp16(np.abs(scale).max(-1) / 31)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -32, 31).astype(np.int32)
+    step = (df * sc)[..., None]
+    u = (np.clip(np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)), -4, 3) + 4).astype(np.uint8)
+    u = u.reshape(-1, QK)  # value + 4: low 2 bits in qs, the third (set: no 4 subtracted) in hmask
+    hbits = (u.reshape(-1, 8, 32) >> 2) & 1  # (n, group 4 c + j, l): bit 4 c + j of hmask[l]
+    hmask = (hbits << np.arange(8)[None, :, None]).sum(1).astype(np.uint8)
+    s6 = (sc + 32).astype(np.uint8)  # (n, 16): low nibbles in bytes 0-7 (8-15 as high nibbles), top bit pairs in 8-11
+    scales = np.zeros((s6.shape[0], 12), np.uint8)
+    scales[:, :8] = (s6[:, :8] & 15) | ((s6[:, 8:] & 15) << 4)
+    for i in range(16):
+        scales[:, 8 + i % 4] |= (s6[:, i] >> 4) << (2 * (i // 4))
+    return np.concatenate([hmask, _bit_pairs(u & 3), scales, d.reshape(-1, 1).view(np.uint8)], axis=1)
+
+
+QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
+              "Q6_K": quantize_q6_k}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
 
 
 def quantize(w: np.ndarray, type_name: str) -> np.ndarray:

@@ -58,11 +58,13 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     "rss": (LlamaSpec(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=5632, context_length=2048), 1741),
 }
 
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-# a whole file of one type, or a mix: Q4_K_M as llama.cpp makes it, MIXED cycling every type over the matrices
-DTYPES = ("F32", "F16", *QUANT_TYPES, "Q4_K_M", "MIXED")
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q4_K": 14, "Q5_K": 16,
-              "Q6_K": 18, "Q4_K_M": 15}  # llama_ftype (Q4_K and Q5_K: the _S files; MIXED has none)
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+# a whole file of one type, or a mix: Q4_K_M and Q3_K_M as llama.cpp makes them, MIXED cycling every type over the
+# matrices
+DTYPES = ("F32", "F16", *QUANT_TYPES, "Q4_K_M", "Q3_K_M", "MIXED")
+FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
+              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "Q4_K_M": 15, "Q3_K_M": 12}  # llama_ftype (Q3_K, Q4_K and Q5_K:
+# the _S files; MIXED has none)
 
 
 # ---------------------------------------------------------------- weights
@@ -137,6 +139,8 @@ def tensor_types(spec: LlamaSpec, vocab_size: int, dtype: str) -> dict[str, str]
             types[name] = "F32"
         elif dtype == "Q4_K_M":
             types[name] = _q4_k_m(name, spec.n_layers)
+        elif dtype == "Q3_K_M":
+            types[name] = _q3_k_m(name, spec.n_layers)
         elif dtype == "MIXED":  # every type in turn: any two consecutive blocks hold all of them
             types[name] = ("F16", *QUANT_TYPES)[matrices.index(name) % (len(QUANT_TYPES) + 1)]
         else:
@@ -157,6 +161,22 @@ def _q4_k_m(name: str, n_layers: int) -> str:
         if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2:
             return "Q6_K"
     return "Q4_K"
+
+
+def _q3_k_m(name: str, n_layers: int) -> str:
+    """llama.cpp's Q3_K_M choice for a llama: Q6_K for the head, Q4_K for attn_output, attn_v Q5_K in the first two
+    blocks and Q4_K after, ffn_down Q5_K in the first sixteenth of the blocks and Q4_K after; Q3_K everywhere else."""
+    if name == "output.weight":
+        return "Q6_K"
+    if name.startswith("blk."):
+        i = int(name.split(".")[1])
+        if name.endswith("attn_output.weight"):
+            return "Q4_K"
+        if name.endswith("attn_v.weight"):
+            return "Q5_K" if i < 2 else "Q4_K"
+        if name.endswith("ffn_down.weight"):
+            return "Q5_K" if i < n_layers // 16 else "Q4_K"
+    return "Q3_K"
 
 
 def _encode_tensor(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object | None]:

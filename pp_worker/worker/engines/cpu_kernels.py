@@ -28,9 +28,9 @@ from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 from pp_worker.worker.engines.gguf_file import type_name
 from pp_worker.worker.engines.hostio import filled
 
-# ggml type -> (elements per block, bytes per block): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K
+# ggml type -> (elements per block, bytes per block): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
 BLOCKS: dict[int, tuple[int, int]] = {1: (32, 64), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-                                      12: (256, 144), 13: (256, 176), 14: (256, 210)}
+                                      10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 ROWS = 4  # weight rows decoded per step: each input vector loaded once serves ROWS products
 
 HEADER = r"""
@@ -111,6 +111,21 @@ DECODERS: dict[int, str] = {
     8: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   float d = half_at(b); i8x16 q0, q1; __builtin_memcpy(&q0, b + 2, 16); __builtin_memcpy(&q1, b + 18, 16);
   w[0] = __builtin_convertvector(q0, f16v) * d; w[1] = __builtin_convertvector(q1, f16v) * d; }""",
+    # Q2_K (scales[16], qs[64], d, dmin): group g is bit pair g % 4 of qs[32 (g / 4) ..]; each half of it a sub-block
+    # of 16 with a 4-bit scale (low nibble of scales[2g + half]) and a 4-bit min (its high nibble)
+    10: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  float d = half_at(b + 80), dmin = half_at(b + 82); const unsigned char* q = b + 16 + 32 * (g >> 2);
+  for (int h = 0; h < 2; h++) { int sc = b[2 * g + h];
+    w[h] = fu8((u8_at(q + 16 * h) >> (2 * (g & 3))) & 3) * (d * (sc & 15)) - dmin * (sc >> 4); } }""",
+    # Q3_K (hmask[32], qs[64], scales[12], d): as Q2_K, with a third bit from bit g of hmask[16 half ..] (clear: the
+    # value is 4 less) and 6-bit signed scales (minus 32) per 16, their low nibbles in bytes 0-7 and high bit pairs
+    # in bytes 8-11 (ggml's kmask shuffle in dequantize_row_q3_K)
+    11: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  float d = half_at(b + 108); const unsigned char* q = b + 32 + 32 * (g >> 2), *s = b + 96;
+  for (int h = 0; h < 2; h++) { int i = 2 * g + h;
+    int sc = ((i < 8 ? s[i] & 15 : s[i - 8] >> 4) | ((s[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4) - 32;
+    u8x16 v = ((u8_at(q + 16 * h) >> (2 * (g & 3))) & 3) | (((u8_at(b + 16 * h) >> g) & 1) << 2);
+    w[h] = (fu8(v) - 4.0f) * (d * sc); } }""",
     # Q4_K: group g holds the low (g even) or high (g odd) nibbles of qs[32 (g / 2) ..], sub-block g's scale and min
     12: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   f16v sm = scale_min(b);

@@ -60,12 +60,14 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int | None:
-        """Bytes of data, None for a GGML type tinygrad cannot read."""
+        """Bytes of data, None for a GGML type neither tinygrad nor this worker's kernels read."""
         from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+        from pp_worker.worker.engines.cpu_kernels import BLOCKS
 
         if (dtype := _GGML_NATIVE.get(self.ggml_type)) is not None:
             return dtype.itemsize * self.n_elements
-        if (block := _GGML_QUANT.get(self.ggml_type)) is not None:
+        if (block := _GGML_QUANT.get(self.ggml_type) or BLOCKS.get(self.ggml_type)) is not None:
             return self.n_elements // block[0] * block[1]
         return None
 

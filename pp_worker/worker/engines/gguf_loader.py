@@ -170,14 +170,15 @@ class TensorSource:
         from tinygrad import dtypes
 
         from pp_worker.worker.engines import cpu_kernels
-        from pp_worker.worker.engines.weights import PackedWeight
+        from pp_worker.worker.engines.weights import PackedWeight, tinygrad_expands
 
         info = self._info(name)
         if info.shape != shape:
             raise ModelLoadError(f"{self.header.path}: tensor {name} has shape {info.shape}, expected {shape}")
         c = self.kernels == "c"
         keep = c if info.ggml_type == GGML_F16 else self.keep_quantized
-        if keep and cpu_kernels.supported(info.ggml_type, shape[1]):
+        # the C kernels read their types; tinygrad's expressions (`weights.dequantize`) only the types it expands
+        if keep and cpu_kernels.supported(info.ggml_type, shape[1]) and (c or tinygrad_expands(info.ggml_type)):
             raw = self._raw(info.nbytes, self._filler(info, heads)).reshape(shape[0], -1)
             self.loaded[name] = info.nbytes
             self.held[name] = (type_name(info.ggml_type), info.nbytes)
@@ -229,22 +230,30 @@ class TensorSource:
         if info is None:
             raise ModelLoadError(f"{self.header.path}: tensor {name} is missing")
         if info.nbytes is None:
-            raise ModelLoadError(f"{self.header.path}: tensor {name} has GGML type {info.ggml_type}, "
-                                 f"which tinygrad cannot dequantize")
+            raise ModelLoadError(f"{self.header.path}: tensor {name} has GGML type {info.ggml_type} "
+                                 f"({type_name(info.ggml_type)}), which this worker cannot read")
         return info
 
     def _dequantized(self, info: TensorInfo, dtype: DType) -> np.ndarray:
         """Any GGML type -> ``dtype`` values (shape ``info.shape``), by tinygrad's dequantizer and cast; float32 and
         float16 data by numpy's cast (the same rounding): a stage's first tinygrad kernels, scheduled and compiled
-        here for the norms' gains, cost a restart ~0.3 s (bench/NOTES.md)."""
+        here for the norms' gains, cost a restart ~0.3 s (bench/NOTES.md). The types tinygrad lacks (Q2_K, Q3_K)
+        by the `gguf` package's numpy version of ggml's ``dequantize_row_*``."""
         from tinygrad import dtypes
         from tinygrad.llm.gguf import ggml_data_to_tensor
 
-        if info.ggml_type in (GGML_F32, GGML_F16):
+        from pp_worker.worker.engines.weights import tinygrad_expands
+
+        if info.ggml_type in (GGML_F32, GGML_F16) or not tinygrad_expands(info.ggml_type):
             data = np.empty(info.nbytes, np.uint8)
             self._read(info, memoryview(data))
-            values = data.view(np.float32 if info.ggml_type == GGML_F32 else np.float16).reshape(info.shape)
-            return values.astype(np.float16 if dtype == dtypes.float16 else np.float32)
+            if info.ggml_type in (GGML_F32, GGML_F16):
+                values = data.view(np.float32 if info.ggml_type == GGML_F32 else np.float16)
+            else:
+                from gguf import GGMLQuantizationType, quants
+
+                values = quants.dequantize(data, GGMLQuantizationType(info.ggml_type))
+            return values.reshape(info.shape).astype(np.float16 if dtype == dtypes.float16 else np.float32)
 
         raw = self._raw(info.nbytes, lambda mv: self._read(info, mv))
         return ggml_data_to_tensor(raw, info.n_elements, info.ggml_type).reshape(info.shape).cast(dtype).numpy()

@@ -49,6 +49,14 @@ def dequantize(raw: Tensor, ggml_type: int, k: int) -> Tensor:
     return ggml_data_to_tensor(raw.reshape(-1), n * k, ggml_type).reshape(*lead, k)
 
 
+def tinygrad_expands(ggml_type: int) -> bool:
+    """Whether `dequantize` (tinygrad's ``ggml_data_to_tensor``) expands this type: tinygrad 0.13.0 lacks Q2_K and
+    Q3_K, which the C kernels read and the load path dequantizes with the `gguf` package instead."""
+    from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+    return ggml_type in _GGML_NATIVE or ggml_type in _GGML_QUANT
+
+
 def gather_rows(table: Tensor, idx: Tensor) -> Tensor:
     """Rows ``idx`` (...) of ``table`` (n, w) by a one-hot sum, in the table's own dtype (as tinygrad's nn.Embedding
     does: no gather instruction on every device): (..., w)."""
