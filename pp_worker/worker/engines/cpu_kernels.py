@@ -235,12 +235,65 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
   }
   return hsum(acc0 + acc1);
 }"""
+# One row of x with AVX-512, Q2_K and Q3_K: a half-block's 16 bytes of 2-bit pairs loaded once as 16 int32 lanes
+# serve its four sub-blocks of 16 (pair j of every lane per shift), each pair looked up as a float in a table of 16
+# (vpermps reads an index's low 4 bits: the bits above a pair need no mask where the table repeats). Q3_K's third
+# bits (hmask, shifted into bit 2) join the pair in one bitwise select, and its table holds q - 4 itself. Each
+# sub-block's scale multiplies its sum (broadcast from a per-block array); Q2_K's mins multiply x's sums per 16,
+# taken once per call: the dequantized product rearranged, exact to float32 rounding.
+K23_ROW = r"""#define ROW_DOT
+static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
+                                  int nb) {
+  for (int s = 0; s < 16 * nb; s++) xs[s] = hsum(f_at(x + 16 * s));
+  return x; }
+static inline float row_dot(const unsigned char* restrict row, const float* restrict x, const float* restrict xs,
+                            int nb) {
+  f16v acc[4] = {0}, mins = 0;
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + BLOCK * j;
+    const float* xb = x + 256 * j;
+    float sd[16] __attribute__((aligned(64)));
+    SCALES
+    _Pragma("clang loop unroll(full)") for (int n = 0; n < 2; n++)
+      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+        i32x16 q = (i32x16)__builtin_convertvector(u8_at(b + QS + 32 * n + 16 * h), u32x16);
+        _Pragma("clang loop unroll(full)") for (int p = 0; p < 4; p++)
+          acc[2 * n + h] += sd[8 * n + 2 * p + h] * (LOOK(TABLE, INDEX) * f_at(xb + 128 * n + 32 * p + 16 * h));
+      }
+  }
+  return hsum(acc[0] + acc[1] + acc[2] + acc[3]) - hsum(mins);
+}"""
+Q2_K_ROW = r"""#define BLOCK 84
+#define QS 16
+static const f16v TABLE = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
+#define INDEX (q >> (2 * p))
+#define SCALES u8x16 sb = u8_at(b); f16v dsc = fu8(sb & 15) * half_at(b + 80); __builtin_memcpy(sd, &dsc, 64); \
+  mins += fu8(sb >> 4) * half_at(b + 82) * f_at(xs + 16 * j);
+""" + K23_ROW
+Q3_K_ROW = r"""#define BLOCK 110
+#define QS 32
+static const f16v TABLE = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3};
+/* the pair in bits 0-1, the third bit (bit 4 n + p of hmask) in bit 2, bit 3 whatever (the table repeats) */
+#define INDEX ((q >> (2 * p)) & 3) | ((hm[h] >> (4 * n + p)) & ~3)
+#define SCALES u8x16 sv = 0; __builtin_memcpy(&sv, b + 96, 12); \
+  u32x16 lo = __builtin_convertvector(__builtin_shufflevector(sv & 15, sv >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, \
+                                                              19, 20, 21, 22, 23), u32x16); \
+  u32x16 hi = __builtin_convertvector(__builtin_shufflevector(sv, sv, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, \
+                                                              9, 10, 11), u32x16); \
+  f16v dsc = (__builtin_convertvector((i32x16)(lo | ((hi >> (2 * (IOTA >> 2))) & 3) << 4), f16v) - 32.0f) \
+             * half_at(b + 108); \
+  __builtin_memcpy(sd, &dsc, 64); \
+  i32x16 hm[2] = {(i32x16)__builtin_convertvector(u8_at(b), u32x16) << 2, \
+                  (i32x16)__builtin_convertvector(u8_at(b + 16), u32x16) << 2};
+""" + K23_ROW
 # type -> (whether it needs AVX-512, its one-row product). Q8_0 (any CPU): a block's sum of q x times its scale, once,
 # in place of a multiply per value (1.07-1.12x); the scaling and the accumulation one FMA, the scales of 16 blocks
 # converted before their sums, so that a row of up to 512 values unrolls whole (a further 1.1-1.3x): cache-hot, one
 # thread (bench/NOTES.md).
 ROW_DOTS: dict[int, tuple[bool, str]] = {
     8: (False, Q8_0_ROW),
+    10: (True, Q2_K_ROW),
+    11: (True, Q3_K_ROW),
     12: (True, "#define QS 16\n#define BLOCK 144\n#define HIGH_BITS\n#define HIGH(h, m)\n" + K4_LANES),
     # Q5_K: value m of lane l in half h is bit 8 (m / 2) + 4 h + (m & 1) (+ 2 in lanes 8-15) of qh's int32 l % 8
     13: (True, r"""#define QS 48
@@ -302,7 +355,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
   int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
   if (B == 1) {  /* one row of x: each block decoded into registers and used at once */
 #ifdef ROW_DOT  /* or the type's own one-row product (ROW_DOTS), x prepared once per call (into xp, or as it is) */
-    float xp[K] __attribute__((aligned(64))), xs[K / 32];
+    float xp[K] __attribute__((aligned(64))), xs[K / 16];
     const float* xr = prep_x(x, xp, xs, NB);
     for (int n = n0; n < n1; n++) out[n] = row_dot(w + (long)n * NB * BB, xr, xs, NB);
 #else
