@@ -170,6 +170,23 @@ def test_k_quant_packer_round_trips_through_gguf_dequantize(type_name, levels):
     assert np.sqrt(((back - x) ** 2).mean()) < step / 2
 
 
+def test_iq4_nl_packer_round_trips_through_gguf_dequantize():
+    """Every value within 14 steps of its block's scale of where it was (half the widest gap between IQ4_NL's levels
+    is 12; the level at the far end from the block's largest magnitude is 113, not 127, so 14 beyond it), the
+    largest magnitude on the end level (127 steps); zeros stay zero."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.random.default_rng(6).standard_normal((4, 256)).astype(np.float32)
+    x[0, :32] = 0.0
+    data, qtype = mg._encode_tensor(x, "IQ4_NL")
+    assert qtype == GGMLQuantizationType.IQ4_NL and data.shape == (4, 8 * 18)
+    back = quants.dequantize(data, qtype).reshape(-1, 32)
+    d = np.abs(data.reshape(-1, 18)[:, :2].copy().view(np.float16).astype(np.float32))  # (blocks, 1)
+    assert np.all(np.abs(back - x.reshape(-1, 32)) <= 14 * d * (1 + 1e-3) + 1e-6) and np.all(back[0] == 0)
+    peak = np.abs(x.reshape(-1, 32)).argmax(-1)
+    assert np.allclose(np.abs(back[np.arange(len(peak)), peak]), 127 * d[:, 0], rtol=1e-6)
+
+
 def test_q4_k_m_mixes_as_llama_cpp_does():
     spec, vocab_size = _spec_and_vocab("kq")
     types = mg.tensor_types(spec, vocab_size, "Q4_K_M")

@@ -1,4 +1,4 @@
-"""A test-only packer for ggml's K-quant blocks (Q2_K ... Q6_K), written from the block format.
+"""A test-only packer for ggml's K-quant blocks (Q2_K ... Q6_K) and IQ4_NL, written from the block format.
 
 The `gguf` package dequantizes these types but cannot quantize them. This packer is simple, not llama.cpp's: each
 sub-block's scale (and min) is its range over the levels, the super-block keeps them as 6-bit (8-bit signed for
@@ -12,6 +12,8 @@ Layouts (ggml-common.h), 256 values per block:
 - Q4_K (144 bytes): d, dmin (fp16), scales[12] (8 six-bit scales and 8 six-bit mins), qs[128] (4-bit values).
 - Q5_K (176 bytes): d, dmin, scales[12], qh[32] (the fifth bits), qs[128].
 - Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d (fp16).
+- IQ4_NL (18 bytes, 32 values): d (fp16), qs[16]: 4-bit indices into 16 fixed non-uniform levels (low nibbles the
+  first 16 values, high nibbles the next 16).
 """
 
 from __future__ import annotations
@@ -126,14 +128,29 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     return np.concatenate([hmask, _bit_pairs(u & 3), scales, d.reshape(-1, 1).view(np.uint8)], axis=1)
 
 
+IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
+
+
+def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 32).astype(np.float32)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[:, None], -1)  # (n, 1), signed: lands on -127
+    d = _fp16(peak / IQ4_NL_LEVELS[0])
+    step = d.astype(np.float32)
+    scaled = np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)
+    q = np.abs(scaled[..., None] - IQ4_NL_LEVELS).argmin(-1).astype(np.uint8)  # the nearest level
+    return np.concatenate([d.view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+
+
 QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
-              "Q6_K": quantize_q6_k}
-BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+              "Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18}
 
 
 def quantize(w: np.ndarray, type_name: str) -> np.ndarray:
-    """(rows, k) float weights, k a multiple of 256 -> (rows, k / 256 * block bytes) uint8, ggml's layout."""
+    """(rows, k) float weights, k a multiple of the block (256; IQ4_NL 32) -> (rows, k / block * block bytes)
+    uint8, ggml's layout."""
     rows, k = w.shape
-    if k % QK:
-        raise ValueError(f"{type_name} rows need a multiple of {QK} values, got {k}")
+    block = 32 if type_name == "IQ4_NL" else QK
+    if k % block:
+        raise ValueError(f"{type_name} rows need a multiple of {block} values, got {k}")
     return QUANTIZERS[type_name](w).reshape(rows, -1)

@@ -230,15 +230,18 @@ class TensorSource:
         if info is None:
             raise ModelLoadError(f"{self.header.path}: tensor {name} is missing")
         if info.nbytes is None:
-            raise ModelLoadError(f"{self.header.path}: tensor {name} has GGML type {info.ggml_type} "
-                                 f"({type_name(info.ggml_type)}), which this worker cannot read")
+            raise self._unreadable(info)
         return info
+
+    def _unreadable(self, info: TensorInfo) -> ModelLoadError:
+        return ModelLoadError(f"{self.header.path}: tensor {info.name} has GGML type {info.ggml_type} "
+                              f"({type_name(info.ggml_type)}), which this worker cannot read")
 
     def _dequantized(self, info: TensorInfo, dtype: DType) -> np.ndarray:
         """Any GGML type -> ``dtype`` values (shape ``info.shape``), by tinygrad's dequantizer and cast; float32 and
         float16 data by numpy's cast (the same rounding): a stage's first tinygrad kernels, scheduled and compiled
-        here for the norms' gains, cost a restart ~0.3 s (bench/NOTES.md). The types tinygrad lacks (Q2_K, Q3_K)
-        by the `gguf` package's numpy version of ggml's ``dequantize_row_*``."""
+        here for the norms' gains, cost a restart ~0.3 s (bench/NOTES.md). The types tinygrad lacks (Q2_K, Q3_K,
+        IQ4_NL...) by the `gguf` package's numpy version of ggml's ``dequantize_row_*``."""
         from tinygrad import dtypes
         from tinygrad.llm.gguf import ggml_data_to_tensor
 
@@ -252,7 +255,10 @@ class TensorSource:
             else:
                 from gguf import GGMLQuantizationType, quants
 
-                values = quants.dequantize(data, GGMLQuantizationType(info.ggml_type))
+                try:
+                    values = quants.dequantize(data, GGMLQuantizationType(info.ggml_type))
+                except NotImplementedError:  # Q8_1, Q8_K: ggml's types for activations, never a model's weights
+                    raise self._unreadable(info) from None
             return values.reshape(info.shape).astype(np.float16 if dtype == dtypes.float16 else np.float32)
 
         raw = self._raw(info.nbytes, lambda mv: self._read(info, mv))
