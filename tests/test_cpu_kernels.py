@@ -16,7 +16,7 @@ from pp_worker.worker.engines.gguf_file import type_name
 
 TYPES = sorted(cpu_kernels.BLOCKS)
 SCALES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
-          14: (208,)}  # fp16 fields
+          14: (208,), 20: (0,), 23: (0,)}  # fp16 fields
 
 
 def random_rows(ggml_type: int, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:

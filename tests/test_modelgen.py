@@ -170,21 +170,37 @@ def test_k_quant_packer_round_trips_through_gguf_dequantize(type_name, levels):
     assert np.sqrt(((back - x) ** 2).mean()) < step / 2
 
 
-def test_iq4_nl_packer_round_trips_through_gguf_dequantize():
-    """Every value within 14 steps of its block's scale of where it was (half the widest gap between IQ4_NL's levels
-    is 12; the level at the far end from the block's largest magnitude is 113, not 127, so 14 beyond it), the
-    largest magnitude on the end level (127 steps); zeros stay zero."""
+@pytest.mark.parametrize("type_name, block, qs", [("IQ4_NL", 18, 2), ("IQ4_XS", 136, 8)])
+def test_iq4_packers_round_trip_through_gguf_dequantize(type_name, block, qs):
+    """Every value within half the widest gap between the 16 levels (12 steps of its block's or sub-block's scale)
+    of where it was, or, past the level at the far end from the block's largest magnitude (113 steps, where the
+    largest lands on -127 or, IQ4_XS's scales being rounded to 6 bits, near it), within its distance to that level;
+    zeros stay zero."""
     from gguf import GGMLQuantizationType, quants
 
     x = np.random.default_rng(6).standard_normal((4, 256)).astype(np.float32)
-    x[0, :32] = 0.0
-    data, qtype = mg._encode_tensor(x, "IQ4_NL")
-    assert qtype == GGMLQuantizationType.IQ4_NL and data.shape == (4, 8 * 18)
+    x[0] = 0.0
+    data, qtype = mg._encode_tensor(x, type_name)
+    assert qtype == GGMLQuantizationType[type_name] and data.size == x.size // (32 if block == 18 else 256) * block
     back = quants.dequantize(data, qtype).reshape(-1, 32)
-    d = np.abs(data.reshape(-1, 18)[:, :2].copy().view(np.float16).astype(np.float32))  # (blocks, 1)
-    assert np.all(np.abs(back - x.reshape(-1, 32)) <= 14 * d * (1 + 1e-3) + 1e-6) and np.all(back[0] == 0)
-    peak = np.abs(x.reshape(-1, 32)).argmax(-1)
-    assert np.allclose(np.abs(back[np.arange(len(peak)), peak]), 127 * d[:, 0], rtol=1e-6)
+    probe = data.reshape(-1, block).copy()
+    probe[:, qs:] = 0  # every index on level 0 (-127): the values are -127 times each sub-block's scale
+    step = np.abs(quants.dequantize(probe, qtype).reshape(-1, 32)[:, 0]) / 127
+    err, peak = np.abs(back - x.reshape(-1, 32)).max(-1), np.abs(x.reshape(-1, 32)).max(-1)
+    bound = np.maximum(12 * step, peak - 113 * step)
+    assert np.all(err <= bound * (1 + 1e-3) + 1e-6) and np.all(back[:8] == 0)
+
+
+def test_tq2_0_packer_round_trips_through_gguf_dequantize():
+    """Ternary: every value within half its block's largest magnitude of where it was, the largest exact to fp16."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.random.default_rng(7).standard_normal((3, 512)).astype(np.float32)
+    data, qtype = mg._encode_tensor(x, "TQ2_0")
+    back = quants.dequantize(data, qtype).reshape(-1, 256)
+    peak = np.abs(x.reshape(-1, 256)).max(-1, keepdims=True)
+    assert qtype == GGMLQuantizationType.TQ2_0 and set(np.unique(np.round(back / peak, 2))) <= {-1.0, 0.0, 1.0}
+    assert np.all(np.abs(back - x.reshape(-1, 256)) <= peak / 2 * (1 + 1e-3))
 
 
 def test_q4_k_m_mixes_as_llama_cpp_does():

@@ -1,7 +1,7 @@
 """Quantized files kept quantized (engines.weights, cpu_kernels) through whole chains of stage engines: every block
 type on 2 and 3 stages gives the tokens of the dequantize-at-load path and stays within the float64 reference's
 tolerance; so do Q4_K_M- and Q3_K_M-like mixes. The models: ``kq`` (dim 256, 6 blocks, every width a multiple of
-256), as MIXED (all eleven kept types cycling over the matrices: any two consecutive blocks hold every one, so every
+256), as MIXED (all thirteen kept types cycling over the matrices: any two consecutive blocks hold every one, so every
 stage of 2 or 3 holds every type), as Q4_K_M and as Q3_K_M."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ LOGIT_ATOL_FP16_WEIGHTS = 3e-2  # dequantized-at-load weights are rounded to fp1
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
     d = tmp_path_factory.mktemp("quantized")
-    return {dt: generate(d / f"kq-{dt}.gguf", "kq", seed=3, dtype=dt) for dt in ("MIXED", "Q4_K_M", "Q3_K_M", "IQ4_NL")}
+    return {dt: generate(d / f"kq-{dt}.gguf", "kq", seed=3, dtype=dt) for dt in ("MIXED", "Q4_K_M", "Q3_K_M", "TQ2_0")}
 
 
 @pytest.fixture(scope="module")
@@ -114,19 +114,19 @@ def test_tinygrads_kernels_convert_only_the_types_tinygrad_cannot_expand(chains,
 
 
 def test_a_type_without_a_kernel_is_dequantized_at_load_and_named(chains, models, prompts):
-    """IQ4_NL (no C kernel, and no tinygrad expression in 0.13.0): every matrix dequantized to fp16 at load by the
+    """TQ2_0 (no C kernel, and no tinygrad expression in 0.13.0): every matrix dequantized to fp16 at load by the
     gguf package, counted in ``weights_converted``, and the chain still gives the float64 reference's tokens."""
     from pp_worker.worker.engines.gguf_file import read_header
 
-    header = read_header(models["IQ4_NL"])
-    c = chains("IQ4_NL", 2)
+    header = read_header(models["TQ2_0"])
+    c = chains("TQ2_0", 2)
     converted = 0
     for stage in c.engines:
         held = stage.describe()
-        assert set(held["weights"]) == {"F16"} and set(held["weights_converted"]) == {"IQ4_NL"}
-        converted += held["weights_converted"]["IQ4_NL"]
-    assert converted == sum(i.ggml_type == 20 for i in header.tensors.values())
-    ref, prompt = RefModel.from_gguf(models["IQ4_NL"]), prompts[0]
+        assert set(held["weights"]) == {"F16"} and set(held["weights_converted"]) == {"TQ2_0"}
+        converted += held["weights_converted"]["TQ2_0"]
+    assert converted == sum(i.ggml_type == 35 for i in header.tensors.values())
+    ref, prompt = RefModel.from_gguf(models["TQ2_0"]), prompts[0]
     tokens, logits = c.generate(102, prompt, N_TOKENS)
     want = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]
     np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)

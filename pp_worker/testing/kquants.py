@@ -1,4 +1,5 @@
-"""A test-only packer for ggml's K-quant blocks (Q2_K ... Q6_K) and IQ4_NL, written from the block format.
+"""A test-only packer for ggml's K-quant blocks (Q2_K ... Q6_K), IQ4_NL, IQ4_XS and TQ2_0, written from the block
+format.
 
 The `gguf` package dequantizes these types but cannot quantize them. This packer is simple, not llama.cpp's: each
 sub-block's scale (and min) is its range over the levels, the super-block keeps them as 6-bit (8-bit signed for
@@ -14,6 +15,9 @@ Layouts (ggml-common.h), 256 values per block:
 - Q6_K (210 bytes): ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d (fp16).
 - IQ4_NL (18 bytes, 32 values): d (fp16), qs[16]: 4-bit indices into 16 fixed non-uniform levels (low nibbles the
   first 16 values, high nibbles the next 16).
+- IQ4_XS (136 bytes): d (fp16), scales_h (uint16: 2 high bits per sub-block of 32), scales_l[4] (4 low bits per
+  sub-block), qs[128] (IQ4_NL's indices, 16 bytes per sub-block); a sub-block's scale is d * (its 6 bits - 32).
+- TQ2_0 (66 bytes): qs[64] (2-bit values, laid out as Q2_K's), d (fp16); a weight is d * (q - 1): ternary.
 """
 
 from __future__ import annotations
@@ -131,19 +135,47 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
 IQ4_NL_LEVELS = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.float32)
 
 
+def _iq4_indices(sub: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Values (..., 32) and their step (..., 1) -> the nearest levels' indices, packed: (..., 16) bytes."""
+    scaled = np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)
+    q = np.abs(scaled[..., None] - IQ4_NL_LEVELS).argmin(-1).astype(np.uint8)
+    return q[..., :16] | (q[..., 16:] << 4)
+
+
 def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 32).astype(np.float32)
     peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[:, None], -1)  # (n, 1), signed: lands on -127
     d = _fp16(peak / IQ4_NL_LEVELS[0])
-    step = d.astype(np.float32)
-    scaled = np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)
-    q = np.abs(scaled[..., None] - IQ4_NL_LEVELS).argmin(-1).astype(np.uint8)  # the nearest level
-    return np.concatenate([d.view(np.uint8), q[:, :16] | (q[:, 16:] << 4)], axis=1)
+    return np.concatenate([d.view(np.uint8), _iq4_indices(sub, d.astype(np.float32))], axis=1)
+
+
+def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
+    sub = x.reshape(-1, 8, 32).astype(np.float32)
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]  # (n, 8), signed
+    scale = peak / IQ4_NL_LEVELS[0]
+    d = _fp16(np.abs(scale).max(-1) / 31)
+    df = d.astype(np.float32)[:, None]
+    ls = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -32, 31).astype(np.int32)
+    qs = _iq4_indices(sub, (df * ls)[..., None]).reshape(-1, 128)
+    six = (ls + 32).astype(np.uint16)  # (n, 8)
+    high = ((six >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1).astype(np.uint16)
+    low = ((six[:, 0::2] & 15) | ((six[:, 1::2] & 15) << 4)).astype(np.uint8)
+    return np.concatenate([d.reshape(-1, 1).view(np.uint8), high.reshape(-1, 1).view(np.uint8), low, qs], axis=1)
+
+
+def quantize_tq2_0(x: np.ndarray) -> np.ndarray:
+    blocks = x.reshape(-1, QK).astype(np.float32)
+    d = _fp16(np.abs(blocks).max(-1, keepdims=True))
+    df = d.astype(np.float32)
+    q = np.clip(np.rint(np.divide(blocks, df, out=np.zeros_like(blocks), where=df > 0)), -1, 1) + 1
+    return np.concatenate([_bit_pairs(q.astype(np.uint8)), d.view(np.uint8)], axis=1)
 
 
 QUANTIZERS = {"Q2_K": quantize_q2_k, "Q3_K": quantize_q3_k, "Q4_K": quantize_q4_k, "Q5_K": quantize_q5_k,
-              "Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl}
-BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18}
+              "Q6_K": quantize_q6_k, "IQ4_NL": quantize_iq4_nl, "IQ4_XS": quantize_iq4_xs,
+              "TQ2_0": quantize_tq2_0}
+BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "IQ4_NL": 18, "IQ4_XS": 136,
+               "TQ2_0": 66}
 
 
 def quantize(w: np.ndarray, type_name: str) -> np.ndarray:

@@ -58,13 +58,13 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     "rss": (LlamaSpec(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=5632, context_length=2048), 1741),
 }
 
-QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
-# a whole file of one type (IQ4_NL: one the worker dequantizes at load), or a mix: Q4_K_M and Q3_K_M as llama.cpp
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+# a whole file of one type (TQ2_0: one the worker dequantizes at load), or a mix: Q4_K_M and Q3_K_M as llama.cpp
 # makes them, MIXED cycling every kept type over the matrices
-DTYPES = ("F32", "F16", *QUANT_TYPES, "IQ4_NL", "Q4_K_M", "Q3_K_M", "MIXED")
+DTYPES = ("F32", "F16", *QUANT_TYPES, "TQ2_0", "Q4_K_M", "Q3_K_M", "MIXED")
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
-              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "Q4_K_M": 15, "Q3_K_M": 12}  # llama_ftype (Q3_K,
-# Q4_K and Q5_K: the _S files; MIXED has none)
+              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "TQ2_0": 37, "Q4_K_M": 15,
+              "Q3_K_M": 12}  # llama_ftype (Q3_K, Q4_K and Q5_K: the _S files; MIXED has none)
 
 
 # ---------------------------------------------------------------- weights
@@ -188,7 +188,7 @@ def _encode_tensor(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object | 
     if type_name in ("F32", "F16"):
         return w.astype(np.float32 if type_name == "F32" else np.float16), None
     qtype = GGMLQuantizationType[type_name]
-    if type_name in kquants.QUANTIZERS:  # gguf cannot quantize the K types, nor IQ4_NL
+    if type_name in kquants.QUANTIZERS:  # gguf cannot quantize the K, IQ4 and TQ types
         return kquants.quantize(w.astype(np.float32), type_name), qtype
     # gguf.quants is documented bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref...)
     return quants.quantize(w.astype(np.float32), qtype), qtype

@@ -28,9 +28,11 @@ from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 from pp_worker.worker.engines.gguf_file import type_name
 from pp_worker.worker.engines.hostio import filled
 
-# ggml type -> (elements per block, bytes per block): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K
+# ggml type -> (elements per block, bytes per block): F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+# IQ4_NL, IQ4_XS
 BLOCKS: dict[int, tuple[int, int]] = {1: (32, 64), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34),
-                                      10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
+                                      10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210),
+                                      20: (32, 18), 23: (256, 136)}
 ROWS = 4  # weight rows decoded per step: each input vector loaded once serves ROWS products
 
 HEADER = r"""
@@ -85,6 +87,28 @@ static inline f16v scale_min(const unsigned char* b) {
                                                                     1, 1); }
 """
 
+# IQ4_NL and IQ4_XS: 4-bit indices into 16 fixed non-uniform levels (ggml's kvalues_iq4nl), times the scale of
+# the block (IQ4_NL) or of the sub-block of 32 (IQ4_XS: 6-bit, minus 32, times the block's d; low 4 bits in
+# scales_l, high 2 in scales_h). A group's low nibbles are its first 16 values, its high nibbles the next 16.
+IQ4 = r"""static const f16v KV4 = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static inline float iq4_scale(const unsigned char* b, int g) {  /* d for IQ4_NL, d (ls - 32) for IQ4_XS */
+#if IQ4_XS
+  unsigned short sh; __builtin_memcpy(&sh, b + 2, 2);
+  return half_at(b) * ((((b[4 + g / 2] >> 4 * (g & 1)) & 15) | (((sh >> 2 * g) & 3) << 4)) - 32);
+#else
+  return half_at(b);
+#endif
+}
+"""
+IQ4_TYPES = {20: "#define IQ4_XS 0\n#define IQ4_QS 2\n" + IQ4,  # IQ4_NL: d, qs[16]
+             23: "#define IQ4_XS 1\n#define IQ4_QS (8 + 16 * g)\n" + IQ4}  # IQ4_XS: d, scales_h, scales_l[4], qs[128]
+IQ4_DECODE = r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  float d = iq4_scale(b, g); u8x16 q = u8_at(b + IQ4_QS);
+  for (int i = 0; i < 16; i++) { w[0][i] = KV4[q[i] & 15] * d; w[1][i] = KV4[q[i] >> 4] * d; } }"""
+IQ4_LOOKUP = r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
+  f16v t = KV4 * iq4_scale(b, g); i32x16 q = i32_at(b + IQ4_QS);
+  w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }"""
+
 # decode32(block, g, w): values 32g .. 32g+31 of a block into w[0], w[1], as ggml's dequantize_row_<type> computes
 # them (g is 0 for the types with 32 values a block). Groups of 32 keep two vectors live at a time, whatever the
 # block size: a kernel decodes a group and uses it at once (or stores it, for several rows of x).
@@ -126,6 +150,7 @@ DECODERS: dict[int, str] = {
     int sc = ((i < 8 ? s[i] & 15 : s[i - 8] >> 4) | ((s[8 + (i & 3)] >> (2 * (i >> 2))) & 3) << 4) - 32;
     u8x16 v = ((u8_at(q + 16 * h) >> (2 * (g & 3))) & 3) | (((u8_at(b + 16 * h) >> g) & 1) << 2);
     w[h] = (fu8(v) - 4.0f) * (d * sc); } }""",
+    **{t: pre + IQ4_DECODE for t, pre in IQ4_TYPES.items()},
     # Q4_K: group g holds the low (g even) or high (g odd) nibbles of qs[32 (g / 2) ..], sub-block g's scale and min
     12: SCALE_MIN + r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   f16v sm = scale_min(b);
@@ -154,6 +179,7 @@ DECODERS: dict[int, str] = {
 # table of its 16 possible values, made per block (Q4_K: per group of 32) by the expression above: the same floats,
 # one lookup where the decoders above spend a conversion and a multiply-add (bench/NOTES.md has the numbers).
 LOOKUPS: dict[int, str] = {
+    **{t: pre + IQ4_LOOKUP for t, pre in IQ4_TYPES.items()},
     2: r"""static inline void decode32(const unsigned char* b, int g, f16v* w) {
   f16v t = (FIOTA - 8.0f) * half_at(b); i32x16 q = i32_at(b + 2);
   w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }""",
@@ -286,6 +312,38 @@ static const f16v TABLE = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 
   i32x16 hm[2] = {(i32x16)__builtin_convertvector(u8_at(b), u32x16) << 2, \
                   (i32x16)__builtin_convertvector(u8_at(b + 16), u32x16) << 2};
 """ + K23_ROW
+# One row of x with AVX-512, IQ4_XS: the K4_LANES way over its layout. 64 bytes (4 sub-blocks of 32) read as 16
+# int32 lanes of 8 nibbles, each lane within one sub-block; nibble m of all lanes looked up at once in the 16
+# levels; x put in the lanes' order once per call; the 4 sub-blocks' scales applied once to their lanes' sums.
+IQ4_XS_ROW = r"""#define ROW_DOT
+#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
+static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
+                                  int nb) {
+  for (int c = 0; c < 2 * nb; c++)  /* lane l, nibble m of half c: byte 4 (l % 4) + m / 2 of sub-block l / 4 */
+    _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m++)
+      _Pragma("clang loop unroll(full)") for (int l = 0; l < 16; l++)
+        xp[128 * c + 16 * m + l] = x[128 * c + 32 * (l / 4) + 4 * (l % 4) + m / 2 + 16 * (m & 1)];
+  return xp;
+}
+#define IQ4_HALF(h) { \
+  u32x16 q; __builtin_memcpy(&q, b + 8 + 64 * h, 64); \
+  const float* p = xp + 256 * j + 128 * h; \
+  f16v e = 0, o = 0; \
+  _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m += 2) { \
+    e += LOOK(KV4, (i32x16)(q >> (4 * m))) * f_at(p + 16 * m); \
+    o += LOOK(KV4, (i32x16)(q >> (4 * m + 4))) * f_at(p + 16 * m + 16); } \
+  acc += (e + o) * SPLAT4(sc, 4 * h, 4 * h + 1, 4 * h + 2, 4 * h + 3); }
+static inline float row_dot(const unsigned char* restrict row, const float* restrict xp, const float* restrict xs,
+                            int nb) {
+  f16v acc = 0;
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + 136 * j;
+    f8v sc;
+    _Pragma("clang loop unroll(full)") for (int g = 0; g < 8; g++) sc[g] = iq4_scale(b, g);
+    IQ4_HALF(0) IQ4_HALF(1)
+  }
+  return hsum(acc);
+}"""
 # type -> (whether it needs AVX-512, its one-row product). Q8_0 (any CPU): a block's sum of q x times its scale, once,
 # in place of a multiply per value (1.07-1.12x); the scaling and the accumulation one FMA, the scales of 16 blocks
 # converted before their sums, so that a row of up to 512 values unrolls whole (a further 1.1-1.3x): cache-hot, one
@@ -294,6 +352,7 @@ ROW_DOTS: dict[int, tuple[bool, str]] = {
     8: (False, Q8_0_ROW),
     10: (True, Q2_K_ROW),
     11: (True, Q3_K_ROW),
+    23: (True, IQ4_XS_ROW),
     12: (True, "#define QS 16\n#define BLOCK 144\n#define HIGH_BITS\n#define HIGH(h, m)\n" + K4_LANES),
     # Q5_K: value m of lane l in half h is bit 8 (m / 2) + 4 h + (m & 1) (+ 2 in lanes 8-15) of qh's int32 l % 8
     13: (True, r"""#define QS 48

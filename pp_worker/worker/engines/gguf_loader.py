@@ -241,7 +241,7 @@ class TensorSource:
         """Any GGML type -> ``dtype`` values (shape ``info.shape``), by tinygrad's dequantizer and cast; float32 and
         float16 data by numpy's cast (the same rounding): a stage's first tinygrad kernels, scheduled and compiled
         here for the norms' gains, cost a restart ~0.3 s (bench/NOTES.md). The types tinygrad lacks (Q2_K, Q3_K,
-        IQ4_NL...) by the `gguf` package's numpy version of ggml's ``dequantize_row_*``."""
+        IQ4_NL, TQ2_0...) by the `gguf` package's numpy version of ggml's ``dequantize_row_*``."""
         from tinygrad import dtypes
         from tinygrad.llm.gguf import ggml_data_to_tensor
 

@@ -50,9 +50,9 @@ def dequantize(raw: Tensor, ggml_type: int, k: int) -> Tensor:
 
 
 def tinygrad_expands(ggml_type: int) -> bool:
-    """Whether `dequantize` (tinygrad's ``ggml_data_to_tensor``) expands this type. tinygrad 0.13.0 lacks Q2_K and
-    Q3_K (which the C kernels read), IQ4_NL, IQ2_XXS, IQ2_XS, IQ1_S and IQ1_M: the load path dequantizes those
-    with the `gguf` package instead."""
+    """Whether `dequantize` (tinygrad's ``ggml_data_to_tensor``) expands this type. tinygrad 0.13.0 lacks Q2_K, Q3_K
+    and IQ4_NL (which the C kernels read), IQ2_XXS, IQ2_XS, IQ1_S, IQ1_M, TQ1_0 and TQ2_0: the load path dequantizes
+    those with the `gguf` package instead."""
     from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
 
     return ggml_type in _GGML_NATIVE or ggml_type in _GGML_QUANT
