@@ -1,7 +1,7 @@
 """Sections 9 and 10: quantized files as people run them, and llama.cpp on the same files.
 
-9 (``quant``): the bench model as F16, Q8_0 and a Q4_K_M-like mix, each on a live 2-stage pipeline: decode in
-rounds taken in turn (every pipeline, then llama.cpp on the F16 and Q8_0 files, in each round), a 512-token
+9 (``quant``): the bench model as F16, Q8_0, Q4_K_M- and Q3_K_M-like mixes and IQ4_XS, each on a live 2-stage
+pipeline: decode in rounds taken in turn (every pipeline, then llama.cpp on every file, in each round), a 512-token
 prefill, start-up to ready with PP_WARMUP off (the load), and each stage's peak RSS. 10 (``qrss``): the 0.73B
 "rss" model as Q8_0, Q4_0 and Q4_K_M on 2 and 4 stages, each stage's peak RSS against its tensors' bytes in the
 file plus tinygrad's idle floor. llama.cpp needs ``make peers``; without it those rows say so.
@@ -24,8 +24,9 @@ from bench import models, peer, pipe, rss, solo
 @dataclass(frozen=True)
 class QuantPlan:
     preset: str = "bench"
-    dtypes: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M")
-    peers: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M")  # llama.cpp on these files
+    # issue 17's targets are on Q8_0 and Q4_K_M; Q3_K_M and IQ4_XS (kept packed too) are measured beside them
+    dtypes: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M", "Q3_K_M", "IQ4_XS")
+    peers: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M", "Q3_K_M", "IQ4_XS")  # llama.cpp on these files
     threads: int = 2  # llama.cpp's threads: the machine's 2 cores
     # many short rounds: this VM's speed swings ~2x over seconds, so each round's files are best measured close
     # together (~0.5 s a round), and the median of many rounds' ratios is steady (bench/NOTES.md)

@@ -60,13 +60,15 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int | None:
-        """Bytes of data, None for a GGML type unknown here: tinygrad's tables, else the `gguf` package's (imported
-        only then: ~0.14 s), which knows every type its dequantizer reads."""
+        """Bytes of data, None for a GGML type unknown here: tinygrad's tables or the C kernels', else the `gguf`
+        package's (imported only then: 30-140 ms of a load), which knows every type its dequantizer reads."""
         from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
+
+        from pp_worker.worker.engines.cpu_kernels import BLOCKS
 
         if (dtype := _GGML_NATIVE.get(self.ggml_type)) is not None:
             return dtype.itemsize * self.n_elements
-        if (block := _GGML_QUANT.get(self.ggml_type)) is None:
+        if (block := _GGML_QUANT.get(self.ggml_type) or BLOCKS.get(self.ggml_type)) is None:
             from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
             known = self.ggml_type in GGMLQuantizationType._value2member_map_
