@@ -132,3 +132,17 @@ def test_a_type_without_a_kernel_is_dequantized_at_load_and_named(chains, models
     np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)
     assert tokens == ref.greedy(prompt, N_TOKENS)
     c.release(102)
+
+
+def test_sizing_a_kernels_type_needs_no_gguf_import(models):
+    """A load reads every tensor's size from the header: for the C kernels' types tinygrad has no table for (Q3_K),
+    the kernels' table answers, not the gguf package (importing it cost a Q3_K_M load 1.29x F16's time)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; from pp_worker.worker.engines.gguf_file import read_header; "
+            f"h = read_header(Path({str(models['Q3_K_M'])!r})); "
+            "assert all(t.nbytes for t in h.tensors.values()); print('gguf' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False"
