@@ -66,13 +66,17 @@ def test_every_type_kept_packed_gives_the_tokens_of_dequantize_at_load(chains, p
 @pytest.mark.parametrize("dtype, num_stages, keep", [("MIXED", 2, True), ("MIXED", 3, True), ("MIXED", 2, False),
                                                      ("Q4_K_M", 2, True), ("Q4_K_M", 3, True), ("Q3_K_M", 2, True)])
 def test_quantized_chains_match_the_float64_reference(chains, models, prompts, dtype, num_stages, keep):
-    c, ref = chains(dtype, num_stages, keep), RefModel.from_gguf(models[dtype])
-    prompt = prompts[1]
-    tokens, logits = c.generate(100, prompt, N_TOKENS)
+    matches_the_reference(chains(dtype, num_stages, keep), models[dtype], prompts[1], 100)
+
+
+def matches_the_reference(c: Chain, model: Path, prompt: list[int], rid: int) -> None:
+    """The chain's greedy tokens, and its logits within tolerance, against the float64 reference on the file."""
+    ref = RefModel.from_gguf(model)
+    tokens, logits = c.generate(rid, prompt, N_TOKENS)
     want = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]  # the positions the chain predicted from
     np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)
     assert tokens == ref.greedy(prompt, N_TOKENS)
-    c.release(100)
+    c.release(rid)
 
 
 @pytest.mark.parametrize("dtype, num_stages, types", [("Q4_K_M", 3, {"Q4_K", "Q6_K"}),
@@ -91,47 +95,28 @@ def test_mixes_stages_hold_their_share_of_the_file(chains, models, dtype, num_st
     assert sum(len(s.loaded_tensors) for s in c.engines) == len(header.tensors)  # each tensor on one stage
 
 
-def test_tinygrads_kernels_convert_only_the_types_tinygrad_cannot_expand(chains, models, prompts):
-    """Off the CPU (forced here) matrices stay packed for tinygrad's dequantize expressions, but tinygrad 0.13.0 has
-    none for Q3_K: those are dequantized at load (by the gguf package), named as converted, and the chain still
-    gives the float64 reference's tokens."""
+@pytest.mark.parametrize("dtype, kernels, converted, kept", [
+    ("Q3_K_M", "tinygrad", "Q3_K", {"Q4_K", "Q5_K", "Q6_K", "F16"}),  # tinygrad's expressions: none for Q3_K
+    ("TQ2_0", "c", "TQ2_0", {"F16"}),  # no C kernel, no tinygrad expression
+])
+def test_types_nothing_reads_packed_are_dequantized_at_load_and_named(chains, models, prompts, dtype, kernels,
+                                                                      converted, kept):
+    """Matrices of a type the stage's kernels cannot read packed (tinygrad's kernels, forced here as off the CPU:
+    tinygrad 0.13.0 has no expression for Q3_K; TQ2_0: none anywhere) are dequantized to fp16 at load by the gguf
+    package, every one counted in ``weights_converted``; the others stay packed, and the chain still gives the
+    float64 reference's tokens."""
+    from gguf import GGMLQuantizationType
+
     from pp_worker.worker.engines.gguf_file import read_header
 
-    header = read_header(models["Q3_K_M"])
-    c = chains("Q3_K_M", 2, kernels="tinygrad")
-    converted = 0
+    c, count = chains(dtype, 2, kernels=kernels), 0
     for stage in c.engines:
         held = stage.describe()
-        assert set(held["weights"]) <= {"Q4_K", "Q5_K", "Q6_K", "F16"} and set(held["weights_converted"]) == {"Q3_K"}
-        converted += held["weights_converted"]["Q3_K"]
-    assert converted == sum(i.ggml_type == 11 for i in header.tensors.values())  # every Q3_K matrix, on either stage
-    ref, prompt = RefModel.from_gguf(models["Q3_K_M"]), prompts[0]
-    tokens, logits = c.generate(101, prompt, N_TOKENS)
-    want = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]
-    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)
-    assert tokens == ref.greedy(prompt, N_TOKENS)
-    c.release(101)
-
-
-def test_a_type_without_a_kernel_is_dequantized_at_load_and_named(chains, models, prompts):
-    """TQ2_0 (no C kernel, and no tinygrad expression in 0.13.0): every matrix dequantized to fp16 at load by the
-    gguf package, counted in ``weights_converted``, and the chain still gives the float64 reference's tokens."""
-    from pp_worker.worker.engines.gguf_file import read_header
-
-    header = read_header(models["TQ2_0"])
-    c = chains("TQ2_0", 2)
-    converted = 0
-    for stage in c.engines:
-        held = stage.describe()
-        assert set(held["weights"]) == {"F16"} and set(held["weights_converted"]) == {"TQ2_0"}
-        converted += held["weights_converted"]["TQ2_0"]
-    assert converted == sum(i.ggml_type == 35 for i in header.tensors.values())
-    ref, prompt = RefModel.from_gguf(models["TQ2_0"]), prompts[0]
-    tokens, logits = c.generate(102, prompt, N_TOKENS)
-    want = ref.logits(prompt + tokens[:-1])[len(prompt) - 1:]
-    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=LOGIT_ATOL_FP64)
-    assert tokens == ref.greedy(prompt, N_TOKENS)
-    c.release(102)
+        assert set(held["weights"]) <= kept and set(held["weights_converted"]) == {converted}
+        count += held["weights_converted"][converted]
+    type_id = GGMLQuantizationType[converted].value
+    assert count == sum(i.ggml_type == type_id for i in read_header(models[dtype]).tensors.values())
+    matches_the_reference(c, models[dtype], prompts[0], 101)
 
 
 def test_sizing_a_kernels_type_needs_no_gguf_import(models):
