@@ -131,3 +131,20 @@ def test_sizing_a_kernels_type_needs_no_gguf_import(models):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("type_id, named", [(99, "type 99"), (15, "Q8_K")])
+def test_a_type_nothing_reads_is_a_load_error_that_names_it(models, type_id, named):
+    """An id no table knows (99), or one the gguf package sizes but cannot dequantize (Q8_K, ggml's type for
+    activations): a one-line ModelLoadError naming the tensor and the type, not a crash."""
+    import dataclasses
+
+    from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
+    from pp_worker.worker.engines.gguf_loader import TensorSource
+
+    header = read_header(models["Q3_K_M"])
+    name = "blk.0.ffn_up.weight"
+    header.tensors[name] = dataclasses.replace(header.tensors[name], ggml_type=type_id)
+    with pytest.raises(ModelLoadError, match=rf"tensor {name} has GGML type {type_id} \({named}\), which this worker "
+                                             r"cannot read$"):
+        TensorSource(header, kernels="c").matrix(name, header.tensors[name].shape)

@@ -300,7 +300,7 @@ Q3_K_ROW = r"""#define BLOCK 110
 #define QS 32
 static const f16v TABLE = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3};
 /* the pair in bits 0-1, the third bit (bit 4 n + p of hmask) in bit 2, bit 3 whatever (the table repeats) */
-#define INDEX ((q >> (2 * p)) & 3) | ((hm[h] >> (4 * n + p)) & ~3)
+#define INDEX (((q >> (2 * p)) & 3) | ((hm[h] >> (4 * n + p)) & ~3))
 #define SCALES u8x16 sv = 0; __builtin_memcpy(&sv, b + 96, 12); \
   u32x16 lo = __builtin_convertvector(__builtin_shufflevector(sv & 15, sv >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, \
                                                               19, 20, 21, 22, 23), u32x16); \

@@ -71,8 +71,10 @@ class TensorInfo:
         if (block := _GGML_QUANT.get(self.ggml_type) or BLOCKS.get(self.ggml_type)) is None:
             from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-            known = self.ggml_type in GGMLQuantizationType._value2member_map_
-            block = GGML_QUANT_SIZES.get(GGMLQuantizationType(self.ggml_type)) if known else None
+            try:
+                block = GGML_QUANT_SIZES.get(GGMLQuantizationType(self.ggml_type))
+            except ValueError:  # an id the gguf package does not know either
+                block = None
         return None if block is None else self.n_elements // block[0] * block[1]
 
 
