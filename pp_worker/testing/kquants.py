@@ -2,8 +2,9 @@
 format.
 
 The `gguf` package dequantizes these types but cannot quantize them. This packer is simple, not llama.cpp's: each
-sub-block's scale (and min) is its range over the levels, the super-block keeps them as 6-bit (8-bit signed for
-Q6_K) multiples of an fp16 step, and every value is rounded to its nearest level. Good enough to make files whose
+sub-block's scale (and min) is its range over the levels (`_affine`), or its largest magnitude over the end level
+(`_signed`: Q3_K, Q6_K, IQ4_XS), the super-block keeps them as 4-, 6- or 8-bit multiples of an fp16 step, and every
+value is rounded to its nearest level. Good enough to make files whose
 weights are close to the float ones (tests/test_modelgen.py checks the round trip through `gguf.quants.dequantize`),
 which is all the tests need: the engine is checked against the dequantized file, never against the float weights.
 
@@ -31,19 +32,32 @@ def _fp16(x: np.ndarray) -> np.ndarray:
     return x.astype(np.float16)
 
 
-def _affine(x: np.ndarray, levels: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Rows of 256 -> (d, dmin) fp16, 8 sub-block scales and mins in 0..63, and values in 0..levels, such that
-    x ~ d * scale * q - dmin * min per sub-block of 32."""
-    sub = x.reshape(-1, 8, 32)
+def _affine(x: np.ndarray, levels: int, size: int = 32,
+            top: int = 63) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of 256 -> (d, dmin) fp16, the sub-blocks' scales and mins in 0..top, and values in 0..levels, such that
+    x ~ d * scale * q - dmin * min per sub-block of ``size``."""
+    sub = x.reshape(-1, QK // size, size)
     lo = np.minimum(sub.min(-1), 0.0)  # ggml keeps mins <= 0: the offset is a subtraction of a non-negative min
-    scale, offset = (sub.max(-1) - lo) / levels, -lo  # (n, 8)
-    d, dmin = _fp16(scale.max(-1) / 63), _fp16(offset.max(-1) / 63)  # (n,)
+    scale, offset = (sub.max(-1) - lo) / levels, -lo  # (n, sub-blocks)
+    d, dmin = _fp16(scale.max(-1) / top), _fp16(offset.max(-1) / top)  # (n,)
     df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 63).astype(np.uint8)
-    mn = np.clip(np.rint(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, 63).astype(np.uint8)
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, top).astype(np.uint8)
+    mn = np.clip(np.rint(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, top).astype(np.uint8)
     step, base = (df * sc)[..., None], (dminf * mn)[..., None]  # (n, 8, 1)
     q = np.clip(np.rint(np.divide(sub + base, step, out=np.zeros_like(sub), where=step > 0)), 0, levels)
     return d, dmin, sc, mn, q.astype(np.uint8).reshape(-1, QK)
+
+
+def _signed(sub: np.ndarray, end: float, top: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Sub-blocks (n, s, m) -> (d fp16 (n,), scales (n, s) in -top-1..top as floats, each sub-block's step
+    (n, s, 1)), each sub-block's largest magnitude landing on level -``end`` (the one without a positive twin, as
+    ggml does): x ~ d * scale * q."""
+    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]  # (n, s), signed
+    scale = -peak / end
+    d = _fp16(np.abs(scale).max(-1) / top)
+    df = d.astype(np.float32)[:, None]
+    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -top - 1, top)
+    return d, sc, (df * sc)[..., None]
 
 
 def _pack_scales(sc: np.ndarray, mn: np.ndarray) -> np.ndarray:
@@ -79,12 +93,8 @@ def quantize_q5_k(x: np.ndarray) -> np.ndarray:
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 16, 16).astype(np.float32)  # 16 sub-blocks of 16
-    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]  # (n, 16), signed
-    scale = -peak / 32  # the largest magnitude lands on -32, the one level without a positive twin (as ggml does)
-    d = _fp16(np.abs(scale).max(-1) / 127)
-    df = d.astype(np.float32)[:, None]
-    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -128, 127).astype(np.int8)
-    step = (df * sc)[..., None]
+    d, sc, step = _signed(sub, 32, 127)
+    sc = sc.astype(np.int8)
     q = np.clip(np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)), -32, 31) + 32
     q = q.astype(np.uint8).reshape(-1, 2, 4, 32)  # (n, half, quarter, l): value 128 * half + 32 * quarter + l
     ql = np.concatenate([(q[:, :, 0] & 15) | ((q[:, :, 2] & 15) << 4), (q[:, :, 1] & 15) | ((q[:, :, 3] & 15) << 4)],
@@ -100,26 +110,14 @@ def _bit_pairs(q: np.ndarray) -> np.ndarray:
 
 
 def quantize_q2_k(x: np.ndarray) -> np.ndarray:
-    sub = x.reshape(-1, 16, 16).astype(np.float32)  # 16 sub-blocks of 16
-    lo = np.minimum(sub.min(-1), 0.0)
-    scale, offset = (sub.max(-1) - lo) / 3, -lo
-    d, dmin = _fp16(scale.max(-1) / 15), _fp16(offset.max(-1) / 15)
-    df, dminf = d.astype(np.float32)[:, None], dmin.astype(np.float32)[:, None]
-    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), 0, 15).astype(np.uint8)
-    mn = np.clip(np.rint(np.divide(offset, dminf, out=np.zeros_like(offset), where=dminf > 0)), 0, 15).astype(np.uint8)
-    step, base = (df * sc)[..., None], (dminf * mn)[..., None]
-    q = np.clip(np.rint(np.divide(sub + base, step, out=np.zeros_like(sub), where=step > 0)), 0, 3).astype(np.uint8)
-    return np.concatenate([sc | (mn << 4), _bit_pairs(q.reshape(-1, QK)), _header(d, dmin)], axis=1)
+    d, dmin, sc, mn, q = _affine(x.reshape(-1, QK).astype(np.float32), 3, size=16, top=15)  # 4-bit scales per 16
+    return np.concatenate([sc | (mn << 4), _bit_pairs(q), _header(d, dmin)], axis=1)
 
 
 def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 16, 16).astype(np.float32)
-    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]
-    scale = -peak / 4  # values -4..3: the largest magnitude lands on -4 (as Q6_K's on -32)
-    d = _fp16(np.abs(scale).max(-1) / 31)
-    df = d.astype(np.float32)[:, None]
-    sc = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -32, 31).astype(np.int32)
-    step = (df * sc)[..., None]
+    d, sc, step = _signed(sub, 4, 31)  # values -4..3
+    sc = sc.astype(np.int32)
     u = (np.clip(np.rint(np.divide(sub, step, out=np.zeros_like(sub), where=step != 0)), -4, 3) + 4).astype(np.uint8)
     u = u.reshape(-1, QK)  # value + 4: low 2 bits in qs, the third (set: no 4 subtracted) in hmask
     hbits = (u.reshape(-1, 8, 32) >> 2) & 1  # (n, group 4 c + j, l): bit 4 c + j of hmask[l]
@@ -151,12 +149,9 @@ def quantize_iq4_nl(x: np.ndarray) -> np.ndarray:
 
 def quantize_iq4_xs(x: np.ndarray) -> np.ndarray:
     sub = x.reshape(-1, 8, 32).astype(np.float32)
-    peak = np.take_along_axis(sub, np.abs(sub).argmax(-1)[..., None], -1)[..., 0]  # (n, 8), signed
-    scale = peak / IQ4_NL_LEVELS[0]
-    d = _fp16(np.abs(scale).max(-1) / 31)
-    df = d.astype(np.float32)[:, None]
-    ls = np.clip(np.rint(np.divide(scale, df, out=np.zeros_like(scale), where=df > 0)), -32, 31).astype(np.int32)
-    qs = _iq4_indices(sub, (df * ls)[..., None]).reshape(-1, 128)
+    d, ls, step = _signed(sub, -IQ4_NL_LEVELS[0], 31)  # 6-bit sub-block scales, the largest magnitude on -127
+    ls = ls.astype(np.int32)
+    qs = _iq4_indices(sub, step).reshape(-1, 128)
     six = (ls + 32).astype(np.uint16)  # (n, 8)
     high = ((six >> 4) << (2 * np.arange(8, dtype=np.uint16))).sum(-1).astype(np.uint16)
     low = ((six[:, 0::2] & 15) | ((six[:, 1::2] & 15) << 4)).astype(np.uint8)
