@@ -270,7 +270,9 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
 K23_ROW = r"""#define ROW_DOT
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
+#if MINS  /* x's sums per 16, for Q2_K's mins */
   for (int s = 0; s < 16 * nb; s++) xs[s] = hsum(f_at(x + 16 * s));
+#endif
   return x; }
 static inline float row_dot(const unsigned char* restrict row, const float* restrict x, const float* restrict xs,
                             int nb) {
@@ -291,6 +293,7 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
 }"""
 Q2_K_ROW = r"""#define BLOCK 84
 #define QS 16
+#define MINS 1
 static const f16v TABLE = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
 #define INDEX (q >> (2 * p))
 #define SCALES u8x16 sb = u8_at(b); f16v dsc = fu8(sb & 15) * half_at(b + 80); __builtin_memcpy(sd, &dsc, 64); \
@@ -298,6 +301,7 @@ static const f16v TABLE = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
 """ + K23_ROW
 Q3_K_ROW = r"""#define BLOCK 110
 #define QS 32
+#define MINS 0
 static const f16v TABLE = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3};
 /* the pair in bits 0-1, the third bit (bit 4 n + p of hmask) in bit 2, bit 3 whatever (the table repeats) */
 #define INDEX (((q >> (2 * p)) & 3) | ((hm[h] >> (4 * n + p)) & ~3))
