@@ -29,9 +29,10 @@ class QuantPlan:
     peers: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M", "Q3_K_M", "IQ4_XS")  # llama.cpp on these files
     threads: int = 2  # llama.cpp's threads: the machine's 2 cores
     # many short rounds: this VM's speed swings ~2x over seconds, so each round's files are best measured close
-    # together (~0.5 s a round), and the median of many rounds' ratios is steady (bench/NOTES.md)
+    # together (~0.5 s a round); 72 rounds put the median of the rounds' ratios within ~±0.05 by sampling, where
+    # 24 left ±0.07-0.13 and flipped targets this close between runs (bench/NOTES.md)
     decode: int = 32
-    rounds: int = 24
+    rounds: int = 72
     load_rounds: int = 9  # a load is ~0.2 s of fixed costs (imports, tokenizer, device): the bytes are a few ms
     prefill_reps: int = 3
     rss_preset: str = "rss"
