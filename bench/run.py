@@ -69,7 +69,8 @@ FULL = Plan("bench")
 QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode=8, ttft_lengths=(32, 128), ttft_reps=1,
              stub_sequential=300, stub_pipelined=2000, payload_reps=3, q8_tokens=12, rss=rss.RssPlan(preset="bench"),
              serve=serve.ServePlan(requests=8, max_tokens=8),
-             quant=quant.QuantPlan(preset="small", decode=12, rounds=2, load_rounds=1, prefill_reps=1,
+             # "kq": the smallest preset whose every width is whole K-quant blocks ("small" stores K types as F16)
+             quant=quant.QuantPlan(preset="kq", decode=12, rounds=2, load_rounds=1, prefill_reps=1,
                                    rss_preset="bench", rss_stages=(2,)),
              cold=cold.ColdPlan(decode=12, streams=8, stream_tokens=8))
 

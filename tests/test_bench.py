@@ -13,7 +13,7 @@ import pytest
 from bench import gpu, models, pipe, report, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
-from pp_worker.testing.modelgen import PRESETS, generate
+from pp_worker.testing.modelgen import PRESETS, generate, tensor_types
 from pp_worker.wire import to_line
 
 
@@ -262,6 +262,18 @@ def test_run_arguments() -> None:
         run.parse_args(["--sections", "nope"])
     assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("plan", [run.QUICK, run.FULL], ids=["quick", "full"])
+def test_quant_files_hold_their_types(plan: run.Plan) -> None:
+    """Section 9's files are what they are named: no matrix of a quantized file falls back to F16 for want of
+    whole blocks (the quick plan's "small" preset, 128 wide, once made its K-quant files all F16)."""
+    spec, merges = PRESETS[plan.quant.preset]
+    vocab = 256 + merges + 3
+    for dtype in plan.quant.dtypes:
+        types = tensor_types(spec, vocab, dtype)
+        if dtype != "F16":
+            assert "F16" not in types.values(), (dtype, sorted(n for n, t in types.items() if t == "F16"))
 
 
 def test_gpu_check_runs_every_section_and_prints_one_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
