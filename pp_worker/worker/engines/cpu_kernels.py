@@ -261,61 +261,74 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
   }
   return hsum(acc0 + acc1);
 }"""
-# One row of x with AVX-512, Q2_K and Q3_K: a half-block's 16 bytes of 2-bit pairs loaded once as 16 int32 lanes
-# serve its four sub-blocks of 16 (pair j of every lane per shift), each pair looked up as a float in a table of 16
-# (vpermps reads an index's low 4 bits: the bits above a pair need no mask where the table repeats). Q3_K's third
-# bits (hmask, shifted into bit 2) join the pair in one bitwise select, and its table holds q - 4 itself. Each
-# sub-block's scale multiplies its sum (broadcast from a per-block array); Q2_K's mins multiply x's sums per 16,
-# taken once per call: the dequantized product rearranged, exact to float32 rounding.
-K23_ROW = r"""#define ROW_DOT
+# One row of x with AVX-512, Q2_K and Q3_K: a block's 64 bytes of 2-bit pairs read as 16 int32 lanes of 16 pairs
+# (lane l: bytes 4 l to 4 l + 3), and pair m of all 16 lanes looked up at once as floats in a table of 16 (vpermps
+# reads an index's low 4 bits: the pairs above need no mask where the table repeats). Value m of lane l is weight
+# 128 (l / 8) + 32 (m % 4) + 4 (l % 8) + m / 4 of the block, of sub-block 8 (l / 8) + 2 (m % 4) + (l % 8) / 4: the
+# four m of one m % 4 share their lanes' scales, applied once to their sum. Q3_K's third bits (hmask: bit
+# 8 (m / 4) + 4 (l / 8) + m % 4 of its int32 l % 8) join the pair by one shift per lane and one bitwise select, its
+# table holding q - 4 itself; Q2_K's mins multiply x's sums per 16, taken once per call. x is put in the lanes'
+# order once per call (xp): the dequantized product rearranged, exact to float32 rounding. Cache-hot, one thread,
+# 1536x512: Q2_K 1.38-1.59x and Q3_K 1.24-1.25x their products over 16-value groups (bench/NOTES.md).
+K23_LANES = r"""#define ROW_DOT
+#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
 #if MINS  /* x's sums per 16, for Q2_K's mins */
   for (int s = 0; s < 16 * nb; s++) xs[s] = hsum(f_at(x + 16 * s));
 #endif
-  return x; }
-static inline float row_dot(const unsigned char* restrict row, const float* restrict x, const float* restrict xs,
+  for (int c = 0; c < nb; c++)
+    _Pragma("clang loop unroll(full)") for (int m = 0; m < 16; m++)
+      _Pragma("clang loop unroll(full)") for (int l = 0; l < 16; l++)
+        xp[256 * c + 16 * m + l] = x[256 * c + 128 * (l / 8) + 32 * (m % 4) + 4 * (l % 8) + m / 4];
+  return xp;
+}
+static inline float row_dot(const unsigned char* restrict row, const float* restrict xp, const float* restrict xs,
                             int nb) {
-  f16v acc[4] = {0}, mins = 0;
+  f16v acc = 0, mins = 0;
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + BLOCK * j;
-    const float* xb = x + 256 * j;
-    float sd[16] __attribute__((aligned(64)));
+    f16v sd;  /* the 16 sub-blocks' scales */
     SCALES
-    _Pragma("clang loop unroll(full)") for (int n = 0; n < 2; n++)
-      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
-        i32x16 q = (i32x16)__builtin_convertvector(u8_at(b + QS + 32 * n + 16 * h), u32x16);
-        _Pragma("clang loop unroll(full)") for (int p = 0; p < 4; p++)
-          acc[2 * n + h] += sd[8 * n + 2 * p + h] * (LOOK(TABLE, INDEX) * f_at(xb + 128 * n + 32 * p + 16 * h));
-      }
+    u32x16 q; __builtin_memcpy(&q, b + QS, 64);
+    HIGH_BITS
+    const float* p = xp + 256 * j;
+    f16v e[4] = {0};
+    _Pragma("clang loop unroll(full)") for (int m = 0; m < 16; m++)
+      e[m % 4] += LOOK(TABLE, (i32x16)(INDEX)) * f_at(p + 16 * m);
+    acc += e[0] * SPLAT4(sd, 0, 1, 8, 9) + e[1] * SPLAT4(sd, 2, 3, 10, 11) + e[2] * SPLAT4(sd, 4, 5, 12, 13)
+         + e[3] * SPLAT4(sd, 6, 7, 14, 15);
   }
-  return hsum(acc[0] + acc[1] + acc[2] + acc[3]) - hsum(mins);
+  return hsum(acc - mins);
 }"""
 Q2_K_ROW = r"""#define BLOCK 84
 #define QS 16
 #define MINS 1
 static const f16v TABLE = {0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3};
-#define INDEX (q >> (2 * p))
-#define SCALES u8x16 sb = u8_at(b); f16v dsc = fu8(sb & 15) * half_at(b + 80); __builtin_memcpy(sd, &dsc, 64); \
+#define INDEX (q >> (2 * m))
+#define HIGH_BITS
+#define SCALES u8x16 sb = u8_at(b); sd = fu8(sb & 15) * half_at(b + 80); \
   mins += fu8(sb >> 4) * half_at(b + 82) * f_at(xs + 16 * j);
-""" + K23_ROW
+""" + K23_LANES
 Q3_K_ROW = r"""#define BLOCK 110
 #define QS 32
 #define MINS 0
+typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
 static const f16v TABLE = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 3};
-/* the pair in bits 0-1, the third bit (bit 4 n + p of hmask) in bit 2, bit 3 whatever (the table repeats) */
-#define INDEX (((q >> (2 * p)) & 3) | ((hm[h] >> (4 * n + p)) & ~3))
+/* hmask's int32s in lanes 0-7 and again in 8-15, those of 0-7 shifted left by 2 (their bits reach 27 at most), so
+   one right shift per lane brings value m's third bit to bit 2: the pair in bits 0-1, bit 3 whatever */
+#define HIGH_BITS u32x8 h8; __builtin_memcpy(&h8, b, 32); \
+  u32x16 hb = __builtin_shufflevector(h8 << 2, h8, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+#define INDEX (((q >> (2 * m)) & 3) | ((hb >> ((u32x16){0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2} \
+  + (8 * (m / 4) + m % 4))) & ~3u))
 #define SCALES u8x16 sv = 0; __builtin_memcpy(&sv, b + 96, 12); \
   u32x16 lo = __builtin_convertvector(__builtin_shufflevector(sv & 15, sv >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, \
                                                               19, 20, 21, 22, 23), u32x16); \
   u32x16 hi = __builtin_convertvector(__builtin_shufflevector(sv, sv, 8, 9, 10, 11, 8, 9, 10, 11, 8, 9, 10, 11, 8, \
                                                               9, 10, 11), u32x16); \
-  f16v dsc = (__builtin_convertvector((i32x16)(lo | ((hi >> (2 * (IOTA >> 2))) & 3) << 4), f16v) - 32.0f) \
-             * half_at(b + 108); \
-  __builtin_memcpy(sd, &dsc, 64); \
-  i32x16 hm[2] = {(i32x16)__builtin_convertvector(u8_at(b), u32x16) << 2, \
-                  (i32x16)__builtin_convertvector(u8_at(b + 16), u32x16) << 2};
-""" + K23_ROW
+  sd = (__builtin_convertvector((i32x16)(lo | ((hi >> (2 * (IOTA >> 2))) & 3) << 4), f16v) - 32.0f) \
+       * half_at(b + 108);
+""" + K23_LANES
 # One row of x with AVX-512, IQ4_XS: the K4_LANES way over its layout. 64 bytes (4 sub-blocks of 32) read as 16
 # int32 lanes of 8 nibbles, each lane within one sub-block; nibble m of all lanes looked up at once in the 16
 # levels; x put in the lanes' order once per call; the 4 sub-blocks' scales applied once to their lanes' sums.
