@@ -195,17 +195,18 @@ LOOKUPS: dict[int, str] = {
 
 # One row of x with AVX-512, Q4_K and Q5_K: a 64-byte half of a block's nibbles read as 16 int32 lanes of 8 nibbles
 # each, and nibble m of all 16 lanes looked up at once (vpermps reads only an index's low 4 bits: a shift per 16
-# values, no widening load); Q5_K's fifth bits shifted out of qh (its 32 bytes in both halves of a vector) per lane,
-# and looked up too. Lanes 0-7 hold values of one group and lanes 8-15 of another, so the lookup is of q itself, a
-# group's scale multiplies its sum (d * sum(q x)) and its min x's group sum (dmin * m * sum(x)): the dequantized
-# product rearranged, exact to float32 rounding. x is put in the lanes' order once per call (xp), its group sums
-# with it (xs). Cache-hot, one thread, 512 rows: Q4_K 1.3-1.5x the group-by-group lookup, Q5_K 1.1-1.2x its
-# decoder. A block's 8 scales and 8 mins come out as one vector (scale_min), and the mins' products are summed
-# with the rest at the row's end: a further 1.14-1.25x (bench/NOTES.md).
+# values, no widening load). Q5_K's fifth bits are shifted out of qh (its 32 bytes in both halves of a vector) to bit
+# 4 per lane, joined to the nibble by one bitwise select (vpternlogd, written out: the same select in plain C gained
+# 1.02x) and looked up in a table of 32 (vpermi2ps): 1.18-1.27x the fifth bit looked up on its own and added.
+# Lanes 0-7 hold values of one group and lanes 8-15 of another, so the lookup is of q itself, a group's scale
+# multiplies its sum (d * sum(q x)) and its min x's group sum (dmin * m * sum(x)): the dequantized product
+# rearranged, exact to float32 rounding. x is put in the lanes' order once per call (xp), its group sums with it
+# (xs). Cache-hot, one thread, 512 rows: Q4_K 1.3-1.5x the group-by-group lookup, Q5_K 1.1-1.2x its decoder. A
+# block's 8 scales and 8 mins come out as one vector (scale_min), and the mins' products are summed with the rest at
+# the row's end: a further 1.14-1.25x (bench/NOTES.md).
 K4_LANES = r"""#define ROW_DOT
 #define SPLAT2(v, a, c) __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
 typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
-static const f16v TB = {0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16, 0, 16};  /* a fifth bit's value */
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
   static const int at[16] = {0, 4, 8, 12, 16, 20, 24, 28, 64, 68, 72, 76, 80, 84, 88, 92};
@@ -221,8 +222,8 @@ static inline const float* prep_x(const float* restrict x, float* restrict xp, f
   const float* p = xp + 256 * j + 128 * h; \
   f16v e = 0, o = 0; \
   _Pragma("clang loop unroll(full)") for (int m = 0; m < 8; m += 2) { \
-    e += (LOOK(FIOTA, (i32x16)(q >> (4 * m))) HIGH(h, m)) * f_at(p + 16 * m); \
-    o += (LOOK(FIOTA, (i32x16)(q >> (4 * m + 4))) HIGH(h, m + 1)) * f_at(p + 16 * m + 16); } \
+    e += VALUE(h, m) * f_at(p + 16 * m); \
+    o += VALUE(h, m + 1) * f_at(p + 16 * m + 16); } \
   acc += e * SPLAT2(ds, 4 * h, 4 * h + 2) + o * SPLAT2(ds, 4 * h + 1, 4 * h + 3); }
 static inline float row_dot(const unsigned char* restrict row, const float* restrict xp, const float* restrict xs,
                             int nb) {
@@ -370,14 +371,22 @@ ROW_DOTS: dict[int, tuple[bool, str]] = {
     10: (True, Q2_K_ROW),
     11: (True, Q3_K_ROW),
     23: (True, IQ4_XS_ROW),
-    12: (True, "#define QS 16\n#define BLOCK 144\n#define HIGH_BITS\n#define HIGH(h, m)\n" + K4_LANES),
+    12: (True, "#define QS 16\n#define BLOCK 144\n#define HIGH_BITS\n"
+               "#define VALUE(h, m) LOOK(FIOTA, (i32x16)(q >> (4 * (m))))\n" + K4_LANES),
     # Q5_K: value m of lane l in half h is bit 8 (m / 2) + 4 h + (m & 1) (+ 2 in lanes 8-15) of qh's int32 l % 8
     13: (True, r"""#define QS 48
 #define BLOCK 176
 #define HIGH_BITS u32x8 h8; __builtin_memcpy(&h8, b + 16, 32); \
   u32x16 hb = __builtin_shufflevector(h8, h8, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-#define HIGH(h, m) + LOOK(TB, (i32x16)(hb >> ((u32x16){0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2} \
-  + (8 * ((m) / 2) + 4 * (h) + ((m) & 1)))))
+static const f16v UP16 = {16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
+static const i32x16 LOW4 = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+/* the fifth bit to bit 4: right by its place less 4, or left where its place is under 4 (m < 2 in half 0) */
+#define AT(h, m) (8 * ((m) / 2) + 4 * (h) + ((m) & 1))
+#define FIFTH(h, m) (AT(h, m) >= 4 ? hb >> ((u32x16){0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2} + (AT(h, m) - 4)) \
+  : hb << ((u32x16){2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0} + (2 - AT(h, m))))
+/* bits 0-3 from the nibble, the rest from FIFTH (vpermi2ps reads bits 0-4): (c & a) | (~c & b), 0xE4 */
+#define VALUE(h, m) __builtin_ia32_vpermi2varps512(FIOTA, __builtin_ia32_pternlogd512_mask( \
+  (i32x16)(q >> (4 * (m))), (i32x16)FIFTH(h, m), LOW4, 0xE4, 0xFFFF), UP16)
 """ + K4_LANES),
     # Q6_K: the same lanes over a half-block's 64 bytes of low 4 bits; each lane's 2 high bits from qh (its 32 bytes
     # in both halves of a vector) by a shift per lane, looked up in a table of 16 (h & 3) - 32; the 4 lanes of a
