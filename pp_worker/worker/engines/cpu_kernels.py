@@ -65,8 +65,14 @@ typedef int i32x16 __attribute__((ext_vector_type(16)));
 static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
 static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
 #if defined(__AVX512F__)
 #define LOOK __builtin_ia32_permvarsf512  /* 16 floats: out[i] = t[idx[i] & 15] (vpermps) */
+static const i32x16 LOW4 = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+/* 32 floats (lo, hi) at a 5-bit index: bits 0-3 from nib, the rest from five (one vpternlogd: (c & a) | (~c & b),
+   0xE4; vpermi2ps reads bits 0-4). The same select written in plain C became three instructions. */
+#define LOOK5(lo, hi, nib, five) __builtin_ia32_vpermi2varps512( \
+  lo, __builtin_ia32_pternlogd512_mask((i32x16)(nib), (i32x16)(five), LOW4, 0xE4, 0xFFFF), hi)
 #endif
 """
 
@@ -272,7 +278,6 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
 # order once per call (xp): the dequantized product rearranged, exact to float32 rounding. Cache-hot, one thread,
 # 1536x512: Q2_K 1.38-1.59x and Q3_K 1.24-1.25x their products over 16-value groups (bench/NOTES.md).
 K23_LANES = r"""#define ROW_DOT
-#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
 #if MINS  /* x's sums per 16, for Q2_K's mins */
@@ -334,7 +339,6 @@ static const f16v TABLE = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 
 # int32 lanes of 8 nibbles, each lane within one sub-block; nibble m of all lanes looked up at once in the 16
 # levels; x put in the lanes' order once per call; the 4 sub-blocks' scales applied once to their lanes' sums.
 IQ4_XS_ROW = r"""#define ROW_DOT
-#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
   for (int c = 0; c < 2 * nb; c++)  /* lane l, nibble m of half c: byte 4 (l % 4) + m / 2 of sub-block l / 4 */
@@ -369,7 +373,6 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
 # of its 32 products, and Q5_1's m multiplies x's sum per block, taken once per call. Cache-hot, one thread, 1536x512:
 # Q5_0 1.36x and Q5_1 1.13x their decoders (bench/NOTES.md).
 Q5_ROW = r"""#define ROW_DOT
-static const i32x16 LOW4 = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
 #if Q5_MIN
@@ -386,10 +389,8 @@ static inline float row_dot(const unsigned char* restrict row, const float* rest
     unsigned int qh; __builtin_memcpy(&qh, b + Q5_QH, 4);
     i32x16 q = i32_at(b + Q5_QH + 4);
     u32x16 h = (u32x16)qh;
-    i32x16 lo = __builtin_ia32_pternlogd512_mask(q, (i32x16)((h << 4) >> IOTA), LOW4, 0xE4, 0xFFFF);
-    i32x16 hi = __builtin_ia32_pternlogd512_mask(q >> 4, (i32x16)(h >> (IOTA + 12)), LOW4, 0xE4, 0xFFFF);
-    f16v s = __builtin_ia32_vpermi2varps512(lo32, lo, hi32) * f_at(x + 32 * j)
-           + __builtin_ia32_vpermi2varps512(lo32, hi, hi32) * f_at(x + 32 * j + 16);
+    f16v s = LOOK5(lo32, hi32, q, (h << 4) >> IOTA) * f_at(x + 32 * j)
+           + LOOK5(lo32, hi32, q >> 4, h >> (IOTA + 12)) * f_at(x + 32 * j + 16);
     acc += half_at(b) * s;
 #if Q5_MIN
     mins += half_at(b + 2) * xs[j];
@@ -415,22 +416,17 @@ ROW_DOTS: dict[int, tuple[bool, str]] = {
 #define BLOCK 176
 #define HIGH_BITS u32x8 h8; __builtin_memcpy(&h8, b + 16, 32); \
   u32x16 hb = __builtin_shufflevector(h8, h8, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
-static const f16v UP16 = {16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31};
-static const i32x16 LOW4 = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
 /* the fifth bit to bit 4: right by its place less 4, or left where its place is under 4 (m < 2 in half 0) */
 #define AT(h, m) (8 * ((m) / 2) + 4 * (h) + ((m) & 1))
 #define FIFTH(h, m) (AT(h, m) >= 4 ? hb >> ((u32x16){0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2} + (AT(h, m) - 4)) \
   : hb << ((u32x16){2, 2, 2, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 0, 0, 0} + (2 - AT(h, m))))
-/* bits 0-3 from the nibble, the rest from FIFTH (vpermi2ps reads bits 0-4): (c & a) | (~c & b), 0xE4 */
-#define VALUE(h, m) __builtin_ia32_vpermi2varps512(FIOTA, __builtin_ia32_pternlogd512_mask( \
-  (i32x16)(q >> (4 * (m))), (i32x16)FIFTH(h, m), LOW4, 0xE4, 0xFFFF), UP16)
+#define VALUE(h, m) LOOK5(FIOTA, FIOTA + 16, q >> (4 * (m)), FIFTH(h, m))
 """ + K4_LANES),
     # Q6_K: the same lanes over a half-block's 64 bytes of low 4 bits; each lane's 2 high bits from qh (its 32 bytes
     # in both halves of a vector) by a shift per lane, looked up in a table of 16 (h & 3) - 32; the 4 lanes of a
     # quarter share a scale. Cache-hot, one thread: 1.13-1.23x the group-by-group decoder.
     14: (True, r"""#define ROW_DOT
 typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
-#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
 static const f16v THI = {-32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16, -32, -16, 0, 16};
 static inline const float* prep_x(const float* restrict x, float* restrict xp, float* restrict xs,
                                   int nb) {
