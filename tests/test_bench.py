@@ -13,7 +13,7 @@ import pytest
 from bench import gpu, models, pipe, report, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
-from pp_worker.testing.modelgen import PRESETS, generate, tensor_types
+from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate, tensor_types
 from pp_worker.wire import to_line
 
 
@@ -269,7 +269,7 @@ def test_quant_files_hold_their_types(plan: run.Plan) -> None:
     """Section 9's files are what they are named: no matrix of a quantized file falls back to F16 for want of
     whole blocks (the quick plan's "small" preset, 128 wide, once made its K-quant files all F16)."""
     spec, merges = PRESETS[plan.quant.preset]
-    vocab = 256 + merges + 3
+    vocab = len(builtin_vocab(merges).tokens)
     for dtype in plan.quant.dtypes:
         types = tensor_types(spec, vocab, dtype)
         if dtype != "F16":
