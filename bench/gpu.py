@@ -115,7 +115,7 @@ def hop_parts(plan: Plan, out: dict[str, Any]) -> None:
     from tinygrad import Device, Tensor, dtypes
 
     from pp_worker.wire import encode_payload, parse_json, to_line
-    from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, pinned_allocator
+    from pp_worker.worker.hostio import HostBuffer, InputBuffer, pinned_allocator
     from pp_worker.worker.protocol import decode_hidden
 
     kv = models.read_header(models.ensure_model(plan.preset, isolated=True)).kv

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from pp_worker.testing.modelgen import builtin_text, generate
-from pp_worker.worker.engines.gguf_loader import GGUFHeader, TensorInfo, read_header
+from pp_worker.worker.gguf.header import GGUFHeader, TensorInfo, read_header
 from pp_worker.worker.shard import Shard
 
 CACHE = Path(__file__).resolve().parent / "models"
@@ -80,7 +80,7 @@ def file_shares(path: Path, num_stages: int) -> list[int]:
 
 
 def _held(t: TensorInfo) -> int:
-    from pp_worker.worker.engines.cpu_kernels import supported
+    from pp_worker.worker.cpu.kernels import supported
 
     if len(t.shape) == 2 and supported(t.ggml_type, t.shape[1]):
         return t.nbytes or 0

@@ -47,7 +47,7 @@ def idle(model: str | None) -> dict[str, float | None]:
     if model:
         from tinygrad.llm.cli import SimpleTokenizer
 
-        from pp_worker.worker.engines.gguf_loader import read_header
+        from pp_worker.worker.gguf.header import read_header
 
         SimpleTokenizer.from_gguf_kv(read_header(Path(model)).kv)
         out["with_tokenizer_peak_rss_mb"] = vmhwm_mb()

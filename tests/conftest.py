@@ -59,7 +59,7 @@ def run_requests(stage: int, num_stages: int, requests: list[dict[str, Any]]) ->
 # --- subprocess -------------------------------------------------------------------------------------------
 
 
-# Compiled forwards are not kept on disk during the suite (engines.jitcache): a test sees what a first start does,
+# Compiled forwards are not kept on disk during the suite (compiled.jitcache): a test sees what a first start does,
 # whatever ran before it; tests/test_jitcache.py turns the cache on in directories of its own.
 os.environ["PP_CACHE"] = "0"
 

@@ -1,4 +1,4 @@
-"""One token's attention as a C kernel (engines.cpu_attention): against a float64 numpy softmax for float32 and
+"""One token's attention as a C kernel (cpu.attention): against a float64 numpy softmax for float32 and
 float16 caches, grouped and ungrouped heads, positions within and across the kernel's chunks of keys, any block's
 row of the cache; replayed by a JIT with a new position per call; and used by a CPU stage's decode and batched
 decode, whose logits stay within the float64 reference's tolerance."""
@@ -14,7 +14,7 @@ from tinygrad import Tensor, TinyJit, UOp
 from pp_worker.testing.chain import Chain
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
-from pp_worker.worker.engines import cpu_attention
+from pp_worker.worker.cpu import attention as cpu_attention
 
 C = cpu_attention.CHUNK
 

@@ -1,6 +1,6 @@
-"""JIT replays on the CPU from one native call (engines.cpu_graph.NativeGraph) against tinygrad's own graph: the same
+"""JIT replays on the CPU from one native call (cpu.graph.NativeGraph) against tinygrad's own graph: the same
 kernels with the same arguments give bit-identical results, through input buffers that change per call (a session's
-KV cache), symbolic positions, multi-threaded kernels and the C kernels of engines.cpu_kernels."""
+KV cache), symbolic positions, multi-threaded kernels and the C kernels of cpu.kernels."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tinygrad import Device, Tensor, TinyJit, UOp
+from tinygrad import Context, Device, Tensor, TinyJit, UOp
 from tinygrad.engine.realize import graph_cache
 
 from pp_worker.testing.chain import Chain
 from pp_worker.testing.modelgen import generate
-from pp_worker.worker.engines import cpu_graph, cpu_kernels
-from pp_worker.worker.engines.cpu_graph import NativeGraph, Table
+from pp_worker.worker.cpu import graph as cpu_graph
+from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.cpu.graph import NativeGraph, Table
 
 pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the native graph is x86-64 Linux only")
 
@@ -95,11 +96,12 @@ def test_a_stage_decodes_the_same_bits_with_either_graph(tmp_path):
     assert tokens == want_tokens and all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
 
 
-def test_the_caller_runs_alone_until_the_helper_joins_and_the_helper_never_hangs_on():
-    """Tables back to back and after pauses (the helper spinning, asleep, or still waking when a table starts), two
-    tables to a replay: the same bits as tinygrad's graph every time; after every replay the join word names the last
-    table's generation (the caller said from which row the helper shared its parts, or that it finished alone); and
-    the helper goes back to sleep afterwards, not left waiting on a table that has ended."""
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_every_thread_count_replays_tinygrads_bits_and_the_helpers_go_back_to_sleep(threads):
+    """Tables back to back and after pauses (the helpers spinning, asleep, or still waking when a table starts), two
+    tables to a replay, on 1 to 4 threads (more than this machine's cores included): the same bits as tinygrad's graph
+    every time, every part of every job done; afterwards every helper goes back to sleep, none left waiting on a
+    table that has ended."""
     from gguf import GGMLQuantizationType, quants
 
     rng = np.random.default_rng(2)
@@ -107,25 +109,27 @@ def test_the_caller_runs_alone_until_the_helper_joins_and_the_helper_never_hangs
                                       GGMLQuantizationType.Q8_0)).realize() for _ in range(4)]
 
     def chain(x: Tensor) -> Tensor:
-        for i in range(24):  # C kernels on both threads, tinygrad's tanh on one; tinygrad cuts two tables of them
+        for i in range(24):  # C kernels on every thread, tinygrad's tanh too; tinygrad cuts two tables of them
             x = cpu_kernels.matmul(x, weights[i % 4], 8, 512, 512).tanh()
         return x.realize()
 
     x = Tensor(rng.standard_normal((1, 512)).astype(np.float32)).realize()
-    with cpu_graph.tinygrads_graph(Device.DEFAULT):
-        reference = TinyJit(chain)
-        want = [reference(x).numpy().copy() for _ in range(3)][-1]
-    assert cpu_graph.install(Device.DEFAULT)
-    jit, runner = TinyJit(chain), cpu_graph._runner(Device.DEFAULT)
-    state, words = runner.state, cpu_graph.STATE
-    for i in range(40):
-        time.sleep((0.0, 0.002, 0.02)[i % 3])
-        assert np.array_equal(jit(x).numpy(), want)
-        assert i < 2 or state[words["join"]] >> 24 == state[words["gen"]]  # from the capture on, tables ran
-    deadline = time.monotonic() + 5.0
-    while not state[words["sleeping"]] and time.monotonic() < deadline:
+    with Context(CPU_COUNT=threads):
+        with cpu_graph.tinygrads_graph(Device.DEFAULT):
+            reference = TinyJit(chain)
+            want = [reference(x).numpy().copy() for _ in range(3)][-1]
+        assert cpu_graph.install(Device.DEFAULT)
+        jit, runner = TinyJit(chain), cpu_graph._runner(Device.DEFAULT, threads)
+        state, words = runner.state, cpu_graph.STATE
+        for i in range(40):
+            time.sleep((0.0, 0.002, 0.02)[i % 3])
+            assert np.array_equal(jit(x).numpy(), want)
+        assert state[words["gen"]] > 0 and (threads == 1) == (state[words["jobs"]] == 0)  # tables ran; parts shared
+        assert len(runner.helpers) == threads - 1
+    deadline = time.monotonic() + 30.0
+    while state[words["sleeping"]] < threads - 1 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert state[words["sleeping"]] == 1
+    assert state[words["sleeping"]] == threads - 1
 
 
 def test_a_kernel_with_more_arguments_than_a_row_runs_outside_the_table():
@@ -169,7 +173,7 @@ class _Device:
 
 
 def test_settle_synchronizes_only_while_work_is_queued(monkeypatch):
-    from pp_worker.worker.engines.hostio import settle
+    from pp_worker.worker.hostio import settle
 
     idle, busy, gpu = _Device(done=6, submitted=7), _Device(done=5, submitted=7), _Device(6, 7, cpu=False)
     for dev in (idle, busy, gpu):

@@ -1,4 +1,4 @@
-"""The CPU's C kernels (engines.cpu_kernels) against the `gguf` package's numpy dequantizer, for every block type:
+"""The CPU's C kernels (cpu.kernels) against the `gguf` package's numpy dequantizer, for every block type:
 products for one row, a few, and a prefill chunk's worth, row counts that do not split evenly over the threads (nor
 into the kernel's steps of 4 rows: 10 and 11 rows once lost their last rows on 2 threads),
 inside a TinyJit (captured, then replayed with new inputs), and the embedding gather."""
@@ -11,10 +11,14 @@ from gguf import GGMLQuantizationType, quants
 from tinygrad import Tensor, TinyJit
 from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 
-from pp_worker.worker.engines import cpu_kernels
-from pp_worker.worker.engines.gguf_file import type_name
+from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.gguf.types import TYPES as TABLE
+from pp_worker.worker.gguf.types import type_name
 
-TYPES = sorted(cpu_kernels.BLOCKS)
+TYPES = sorted(t.id for t in TABLE.values() if t.kernel)
+SIMD = sorted(t.id for t in TABLE.values() if t.simd)  # types with code of their own for some instruction set
+# types with a one-row product of their own (for some instruction set), which sums in another order
+ROW_DOTS = [t for t in TYPES if "ROW_DOT" in cpu_kernels.unit({}, cpu_kernels.type_files(TABLE[t]))]
 SCALES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (108,), 12: (0, 2), 13: (0, 2),
           14: (208,), 20: (0,), 23: (0,)}  # fp16 fields
 
@@ -22,7 +26,8 @@ SCALES = {2: (0,), 3: (0, 2), 6: (0,), 7: (0, 2), 8: (0,), 10: (80, 82), 11: (10
 def random_rows(ggml_type: int, n: int, k: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """(raw (n, row bytes) uint8, its values (n, k) by gguf): random bytes, with the fp16 scales made finite."""
     rng = np.random.default_rng(seed)
-    qk, bb = cpu_kernels.BLOCKS[ggml_type]
+    t = TABLE[ggml_type]
+    qk, bb = t.kernel_block, t.row_bytes(t.kernel_block)
     if ggml_type == 1:
         raw = rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
         return raw, raw.view(np.float16).astype(np.float32)
@@ -66,9 +71,19 @@ def test_kernels_are_captured_and_replayed_by_the_jit_with_new_inputs():
     assert step.captured is not None
 
 
+AVX512 = "avx512f" in open("/proc/cpuinfo").read()
+
+
+@pytest.fixture
+def generic(monkeypatch):
+    """Kernels built from the generic C alone (no per-arch file), for the test's duration."""
+    monkeypatch.setattr(cpu_kernels, "type_files", lambda t: [f"generic/{t.kernel}.c"])
+    yield
+
+
 @pytest.fixture
 def without_avx512(monkeypatch):
-    """Kernels compiled as for a CPU without AVX-512 (the C kernels' portable path), for the test's duration."""
+    """Kernels compiled as for a CPU without AVX-512 (AVX2's paths), for the test's duration."""
     native = cpu_kernels._compiler("CPU")
     portable = ClangJITCompiler([native.arch, "native", "-avx512f"])
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
@@ -87,26 +102,29 @@ def products_and_rows(ggml_type: int, b: int, n: int = 37, k: int = 512) -> tupl
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
-def test_without_avx512_the_kernels_are_right_too(ggml_type, without_avx512):
+@pytest.mark.parametrize("build", ["generic", pytest.param("without_avx512", marks=pytest.mark.skipif(
+    not AVX512, reason="this CPU has no AVX-512: the native build is the build without it"))])
+def test_every_build_is_right(ggml_type, build, request):
+    request.getfixturevalue(build)
     for b in (1, 5):
         got, want, _ = products_and_rows(ggml_type, b)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.skipif("avx512f" not in open("/proc/cpuinfo").read(), reason="no AVX-512 here: no lookup compiled")
-@pytest.mark.parametrize("ggml_type", sorted(cpu_kernels.LOOKUPS), ids=type_name)
-def test_the_avx512_lookup_gives_the_portable_decoders_floats(ggml_type, request):
-    """The 4-bit types' table lookup against the portable decoder: the same floats, so the same sums, bit for bit
-    (one row of x too, unless the type has a one-row product of its own: that one sums in another order)."""
-    sizes = (5,) if ggml_type in cpu_kernels.ROW_DOTS else (1, 5)
+@pytest.mark.parametrize("ggml_type", SIMD, ids=type_name)
+def test_the_native_build_decodes_the_generic_floats(ggml_type, request):
+    """A type's SIMD decoder (this CPU's: AVX-512 or AVX2 on x86) against the generic C: the same floats, so the same
+    sums, bit for bit (one row of x too, unless the type has a one-row product: that one sums in another order, and
+    is checked against float64 below)."""
+    sizes = (5,) if ggml_type in ROW_DOTS else (1, 5)
     native = [products_and_rows(ggml_type, b) for b in sizes]
-    request.getfixturevalue("without_avx512")
+    request.getfixturevalue("generic")
     portable = [products_and_rows(ggml_type, b) for b in sizes]
     for (got, _, rows), (ref, _, ref_rows) in zip(native, portable, strict=True):
         assert np.array_equal(got, ref) and np.array_equal(rows, ref_rows)
 
 
-@pytest.mark.parametrize("ggml_type", sorted(cpu_kernels.ROW_DOTS), ids=type_name)
+@pytest.mark.parametrize("ggml_type", ROW_DOTS, ids=type_name)
 @pytest.mark.parametrize("n, k", [(37, 1536), (9, 256)])
 def test_a_types_one_row_product_is_the_dequantized_product(ggml_type, n, k):
     """The one-row products that rearrange the sum (compiled natively, AVX-512 where this CPU has it): several
@@ -134,4 +152,4 @@ def test_supported_needs_whole_blocks():
     assert cpu_kernels.supported(8, 64) and cpu_kernels.supported(1, 160)
     assert not cpu_kernels.supported(12, 128) and not cpu_kernels.supported(8, 48)
     assert not cpu_kernels.supported(16, 256)  # IQ2_XXS: no kernel, dequantized at load
-    assert cpu_kernels.row_bytes(14, 512) == 2 * 210 and cpu_kernels.row_bytes(1, 64) == 128
+    assert TABLE[14].row_bytes(512) == 2 * 210 and TABLE[1].row_bytes(64) == 128

@@ -8,7 +8,7 @@ from tinygrad.llm.cli import SimpleTokenizer
 
 from pp_worker.testing.bpe import build_vocab
 from pp_worker.testing.modelgen import builtin_text
-from pp_worker.worker.engines.detokenizer import Detokenizer
+from pp_worker.worker.text.detokenizer import Detokenizer
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from tinygrad import Tensor, nn
 
 from pp_worker.testing.devmem import device_memory
 from pp_worker.testing.modelgen import generate
-from pp_worker.worker.engines.gguf_loader import load_stage
+from pp_worker.worker.engines.model import load_stage
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
 
 PROMPTS = ([5, 9, 11, 3, 7, 2], [4, 8, 1], list(range(20, 57)))  # 37 tokens: 32 + 4 + 1

@@ -1,4 +1,4 @@
-"""tinygrad's device pick remembered per boot (engines.device_pick): written by a stage that let tinygrad pick,
+"""tinygrad's device pick remembered per boot (device): written by a stage that let tinygrad pick,
 read back by the next, before tinygrad's import; never over the operator's DEV, never from another boot, another
 environment or a corrupt file, never with PP_CACHE=0; forgotten by a stage that cannot open it."""
 
@@ -14,7 +14,7 @@ import pytest
 from conftest import clean_env
 
 from pp_worker.testing.modelgen import generate
-from pp_worker.worker.engines import device_pick
+from pp_worker.worker import device as device_pick
 
 
 @pytest.fixture

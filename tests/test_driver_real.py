@@ -21,7 +21,7 @@ from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate
-from pp_worker.worker.engines.gguf_file import read_header
+from pp_worker.worker.gguf.header import read_header
 
 ZEN = REPO / "pp_worker" / "data" / "zen.gguf"
 

@@ -19,10 +19,12 @@ from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.chain import Chain
 from pp_worker.testing.modelgen import generate
-from pp_worker.worker.engines import fetch
-from pp_worker.worker.engines.fetch import RemoteFile, cache_dir, merge, missing, pieces
-from pp_worker.worker.engines.gguf_file import GGUFHeader, ModelLoadError, read_header
-from pp_worker.worker.engines.gguf_loader import load_stage, resolve_model, stage_tensors
+from pp_worker.worker.cachedir import cache_dir
+from pp_worker.worker.engines.model import load_stage
+from pp_worker.worker.gguf import fetch
+from pp_worker.worker.gguf.fetch import RemoteFile, merge, missing, pieces
+from pp_worker.worker.gguf.header import GGUFHeader, ModelLoadError, read_header
+from pp_worker.worker.gguf.tensors import resolve_model, stage_tensors
 from pp_worker.worker.shard import Shard
 
 PROMPT = " better"  # one token: its prefill and the decode steps share one compiled forward per stage

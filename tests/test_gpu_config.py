@@ -33,14 +33,14 @@ from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.modelgen import builtin_text, generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.cli import ConfigError, parse_config
-from pp_worker.worker.engines.detokenizer import Detokenizer
-from pp_worker.worker.engines.gguf_file import read_header
-from pp_worker.worker.engines.hostio import default_pinned_host
 from pp_worker.worker.engines.kvcache import default_kv_dtype
 from pp_worker.worker.engines.tinygrad_engine import default_prefill_chunk
-from pp_worker.worker.engines.tokenizer import Tokenizer
 from pp_worker.worker.engines.weights import default_kernels
+from pp_worker.worker.gguf.header import read_header
+from pp_worker.worker.hostio import default_pinned_host
 from pp_worker.worker.shard import compute_layer_range
+from pp_worker.worker.text.detokenizer import Detokenizer
+from pp_worker.worker.text.tokenizer import Tokenizer
 
 LOGIT_ATOL_FP64 = 3e-2  # as test_tinygrad_engine and bench.gpu: fp16 weights, boundaries and KV caches vs float64
 N_DECODE = 96

@@ -1,4 +1,4 @@
-"""Compiled forwards kept on disk (engines.jitcache): a second start replays what the first compiled, with the same
+"""Compiled forwards kept on disk (compiled.jitcache): a second start replays what the first compiled, with the same
 results bit for bit; a corrupt entry is ignored, said on stderr and rebuilt; PP_CACHE=0 keeps nothing; two stages
 writing one directory at once both find their entries on a restart."""
 
@@ -18,7 +18,8 @@ from pp_worker.driver.pipeline import Pipeline, Sampling, make_generations
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.chain import Chain
 from pp_worker.testing.modelgen import generate
-from pp_worker.worker.engines import cpu_graph, jitcache
+from pp_worker.worker.compiled import jitcache
+from pp_worker.worker.cpu import graph as cpu_graph
 
 pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the cache keeps native tables (x86-64 Linux)")
 PROMPTS = ([5, 9, 11, 3, 7, 2, 40, 41, 42, 43, 44], [4, 8, 1])
@@ -94,7 +95,7 @@ def test_pp_cache_0_keeps_nothing(model, tmp_path, monkeypatch):
 def test_two_stages_sharing_a_directory_find_their_entries_on_a_restart(model, tmp_path, monkeypatch):
     env = {**clean_env(), "PP_CACHE": "1", "PP_CACHE_DIR": str(tmp_path), "PP_WARMUP": "1", "MAX_CONTEXT": "48",
            "PP_PREFILL_CHUNK": "8", "PP_MAX_BATCH": "2"}
-    env.pop("DEV", None)  # tinygrad picks (the first stages write its pick down: engines.device_pick)
+    env.pop("DEV", None)  # tinygrad picks (the first stages write its pick down: device)
     monkeypatch.delenv("DEV", raising=False)  # which this process's tinygrad set, and the stages would inherit
     runs = []
     for _ in range(2):  # the stages start together and compile (then read) at the same time

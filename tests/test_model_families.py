@@ -22,10 +22,10 @@ from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing import rope_scaling as rs
 from pp_worker.testing.modelgen import SPM, generate
 from pp_worker.testing.npref import RefModel, RopeScaling
-from pp_worker.worker.engines.detokenizer import Detokenizer
-from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
 from pp_worker.worker.engines.rope import RopeParams, rope_table
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
+from pp_worker.worker.gguf.header import ModelLoadError, read_header
+from pp_worker.worker.text.detokenizer import Detokenizer
 
 MAX_CONTEXT = 64
 LOGIT_ATOL_FP64 = 3e-2  # as test_tinygrad_engine: fp16 weights and stage boundaries vs float64

@@ -19,7 +19,7 @@ import pytest
 from pp_worker.testing import bpe
 from pp_worker.testing import modelgen as mg
 from pp_worker.testing.npref import RefModel
-from pp_worker.worker.engines.detokenizer import byte_symbols
+from pp_worker.worker.text.detokenizer import byte_symbols
 
 DTYPES = ("F32", "F16", "Q8_0")
 MAX_REL, MEAN_REL = 4e-3, 1e-3  # logit error bounds, as a fraction of std(logits)

@@ -121,6 +121,10 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_BEAM": "two"}, "PP_BEAM", "two"),
     ({"PP_KERNELS": "cuda"}, "PP_KERNELS", "cuda"),
     ({"PP_PINNED_HOST": "true"}, "PP_PINNED_HOST", "true"),
+    ({"PP_THREADS": "0"}, "PP_THREADS", "0"),
+    ({"PP_THREADS": "two"}, "PP_THREADS", "two"),
+    ({"PP_THREADS": "1.5"}, "PP_THREADS", "1.5"),
+    ({"PP_HOST_STAGES": "0"}, "PP_HOST_STAGES", "0"),
 ]
 
 
@@ -527,3 +531,20 @@ def test_huge_line_is_refused_in_bounded_memory(spawn: Spawn) -> None:
     w.close_stdin()
     assert w.rest_of_stdout()[-1]["reason"] == "eof"
     assert w.wait() == 0
+
+
+def test_threads_default_to_this_host_s_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PP_THREADS wins; without it a stage takes the CPUs it may use shared by the stages on its host: what a local
+    pp-pipeline or pp-serve tells each stage it starts (a launcher's stages are on other hosts: none told)."""
+    from pp_worker.driver.stage_proc import Launch
+    from pp_worker.worker.cli import parse_config
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    monkeypatch.delenv("PP_HOST_STAGES", raising=False)
+    env = {"STAGE": "0", "NUM_STAGES": "4"}
+    assert parse_config([], env).threads == 16
+    assert parse_config([], env | Launch(4).worker_env(0)).threads == 4
+    assert parse_config([], env | Launch(3).worker_env(2)).threads == 5
+    assert parse_config([], env | Launch(32).worker_env(0)).threads == 1  # never none
+    assert parse_config([], env | Launch(4).worker_env(0) | {"PP_THREADS": "7"}).threads == 7
+    assert "PP_HOST_STAGES" not in Launch(4, launcher="ssh host{stage} {python} -m pp_worker").worker_env(0)

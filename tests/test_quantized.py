@@ -83,7 +83,7 @@ def matches_the_reference(c: Chain, model: Path, prompt: list[int], rid: int) ->
                                                       ("Q3_K_M", 2, {"Q3_K", "Q4_K", "Q5_K", "Q6_K"})])
 def test_mixes_stages_hold_their_share_of_the_file(chains, models, dtype, num_stages, types):
     """Each stage holds its tensors' bytes of the file (norm gains, F32 there, as fp16) and nothing expanded."""
-    from pp_worker.worker.engines.gguf_file import read_header
+    from pp_worker.worker.gguf.header import read_header
 
     header = read_header(models[dtype])
     c = chains(dtype, num_stages)
@@ -107,7 +107,7 @@ def test_types_nothing_reads_packed_are_dequantized_at_load_and_named(chains, mo
     float64 reference's tokens."""
     from gguf import GGMLQuantizationType
 
-    from pp_worker.worker.engines.gguf_file import read_header
+    from pp_worker.worker.gguf.header import read_header
 
     c, count = chains(dtype, 2, kernels=kernels), 0
     for stage in c.engines:
@@ -125,7 +125,7 @@ def test_sizing_a_kernels_type_needs_no_gguf_import(models):
     import subprocess
     import sys
 
-    code = ("import sys; from pathlib import Path; from pp_worker.worker.engines.gguf_file import read_header; "
+    code = ("import sys; from pathlib import Path; from pp_worker.worker.gguf.header import read_header; "
             f"h = read_header(Path({str(models['Q3_K_M'])!r})); "
             "assert all(t.nbytes for t in h.tensors.values()); print('gguf' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -139,8 +139,8 @@ def test_a_type_nothing_reads_is_a_load_error_that_names_it(models, type_id, nam
     activations): a one-line ModelLoadError naming the tensor and the type, not a crash."""
     import dataclasses
 
-    from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
-    from pp_worker.worker.engines.gguf_loader import TensorSource
+    from pp_worker.worker.gguf.header import ModelLoadError, read_header
+    from pp_worker.worker.gguf.tensors import TensorSource
 
     header = read_header(models["Q3_K_M"])
     name = "blk.0.ffn_up.weight"

@@ -22,7 +22,7 @@ from tinygrad.llm.cli import SimpleTokenizer
 
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.testing.modelgen import generate
-from pp_worker.worker.engines.gguf_file import read_header
+from pp_worker.worker.gguf.header import read_header
 from pp_worker.worker.shard import compute_layer_range
 
 MAX_CONTEXT = 64

@@ -7,7 +7,7 @@ import pytest
 from tinygrad import Tensor, TinyJit, UOp
 from tinygrad.engine import jit as tinygrad_jit
 
-from pp_worker.worker.engines.replay import Replay
+from pp_worker.worker.compiled.replay import Replay
 
 N = 8
 

@@ -21,12 +21,12 @@ from tinygrad import dtypes
 from pp_worker.testing import chain as chain_
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate, random_weights, write_gguf
 from pp_worker.testing.npref import RefModel
+from pp_worker.worker.compiled.replay import Replay
 from pp_worker.worker.engines.base import EngineError
-from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
-from pp_worker.worker.engines.gguf_loader import context_length
-from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, pinned_allocator
-from pp_worker.worker.engines.replay import Replay
+from pp_worker.worker.engines.model import context_length
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, ladder, split
+from pp_worker.worker.gguf.header import ModelLoadError, read_header
+from pp_worker.worker.hostio import HostBuffer, InputBuffer, pinned_allocator
 
 MAX_CONTEXT = 96  # room for prompts of 70 tokens: two full prefill chunks of 32 and a remainder
 N_TOKENS = 16
@@ -475,7 +475,7 @@ def test_model_name_download_failure_names_the_url(monkeypatch):
 
     from tinygrad.llm.cli import models
 
-    from pp_worker.worker.engines import fetch
+    from pp_worker.worker.gguf import fetch
 
     def offline(request, *args, **kwargs):
         raise OSError("network is unreachable")

@@ -22,12 +22,12 @@ from tinygrad.llm.cli import SimpleTokenizer
 
 from pp_worker.testing.bpe import build_vocab, builtin_text
 from pp_worker.testing.modelgen import PRESETS, SPM, builtin_vocab, generate, random_weights, write_gguf
-from pp_worker.worker.engines.detokenizer import Detokenizer
-from pp_worker.worker.engines.gguf_file import ModelLoadError, read_header
-from pp_worker.worker.engines.pretok import PRE_TOKENIZERS
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
-from pp_worker.worker.engines.tokenizer import Tokenizer
-from pp_worker.worker.engines.vocab import bos_token
+from pp_worker.worker.gguf.header import ModelLoadError, read_header
+from pp_worker.worker.text.detokenizer import Detokenizer
+from pp_worker.worker.text.pretok import PRE_TOKENIZERS
+from pp_worker.worker.text.tokenizer import Tokenizer
+from pp_worker.worker.text.vocab import bos_token
 
 SPECIALS = ("<|begin_of_text|>", "<|end_of_text|>", "<|eot_id|>")
 SPM_SPECIALS = ("<s>", "</s>", "<unk>", "<|user|>")

@@ -1,6 +1,6 @@
 """How a stage holds and multiplies its weights (gguf_loader.TensorSource, engines.weights): a quantized matrix
 stays as the file's bytes on every device, read by the compiled forward with nothing expanded into memory of its
-own; on the CPU F16 matrices too, multiplied by the C kernels (engines.cpu_kernels), whose outputs agree with
+own; on the CPU F16 matrices too, multiplied by the C kernels (cpu.kernels), whose outputs agree with
 tinygrad's own products within float32 rounding; the dequantize-at-load path agrees within fp16 rounding; Q/K
 rows un-permuted on the host exactly as tinygrad's `Transformer.from_gguf` does on the device."""
 
@@ -14,11 +14,12 @@ from tinygrad import Tensor, dtypes
 from tinygrad.uop.ops import Ops, UOp
 
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, random_weights, tensor_types, write_gguf
-from pp_worker.worker.engines.gguf_file import read_header
-from pp_worker.worker.engines.gguf_loader import StageWeights, load_stage, unpermute_rows
 from pp_worker.worker.engines.kvcache import KVPool
+from pp_worker.worker.engines.model import StageWeights, load_stage
 from pp_worker.worker.engines.tinygrad_engine import CompiledStage
-from pp_worker.worker.engines.weights import Embedding, Linear, PackedWeight, default_kernels
+from pp_worker.worker.engines.weights import Embedding, Linear, default_kernels
+from pp_worker.worker.gguf.header import read_header
+from pp_worker.worker.gguf.tensors import PackedWeight, unpermute_rows
 
 MAX_CONTEXT = 32
 PROMPT = 7  # one call of each rung of the ladder (4, 2, 1), then decode

@@ -24,7 +24,7 @@ from typing import TextIO
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import B64, parse_object
-from pp_worker.worker.engines.base import device_kind
+from pp_worker.worker.device import device_kind
 
 
 class PipelineError(Exception):

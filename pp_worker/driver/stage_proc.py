@@ -27,7 +27,7 @@ STDERR_TAIL = 50
 # Forwarded to workers started through a launcher (a local child inherits the whole environment anyway).
 PASS_THROUGH = ("MAX_CONTEXT", "PP_MAX_SESSIONS", "PP_WARMUP", "PP_HEARTBEAT_S", "PP_MAX_LINE_BYTES",
                 "PP_STUB_DELAY_MS", "PP_PREFILL_CHUNK", "PP_KV_DTYPE", "PP_WIRE_DTYPE", "PP_MAX_BATCH", "PP_BEAM",
-                "PP_KERNELS", "PP_PINNED_HOST", "PP_CACHE", "PP_CACHE_DIR",
+                "PP_KERNELS", "PP_PINNED_HOST", "PP_CACHE", "PP_CACHE_DIR", "PP_THREADS", "PP_HOST_STAGES",
                 "DEV", "CPU", "CUDA", "GPU", "METAL", "AMD", "NV", "JIT", "DEBUG", "BEAM", "HALF", "CACHEDB")
 _SSH_OPTS_WITH_ARG = set("BbcDEeFIiJLlmOopQRSWw")  # ssh(1): the options that take an argument
 
@@ -48,8 +48,11 @@ class Launch:
     def worker_env(self, stage: int) -> dict[str, str]:
         """The variables a worker needs, beyond what it inherits. ``PP_EXIT_ON_EOF``: the driver closes a worker's
         stdin only to stop it, and through ssh or a Ray actor the end of stdin is all that reaches a worker whose
-        driver died, so it must end an op or a load in progress (worker.watchdog)."""
+        driver died, so it must end an op or a load in progress (worker.watchdog). ``PP_HOST_STAGES``: started here,
+        every stage shares this host's CPUs with the others (each runs on its share unless PP_THREADS says)."""
         env = {"STAGE": str(stage), "NUM_STAGES": str(self.num_stages), "PP_EXIT_ON_EOF": "1"}
+        if not self.launcher and "PP_HOST_STAGES" not in os.environ:
+            env["PP_HOST_STAGES"] = str(self.num_stages)
         if self.model:
             env["MODEL"] = self.model
         if self.stub:

@@ -4,7 +4,7 @@
 encode alike; `builtin_text` is the fixed training text that `modelgen` uses, so the same arguments always give
 the same vocabulary. Words are split as the vocabulary's pre-tokenizer (`tokenizer.ggml.pre`) will split them:
 llama-bpe by the regex below (tinygrad's spelling), any other name by llama.cpp's regexes as the worker applies
-them (`engines.pretok`), so no token spans what the encoder keeps apart.
+them (`text.pretok`), so no token spans what the encoder keeps apart.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pp_worker.worker.engines.detokenizer import byte_symbols
+from pp_worker.worker.text.detokenizer import byte_symbols
 
 if TYPE_CHECKING:
     from gguf import GGUFWriter
@@ -92,7 +92,7 @@ def _split_by(pre: str) -> PreTokenizer:
     """llama.cpp's regexes for ``pre`` as the worker's tokenizer applies them, without the byte mapping."""
     from tokenizers import Regex, pre_tokenizers
 
-    from pp_worker.worker.engines.pretok import pre_tokenizer
+    from pp_worker.worker.text.pretok import pre_tokenizer
 
     return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(r), behavior="isolated")
                                     for r in pre_tokenizer(pre).regexes])

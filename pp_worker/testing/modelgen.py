@@ -213,7 +213,7 @@ def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab | SpmVocab, dtype: str, 
     vocab.write_tokenizer(writer)
     if "<|eot_id|>" in vocab.tokens:
         writer.add_eot_token_id(vocab.tokens.index("<|eot_id|>"))
-    if add_bos is not None:  # absent: the tokenizer's default rule decides (llama.cpp's, see engines.vocab)
+    if add_bos is not None:  # absent: the tokenizer's default rule decides (llama.cpp's, see text.vocab)
         writer.add_add_bos_token(add_bos)
         writer.add_add_eos_token(False)
     if chat_template is not None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from pp_worker.testing.bpe import builtin_text
-from pp_worker.worker.engines.vocab import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED
+from pp_worker.worker.text.vocab import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED
 
 if TYPE_CHECKING:
     from gguf import GGUFWriter

@@ -57,6 +57,7 @@ class Config:
     # None: the device's default, as for prefill_chunk and kv_dtype (engines.weights, .hostio)
     kernels: str | None = None  # PP_KERNELS: "c" (the CPU's C kernels and native replays) or "tinygrad"
     pinned_host: bool | None = None  # PP_PINNED_HOST: outputs copied into host memory from the device's allocator
+    threads: int = 1  # PP_THREADS: the CPU threads every kernel splits over (default_threads)
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -127,7 +128,18 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
                   wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16",
                   beam=_env_int(env, "PP_BEAM", 0) or 0, exit_on_eof=_env_flag(env, "PP_EXIT_ON_EOF"),
-                  kernels=_env_choice(env, "PP_KERNELS", KERNEL_NAMES), pinned_host=_env_switch(env, "PP_PINNED_HOST"))
+                  kernels=_env_choice(env, "PP_KERNELS", KERNEL_NAMES), pinned_host=_env_switch(env, "PP_PINNED_HOST"),
+                  threads=default_threads(env))
+
+
+def default_threads(env: dict[str, str]) -> int:
+    """PP_THREADS, else the CPUs this process may use shared by the stages on its host (PP_HOST_STAGES, which
+    pp-pipeline and pp-serve set for the stages they start on theirs; default 1)."""
+    threads = _env_int(env, "PP_THREADS", low=1)
+    if threads is not None:
+        return threads
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cpus // (_env_int(env, "PP_HOST_STAGES", 1, low=1) or 1))
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
@@ -137,10 +149,11 @@ def build_engine(cfg: Config, events: Events) -> Engine:
 
         return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000, max_sessions=cfg.max_sessions,
                           max_batch=cfg.max_batch)
-    from pp_worker.worker.engines import device_pick
+    from pp_worker.worker import device as device_pick
 
     operators = bool(os.environ.get("DEV"))
     recalled = not operators and device_pick.recall()  # before tinygrad's import, which reads DEV
+    os.environ["CPU_COUNT"] = str(cfg.threads)  # read by tinygrad's import too
     try:
         from tinygrad import Device
 
@@ -156,7 +169,8 @@ def build_engine(cfg: Config, events: Events) -> Engine:
         engine = TinygradEngine(cfg.model, cfg.stage, cfg.num_stages, max_context=cfg.max_context,
                                 max_sessions=cfg.max_sessions, max_batch=cfg.max_batch,
                                 prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype, beam=cfg.beam,
-                                kernels=cfg.kernels, pinned_host=cfg.pinned_host, lean=True, emit=events.emit)
+                                kernels=cfg.kernels, pinned_host=cfg.pinned_host, lean=True, threads=cfg.threads,
+                                emit=events.emit)
     except Exception:
         if recalled:  # perhaps the device, not the model: the next start lets tinygrad pick again
             device_pick.forget()
@@ -247,7 +261,7 @@ def _load(cfg: Config, events: Events) -> Engine | None:
     try:
         return build_engine(cfg, events)
     except Exception as e:  # any load failure is reported the same way
-        from pp_worker.worker.engines.gguf_loader import ModelLoadError
+        from pp_worker.worker.gguf.header import ModelLoadError
 
         if not isinstance(e, ModelLoadError):  # unexpected: the traceback helps; an expected one says it all
             import traceback

@@ -18,10 +18,6 @@ if TYPE_CHECKING:  # the stub (and the launcher's seed names) must import withou
     import numpy as np
 
 
-def device_kind(device: str) -> str:
-    """tinygrad's device name without its backend or index: ``CPU:LLVM`` -> ``CPU``, ``CUDA:1`` -> ``CUDA``."""
-    return device.split(":")[0]
-
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -35,7 +31,7 @@ class ModelInfo:
     name: str = ""
     chat_template: str | None = None
     bos_token_id: int | None = None
-    add_bos: bool = False  # tokenize puts bos_token_id first (the GGUF's flag; see engines.vocab.bos_token)
+    add_bos: bool = False  # tokenize puts bos_token_id first (the GGUF's flag; see text.vocab.bos_token)
     bos_token: str | None = None  # the BOS's and EOS's texts: what a chat template calls bos_token / eos_token
     eos_token: str | None = None
     check_token_ids: bool = True  # token ids must be < vocab_size (the stub accepts any, as the seed did)

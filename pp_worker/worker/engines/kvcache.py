@@ -18,9 +18,9 @@ from tinygrad.dtype import DType
 from tinygrad.llm.model import TransformerBlock, TransformerConfig, apply_rope
 from tinygrad.uop.ops import resolve
 
-from pp_worker.worker.engines import cpu_attention
-from pp_worker.worker.engines.base import device_kind
-from pp_worker.worker.engines.hostio import filled
+from pp_worker.worker.cpu import attention as cpu_attention
+from pp_worker.worker.device import device_kind
+from pp_worker.worker.hostio import filled
 
 KVCache = Tensor  # (n_blocks, 2, 1, KvH, max_context, Hd), blocks in the stage's order
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pp_worker.worker.engines.gguf_file import ModelLoadError
+from pp_worker.worker.gguf.header import ModelLoadError
 
 if TYPE_CHECKING:
     from tinygrad import Tensor
@@ -99,7 +99,7 @@ def freqs_cis(p: RopeParams, max_context: int) -> Tensor:
     (written in place on the CPU: `hostio.filled`)."""
     from tinygrad import dtypes
 
-    from pp_worker.worker.engines.hostio import filled
+    from pp_worker.worker.hostio import filled
 
     table = rope_table(p, max_context).astype(np.float32)
 

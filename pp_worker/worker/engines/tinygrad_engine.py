@@ -32,16 +32,20 @@ from typing import Any
 
 import numpy as np
 from tinygrad import Context, Device, Tensor, UOp, dtypes, getenv, nn
+from tinygrad.helpers import CPU_COUNT
 
-from pp_worker.worker.engines import cpu_attention, cpu_graph, jitcache
-from pp_worker.worker.engines.base import ModelInfo, device_kind
-from pp_worker.worker.engines.gguf_loader import StageWeights, eos_token_ids, load_stage
-from pp_worker.worker.engines.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
+from pp_worker.worker.compiled import jitcache
+from pp_worker.worker.compiled.replay import CacheSlot, Replay
+from pp_worker.worker.cpu import attention as cpu_attention
+from pp_worker.worker.cpu import graph as cpu_graph
+from pp_worker.worker.device import device_kind
+from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
-from pp_worker.worker.engines.replay import CacheSlot, Replay
+from pp_worker.worker.engines.model import StageWeights, eos_token_ids, load_stage
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import SessionTable
-from pp_worker.worker.engines.vocab import bos_token
+from pp_worker.worker.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
+from pp_worker.worker.text.vocab import bos_token
 
 COMPILE_GUESS_S = 2.0  # compiling a JIT, until one is timed: a cold stage of the bench models (bench/NOTES.md)
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
@@ -210,12 +214,15 @@ class TinygradEngine:
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
                  max_batch: int = 8, beam: int = 0, kernels: str | None = None, keep_quantized: bool = True,
                  pinned_host: bool | None = None, lean: bool = False, every_size: bool = False,
-                 emit: Callable[..., None] = lambda kind, **f: None):
+                 threads: int | None = None, emit: Callable[..., None] = lambda kind, **f: None):
         """None for ``prefill_chunk``, ``kv_dtype``, ``kernels``, ``pinned_host``: the device's default
         (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`).
         ``lean``: the worker process's setting, see `Replay`. ``every_size``: a prefill compiles each ladder size it
         needs at its first use (the exactness tests', so they cover every size), not only when it pays (`usable`).
-        ``keep_quantized`` False dequantizes quantized matrices to fp16 at load (the tests' reference)."""
+        ``keep_quantized`` False dequantizes quantized matrices to fp16 at load (the tests' reference). ``threads``:
+        the CPU threads every kernel splits over (tinygrad's CPU_COUNT, process-wide; None: as it is)."""
+        if threads is not None:
+            CPU_COUNT.value = threads
         self.device = Device.DEFAULT
         Device[self.device]  # opened before the load's clock starts: its imports (~0.1 s) are no part of a file's load
         t0 = time.perf_counter()
@@ -261,7 +268,8 @@ class TinygradEngine:
         return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
                 "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
                 "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe(),
-                "graph": "native" if self.native_graph else "tinygrad", "pinned_host": self._host.pinned,
+                "graph": "native" if self.native_graph else "tinygrad", "threads": CPU_COUNT.value,
+                "pinned_host": self._host.pinned,
                 "load_ms": self.load_ms,
                 "jits": len(self._stage.all_jits), "jits_compiled": self._stage.compiled,
                 "jits_cached": sum(j.restored for j in self._stage.all_jits)}

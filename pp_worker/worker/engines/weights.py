@@ -13,12 +13,11 @@ Either way a quantized weight is never expanded into memory of its own: a stage 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tinygrad import Tensor
 
-from pp_worker.worker.engines import cpu_kernels
-from pp_worker.worker.engines.base import device_kind
+from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.device import device_kind
+from pp_worker.worker.gguf.tensors import PackedWeight
 
 KERNELS = ("c", "tinygrad")
 
@@ -26,15 +25,6 @@ KERNELS = ("c", "tinygrad")
 def default_kernels(device: str) -> str:
     """"c" on the CPU, "tinygrad" elsewhere (the C kernels are CPU code)."""
     return "c" if device_kind(device) == "CPU" else "tinygrad"
-
-
-@dataclass(frozen=True)
-class PackedWeight:
-    """An (n, k) matrix held as its GGUF bytes: ``raw`` is a uint8 (n, row_bytes) tensor of ``ggml_type`` rows."""
-
-    raw: Tensor
-    ggml_type: int
-    shape: tuple[int, int]
 
 
 def dequantize(raw: Tensor, ggml_type: int, k: int) -> Tensor:
@@ -47,15 +37,6 @@ def dequantize(raw: Tensor, ggml_type: int, k: int) -> Tensor:
     for d in lead:
         n *= d
     return ggml_data_to_tensor(raw.reshape(-1), n * k, ggml_type).reshape(*lead, k)
-
-
-def tinygrad_expands(ggml_type: int) -> bool:
-    """Whether `dequantize` (tinygrad's ``ggml_data_to_tensor``) expands this type. tinygrad 0.13.0 lacks Q2_K, Q3_K
-    and IQ4_NL (which the C kernels read), IQ2_XXS, IQ2_XS, IQ1_S, IQ1_M, TQ1_0 and TQ2_0: the load path dequantizes
-    those with the `gguf` package instead."""
-    from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
-
-    return ggml_type in _GGML_NATIVE or ggml_type in _GGML_QUANT
 
 
 def gather_rows(table: Tensor, idx: Tensor) -> Tensor:

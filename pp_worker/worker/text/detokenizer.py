@@ -18,7 +18,7 @@ import functools
 from collections.abc import Iterable
 from typing import Any
 
-from pp_worker.worker.engines.vocab import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED, bos_token, token_types
+from pp_worker.worker.text.vocab import BYTE, CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED, bos_token, token_types
 
 
 @functools.cache

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pp_worker.worker.engines.pretok import pre_tokenizer
-from pp_worker.worker.engines.vocab import CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED, bos_token, token_types
+from pp_worker.worker.text.pretok import pre_tokenizer
+from pp_worker.worker.text.vocab import CONTROL, NORMAL, SPACE, UNKNOWN, USER_DEFINED, bos_token, token_types
 
 if TYPE_CHECKING:
     import tokenizers

@@ -1,4 +1,4 @@
-"""tinygrad's default device, remembered per boot.
+"""Devices: tinygrad's device names (`device_kind`), and its default device, remembered per boot.
 
 Without ``DEV``, tinygrad picks a device by opening each backend in turn (METAL, AMD, NV, CUDA, QCOM, CL, then CPU):
 ~0.25 s of every stage's start on a machine without a GPU, a third of a 3-stage restart on 2 cores (bench/NOTES.md).
@@ -19,9 +19,14 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
-from pp_worker.worker.engines.fetch import kept
+from pp_worker.worker.cachedir import kept
 
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+
+
+def device_kind(device: str) -> str:
+    """tinygrad's device name without its backend or index: ``CPU:LLVM`` -> ``CPU``, ``CUDA:1`` -> ``CUDA``."""
+    return device.split(":")[0]
 
 
 def key() -> str | None:

@@ -37,8 +37,8 @@ from tinygrad import Device, Tensor, dtypes
 from tinygrad.device import Buffer
 from tinygrad.uop.ops import Ops
 
-from pp_worker.worker.engines import cpu_kernels
-from pp_worker.worker.engines.cpu_graph import ROW, Table
+from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.cpu.graph import ROW, Table
 
 FORMAT = 1  # bump when an entry's layout changes
 BUDGET = 512 << 20  # bytes of entries kept: thousands of forwards (one is 10-100 KiB on the development machine)
@@ -47,7 +47,7 @@ STALE_S = 3600.0  # a write's temporary file this old was left by a process that
 
 def cache_root() -> Path | None:
     """The cache directory (``PP_CACHE_DIR``...), or None when ``PP_CACHE=0``."""
-    from pp_worker.worker.engines.fetch import kept
+    from pp_worker.worker.cachedir import kept
 
     return kept("jits")
 
@@ -62,14 +62,19 @@ def key(*parts: Any) -> str:
 def _machine() -> tuple[Any, ...]:
     from importlib.metadata import version
 
+    from tinygrad.helpers import CPU_COUNT
+
     from pp_worker import __file__ as package
 
-    code = hashlib.sha256()
-    for path in sorted(Path(package).parent.joinpath("worker", "engines").glob("*.py")):
+    code = hashlib.sha256()  # the worker's Python and C: what traces a forward and what it compiles
+    worker = Path(package).parent / "worker"
+    for path in sorted(p for p in worker.rglob("*") if p.suffix in (".py", ".c", ".h")):
         code.update(path.read_bytes())
     cpu = Path("/proc/cpuinfo").read_text(errors="replace") if Path("/proc/cpuinfo").exists() else ""
-    flags = next((line for line in cpu.splitlines() if line.startswith("flags")), "")
-    return FORMAT, code.hexdigest(), version("tinygrad"), Device[Device.DEFAULT].arch, flags
+    flags = next((line for line in cpu.splitlines() if line.startswith(("flags", "Features"))), "")
+    # the kernels' parts are the thread count; CC may be a wrapper that changes the instruction sets compiled for
+    return (FORMAT, code.hexdigest(), version("tinygrad"), Device[Device.DEFAULT].arch, flags, CPU_COUNT.value,
+            os.environ.get("CC", "clang"))
 
 
 @dataclass

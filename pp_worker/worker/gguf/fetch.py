@@ -34,7 +34,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from pp_worker.worker.engines.gguf_file import GGUFHeader, HeaderTruncated, ModelLoadError, read_header
+from pp_worker.worker.cachedir import cache_dir
+from pp_worker.worker.gguf.header import GGUFHeader, HeaderTruncated, ModelLoadError, read_header
 
 FIRST_RANGE = 1 << 14  # the header's first request; it doubles until the header parses (a vocabulary can be MBs)
 CHUNK = 1 << 23  # 8 MiB: the largest request, the unit of the record (what an interruption loses) and of a retry
@@ -52,19 +53,6 @@ class _Retry(Exception):
 
 def is_url(model: str) -> bool:
     return model.startswith(("http://", "https://"))
-
-
-def cache_dir() -> Path:
-    """Where fetched models live: $PP_CACHE_DIR, else $XDG_CACHE_HOME/pp_worker, else ~/.cache/pp_worker."""
-    if os.environ.get("PP_CACHE_DIR"):
-        return Path(os.environ["PP_CACHE_DIR"]).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pp_worker"
-
-
-def kept(name: str) -> Path | None:
-    """``name`` under `cache_dir`, for what a stage keeps between starts (compiled forwards, the device pick), or
-    None when ``PP_CACHE=0`` turns that off (fetched models are kept either way)."""
-    return None if os.environ.get("PP_CACHE", "1").strip() == "0" else cache_dir() / name
 
 
 # ---------------------------------------------------------------- byte ranges

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from tinygrad import Device, Tensor
 
-from pp_worker.worker.engines.base import device_kind
+from pp_worker.worker.device import device_kind
 
 if TYPE_CHECKING:
     from tinygrad.device import Buffer

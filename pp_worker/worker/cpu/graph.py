@@ -6,13 +6,15 @@ through Python queues. That costs ~25 us a kernel (bench/NOTES.md), about half o
 bench model. `NativeGraph` is a graph runner of tinygrad's own kind (`GraphRunner`, installed as the device's
 ``graph``, so TinyJit builds it for the batches it would have given `HCQGraph`): it lays the captured calls out
 as one table of (kernel address, argument values) and runs the table with one C function, compiled by tinygrad's
-clang compiler and loaded by its CPU runtime. The kernels are the same programs with the same arguments and the same
-``core_id`` split (the parts dealt over the calling thread and one helper thread, see RUNNER), so results are
-bit-identical (the tests compare).
+clang compiler and loaded by its CPU runtime (``c/runner.c``). The kernels are the same programs with the same
+arguments and the same ``core_id`` split (the parts claimed by the calling thread and ``threads - 1`` helpers, see
+runner.c), so results are bit-identical (the tests compare).
 
 Per replay only what changes is written into the table: the input buffers' addresses (a session's KV cache) and
-the symbolic values (positions). Only for x86-64 Linux, where a kernel's arguments are 64-bit slots whatever their
-C type, so every kernel can be called with MAX_ARGS slots; elsewhere tinygrad's own graph stays.
+the symbolic values (positions). Only for Linux on x86-64 and aarch64, whose calling conventions pass a kernel's
+integer arguments in 64-bit registers and stack slots whatever their C type, so every kernel can be called with
+MAX_ARGS slots (Apple's arm64 convention packs stack arguments), and whose futex and yield the runner calls by their
+syscall numbers; elsewhere tinygrad's own graph stays.
 """
 
 from __future__ import annotations
@@ -33,147 +35,82 @@ from tinygrad import Device
 from tinygrad.engine.jit import GraphRunner
 from tinygrad.uop.ops import Ops, UOp
 
-from pp_worker.worker.engines.hostio import settle
+from pp_worker.worker.cpu.kernels import unit
+from pp_worker.worker.hostio import settle
 
 MAX_ARGS = 24  # argument slots of a table row: a kernel's buffers, then its variables
-ROW = 4 + MAX_ARGS  # kernel address, threads, argument count, index of core_id (-1: none), arguments
-
-# The runner: the table's rows in order, each kernel's parts (core_id 0..threads-1) dealt over the runner's threads
-# (part t to thread t mod n). The calling thread is thread 0; thread 1 is a helper that waits in pp_help between
-# tables. The helper is usually asleep when a table starts and takes ~30 us to wake, so the caller does not wait for
-# it: it runs every part of each row itself until the helper says it is here (S_READY), then names the row from which
-# they share the parts (S_JOIN: generation and row; a row of JOIN_NONE when the table ended first). From there the
-# threads meet at a barrier after each row they share, and the helper waits at one before such a row when the rows
-# before it were the caller's alone. Waiting spins for a few microseconds, then yields the CPU (the stages of a
-# pipeline share the cores: a spinning waiter would take one from another stage's working thread); between tables
-# the helper sleeps in a futex. State words (int64; the futex uses the low 32 bits): the S_ names below.
-RUNNER = r"""
-typedef void (*kernel)(%(params)s);
-enum { S_GEN, S_TABLE, S_ROWS, S_THREADS, S_COUNT, S_SENSE, S_SLEEPING, S_SPIN, S_READY, S_JOIN };
-enum { JOIN_ROW = (1 << 24) - 1, JOIN_NONE = JOIN_ROW };  /* S_JOIN = generation << 24 | row */
-static long syscall3(long nr, long a, long b, long c) {  /* Linux x86-64; a fourth argument (r10) of 0 */
-  long ret; register long d __asm__("r10") = 0;
-  __asm__ volatile("syscall" : "=a"(ret) : "0"(nr), "D"(a), "S"(b), "d"(c), "r"(d) : "rcx", "r11", "memory");
-  return ret;
-}
-static inline long get(long* p) { return __atomic_load_n(p, __ATOMIC_SEQ_CST); }
-static inline void put(long* p, long v) { __atomic_store_n(p, v, __ATOMIC_SEQ_CST); }
-static void wait_for(long* p, long v) {  /* until *p == v: spin ~%(spin)d cycles, then yield between looks */
-  for (long t0 = __builtin_ia32_rdtsc(); get(p) != v;) {
-    if (__builtin_ia32_rdtsc() - t0 < %(spin)d) __builtin_ia32_pause(); else syscall3(24, 0, 0, 0);  /* sched_yield */
-  }
-}
-static void barrier(long* s, long* sense) {
-  *sense = !*sense;
-  if (__atomic_add_fetch(&s[S_COUNT], 1, __ATOMIC_SEQ_CST) == 2) { put(&s[S_COUNT], 0); put(&s[S_SENSE], *sense); }
-  else wait_for(&s[S_SENSE], *sense);
-}
-static long joined_at(long* s, long gen) {  /* the helper: the row the caller shares from (JOIN_NONE: none) */
-  long join;
-  for (long t0 = __builtin_ia32_rdtsc(); (join = get(&s[S_JOIN])) >> 24 != gen;) {
-    if (get(&s[S_GEN]) != gen) return JOIN_NONE;  /* that table is over, and its word overwritten by a later one's */
-    if (__builtin_ia32_rdtsc() - t0 < %(spin)d) __builtin_ia32_pause(); else syscall3(24, 0, 0, 0);
-  }
-  return join & JOIN_ROW;
-}
-static void run_rows(long* s, long tid, long from) {
-  long* table = (long*)get(&s[S_TABLE]);
-  long rows = get(&s[S_ROWS]), n = get(&s[S_THREADS]), sense = get(&s[S_SENSE]), alone = 0;
-  long gen = get(&s[S_GEN]), joined = tid || n < 2;  /* the caller: every part itself until the helper is here */
-  for (long r = from; r < rows; r++) {
-    long* row = table + r * %(row)d;
-    long threads = row[1], core = row[3], a[%(max_args)d];
-    if (!joined && threads > 1 && get(&s[S_READY]) == gen) {  /* the helper is here: shared from this row on */
-      put(&s[S_JOIN], gen << 24 | r);
-      joined = 1, alone = 0;
-    }
-    long shared = joined && n > 1 && threads > 1;
-    if (shared && alone) barrier(s, &sense);  /* the caller's rows before this one are done */
-    alone = !shared;
-    if (!shared && tid) continue;
-    kernel f = (kernel)row[0];
-    for (int i = 0; i < %(max_args)d; i++) a[i] = row[4 + i];
-    for (long t = shared ? tid : 0; t < threads; t += shared ? n : 1) {
-      if (core >= 0) a[core] = t;
-      f(%(args)s);
-    }
-    if (shared) barrier(s, &sense);
-  }
-  if (!joined) put(&s[S_JOIN], gen << 24 | JOIN_NONE);  /* done before the helper came: nothing left to share */
-  else if (alone && n > 1) barrier(s, &sense);  /* the table ends with the caller's rows: the helper waits them out */
-}
-"""
-MAIN = r"""
-void pp_run(long* s) {  /* run the table in s[S_TABLE] as thread 0, with the helper as thread 1 */
-  put(&s[S_GEN], get(&s[S_GEN]) + 1);
-  if (get(&s[S_SLEEPING])) syscall3(202, (long)&s[S_GEN], 1 | 128, 1);  /* futex FUTEX_WAKE_PRIVATE */
-  run_rows(s, 0, 0);
-}
-"""
-HELP = r"""
-void pp_help(long* s) {  /* thread 1, for ever: each new generation's table, then wait for the next */
-  long seen = 0;  /* started before the first table: generation 1 is its first (pp_run may have announced it) */
-  for (;;) {
-    for (long t0 = __builtin_ia32_rdtsc(); get(&s[S_GEN]) == seen;) {
-      if (__builtin_ia32_rdtsc() - t0 < s[S_SPIN]) { __builtin_ia32_pause(); continue; }
-      put(&s[S_SLEEPING], 1);
-      if (get(&s[S_GEN]) == seen) syscall3(202, (long)&s[S_GEN], 0 | 128, seen);  /* futex FUTEX_WAIT_PRIVATE */
-      put(&s[S_SLEEPING], 0);
-    }
-    seen = get(&s[S_GEN]);
-    put(&s[S_READY], seen);
-    long from = joined_at(s, seen);
-    if (from != JOIN_NONE) run_rows(s, 1, from);
-  }
-}
-"""
-STATE = {"gen": 0, "table": 1, "rows": 2, "threads": 3, "sleeping": 6, "spin": 7, "join": 9}
-SPIN_CYCLES = 100_000  # TSC cycles the helper spins after a table before it sleeps (~30-50 us: the gap between a
-# forward's graphs, not the gap between tokens), and a waiter at a barrier before it starts yielding (a tenth)
+ROW = 4 + MAX_ARGS  # kernel address, parts, argument count, index of core_id (-1: none), arguments
+STATE = {"gen": 0, "table": 1, "rows": 2, "sleeping": 3, "spin": 4, "job": 5, "jobs": 6}  # c/runner.c's S_ words
+SPIN_S = 40e-6  # a helper spins this long after its last part before it sleeps (the gap between a forward's graphs,
+# not the gap between tokens), and a waiter this long / 10 before it starts yielding
 
 
 def supported() -> bool:
-    return platform.machine().lower() in ("x86_64", "amd64") and sys.platform.startswith("linux")
+    """Where the runner's waits are written: Linux on x86-64 and aarch64 (elsewhere tinygrad's graph stays)."""
+    return platform.machine().lower() in ("x86_64", "amd64", "aarch64", "arm64") and sys.platform.startswith("linux")
+
+
+def runner_source(entry: str) -> str:
+    """The C of the runner's entry point ``entry`` ("run", "help" or "ticks")."""
+    return unit({"MAX_ARGS": MAX_ARGS, "ROW": ROW, "PARAMS": ", ".join(["long"] * MAX_ARGS),
+                 "ARGS": ", ".join(f"a[{i}]" for i in range(MAX_ARGS)), f"ENTRY_{entry.upper()}": 1}, ["runner.c"])
 
 
 class Runner:
-    """The compiled runner of one CPU device: its programs (kept: their memory holds the code), its state words,
-    and its helper thread (started on first use; a daemon, asleep in a futex between tables)."""
+    """The compiled runner of one CPU device for ``threads`` threads: its programs (kept: their memory holds the
+    code), its state words, and its ``threads - 1`` helper threads (started on first use; daemons, asleep in a futex
+    between tables)."""
 
     def __init__(self, device: str, threads: int):
         from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 
         dev = Device[device]
         compiler = ClangJITCompiler(dev.arch.split(","))
-        common = RUNNER % {"params": ", ".join(["long"] * MAX_ARGS), "row": ROW, "max_args": MAX_ARGS,
-                           "args": ", ".join(f"a[{i}]" for i in range(MAX_ARGS)), "spin": SPIN_CYCLES // 10}
-        self.main = dev.runtime("pp_run", compiler.compile_cached(common + MAIN))
-        self.help = dev.runtime("pp_help", compiler.compile_cached(common + HELP))
+        self.main, self.help, ticks = (dev.runtime(f"pp_{e}", compiler.compile_cached(runner_source(e)))
+                                       for e in ("run", "help", "ticks"))
+        self.threads = threads
         self.state = np.zeros(16, np.int64)
-        self.state[STATE["threads"]], self.state[STATE["spin"]] = threads, SPIN_CYCLES
+        self.state[STATE["spin"]] = int(SPIN_S * _tick_rate(ticks))
         # written per table through a plain view and passed as a ready argument: numpy's item and ctypes paths are
         # cold code each time between two tokens (~10-20 us each from memory in a live pipeline; bench/NOTES.md)
         self._words = memoryview(self.state).cast("B").cast("q")
         self._arg = ctypes.c_uint64(self.state.ctypes.data)
-        self.lock = threading.Lock()  # one table at a time: the helper serves one caller
-        self.helper: threading.Thread | None = None
+        self.lock = threading.Lock()  # one table at a time: the helpers serve one caller
+        self.helpers: list[threading.Thread] = []
 
     def run(self, address: int, rows: int) -> None:
         """Run the table of ``rows`` rows at ``address`` (an int64 array's data, see `Table`)."""
         with self.lock:
-            if self.helper is None and self._words[STATE["threads"]] > 1:
-                self.helper = threading.Thread(target=self.help.fxn, args=(self._arg,), name="pp-cpu-graph-helper",
-                                               daemon=True)
-                self.helper.start()
+            while len(self.helpers) < self.threads - 1:
+                self.helpers.append(threading.Thread(target=self.help.fxn, args=(self._arg,), daemon=True,
+                                                     name=f"pp-cpu-graph-helper-{len(self.helpers) + 1}"))
+                self.helpers[-1].start()
             self._words[STATE["table"]], self._words[STATE["rows"]] = address, rows
             self.main.fxn(self._arg)
 
 
+def _tick_rate(ticks: Any) -> float:
+    """Ticks per second of the runner's clock (x86's TSC, aarch64's virtual counter: rates differ by 100x between
+    CPUs), measured against the OS clock over ~2 ms."""
+    c = np.zeros(2, np.int64)
+    t0 = time.perf_counter()
+    ticks.fxn(ctypes.c_uint64(c.ctypes.data))
+    while time.perf_counter() - t0 < 0.002:
+        pass
+    ticks.fxn(ctypes.c_uint64(c.ctypes.data + 8))
+    return float(c[1] - c[0]) / (time.perf_counter() - t0)
+
+
 @functools.cache
-def _runner(device: str) -> Runner:
+def _runner(device: str, threads: int) -> Runner:
+    return Runner(device, threads)
+
+
+def threads() -> int:
+    """The threads a stage runs its kernels on: tinygrad's CPU_COUNT, which the worker sets from PP_THREADS."""
     from tinygrad.helpers import CPU_COUNT
 
-    return Runner(device, min(2, CPU_COUNT.value))
+    return max(1, CPU_COUNT.value)
 
 
 def same_objects(objs: Sequence[Any], refs: list[weakref.ref[Any]]) -> bool:
@@ -196,7 +133,7 @@ class Table:
                  var_slots: list[tuple[int, int, str]], keep: list[Any]):
         self.device, self.table, self.input_slots, self.var_slots = device, table, input_slots, var_slots
         self.buffers = keep
-        self.runner, self._dev = _runner(device), Device[device]
+        self.runner, self._dev = _runner(device, threads()), Device[device]
         # each input's and each variable's words in the table, written per call through a plain view
         self._in_words, self._var_words = _words_of(input_slots, table.shape[1]), _words_of(var_slots, table.shape[1])
         self._words = memoryview(table).cast("B").cast("q")

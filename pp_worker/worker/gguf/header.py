@@ -2,8 +2,8 @@
 
 Every read fails with `ModelLoadError` (one line, naming the file) rather than reading past the end of a truncated
 or malformed file, and every tensor's data is checked to lie inside the file. Tensor data is read by `read_data`
-(for `gguf_loader`), which first makes the bytes present when the file is a remote model's cache (`fetch`).
-tinygrad is imported only to size a tensor's data, so `ModelLoadError` can be imported cheaply.
+(for `tensors`), which first makes the bytes present when the file is a remote model's cache (`fetch`). Tensors are
+sized by the type table (`types`); nothing heavy is imported, so `ModelLoadError` can be imported cheaply.
 """
 
 from __future__ import annotations
@@ -16,20 +16,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from pp_worker.worker.gguf.types import TYPES
+
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9  # GGUF value types that are not fixed-size scalars (those are in _SCALARS)
-GGML_TYPE_NAMES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1", 10: "Q2_K",
-                   11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS", 17: "IQ2_XS",
-                   18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS", 24: "I8",
-                   25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16", 34: "TQ1_0", 35: "TQ2_0",
-                   39: "MXFP4"}  # ggml's ggml_type enum
-
-
-def type_name(ggml_type: int) -> str:
-    """ggml's name of a tensor type id ("Q4_K"), or "type <id>" for one this table does not know."""
-    return GGML_TYPE_NAMES.get(ggml_type, f"type {ggml_type}")
-
-
 class ModelLoadError(Exception):
     """The model cannot be loaded (missing, malformed, unsupported); the message is one line."""
 
@@ -60,22 +50,9 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int | None:
-        """Bytes of data, None for a GGML type unknown here: tinygrad's tables or the C kernels', else the `gguf`
-        package's (imported only then: 30-140 ms of a load), which knows every type its dequantizer reads."""
-        from tinygrad.llm.gguf import _GGML_NATIVE, _GGML_QUANT
-
-        from pp_worker.worker.engines.cpu_kernels import BLOCKS
-
-        if (dtype := _GGML_NATIVE.get(self.ggml_type)) is not None:
-            return dtype.itemsize * self.n_elements
-        if (block := _GGML_QUANT.get(self.ggml_type) or BLOCKS.get(self.ggml_type)) is None:
-            from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-            try:
-                block = GGML_QUANT_SIZES.get(GGMLQuantizationType(self.ggml_type))
-            except ValueError:  # an id the gguf package does not know either
-                block = None
-        return None if block is None else self.n_elements // block[0] * block[1]
+        """Bytes of data, None for a GGML type the table (`types`) does not know."""
+        t = TYPES.get(self.ggml_type)
+        return None if t is None else self.n_elements // t.block * t.nbytes
 
 
 @dataclass

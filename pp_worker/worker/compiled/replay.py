@@ -34,9 +34,9 @@ from tinygrad.engine.jit import JitError
 from tinygrad.engine.realize import graph_cache
 from tinygrad.uop.ops import Ops
 
-from pp_worker.worker.engines import jitcache
-from pp_worker.worker.engines.cpu_graph import NativeGraph, Table, same_objects
-from pp_worker.worker.engines.hostio import return_freed_heap
+from pp_worker.worker.compiled import jitcache
+from pp_worker.worker.cpu.graph import NativeGraph, Table, same_objects
+from pp_worker.worker.hostio import return_freed_heap
 
 
 class Replay:

@@ -1,0 +1,52 @@
+/* What every kernel source starts with: vector types and small helpers, and the SIMD building blocks that per-arch
+   files share. A kernel's source is this file, its type's generic file, the type's per-arch files (each guarded by
+   the instruction sets it needs), then the kernel (matmul.c, gather.c, attention.c); `cpu.kernels` puts them
+   together, with the type's block size and bytes as BLOCK_VALUES and BLOCK_BYTES (from `gguf.types`). */
+typedef float f16v __attribute__((ext_vector_type(16)));
+typedef float f8v __attribute__((ext_vector_type(8)));
+typedef float f4v __attribute__((ext_vector_type(4)));
+typedef unsigned char u8x32 __attribute__((ext_vector_type(32)));
+typedef signed char i8x32 __attribute__((ext_vector_type(32)));
+typedef unsigned char u8x16 __attribute__((ext_vector_type(16)));
+typedef signed char i8x16 __attribute__((ext_vector_type(16)));
+typedef unsigned int u32x16 __attribute__((ext_vector_type(16)));
+typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
+typedef int i32x16 __attribute__((ext_vector_type(16)));
+typedef unsigned short u16x16 __attribute__((ext_vector_type(16)));
+typedef __fp16 h16x16 __attribute__((ext_vector_type(16)));
+typedef __fp16 h16x8 __attribute__((ext_vector_type(8)));
+static inline float half_at(const unsigned char* p) { unsigned short h; __builtin_memcpy(&h, p, 2);
+  return (float)__builtin_bit_cast(__fp16, h); }
+static inline u8x16 u8_at(const unsigned char* p) { u8x16 v; __builtin_memcpy(&v, p, 16); return v; }
+static inline f16v f_at(const float* p) { f16v v; __builtin_memcpy(&v, p, 64); return v; }
+static inline f16v fu8(u8x16 v) { return __builtin_convertvector(v, f16v); }
+static inline f16v lo16(i8x32 v) { return __builtin_convertvector(
+  __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), f16v); }
+static inline f16v hi16(i8x32 v) { return __builtin_convertvector(
+  __builtin_shufflevector(v, v, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31), f16v); }
+static inline float hsum(f16v v) {  /* halves added pairwise: 4 adds deep (a row's last step; 9 one by one) */
+  f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+        + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
+  return b[0] + b[1]; }
+static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
+static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+#define SPLAT2(v, a, c) __builtin_shufflevector(v, v, a, a, a, a, a, a, a, a, c, c, c, c, c, c, c, c)
+#define SPLAT4(v, a, b, c, d) __builtin_shufflevector(v, v, a, a, a, a, b, b, b, b, c, c, c, c, d, d, d, d)
+/* x put in the order of a one-row product's lanes, once per call: chunk c of SIZE values, value m of lane l (m < M,
+   l < 16) at 16 m + l, read from x at the chunk's offset AT (an expression of m and l) */
+#define LANES(xp, x, chunks, SIZE, M, AT) \
+  for (int c = 0; c < (chunks); c++) \
+    _Pragma("clang loop unroll(full)") for (int m = 0; m < (M); m++) \
+      _Pragma("clang loop unroll(full)") for (int l = 0; l < 16; l++) \
+        (xp)[(SIZE) * c + 16 * m + l] = (x)[(SIZE) * c + (AT)];
+#if defined(__AVX512F__)
+#define LOOK __builtin_ia32_permvarsf512  /* 16 floats: out[i] = t[idx[i] & 15] (vpermps) */
+static const i32x16 LOW4 = {15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15, 15};
+/* 32 floats (lo, hi) at a 5-bit index: bits 0-3 from nib, the rest from five (one vpternlogd: (c & a) | (~c & b),
+   0xE4; vpermi2ps reads bits 0-4). The same select written in plain C became three instructions. */
+#define LOOK5(lo, hi, nib, five) __builtin_ia32_vpermi2varps512( \
+  lo, __builtin_ia32_pternlogd512_mask((i32x16)(nib), (i32x16)(five), LOW4, 0xE4, 0xFFFF), hi)
+#endif

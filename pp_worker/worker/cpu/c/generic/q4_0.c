@@ -1,0 +1,4 @@
+/* Q4_0 (d, qs[16]): (q - 8) d, the low nibbles the first 16 values, the high nibbles the next 16 */
+static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
+  float d = half_at(b); u8x16 q = u8_at(b + 2);
+  w[0] = (fu8(q & 15) - 8.0f) * d; w[1] = (fu8(q >> 4) - 8.0f) * d; }

@@ -1,0 +1,7 @@
+/* Q4_K (d, dmin, scales[12], qs[128]): group g holds the low (g even) or high (g odd) nibbles of qs[32 (g / 2) ..],
+   sub-block g's scale and min */
+#include "k_scales.h"
+static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
+  f16v sm = scale_min(b);
+  float d = sm[g], n = sm[8 + g]; const unsigned char* q = b + 16 + 32 * (g >> 1);
+  for (int h = 0; h < 2; h++) { u8x16 v = u8_at(q + 16 * h); w[h] = d * fu8(g & 1 ? v >> 4 : v & 15) - n; } }

@@ -1,0 +1,11 @@
+/* Q6_K (ql[128], qh[64], scales[16], d): group g is quarter g % 4 of half g / 4: low 4 bits from ql, 2 high bits from
+   qh, a scale per 16 values. The bits of a group's 32 values are put together in one 32-byte vector; the scales
+   converted all at once. */
+static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
+  int half = g >> 2, quarter = g & 3;
+  const unsigned char* ql = b + 64 * half + 32 * (quarter & 1); const unsigned char* qh = b + 128 + 32 * half;
+  i8x16 sc; __builtin_memcpy(&sc, b + 192, 16);
+  f16v ds = __builtin_convertvector(sc, f16v) * half_at(b + 208);
+  u8x32 l, e; __builtin_memcpy(&l, ql, 32); __builtin_memcpy(&e, qh, 32);
+  i8x32 q = (i8x32)((quarter >> 1 ? l >> 4 : l & 15) | (((e >> (2 * quarter)) & 3) << 4)) - 32;
+  w[0] = ds[8 * half + 2 * quarter] * lo16(q); w[1] = ds[8 * half + 2 * quarter + 1] * hi16(q); }

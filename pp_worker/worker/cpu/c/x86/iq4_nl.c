@@ -1,0 +1,1 @@
+#include "iq4.h"

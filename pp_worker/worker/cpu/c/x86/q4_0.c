@@ -1,0 +1,8 @@
+/* Q4_0 with AVX-512: each value looked up in a table of its block's 16 possible values (vpermps), one lookup where
+   the generic decoder spends a conversion and a multiply-add (bench/NOTES.md) */
+#if defined(__AVX512F__)
+static inline void decode32_avx512(const unsigned char* b, int g, f16v* w) {
+  f16v t = (FIOTA - 8.0f) * half_at(b); i32x16 q = i32_at(b + 2);
+  w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }
+#define DECODE32 decode32_avx512
+#endif

@@ -1,0 +1,7 @@
+/* Q4_1 with AVX-512: as Q4_0, a table of the block's 16 values */
+#if defined(__AVX512F__)
+static inline void decode32_avx512(const unsigned char* b, int g, f16v* w) {
+  f16v t = FIOTA * half_at(b) + half_at(b + 2); i32x16 q = i32_at(b + 4);
+  w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }
+#define DECODE32 decode32_avx512
+#endif

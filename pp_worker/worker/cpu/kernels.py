@@ -1,0 +1,165 @@
+"""Hand-written C kernels for products with GGUF weights on the CPU, run through tinygrad's own program path.
+
+A weight stays as the file's bytes: one uint8 buffer of N rows, each row K / QK blocks of the GGML type (F16 rows
+are K fp16 values). A kernel decodes R rows at a time into float32 vectors in registers or L1 and multiplies them
+with B input rows: decode (B = 1), batched decode (B sessions), and prefill chunks (B tokens) share one kernel.
+
+The C lives in ``c/`` as ggml-cpu lays it out: ``common.h`` (vector types and helpers), ``generic/<type>.c`` (each
+type's portable decoder, by the formulas of ggml's ``dequantize_row_*``; the tests check every type against the `gguf`
+package's numpy dequantizer), ``x86/<type>.c`` and ``arm/<type>.c`` (faster decoders and one-row products, each under
+the instruction sets it needs), and the kernels (``matmul.c``, ``gather.c``, ``attention.c``). Which files a type
+has is its row of the type table (`gguf.types`). A kernel's source is those files put together (`unit`), its
+includes inlined, so tinygrad's compile cache, keyed by the source, sees every byte of it.
+
+Why C: tinygrad's CPU codegen sums each output row serially and re-derives the dequantization per element; these
+kernels keep 16-wide accumulators over contiguous rows (bench/NOTES.md has the measurements). They run as ordinary
+tinygrad programs: an ``Ops.PROGRAM`` whose source tinygrad compiles with its own clang compiler (and caches),
+launched by its CPU runtime on ``threads`` threads (``core_id`` splits the rows), captured by TinyJit like any kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from tinygrad import Context, Device, Tensor, UOp, dtypes
+from tinygrad.helpers import CPU_COUNT
+from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
+
+from pp_worker.worker.gguf.types import SIMD_DIRS, TYPES, GGMLType, has_kernel
+from pp_worker.worker.hostio import filled
+
+C_DIR = Path(__file__).parent / "c"
+ROWS = 4  # weight rows decoded per step: each input vector loaded once serves ROWS products
+_INCLUDE = re.compile(r'^#include "([^"]+)"$', re.M)
+
+
+@functools.cache
+def _file(path: Path) -> str:
+    return path.read_text()
+
+
+def _inlined(path: Path, seen: set[Path]) -> str:
+    """``path``'s text with its ``#include "name"`` lines (relative to its folder) replaced by those files, each
+    file once per unit."""
+    if path in seen:
+        return ""
+    seen.add(path)
+    return _INCLUDE.sub(lambda m: _inlined((path.parent / m.group(1)).resolve(), seen), _file(path))
+
+
+def unit(defines: dict[str, Any], files: list[str]) -> str:
+    """One translation unit: ``#define``s, then ``files`` (relative to ``c/``) with their includes inlined."""
+    seen: set[Path] = set()
+    head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    return head + "".join(_inlined((C_DIR / f).resolve(), seen) for f in files)
+
+
+def type_files(t: GGMLType) -> list[str]:
+    """A type's C files: its generic decoder, then one file per arch folder that has SIMD code for it."""
+    assert t.kernel is not None, t
+    return [f"generic/{t.kernel}.c", *sorted({f"{SIMD_DIRS[s]}/{t.kernel}.c" for s in t.simd})]
+
+
+def source(kind: str, ggml_type: int, k: int, name: str) -> str:
+    """C source of kernel ``name``, ``kind`` "matmul" or "gather", for rows of ``k`` values of ``ggml_type``."""
+    t = TYPES[ggml_type]
+    qk = t.kernel_block
+    defines = {"NAME": name, "PP_K": k, "PP_ROWS": ROWS, "BLOCK_VALUES": qk, "BLOCK_BYTES": t.row_bytes(qk)}
+    return unit(defines, ["common.h", *type_files(t), f"{kind}.c"])
+
+
+def supported(ggml_type: int, k: int) -> bool:
+    """Whether rows of ``k`` values of ``ggml_type`` have a kernel here (whole blocks)."""
+    return has_kernel(ggml_type, k)
+
+
+@functools.cache
+def _compiler(device: str) -> ClangJITCompiler:
+    """tinygrad's clang compiler for ``device``'s CPU (whatever renderer the device uses for its own kernels)."""
+    return ClangJITCompiler(Device[device].arch.split(","))
+
+
+@functools.cache
+def _binary(src: str, device: str) -> bytes:
+    """The machine code of ``src``, compiled once per process (and cached on disk by tinygrad)."""
+    return _compiler(device).compile_cached(src)
+
+
+_DIMS: dict[tuple[str, tuple[int, ...]], Tensor] = {}
+
+
+def dims(device: str, *values: int) -> Tensor:
+    """The realized int32 ``dims`` argument of a kernel call, made once per shape. Written through the buffer
+    (`hostio.filled`), not realized: the first call of a shape may come while a TinyJit captures, which would record
+    a realize."""
+    if (t := _DIMS.get((device, values))) is None:
+        def fill(mv: memoryview) -> None:
+            np.frombuffer(mv, np.int32)[:] = values
+
+        t = _DIMS[device, values] = filled((len(values),), dtypes.int32, fill, device)
+    return t
+
+
+def dims_values(buf: Any) -> tuple[int, ...] | None:
+    """The values of a `dims` argument, given its buffer (None for any other buffer): what `jitcache` writes down."""
+    return next((values for (_, values), t in _DIMS.items() if t.uop.base.buffer is buf), None)
+
+
+def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, ...], threads: int,
+           bound: tuple[UOp, ...] = ()) -> Tensor:
+    """The first of ``tensors`` (the output) after C function ``name`` of ``src`` ran on (*tensors, dims) on
+    ``threads`` threads. The function's parameters: the tensors' buffers, the int32 ``dims`` holding ``shape``,
+    ``int core_id`` (0..threads-1), then one int per variable of ``bound`` (bound variables: positions)."""
+    device = tensors[0].device
+    variables = tuple(b.unbind()[0] if b.op is Ops.BIND else b for b in bound)
+    # the first call of a kernel or shape may come while tinygrad traces a block (`function`, which forbids device
+    # use to catch stray realizes): compiling our source and realizing a constant of our own are safe there
+    with Context(ALLOW_DEVICE_USAGE=1):
+        lib = _binary(src, device)
+        dims_t = dims(device, *shape)
+    n = len(tensors) + 1
+
+    def fxn(*params: UOp) -> UOp:
+        core = UOp.variable("core_id", 0, threads - 1, dtypes.int)
+        sink = UOp.sink(*params, core, *variables, arg=KernelInfo(name=name))
+        info = ProgramInfo(name=name, global_size=(threads, 1, 1), local_size=None, vars=(core, *variables),
+                           globals=tuple(range(n)), outs=(0,), ins=tuple(range(1, n)))
+        return UOp(Ops.PROGRAM, src=(sink, UOp(Ops.DEVICE, arg=device), UOp(Ops.LINEAR, src=(*sink.src, sink)),
+                                     UOp(Ops.SOURCE, arg=src), UOp(Ops.BINARY, arg=lib)), arg=info)
+    # Tensor.custom_kernel's call, with the variables' bindings as arguments of the call too: what tells the schedule
+    # their values when nothing else in it uses them
+    srcs = tuple(x.contiguous() if x.op is not Ops.AFTER else x for x in (*(t.uop for t in tensors), dims_t.uop))
+    call = fxn(*(UOp.placeholder_like(x, slot=i) for i, x in enumerate(srcs))).call(*srcs, *bound)
+    return Tensor(srcs[0].after(call))
+
+
+def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
+          threads: int) -> Tensor:
+    """``out`` after the ``kind`` kernel ("matmul" or "gather") ran on (out, w, x, dims)."""
+    name = f"{TYPES[ggml_type].name.lower()}_{'gather' if kind == 'gather' else 'mm'}_{k}"
+    return launch(name, source(kind, ggml_type, k, name), (out, w, x), shape, threads)
+
+
+def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
+    """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes)."""
+    lead = x.shape[:-1]
+    b = math.prod(lead)
+    threads = max(1, min(CPU_COUNT.value, n // ROWS))
+    out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
+    xs = x.reshape(b, k).cast(dtypes.float32).contiguous()
+    return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads).reshape(*lead, n)
+
+
+def gather(idx: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
+    """Rows ``idx`` (...) of the (n, k) weight held as ``raw``, decoded: (..., k) float32."""
+    lead = idx.shape
+    t = math.prod(lead)
+    out = Tensor.empty(t, k, dtype=dtypes.float32, device=idx.device)
+    ids = idx.reshape(t).cast(dtypes.int32).contiguous()
+    return _call("gather", out, raw, ids, ggml_type, k, (n, t), 1).reshape(*lead, k)
