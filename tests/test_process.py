@@ -225,12 +225,21 @@ DELAY_ENV = {"PP_STUB_DELAY_MS": "1500"}
 PREFILL = {"op": "embed_and_forward", "request_id": 21, "tokens": [1, 2, 3], "position": 0}
 
 
-def test_sigterm_mid_op_finishes_the_op_first(spawn: Spawn) -> None:
-    w = spawn(0, 2, env=DELAY_ENV)
+def in_flight(busy: Path, timeout: float = 30.0) -> None:
+    """Until the stub has started a forward op (PP_STUB_BUSY_FILE): from then on it is in its PP_STUB_DELAY_MS."""
+    deadline = time.monotonic() + timeout
+    while not (busy.exists() and busy.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert busy.exists() and busy.read_text(), "no op started"
+
+
+def test_sigterm_mid_op_finishes_the_op_first(spawn: Spawn, tmp_path: Path) -> None:
+    busy = tmp_path / "busy"
+    w = spawn(0, 2, env=DELAY_ENV | {"PP_STUB_BUSY_FILE": str(busy)})
     w.wait_ready()
     sent = time.monotonic()
     w.send(PREFILL)
-    time.sleep(0.3)
+    in_flight(busy)
     w.proc.send_signal(signal.SIGTERM)
     rest = w.rest_of_stdout(timeout=10)
     assert [o.get("event") for o in rest] == [None, "signal_received", "exiting"]
@@ -240,17 +249,17 @@ def test_sigterm_mid_op_finishes_the_op_first(spawn: Spawn) -> None:
     assert time.monotonic() - sent >= 1.4  # it really waited for the op
 
 
-def test_second_sigterm_while_draining_exits_at_once(spawn: Spawn) -> None:
-    w = spawn(0, 2, env={"PP_STUB_DELAY_MS": "20000"})  # an op far longer than any scheduling delay
+def test_second_sigterm_while_draining_exits_at_once(spawn: Spawn, tmp_path: Path) -> None:
+    busy = tmp_path / "busy"
+    w = spawn(0, 2, env={"PP_STUB_DELAY_MS": "60000", "PP_STUB_BUSY_FILE": str(busy)})  # an op far longer than all
     w.wait_ready()
     w.send(PREFILL)
-    time.sleep(0.3)
-    w.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.2)
-    second = time.monotonic()
-    w.proc.send_signal(signal.SIGTERM)
-    assert w.wait(timeout=5) == 128 + signal.SIGTERM
-    assert time.monotonic() - second < 10  # long before the op's 20 s would have ended
+    in_flight(busy)
+    first = time.monotonic()
+    while w.proc.poll() is None and time.monotonic() - first < 30:  # the first signal handled asks to drain, any
+        w.proc.send_signal(signal.SIGTERM)  # later one to exit (two sent together may merge into one)
+        time.sleep(0.1)
+    assert w.wait(timeout=5) == 128 + signal.SIGTERM  # long before the op's 60 s would have ended
     rest = w.rest_of_stdout()
     assert all("request_id" not in o for o in rest)  # the op's reply never came
 
@@ -351,12 +360,13 @@ LONG_OP_ENV = {"PP_STUB_DELAY_MS": "60000"}  # one op outlasts every deadline be
 PARENT = "import subprocess, sys; sys.exit(subprocess.call(sys.argv[1:]))"
 
 
-def test_a_worker_whose_parent_dies_mid_op_exits(spawn: Spawn) -> None:
-    w = spawn(0, 2, cmd=[sys.executable, "-c", PARENT, *MODULE_CMD], env=LONG_OP_ENV)
+def test_a_worker_whose_parent_dies_mid_op_exits(spawn: Spawn, tmp_path: Path) -> None:
+    busy = tmp_path / "busy"
+    w = spawn(0, 2, cmd=[sys.executable, "-c", PARENT, *MODULE_CMD], env=LONG_OP_ENV | {"PP_STUB_BUSY_FILE": str(busy)})
     worker_pid = w.wait_ready()["pid"]
     assert worker_pid != w.pid  # the worker is the parent's child, not the process we started
     w.send(PREFILL)
-    time.sleep(0.3)
+    in_flight(busy)
     w.proc.kill()  # the parent dies; the pipes stay open (we hold them), so only the parent's death tells
     assert gone(worker_pid, timeout=10), "the worker outlived its parent by 10 s"
     rest = w.rest_of_stdout()
@@ -364,12 +374,13 @@ def test_a_worker_whose_parent_dies_mid_op_exits(spawn: Spawn) -> None:
     assert "the parent process exited in the middle of an op; exiting" in w.stderr_text()
 
 
-def test_a_worker_whose_stdout_reader_leaves_mid_op_exits(spawn: Spawn) -> None:
-    w = spawn(1, 3, env=LONG_OP_ENV)
+def test_a_worker_whose_stdout_reader_leaves_mid_op_exits(spawn: Spawn, tmp_path: Path) -> None:
+    busy = tmp_path / "busy"
+    w = spawn(1, 3, env=LONG_OP_ENV | {"PP_STUB_BUSY_FILE": str(busy)})
     w.wait_ready()
     w.send({"op": "forward_range", "request_id": 4, "position": 0, "seq_len": 1,
             "hidden_b64": base64.b64encode(bytes(HIDDEN_DIM * 2)).decode()})
-    time.sleep(0.3)
+    in_flight(busy)
     assert w.proc.stdout is not None
     w.proc.stdout.close()  # no reply can be delivered any more
     assert w.wait(timeout=10) == 0
@@ -377,14 +388,15 @@ def test_a_worker_whose_stdout_reader_leaves_mid_op_exits(spawn: Spawn) -> None:
 
 
 @pytest.mark.parametrize("exit_on_eof", [True, False])
-def test_end_of_stdin_mid_op(spawn: Spawn, exit_on_eof: bool) -> None:
+def test_end_of_stdin_mid_op(spawn: Spawn, exit_on_eof: bool, tmp_path: Path) -> None:
     """With PP_EXIT_ON_EOF=1 (what pp-pipeline and pp-serve set) the end of stdin ends the op in progress at once;
     without it the op finishes and its reply is written first (the contract's end of stdin)."""
     env = LONG_OP_ENV if exit_on_eof else {"PP_STUB_DELAY_MS": "800"}
-    w = spawn(0, 2, env={**env, "PP_EXIT_ON_EOF": "1" if exit_on_eof else "0"})
+    busy = tmp_path / "busy"
+    w = spawn(0, 2, env={**env, "PP_EXIT_ON_EOF": "1" if exit_on_eof else "0", "PP_STUB_BUSY_FILE": str(busy)})
     w.wait_ready()
     w.send(PREFILL)
-    time.sleep(0.3)
+    in_flight(busy)
     w.close_stdin()
     rest = w.rest_of_stdout(timeout=10)
     assert w.wait() == 0

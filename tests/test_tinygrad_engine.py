@@ -286,7 +286,9 @@ def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, p
         e.warmup(full=False)
     stages = [e._stage for e in lazy.engines]
     assert [sorted(n for n, j in s.jits.items() if j.ready) for s in stages] == [[1], [1]]
-    assert all(0 < s.step_s < s.compile_s for s in stages)  # both measured by the warmup's calls
+    assert all(s.step_s > 0 and s.compile_s > 0 for s in stages)  # both measured by the warmup's calls
+    for s in stages:  # what a small model's stage measures on a quiet machine (a load would move the measurements
+        s.step_s, s.compile_s = 1e-3, 1.0  # and the choice: the plan is made from these before a prompt's calls)
     prompt = prompts[2]  # 40 tokens: 32 + 8 on the ladder
     want = eager.step(50, prompt, 0)
     np.testing.assert_allclose(lazy.step(50, prompt, 0), want, rtol=0, atol=1e-4)

@@ -48,6 +48,7 @@ class Config:
     max_line_bytes: int | None
     warmup: bool
     stub_delay_ms: int = 0
+    stub_busy_file: str | None = None  # PP_STUB_BUSY_FILE (engines.stub)
     max_batch: int = 8  # sessions one batched decode step advances at most
     prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
@@ -123,6 +124,7 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   heartbeat_s=_env_seconds(env, "PP_HEARTBEAT_S", 30.0),
                   max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024), warmup=_env_flag(env, "PP_WARMUP"),
                   stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0,
+                  stub_busy_file=env.get("PP_STUB_BUSY_FILE") or None,
                   max_batch=_env_int(env, "PP_MAX_BATCH", 8, low=1) or 8,
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
@@ -148,7 +150,7 @@ def build_engine(cfg: Config, events: Events) -> Engine:
         from pp_worker.worker.engines.stub import StubEngine
 
         return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000, max_sessions=cfg.max_sessions,
-                          max_batch=cfg.max_batch)
+                          max_batch=cfg.max_batch, busy_file=cfg.stub_busy_file)
     from pp_worker.worker import device as device_pick
 
     operators = bool(os.environ.get("DEV"))

@@ -43,8 +43,12 @@ def _fp16_stream(seed: bytes, n_values: int) -> bytes:
 class StubEngine:
     """Implements engines.base.Engine with no model at all."""
 
-    def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0, max_sessions: int = 8, max_batch: int = 8):
+    def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0, max_sessions: int = 8, max_batch: int = 8,
+                 busy_file: str | None = None):
         self.delay_s = delay_s  # simulated compute time per forward op (PP_STUB_DELAY_MS), for latency tests
+        # PP_STUB_BUSY_FILE: a line (the session) appended as each forward op starts, before its delay, so a test
+        # can wait until an op is in flight instead of guessing with a sleep
+        self.busy_file = busy_file
         self.max_sessions = max_sessions  # reported (ready line, status) like a real stage's; the stub evicts none
         self.max_batch = max(1, min(max_batch, max_sessions))
         self.batches: list[int] = []  # the size of every batched step, for tests of who batches what
@@ -108,6 +112,9 @@ class StubEngine:
         return {"max_batch": self.max_batch}  # no device, no KV cache
 
     def _track(self, session: int, length: int) -> None:
+        if self.busy_file:
+            with open(self.busy_file, "a") as f:
+                f.write(f"{session}\n")
         if self.delay_s:
             time.sleep(self.delay_s)
         self._sessions[session] = length
