@@ -33,6 +33,7 @@ S8 = "8 q8 hidden states on the wire (PP_WIRE_DTYPE=q8) against f16"
 S9 = "9 quantized files kept quantized, 2 stages, and llama.cpp on the same files"
 S10 = "10 peak RSS (VmHWM) of quantized stages"
 S11 = "11 a cold start (empty caches) and a restart, the embedded model"
+S12 = "12 threads: one stage's decode call on every core / on one (PP_THREADS), timed inside the stage"
 
 
 def get(raw: dict[str, Any], *path: str) -> Any:
@@ -52,7 +53,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[int, int]]]) -> list[Row]:
     return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
             *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
-            *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold"))]
+            *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
+            *thread_rows(raw.get("threads"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -393,4 +395,20 @@ def cold_start(c: dict[str, Any] | None) -> list[Row]:
             note=f"listening after {srv['listening_s']:.1f} s; the same burst warm: {srv['warm_burst_s']:.2f} s"),
         Row(S11, "  first burst / warm burst", ratio(srv["first_burst_s"], srv["warm_burst_s"]), "x", 2.0,
             at_most=True),
+    ]
+
+
+def thread_rows(t: dict[str, Any] | None) -> list[Row]:
+    """Section 12 (issue 32): what every core buys a stage whose weights stream from memory."""
+    if not t:
+        return [Row(S12, "decode call", None, "x", note="not measured (section threads not run, or it failed)")]
+    one, most = (min(t["call_ms"], key=int), max(t["call_ms"], key=int))
+    rate = t["file_bytes"] / 2 / (statistics.median(t["call_ms"][most]) / 1000) / 1e9  # the stage reads ~half
+    return [
+        Row(S12, f"{t['model']}: stage 1 of 2, decode call on {one} thread", statistics.median(t["call_ms"][one]),
+            "ms"),
+        Row(S12, f"  the same on {most} threads", statistics.median(t["call_ms"][most]), "ms",
+            note=f"~{rate:.1f} GB/s of its share; {t['cpus']} CPUs here"),
+        Row(S12, f"  {most} threads / {one}: call rate, median of rounds in turn", t["ratio"], "x",
+            1.6 if int(most) == 2 else None, note=f"rounds {t['ratios']}"),
     ]

@@ -318,3 +318,16 @@ def test_a_pinned_stage_runs_on_its_share_of_the_cpus() -> None:
     finally:
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_threads_section_times_each_count_in_its_own_stage() -> None:
+    """Section 12 on the tiny model: a stage per thread count, each reporting the count it runs (PP_THREADS as the
+    engine's threads), rounds timed in turn; the rows carry the ratio and name the target only for 1 vs 2."""
+    from bench import threads
+
+    out = threads.measure(threads.ThreadsPlan(preset="tiny", rounds=2, calls=3))["threads"]
+    assert out["ready_threads"] == {1: 1, 2: 2}
+    assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in out["call_ms"].values())
+    rows = report.thread_rows(out)
+    assert rows[-1].value == out["ratio"] > 0 and rows[-1].target == 1.6
+    assert report.thread_rows(None)[0].value is None

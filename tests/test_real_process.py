@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -91,7 +92,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
     header = read_header(model)
     kv = header.kv
     first = spawn_real(0, 2, model, PP_MAX_SESSIONS="3")
-    last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float16", PP_PREFILL_CHUNK="16")
+    last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float16", PP_PREFILL_CHUNK="16",
+                      PP_THREADS="3")  # more threads than this machine's cores
     try:
         ready = [first.wait_ready(60), last.wait_ready(60)]
         blocks = kv["llama.block_count"]
@@ -109,6 +111,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"], r["kernels"])
                 for r in ready] == [("CPU", 32, "float32", kv_bytes * 4, "c"),
                                     ("CPU", 16, "float16", kv_bytes * 2, "c")]
+        assert [(r["threads"], r["graph"]) for r in ready] == [(len(os.sched_getaffinity(0)), "native"), (3, "native")]
         # what each stage holds: its share of the file (an F16 file: F16 matrices as they are, F32 gains as fp16)
         for r, (start, end) in zip(ready, [compute_layer_range(s, 2, blocks) for s in (0, 1)], strict=True):
             names = [n for n in header.tensors if n.startswith(tuple(f"blk.{i}." for i in range(start, end)))]
@@ -128,6 +131,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (status["bos_token_id"], status["add_bos"], status["max_sessions"]) == \
                 (kv["tokenizer.ggml.bos_token_id"], False, 3)
             assert status["kv_dtype"] == r["kv_dtype"] and status["kv_caches_allocated"] == 1
+            assert status["threads"] == r["threads"]
             assert status["jits_compiled"] == 1  # a short prompt on a small model: single-token calls, no new size
             assert w.request({"op": "release", "request_id": 5})["released"] is True
             assert w.request({"op": "status", "request_id": 7})["sessions"] == {}

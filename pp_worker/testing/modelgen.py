@@ -12,6 +12,7 @@ yarn) is optional (`rope_scaling.RopeScaling`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import sys
@@ -41,6 +42,7 @@ class LlamaSpec:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
+    vocab_size: int = 0  # > 0: the vocabulary padded to this size with reserved control tokens (`padded`)
 
     @property
     def head_dim(self) -> int:
@@ -56,6 +58,9 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     "kq": (LlamaSpec(dim=256, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=768, context_length=512), 509),
     # weights that dwarf tinygrad's idle floor, for the bench's per-stage peak-RSS rows (1.4 GiB F16)
     "rss": (LlamaSpec(dim=2048, n_layers=16, n_heads=16, n_kv_heads=4, ffn_dim=5632, context_length=2048), 1741),
+    # TinyLlama-1.1B's shape (2.2 GB F16): the DRAM-bound bench model, its stages' shares far beyond any L3
+    "tinyllama": (LlamaSpec(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, context_length=2048,
+                            vocab_size=32000), 1741),
 }
 
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
@@ -274,6 +279,20 @@ def builtin_vocab(n_merges: int, tokenizer: str = "llama-bpe") -> Vocab | SpmVoc
     return build_vocab(builtin_text(), n_merges, pre=tokenizer)
 
 
+def padded(vocab: Vocab | SpmVocab, size: int) -> Vocab | SpmVocab:
+    """``vocab`` with reserved control tokens appended up to ``size`` tokens, as Llama 3 reserves 256: the rows of a
+    real model's embedding and head that text never reaches (the built-in text teaches ~2K tokens)."""
+    extra = size - len(vocab.tokens)
+    if extra <= 0:
+        return vocab
+    reserved = [f"<|reserved_special_token_{i}|>" for i in range(extra)]
+    types = [3] * extra  # CONTROL
+    if isinstance(vocab, SpmVocab):
+        return dataclasses.replace(vocab, tokens=vocab.tokens + reserved, scores=vocab.scores + [0.0] * extra,
+                                   token_types=vocab.token_types + types)
+    return dataclasses.replace(vocab, tokens=vocab.tokens + reserved, token_types=vocab.token_types + types)
+
+
 def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "F16", *,
              add_bos: bool | None = False, chat_template: str | None = None, tokenizer: str = "llama-bpe",
              rope: RopeScaling | None = None) -> Path:
@@ -281,7 +300,7 @@ def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str =
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec, n_merges = PRESETS[preset]
-    vocab = builtin_vocab(n_merges, tokenizer)
+    vocab = padded(builtin_vocab(n_merges, tokenizer), spec.vocab_size)
     weights = random_weights(spec, len(vocab.tokens), seed)
     return write_gguf(path, spec, weights, vocab, dtype=dtype, name=f"pp-worker-{preset}-s{seed}", add_bos=add_bos,
                       chat_template=chat_template, rope=rope)

@@ -2,6 +2,9 @@
    files share. A kernel's source is this file, its type's generic file, the type's per-arch files (each guarded by
    the instruction sets it needs), then the kernel (matmul.c, gather.c, attention.c); `cpu.kernels` puts them
    together, with the type's block size and bytes as BLOCK_VALUES and BLOCK_BYTES (from `gguf.types`). */
+/* 16-float vectors passed between static functions of one unit: clang warns, on a CPU without AVX-512, that such an
+   argument's ABI differs from AVX-512's; nothing here crosses a unit, so the warning only fills a stage's stderr */
+#pragma clang diagnostic ignored "-Wpsabi"
 typedef float f16v __attribute__((ext_vector_type(16)));
 typedef float f8v __attribute__((ext_vector_type(8)));
 typedef float f4v __attribute__((ext_vector_type(4)));

@@ -1,0 +1,87 @@
+"""Section "threads": one stage's decode call on 1 thread against every core (PP_THREADS), timed inside the stage.
+
+The model is the DRAM-bound one (TinyLlama-1.1B's shape, 2.2 GB F16): a stage's share streams from memory at every
+token, so this measures what more threads buy where bandwidth, not L3, feeds the kernels. Each thread count runs in
+a process of its own (tinygrad's CPU_COUNT is process-wide and shapes the compiled kernels), both loaded side by side;
+the rounds alternate between them, so both see the same load, and each round's ratio is taken within the round.
+
+    python -m bench.threads          # the section alone
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench import models
+from bench.quant import say
+
+
+@dataclass(frozen=True)
+class ThreadsPlan:
+    preset: str = "tinyllama"
+    dtype: str = "F16"
+    counts: tuple[int, ...] = (1, 2)  # PP_THREADS; 2 is every core of this machine
+    rounds: int = 7
+    calls: int = 12  # decode calls timed per round and thread count
+    stage: tuple[int, int] = (1, 2)  # the last of 2 stages: half the blocks, the output norm and the head
+
+
+def child(model: str, stage: int, num_stages: int, threads: int) -> None:
+    """The last stage's engine on ``threads`` threads; each stdin line "n" times n decode calls (one session,
+    positions from 0) and answers the calls' seconds as a JSON list."""
+    import numpy as np
+
+    from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
+
+    engine = TinygradEngine(model, stage, num_stages, max_context=256, max_sessions=1, threads=threads)
+    assert engine.shard.is_last, "the section times the last stage's decode call (forward_logits)"
+    engine.warmup(full=False)
+    hidden = np.random.default_rng(0).standard_normal(engine.info.hidden_dim).astype(np.float16).tobytes()
+    print(json.dumps({"ready": engine.describe()["threads"]}), flush=True)
+    for line in sys.stdin:
+        times = []
+        for pos in range(int(line)):
+            t0 = time.perf_counter()
+            engine.forward_logits(7, hidden, pos, 1)
+            times.append(time.perf_counter() - t0)
+        engine.release(7)
+        print(json.dumps(times), flush=True)
+
+
+def measure(plan: ThreadsPlan) -> dict[str, Any]:
+    model = models.ensure_model(plan.preset, dtype=plan.dtype, isolated=True)
+    say(f"threads: {model.name}, stage {plan.stage[0]} of {plan.stage[1]}, PP_THREADS {plan.counts}")
+    procs = {n: subprocess.Popen([sys.executable, "-m", "bench.threads", "--child", str(model), *map(str, plan.stage),
+                                  str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PP_CACHE": "0"}) for n in plan.counts}
+    try:
+        ready = {n: json.loads(p.stdout.readline())["ready"] for n, p in procs.items()}  # type: ignore[union-attr]
+        medians: dict[int, list[float]] = {n: [] for n in plan.counts}
+        for _ in range(plan.rounds):
+            for n, p in procs.items():
+                p.stdin.write(f"{plan.calls}\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+                medians[n].append(statistics.median(json.loads(p.stdout.readline())))  # type: ignore[union-attr]
+    finally:
+        for p in procs.values():
+            p.kill()
+    one, most = plan.counts[0], plan.counts[-1]
+    ratios = [a / b for a, b in zip(medians[one], medians[most], strict=True)]
+    return {"threads": {"model": model.name, "file_bytes": model.stat().st_size, "ready_threads": ready,
+                        "call_ms": {str(n): [round(x * 1000, 3) for x in v] for n, v in medians.items()},
+                        "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios],
+                        "cpus": len(os.sched_getaffinity(0))}}
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["--child"]:
+        child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    else:
+        print(json.dumps(measure(ThreadsPlan()), indent=1))
