@@ -187,6 +187,12 @@ def test_iq4_packers_round_trip_through_gguf_dequantize(type_name, block, qs):
     probe[:, qs:] = 0  # every index on level 0 (-127): the values are -127 times each sub-block's scale
     step = np.abs(quants.dequantize(probe, qtype).reshape(-1, 32)[:, 0]) / 127
     err, peak = np.abs(back - x.reshape(-1, 32)).max(-1), np.abs(x.reshape(-1, 32)).max(-1)
+    # the steps themselves, bounded by the input: each sub-block's largest magnitude on -127 (fp16's rounding of d;
+    # IQ4_XS's 6-bit scales are multiples of d, a 31st of its block's largest scale: within d / 2); steps of zero, as
+    # a packer writing zero scales would give, fail here rather than loosen the bound below
+    block_peak = np.repeat(np.abs(x.reshape(-1, 32 if block == 18 else 256)).max(-1), 1 if block == 18 else 8)
+    slack = peak / 127 * 1e-3 if block == 18 else block_peak / 127 / 31 / 2 * 1.01
+    assert np.all(np.abs(step - peak / 127) <= slack + 1e-7)
     bound = np.maximum(12 * step, peak - 113 * step)
     assert np.all(err <= bound * (1 + 1e-3) + 1e-6) and np.all(back[:8] == 0)
 
