@@ -148,6 +148,37 @@ def test_models_retrieve_names_the_served_model(server: Server) -> None:
     assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
 
 
+def test_tokenize_and_detokenize_take_llama_server_shapes(server: Server) -> None:
+    """Stage 0's tokens for a text, the last stage's text for tokens: the same the driver's own pipeline uses."""
+    g = run_pipeline([PROMPTS[4]], stages=STAGES, stub=True, max_tokens=6).generations[0]
+    assert server.request("/tokenize", json.dumps({"content": PROMPTS[4]}).encode()) == (200, {"tokens":
+                                                                                               g.prompt_tokens})
+    assert server.request("/detokenize", json.dumps({"tokens": g.tokens}).encode()) == (200, {"content": g.text})
+    status, pieces = server.request("/tokenize", json.dumps({"content": PROMPTS[4], "with_pieces": True}).encode())
+    assert status == 200 and [p["id"] for p in pieces["tokens"]] == g.prompt_tokens
+    whole = server.request("/detokenize", json.dumps({"tokens": g.prompt_tokens}).encode())[1]["content"]
+    assert "".join(p["piece"] for p in pieces["tokens"]) == whole  # the stub's pieces add up to the text
+    assert server.request("/tokenize", b'{"content": ""}') == (200, {"tokens": []})
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", b"{}", 422, "content"),
+    ("/tokenize", b'{"content": 5}', 422, "content"),
+    ("/tokenize", b'{"content": "a", "parse_special": false}', 400, "parse_special"),
+    ("/tokenize", b'{"content": "a", "add_special": "yes"}', 422, "add_special"),
+    ("/tokenize", rb'{"content": "\ud800"}', 400, "content"),  # a lone surrogate
+    ("/detokenize", b'{"tokens": "1 2"}', 422, "tokens"),
+    ("/detokenize", b'{"tokens": [1, true]}', 422, "tokens"),
+    ("/detokenize", b'{"tokens": [1, 32]}', 400, "tokens"),  # the stub's vocabulary is 32 ids
+    ("/detokenize", b'{"tokens": [-1]}', 400, "tokens"),
+])
+def test_bad_tokenize_requests_are_refused_before_any_stage(server: Server, path: str, body: bytes, status: int,
+                                                            param: str) -> None:
+    got, reply = server.request(path, body)
+    assert (got, reply["error"]["param"]) == (status, param), reply
+    assert server.get("/health")["status"] == "ok"  # a stage's error reply would have failed the pipeline
+
+
 def _stream_text(server: Server, prompt: str) -> str:
     stream = server.client().completions.create(model="m", prompt=prompt, max_tokens=16, stream=True)
     return "".join(c.choices[0].text for c in stream)

@@ -13,7 +13,8 @@ frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most 
 ``recovering`` says why and ``submit`` refuses new generations. Once the attempts are spent the service is down for
 good: ``failure`` says why, ``on_down`` is called, and every call refuses.
 
-``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left.
+``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left. ``ask``
+sends one op outside any generation (``status``, ``tokenize``, ``detokenize``) to one stage.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from pp_worker.driver.generation import Call, Generation, Reply
 from pp_worker.driver.pipeline import Cancel, Interrupted, Pipeline, PipelineError
@@ -116,6 +117,7 @@ class PipelineService:
         self._inbox: deque[Callable[[], None]] = deque()  # work for the pipeline thread, in order
         self._waiting: deque[ServedGeneration] = deque()
         self._running: dict[int, ServedGeneration] = {}
+        self._asks: dict[int, Callable[[Reply | None], None]] = {}  # ops sent by ``ask``, by request id
         self._closing = False
         self._thread = threading.Thread(target=self._loop, name="pipeline", daemon=True)
         self._thread.start()
@@ -139,9 +141,10 @@ class PipelineService:
         except Unavailable:  # everything has ended already
             pass
 
-    def stage_status(self, on_reply: Callable[[list[Reply]], None]) -> None:
-        """Every stage's ``status`` reply (its KV sessions, pid, ...), in stage order, to ``on_reply``."""
-        self._post(lambda: self._ask_status(on_reply), new=True)
+    def ask(self, stage: int, op: str, fields: dict[str, Any], on_reply: Callable[[Reply | None], None]) -> None:
+        """Send one op to one stage (-1: the last); ``on_reply`` gets its reply from the pipeline thread, or None if
+        the pipeline fails or closes first. The op must be valid: a stage's error reply fails the pipeline."""
+        self._post(lambda: self._ask(stage, op, fields, on_reply), new=True)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -234,17 +237,14 @@ class PipelineService:
             self._waiting.remove(g)
             g.end("cancelled before it started", unavailable=True)
 
-    def _ask_status(self, on_reply: Callable[[list[Reply]], None]) -> None:
-        replies: dict[int, Reply] = {}
-        n = len(self.pipeline.stages)
+    def _ask(self, stage: int, op: str, fields: dict[str, Any], on_reply: Callable[[Reply | None], None]) -> None:
+        rid = self.new_request_id()
+        self._asks[rid] = on_reply
+        self.pipeline.ask(stage % len(self.pipeline.stages), op, rid, lambda reply: self._answer(rid, reply), fields)
 
-        def collect(stage: int, reply: Reply) -> None:
-            replies[stage] = reply
-            if len(replies) == n:
-                on_reply([replies[s] for s in range(n)])
-
-        for s in range(n):
-            self.pipeline.ask(s, "status", self.new_request_id(), lambda r, s=s: collect(s, r))
+    def _answer(self, rid: int, reply: Reply) -> None:
+        if on_reply := self._asks.pop(rid, None):  # None: already answered with None (``expire``)
+            on_reply(reply)
 
     def _recover(self, error: str) -> bool:
         """The pipeline failed: end every generation with its error, stop its stages (a frozen one gets SIGTERM,
@@ -307,6 +307,9 @@ class PipelineService:
             g.end(error, unavailable=True)
         self._waiting.clear()
         self._running.clear()
+        asks, self._asks = self._asks, {}
+        for on_reply in asks.values():  # their replies went with the pipeline
+            on_reply(None)
 
     def _say(self, text: str) -> None:
         if self.log:
