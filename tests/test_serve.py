@@ -179,6 +179,42 @@ def test_bad_tokenize_requests_are_refused_before_any_stage(server: Server, path
     assert server.get("/health")["status"] == "ok"  # a stage's error reply would have failed the pipeline
 
 
+def test_metrics_count_the_requests_and_tokens_served(server: Server) -> None:
+    before = server.metrics()
+    client = server.client()
+    plain = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=7)
+    chunks = list(client.completions.create(model="m", prompt=PROMPTS[6], max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="a", n=2)
+    assert server.request("/nowhere")[0] == 404
+    server.request("/tokenize", b'{"content": "a b"}')
+    after = server.metrics()
+    usages = [plain.usage, chunks[-1].usage]
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    requests = "pp_serve_requests_total"
+    assert grew(requests, endpoint="/v1/completions", method="POST", status="200") == 2
+    assert grew(requests, endpoint="/v1/completions", method="POST", status="400") == 1
+    assert grew(requests, endpoint="other", method="GET", status="404") == 1
+    assert grew(requests, endpoint="/tokenize", method="POST", status="200") == 1
+    assert grew(requests, endpoint="/metrics", method="GET", status="200") == 1  # the first scrape
+    assert grew("pp_serve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("pp_serve_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 12
+    assert grew("pp_serve_time_to_first_token_seconds_count") == 2  # one first token per generation
+    assert grew("pp_serve_inter_token_latency_seconds_count") == 12 - 2  # every later token
+    for h in ("pp_serve_time_to_first_token_seconds", "pp_serve_inter_token_latency_seconds"):
+        assert grew(f"{h}_bucket", le="+Inf") == grew(f"{h}_count") and grew(f"{h}_sum") > 0
+    assert after[("pp_serve_queue_depth", ())] == after[("pp_serve_generations_in_flight", ())] == 0
+    for stage in map(str, range(STAGES)):
+        assert grew("pp_serve_stage_busy_seconds_total", stage=stage) > 0  # every stage worked for these
+        assert after[("pp_serve_stage_kv_sessions", (("stage", stage),))] == 0  # and released their sessions
+        assert after[("pp_serve_stage_restarts_total", (("stage", stage),))] == 0
+
+
 def _stream_text(server: Server, prompt: str) -> str:
     stream = server.client().completions.create(model="m", prompt=prompt, max_tokens=16, stream=True)
     return "".join(c.choices[0].text for c in stream)

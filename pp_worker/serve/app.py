@@ -1,5 +1,6 @@
 """The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
-the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``).
+the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``) and ``metrics``
+(``/metrics``).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
@@ -17,6 +18,7 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
@@ -26,6 +28,7 @@ from pp_worker.driver.service import PipelineService, ServedGeneration, Unavaila
 from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
 from pp_worker.serve.feed import Feed, Update
 from pp_worker.serve.fields import ApiError, read_body, unavailable
+from pp_worker.serve.metrics import CountRequests, Metrics, metrics_route
 from pp_worker.serve.stages import stage_routes
 
 
@@ -35,10 +38,11 @@ class Api:
     chat_format: Format
     defaults: Defaults
     created: int  # when the server started: the model's "created"
+    metrics: Metrics
 
 
 def build_app(service: PipelineService, chat_format: Format, defaults: Defaults) -> Starlette:
-    api = Api(service, chat_format, defaults, int(time.time()))
+    api = Api(service, chat_format, defaults, int(time.time()), Metrics())
 
     async def completions(request: Request) -> Response:
         return await _generate(api, request, completion_ask(await read_body(request), api.defaults))
@@ -63,18 +67,25 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults)
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
-        *stage_routes(service, defaults.vocab_size)]
+        *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service)]
+    middleware = [Middleware(CountRequests, metrics=api.metrics, routes=routes)]  # outermost: every request counted
     handlers: dict[Any, Any] = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
 
 # --- generating -----------------------------------------------------------------------------------------------
 async def _generate(api: Api, request: Request, ask: Ask) -> Response:
-    service, feed = api.service, Feed(asyncio.get_running_loop(), ask.stop)
+    service, feed, timing = api.service, Feed(asyncio.get_running_loop(), ask.stop), api.metrics.timing()
     rid = service.new_request_id()
     # per-token text only where it is needed: to stream it, or to find a stop string while generating
     on_text = feed.on_text if ask.stream or ask.stop else None
-    g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=feed.on_end)
+
+    def on_end(g: ServedGeneration) -> None:
+        timing.on_end(g)  # counted before the client can have its answer (and scrape /metrics)
+        feed.on_end(g)
+
+    g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=on_end,
+                         on_token=timing.on_token)
     try:
         service.submit(g)
     except Unavailable as e:
