@@ -1,6 +1,6 @@
 """A real ``pp-serve`` for tests: ``python -m pp_worker.serve`` in its own process on 127.0.0.1 (a free port it
 picks itself), its output (stderr, and stdout where uvicorn writes its access log) collected by a thread, and the
-official ``openai`` client pointed at it.
+official ``openai`` client pointed at it; with ``key``, every request carries that API key.
 
 Nothing here may hang a test: every wait has a deadline, and ``stop`` kills what SIGTERM did not stop.
 """
@@ -28,7 +28,9 @@ LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 
 
 class Server:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout: float = 180.0):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout: float = 180.0,
+                 key: str | None = None):
+        self.key = key
         self.proc = subprocess.Popen([sys.executable, "-m", "pp_worker.serve", "--port", "0", *args], cwd=REPO,
                                      env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -52,7 +54,7 @@ class Server:
         return "".join(self.lines)
 
     def client(self, **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **kw)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key or "none", max_retries=0, **kw)
 
     def request(self, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
                 method: str | None = None) -> tuple[int, Any]:
@@ -62,8 +64,9 @@ class Server:
 
     def fetch(self, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
               method: str | None = None) -> tuple[int, dict[str, str], bytes]:
-        """A plain HTTP request: (status, headers, body)."""
-        sent = {"Content-Type": "application/json", **(headers or {})}
+        """A plain HTTP request with the server's key unless ``headers`` say otherwise: (status, headers, body)."""
+        sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {}),
+                **(headers or {})}
         req = urllib.request.Request(self.url + path, data=body, headers={k: v for k, v in sent.items() if v},
                                      method=method)
         try:

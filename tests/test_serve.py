@@ -215,6 +215,14 @@ def test_metrics_count_the_requests_and_tokens_served(server: Server) -> None:
         assert after[("pp_serve_stage_restarts_total", (("stage", stage),))] == 0
 
 
+def test_without_cors_origins_no_page_elsewhere_may_call(server: Server) -> None:
+    status, headers, _ = server.fetch("/v1/models", headers={"Origin": "http://elsewhere.test"})
+    assert status == 200 and "access-control-allow-origin" not in headers
+    preflight = {"Origin": "http://elsewhere.test", "Access-Control-Request-Method": "POST"}
+    status, headers, _ = server.fetch("/v1/completions", headers=preflight, method="OPTIONS")
+    assert status == 405 and "access-control-allow-origin" not in headers
+
+
 def _stream_text(server: Server, prompt: str) -> str:
     stream = server.client().completions.create(model="m", prompt=prompt, max_tokens=16, stream=True)
     return "".join(c.choices[0].text for c in stream)

@@ -1,6 +1,6 @@
 """The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
 the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``) and ``metrics``
-(``/metrics``).
+(``/metrics``), behind the middleware of ``access`` (API keys, CORS).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
@@ -25,6 +25,7 @@ from starlette.routing import BaseRoute, Route
 
 from pp_worker.driver.chat import Format
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
+from pp_worker.serve.access import RequireKey, cors
 from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
 from pp_worker.serve.feed import Feed, Update
 from pp_worker.serve.fields import ApiError, read_body, unavailable
@@ -41,7 +42,10 @@ class Api:
     metrics: Metrics
 
 
-def build_app(service: PipelineService, chat_format: Format, defaults: Defaults) -> Starlette:
+def build_app(service: PipelineService, chat_format: Format, defaults: Defaults, *, keys: list[str] | None = None,
+              cors_origins: list[str] | None = None) -> Starlette:
+    """The app; ``keys``: the API keys a request needs one of (none: open), ``cors_origins``: the origins whose
+    pages may call it (``*``: any; none: no CORS headers, no preflight)."""
     api = Api(service, chat_format, defaults, int(time.time()), Metrics())
 
     async def completions(request: Request) -> Response:
@@ -68,7 +72,10 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults)
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
         *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service)]
-    middleware = [Middleware(CountRequests, metrics=api.metrics, routes=routes)]  # outermost: every request counted
+    # outermost first: every request is counted, 401s and preflights included; CORS headers go on the 401s too
+    middleware = [Middleware(CountRequests, metrics=api.metrics, routes=routes),
+                  *([cors(cors_origins)] if cors_origins else []),
+                  *([Middleware(RequireKey, keys=keys)] if keys else [])]
     handlers: dict[Any, Any] = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
     return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
