@@ -34,6 +34,7 @@ from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
 from pp_worker.serve.cli import _launch, parse_args
+from pp_worker.worker.engines.stub import STUB_MAX_CONTEXT
 
 PY = shlex.quote(sys.executable)
 PROMPTS = [f"prompt {i} " + " ".join(f"w{i * j}" for j in range(i + 1)) for i in range(8)]
@@ -213,6 +214,21 @@ def test_metrics_count_the_requests_and_tokens_served(server: Server) -> None:
         assert grew("pp_serve_stage_busy_seconds_total", stage=stage) > 0  # every stage worked for these
         assert after[("pp_serve_stage_kv_sessions", (("stage", stage),))] == 0  # and released their sessions
         assert after[("pp_serve_stage_restarts_total", (("stage", stage),))] == 0
+
+
+def test_the_chat_page_and_props_are_served(server: Server) -> None:
+    status, headers, html = server.fetch("/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert headers["content-security-policy"].startswith("default-src 'self'")
+    scripts = re.findall(rb'(?:src|href)="([^"]+)"', html)
+    assert sorted(scripts) == [b"/static/chat.css", b"/static/chat.js", b"data:,"], scripts
+    for name in ("chat.js", "chat.css"):
+        status, _, text = server.fetch(f"/static/{name}")
+        assert status == 200 and b"://" not in text, name  # nothing fetched from anywhere else
+    props = server.get("/props")
+    assert (props["model"], props["n_ctx"], props["total_slots"]) == ("stub", STUB_MAX_CONTEXT,
+                                                                       server.get("/health")["concurrency"])
+    assert props["default_generation_settings"]["params"]["n_predict"] == 64  # pp-serve's --max-tokens default
 
 
 def test_without_cors_origins_no_page_elsewhere_may_call(server: Server) -> None:

@@ -1,22 +1,40 @@
-"""pp-serve as a browser and a llama-server user meet it: API keys, CORS and the metrics of a queue.
+"""pp-serve as a browser and a llama-server user meet it: API keys, CORS, the metrics of a queue, and the chat page
+driven in a real headless Chromium (Debian's chromium and chromedriver, installed by ``make install``).
 
 One stub server for the module, with three keys (a flag, and two in PP_API_KEY), one CORS origin and room for one
-generation at a time.
+generation at a time. Expected answers come from the driver's own stub pipeline, never from the server's code.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import openai
 import pytest
+from selenium import webdriver
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.remote.webdriver import WebDriver
+from selenium.webdriver.support.ui import WebDriverWait
 from serving import Server
+
+from pp_worker.driver.chat import chat_format
+from pp_worker.driver.pipeline import run_pipeline
+from pp_worker.worker.engines.stub import STUB_MAX_CONTEXT
 
 STAGES = 2
 FLAG_KEY, ENV_KEYS = "flag-key-0c9f2d71", ["env-key-5be04a13", "env-key-e7716c88"]
 ORIGIN = "http://page.test"
+CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
+# headless, and quiet: the machine has no network, and without these Chromium keeps trying to reach Google's
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                  "--window-size=1100,760"]
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +48,7 @@ def server() -> Iterator[Server]:
 
 
 KEYED = [("GET", "/v1/models", None), ("GET", "/v1/models/stub", None), ("GET", "/stages", None),
-         ("GET", "/metrics", None), ("GET", "/nowhere", None),
+         ("GET", "/metrics", None), ("GET", "/props", None), ("GET", "/nowhere", None),
          ("POST", "/v1/completions", {"model": "m", "prompt": "a b", "max_tokens": 2}),
          ("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                            "max_tokens": 2}),
@@ -49,8 +67,8 @@ def test_every_endpoint_needs_a_key(server: Server, method: str, path: str, body
     assert status == (404 if path == "/nowhere" else 200), raw
 
 
-def test_health_needs_no_key(server: Server) -> None:
-    for path in ("/health",):
+def test_health_and_the_page_need_no_key(server: Server) -> None:
+    for path in ("/health", "/", "/static/chat.js", "/static/chat.css"):
         status, _, _ = server.fetch(path, headers={"Authorization": ""})
         assert status == 200, path
 
@@ -114,3 +132,87 @@ def test_metrics_show_the_queue_and_the_generation_in_flight(server: Server) -> 
         second.join(60)
     assert waiting[0].usage.completion_tokens == 3
     server.wait_for("sessions released", lambda: server.sessions() == [{}] * STAGES)
+
+
+# --- the chat page, in a browser ---------------------------------------------------------------------------------
+@pytest.fixture
+def browser(tmp_path: Path) -> Iterator[WebDriver]:
+    if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
+        pytest.fail(f"{CHROMIUM} and {CHROMEDRIVER} are needed: make install (or apt-get install chromium "
+                    "chromium-driver)")
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)  # a driver path: no download
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def expected_answer(turns: list[tuple[str, str]], max_tokens: int) -> str:
+    """The driver's own answer to the conversation, rendered as pp-serve renders it for the stub (plain format)."""
+    prompt = chat_format(None).render(turns)
+    return run_pipeline([prompt], stages=STAGES, stub=True, max_tokens=max_tokens).generations[0].text
+
+
+def test_the_chat_page_streams_an_answer_in_a_real_browser(server: Server, browser: WebDriver,
+                                                           tmp_path: Path) -> None:
+    d, wait = browser, WebDriverWait(browser, 30)
+    d.get(server.url + "/")
+    # no key yet: the page asks for one; a wrong one is refused, the right one kept
+    wait.until(lambda _: d.find_element(By.ID, "key").is_displayed())
+    d.find_element(By.ID, "key").send_keys("wrong" + Keys.ENTER)
+    wait.until(lambda _: "refused" in d.find_element(By.ID, "key-message").text)
+    d.find_element(By.ID, "key").send_keys(ENV_KEYS[1] + Keys.ENTER)
+    wait.until(lambda _: d.find_element(By.ID, "model").text == "stub")  # read from /props
+    assert d.find_element(By.ID, "ctx").text == f"ctx {STUB_MAX_CONTEXT}"
+    # settings: a system prompt, greedy, 12 tokens
+    d.find_element(By.ID, "settings-toggle").click()
+    d.find_element(By.ID, "system").send_keys("be brief")
+    d.find_element(By.ID, "temperature").send_keys("0")
+    d.find_element(By.ID, "max-tokens").send_keys("12")
+    # every state the answer's text goes through, as the DOM shows it
+    d.execute_script("""window.seen = [];
+        new MutationObserver(() => { const t = document.querySelector('.assistant .text');
+          if (t && t.textContent !== window.seen[window.seen.length - 1]) window.seen.push(t.textContent); })
+        .observe(document.getElementById('conversation'), {subtree: true, childList: true, characterData: true});""")
+    d.find_element(By.ID, "prompt").send_keys("hello there pipeline" + Keys.ENTER)
+    stats = wait.until(lambda _: d.find_elements(By.CSS_SELECTOR, ".assistant .stats"))[0].text
+    answer = expected_answer([("system", "be brief"), ("user", "hello there pipeline")], 12)
+    assert d.find_element(By.CSS_SELECTOR, ".assistant .text").get_attribute("textContent") == answer.lstrip()
+    seen = d.execute_script("return window.seen")
+    assert len(seen) > 2 and all(answer.lstrip().startswith(t) for t in seen), seen  # it came in pieces
+    assert stats.startswith("12 tokens · ") and "tok/s · TTFT " in stats and "cut at max tokens" in stats, stats
+    # a second turn carries the first (the conversation), then Stop and Clear
+    d.find_element(By.ID, "prompt").send_keys("and then" + Keys.ENTER)
+    wait.until(lambda _: len(d.find_elements(By.CSS_SELECTOR, ".assistant .stats")) == 2)
+    second = expected_answer([("system", "be brief"), ("user", "hello there pipeline"), ("assistant", answer),
+                              ("user", "and then")], 12)
+    assert d.find_elements(By.CSS_SELECTOR, ".assistant .text")[1].get_attribute("textContent") == second.lstrip()
+    d.save_screenshot(str(tmp_path / "chat.png"))
+    _stop_and_clear(d, server, wait)
+    resources = d.execute_script("return performance.getEntriesByType('resource').map(e => e.name)")
+    assert resources and all(r.startswith(server.url + "/") for r in resources), resources  # nothing from elsewhere
+    assert (tmp_path / "chat.png").read_bytes().startswith(b"\x89PNG")
+
+
+def _stop_and_clear(d: WebDriver, server: Server, wait: WebDriverWait) -> None:
+    """A long answer stopped once it has begun: the server cancels it (its sessions go); then the page is cleared."""
+    max_tokens = d.find_element(By.ID, "max-tokens")
+    max_tokens.clear()
+    max_tokens.send_keys("4000")  # minutes of stub generation
+    d.find_element(By.ID, "prompt").send_keys("a long one" + Keys.ENTER)
+
+    def third_answer_begun(_: WebDriver) -> bool:
+        texts = d.find_elements(By.CSS_SELECTOR, ".assistant .text")
+        return len(texts) == 3 and bool(texts[2].get_attribute("textContent"))
+
+    wait.until(third_answer_begun)
+    d.find_element(By.ID, "stop").click()
+    wait.until(lambda _: "stopped" in d.find_elements(By.CSS_SELECTOR, ".assistant .stats")[-1].text)
+    server.wait_for("the stopped generation's sessions released", lambda: server.sessions() == [{}] * STAGES)
+    d.find_element(By.ID, "clear").click()
+    assert d.find_elements(By.CSS_SELECTOR, ".message") == []
+    assert d.find_element(By.ID, "empty").is_displayed()

@@ -1,6 +1,6 @@
 """The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
-the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``) and ``metrics``
-(``/metrics``), behind the middleware of ``access`` (API keys, CORS).
+the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``), ``page`` (the
+chat page, ``/props``) and ``metrics`` (``/metrics``), behind the middleware of ``access`` (API keys, CORS).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
@@ -30,6 +30,7 @@ from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
 from pp_worker.serve.feed import Feed, Update
 from pp_worker.serve.fields import ApiError, read_body, unavailable
 from pp_worker.serve.metrics import CountRequests, Metrics, metrics_route
+from pp_worker.serve.page import page_routes
 from pp_worker.serve.stages import stage_routes
 
 
@@ -71,7 +72,8 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults,
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
-        *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service)]
+        *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service),
+        *page_routes(service, defaults)]
     # outermost first: every request is counted, 401s and preflights included; CORS headers go on the 401s too
     middleware = [Middleware(CountRequests, metrics=api.metrics, routes=routes),
                   *([cors(cors_origins)] if cors_origins else []),
