@@ -25,6 +25,7 @@ from serving import Server
 
 from pp_worker.driver.chat import chat_format
 from pp_worker.driver.pipeline import run_pipeline
+from pp_worker.serve.cli import parse_args
 from pp_worker.worker.engines.stub import STUB_MAX_CONTEXT
 
 STAGES = 2
@@ -93,6 +94,20 @@ def test_no_key_is_ever_logged(server: Server) -> None:
     server.wait_for("the access log's last line", lambda: "/health?probe=last" in server.stderr)
     leaked = [line for line in server.lines if any(k in line for k in (FLAG_KEY, *ENV_KEYS))]
     assert not leaked, leaked
+
+
+def test_keys_and_origins_from_the_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# the operators' keys\nk1\n\n  k2  \n")
+    monkeypatch.setenv("PP_API_KEY", "k3, k4")
+    args = parse_args(["--stub", "--api-key", "k0,k5", "--api-key-file", str(key_file), "--cors-origin", "*"])
+    assert sorted(args.keys) == ["k0", "k1", "k2", "k3", "k4", "k5"] and args.cors_origin == ["*"]
+    assert "PP_API_KEY" not in os.environ  # the stage workers inherit this environment
+    for refused in (["--api-key", ""], ["--api-key", " , "], ["--api-key-file", str(tmp_path / "none")],
+                    ["--cors-origin", "http://page.test/"], ["--cors-origin", "page.test"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(["--stub", *refused])
+        assert e.value.code == 2, refused
 
 
 def test_cors_answers_the_listed_origin_only(server: Server) -> None:
