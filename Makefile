@@ -10,20 +10,30 @@ install: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@command -v clang >/dev/null 2>&1 || $(MAKE) --no-print-directory clang
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || $(MAKE) --no-print-directory chromium
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
-	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, tokenizers, jinja2, starlette, uvicorn, openai, ray"
+	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, tokenizers, jinja2, starlette, uvicorn, openai, ray, selenium, prometheus_client"
 	touch $(STAMP)
 
 # tinygrad's CPU device compiles its kernels with clang; without it tinygrad finds "no usable devices".
-.PHONY: clang
+.PHONY: clang chromium
 clang:
 	@echo "installing clang (tinygrad's CPU device needs it)"
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq clang >/dev/null; \
 	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq clang >/dev/null; \
 	else echo "error: clang is missing and cannot be installed without root; run: sudo apt-get install -y clang" >&2; exit 1; fi
 	@command -v clang >/dev/null 2>&1 || { echo "error: clang still missing; install it (apt-get install -y clang)" >&2; exit 1; }
+
+# The chat page's test (tests/test_serve_page.py) drives a real headless Chromium through Debian's chromedriver: the
+# same package version as the browser, and nothing downloaded at test time.
+chromium:
+	@echo "installing chromium and chromium-driver (the chat page's browser test)"
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "error: chromium is missing and cannot be installed without root; run: sudo apt-get install -y chromium chromium-driver" >&2; exit 1; fi
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { echo "error: chromium still missing; install it (apt-get install -y chromium chromium-driver)" >&2; exit 1; }
 
 test: install
 	$(BIN)/python -m pytest -q

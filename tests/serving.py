@@ -1,5 +1,6 @@
 """A real ``pp-serve`` for tests: ``python -m pp_worker.serve`` in its own process on 127.0.0.1 (a free port it
-picks itself), its stderr collected by a thread, and the official ``openai`` client pointed at it.
+picks itself), its output (stderr, and stdout where uvicorn writes its access log) collected by a thread, and the
+official ``openai`` client pointed at it; with ``key``, every request carries that API key.
 
 Nothing here may hang a test: every wait has a deadline, and ``stop`` kills what SIGTERM did not stop.
 """
@@ -21,18 +22,21 @@ from typing import Any
 import openai
 import pytest
 from conftest import REPO, clean_env
+from prometheus_client.parser import text_string_to_metric_families
 
 LISTENING = re.compile(r"listening on (http://127\.0\.0\.1:\d+)")
 
 
 class Server:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout: float = 180.0):
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, ready_timeout: float = 180.0,
+                 key: str | None = None):
+        self.key = key
         self.proc = subprocess.Popen([sys.executable, "-m", "pp_worker.serve", "--port", "0", *args], cwd=REPO,
                                      env={**clean_env(), **(env or {})}, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True)
         self.lines: list[str] = []
-        threading.Thread(target=lambda: self.lines.extend(self.proc.stderr), daemon=True).start()  # type: ignore
+        threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True).start()  # type: ignore
         self.url = self._wait_listening(ready_timeout)
 
     def _wait_listening(self, timeout: float) -> str:
@@ -46,19 +50,37 @@ class Server:
 
     @property
     def stderr(self) -> str:
+        """Everything the server wrote (its access log on stdout too)."""
         return "".join(self.lines)
 
     def client(self, **kw: Any) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, **kw)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.key or "none", max_retries=0, **kw)
 
-    def request(self, path: str, body: bytes | None = None) -> tuple[int, Any]:
+    def request(self, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+                method: str | None = None) -> tuple[int, Any]:
         """A plain HTTP request (GET, or POST with a JSON ``body``): (status, parsed JSON body)."""
-        req = urllib.request.Request(self.url + path, data=body, headers={"Content-Type": "application/json"})
+        status, _, raw = self.fetch(path, body, headers, method)
+        return status, json.loads(raw)
+
+    def fetch(self, path: str, body: bytes | None = None, headers: dict[str, str] | None = None,
+              method: str | None = None) -> tuple[int, dict[str, str], bytes]:
+        """A plain HTTP request with the server's key unless ``headers`` say otherwise: (status, headers, body)."""
+        sent = {"Content-Type": "application/json", **({"Authorization": f"Bearer {self.key}"} if self.key else {}),
+                **(headers or {})}
+        req = urllib.request.Request(self.url + path, data=body, headers={k: v for k, v in sent.items() if v},
+                                     method=method)
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
-                return r.status, json.loads(r.read())
+                return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
         except urllib.error.HTTPError as e:
-            return e.code, json.loads(e.read())
+            return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """``/metrics`` as parsed by prometheus_client: (sample name, sorted labels) -> value."""
+        status, headers, raw = self.fetch("/metrics")
+        assert status == 200 and headers["content-type"].startswith("text/plain; version=0.0.4"), (status, headers)
+        return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+                for family in text_string_to_metric_families(raw.decode()) for sample in family.samples}
 
     def get(self, path: str) -> Any:
         status, body = self.request(path)

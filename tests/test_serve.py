@@ -25,7 +25,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from conftest import gone, group_gone, group_members
+from conftest import REPO, gone, group_gone, group_members
 from serving import Server, request_id
 
 from pp_worker.driver.chat import chat_format
@@ -34,10 +34,12 @@ from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
 from pp_worker.serve.cli import _launch, parse_args
+from pp_worker.worker.engines.stub import STUB_MAX_CONTEXT
 
 PY = shlex.quote(sys.executable)
 PROMPTS = [f"prompt {i} " + " ".join(f"w{i * j}" for j in range(i + 1)) for i in range(8)]
 STAGES = 3
+RELAY = REPO / "tests" / "stdin_relay.py"  # a launcher that tells which ops a stage has read
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,96 @@ def test_models_retrieve_names_the_served_model(server: Server) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.models.retrieve("gpt-4o")
     assert e.value.code == "model_not_found" and "gpt-4o" in e.value.message
+
+
+def test_tokenize_and_detokenize_take_llama_server_shapes(server: Server) -> None:
+    """Stage 0's tokens for a text, the last stage's text for tokens: the same the driver's own pipeline uses."""
+    g = run_pipeline([PROMPTS[4]], stages=STAGES, stub=True, max_tokens=6).generations[0]
+    assert server.request("/tokenize", json.dumps({"content": PROMPTS[4]}).encode()) == (200, {"tokens":
+                                                                                               g.prompt_tokens})
+    assert server.request("/detokenize", json.dumps({"tokens": g.tokens}).encode()) == (200, {"content": g.text})
+    status, pieces = server.request("/tokenize", json.dumps({"content": PROMPTS[4], "with_pieces": True}).encode())
+    assert status == 200 and [p["id"] for p in pieces["tokens"]] == g.prompt_tokens
+    whole = server.request("/detokenize", json.dumps({"tokens": g.prompt_tokens}).encode())[1]["content"]
+    assert "".join(p["piece"] for p in pieces["tokens"]) == whole  # the stub's pieces add up to the text
+    assert server.request("/tokenize", b'{"content": ""}') == (200, {"tokens": []})
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/tokenize", b"{}", 422, "content"),
+    ("/tokenize", b'{"content": 5}', 422, "content"),
+    ("/tokenize", b'{"content": "a", "parse_special": false}', 400, "parse_special"),
+    ("/tokenize", b'{"content": "a", "add_special": "yes"}', 422, "add_special"),
+    ("/tokenize", rb'{"content": "\ud800"}', 400, "content"),  # a lone surrogate
+    ("/detokenize", b'{"tokens": "1 2"}', 422, "tokens"),
+    ("/detokenize", b'{"tokens": [1, true]}', 422, "tokens"),
+    ("/detokenize", b'{"tokens": [1, 32]}', 400, "tokens"),  # the stub's vocabulary is 32 ids
+    ("/detokenize", b'{"tokens": [-1]}', 400, "tokens"),
+])
+def test_bad_tokenize_requests_are_refused_before_any_stage(server: Server, path: str, body: bytes, status: int,
+                                                            param: str) -> None:
+    got, reply = server.request(path, body)
+    assert (got, reply["error"]["param"]) == (status, param), reply
+    assert server.get("/health")["status"] == "ok"  # a stage's error reply would have failed the pipeline
+
+
+def test_metrics_count_the_requests_and_tokens_served(server: Server) -> None:
+    before = server.metrics()
+    client = server.client()
+    plain = client.completions.create(model="m", prompt=PROMPTS[1], max_tokens=7)
+    chunks = list(client.completions.create(model="m", prompt=PROMPTS[6], max_tokens=5, stream=True,
+                                            stream_options={"include_usage": True}))
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="m", prompt="a", n=2)
+    assert server.request("/nowhere")[0] == 404
+    server.request("/tokenize", b'{"content": "a b"}')
+    after = server.metrics()
+    usages = [plain.usage, chunks[-1].usage]
+
+    def grew(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    requests = "pp_serve_requests_total"
+    assert grew(requests, endpoint="/v1/completions", method="POST", status="200") == 2
+    assert grew(requests, endpoint="/v1/completions", method="POST", status="400") == 1
+    assert grew(requests, endpoint="other", method="GET", status="404") == 1
+    assert grew(requests, endpoint="/tokenize", method="POST", status="200") == 1
+    assert grew(requests, endpoint="/metrics", method="GET", status="200") == 1  # the first scrape
+    assert grew("pp_serve_prompt_tokens_total") == sum(u.prompt_tokens for u in usages)
+    assert grew("pp_serve_generation_tokens_total") == sum(u.completion_tokens for u in usages) == 12
+    assert grew("pp_serve_time_to_first_token_seconds_count") == 2  # one first token per generation
+    assert grew("pp_serve_inter_token_latency_seconds_count") == 12 - 2  # every later token
+    for h in ("pp_serve_time_to_first_token_seconds", "pp_serve_inter_token_latency_seconds"):
+        assert grew(f"{h}_bucket", le="+Inf") == grew(f"{h}_count") and grew(f"{h}_sum") > 0
+    assert after[("pp_serve_queue_depth", ())] == after[("pp_serve_generations_in_flight", ())] == 0
+    for stage in map(str, range(STAGES)):
+        assert grew("pp_serve_stage_busy_seconds_total", stage=stage) > 0  # every stage worked for these
+        assert after[("pp_serve_stage_kv_sessions", (("stage", stage),))] == 0  # and released their sessions
+        assert after[("pp_serve_stage_restarts_total", (("stage", stage),))] == 0
+
+
+def test_the_chat_page_and_props_are_served(server: Server) -> None:
+    status, headers, html = server.fetch("/")
+    assert status == 200 and headers["content-type"].startswith("text/html")
+    assert headers["content-security-policy"].startswith("default-src 'self'")
+    scripts = re.findall(rb'(?:src|href)="([^"]+)"', html)
+    assert sorted(scripts) == [b"/static/chat.css", b"/static/chat.js", b"data:,"], scripts
+    for name in ("chat.js", "chat.css"):
+        status, _, text = server.fetch(f"/static/{name}")
+        assert status == 200 and b"://" not in text, name  # nothing fetched from anywhere else
+    props = server.get("/props")
+    assert (props["model"], props["n_ctx"], props["total_slots"]) == ("stub", STUB_MAX_CONTEXT,
+                                                                       server.get("/health")["concurrency"])
+    assert props["default_generation_settings"]["params"]["n_predict"] == 64  # pp-serve's --max-tokens default
+
+
+def test_without_cors_origins_no_page_elsewhere_may_call(server: Server) -> None:
+    status, headers, _ = server.fetch("/v1/models", headers={"Origin": "http://elsewhere.test"})
+    assert status == 200 and "access-control-allow-origin" not in headers
+    preflight = {"Origin": "http://elsewhere.test", "Access-Control-Request-Method": "POST"}
+    status, headers, _ = server.fetch("/v1/completions", headers=preflight, method="OPTIONS")
+    assert status == 405 and "access-control-allow-origin" not in headers
 
 
 def _stream_text(server: Server, prompt: str) -> str:
@@ -266,8 +358,19 @@ def _completes(s: Server) -> bool:
         return False
 
 
-def test_a_dead_stage_is_replaced_and_serving_resumes() -> None:
-    s = Server(["--stub", "--stages", "2", "--restart-backoff", "2"], env={"PP_STUB_DELAY_MS": "5"})
+def held_restart(tmp_path: Path) -> tuple[str, Path]:
+    """A launcher whose stages start at once the first time, and the second time (the restart) only once the test
+    creates the gate file it returns: until then the server is restarting, however loaded the machine is."""
+    gate = tmp_path / "gate"
+    mark = f"{tmp_path}/started{{stage}}"
+    return (f"sh -c 'test -e {mark} && until test -e {gate}; do sleep 0.05; done; touch {mark}; "
+            f"exec {PY} -m pp_worker'"), gate
+
+
+def test_a_dead_stage_is_replaced_and_serving_resumes(tmp_path: Path) -> None:
+    launcher, gate = held_restart(tmp_path)
+    s = Server(["--stub", "--stages", "2", "--restart-backoff", "0.5", "--launcher", launcher],
+               env={"PP_STUB_DELAY_MS": "5"})
     try:
         pids = s.stage_pids()
         stream = s.client().completions.create(model="m", prompt="a b c", max_tokens=100000, stream=True)
@@ -275,21 +378,25 @@ def test_a_dead_stage_is_replaced_and_serving_resumes() -> None:
         os.kill(pids[1], signal.SIGKILL)
         with pytest.raises(openai.APIError, match="stage 1 was killed by SIGKILL"):
             list(stream)  # the stream in flight ends with the error
-        # the stages restart in 2 s: meanwhile every request, and /health, gets a 503 that says why
+        # the new stages wait at the gate: meanwhile every request, and /health, gets a 503 that says why
         with pytest.raises(openai.InternalServerError) as e:
             s.client().completions.create(model="m", prompt="a", max_tokens=2)
         assert e.value.status_code == 503 and "restarting" in e.value.message, e.value.body
         assert "stage 1 was killed by SIGKILL" in e.value.message
         status, health = _health(s)
         assert status == 503 and health["status"] == "recovering" and "stage 1 was killed" in health["error"]
+        gate.touch()
         s.wait_for("completions answered again", lambda: _completes(s), timeout=90)
         assert _health(s) == (200, s.get("/health")) and s.get("/health")["status"] == "ok"
         new_pids = s.stage_pids()
         assert not set(new_pids) & set(pids) and all(gone(pid) for pid in pids), (pids, new_pids)
         down = [line for line in s.lines if line.startswith("pipeline down")]
         assert down == ["pipeline down: stage 1 was killed by SIGKILL (exit code -9)\n"], s.stderr
-        assert "restarting the stages in 2 s (attempt 1 of 5)" in s.stderr
+        assert "restarting the stages in 0.5 s (attempt 1 of 5)" in s.stderr
         assert "pipeline restarted (attempt 1 of 5): serving again" in s.stderr
+        metrics = s.metrics()  # /metrics counts the restart and names the stage that failed
+        assert [metrics[("pp_serve_stage_restarts_total", (("stage", st),))] for st in "01"] == [1, 1]
+        assert [metrics[("pp_serve_stage_failures_total", (("stage", st),))] for st in "01"] == [0, 1]
     finally:
         assert s.stop() == 128 + signal.SIGTERM
 
@@ -322,10 +429,12 @@ def test_a_frozen_stage_is_killed_and_replaced() -> None:
         assert s.stop() == 128 + signal.SIGTERM
 
 
-def test_while_the_stages_load_the_port_answers_503_warming() -> None:
+def test_while_the_stages_load_the_port_answers_503_warming(tmp_path: Path) -> None:
     """A supervisor polling /health sees the server on its way (503 warming), never a connection that hangs; then ok.
-    The stages' launcher sleeps 3 s first: loading (and PP_WARMUP's compiles) for a stub."""
-    slow = f"sh -c 'sleep 3; exec {PY} -m pp_worker'"
+    The stages' launcher waits for a gate file (loading, and PP_WARMUP's compiles, for a stub), which this test
+    creates once it has seen the 503s."""
+    gate = tmp_path / "gate"
+    slow = f"sh -c 'until test -e {gate}; do sleep 0.05; done; exec {PY} -m pp_worker'"
     proc = subprocess.Popen([sys.executable, "-m", "pp_worker.serve", "--port", "0", "--stub", "--stages", "2",
                              "--launcher", slow], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -335,6 +444,8 @@ def test_while_the_stages_load_the_port_answers_503_warming() -> None:
         seen = []
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not any(st == 200 and path == "/health" for st, path, _ in seen):
+            if len([st for st, _, _ in seen if st == 503]) >= 2:
+                gate.touch()  # both paths answered while warming: now the stages may start
             for path in ("/v1/models", "/health"):
                 try:
                     with urllib.request.urlopen(url + path, timeout=5) as r:
@@ -376,21 +487,29 @@ def test_a_server_that_cannot_restart_its_stages_exits_1(tmp_path: Path) -> None
 
 
 def test_sigterm_drains_the_requests_in_flight_and_refuses_new_ones() -> None:
-    s = Server(["--stub", "--stages", str(STAGES)], env={"PP_STUB_DELAY_MS": "20"})  # 40 tokens: about 2.5 s
+    s = Server(["--stub", "--stages", str(STAGES)], env={"PP_STUB_DELAY_MS": "5"})
     expected, _, _ = driver_text(PROMPTS[2], 40)
-    chunks = iter(s.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=40, stream=True))
-    first = next(chunks)
-    os.kill(s.proc.pid, signal.SIGTERM)
-    s.wait_for("the drain to begin", lambda: "SIGTERM: draining 1 running" in s.stderr)
-    with pytest.raises(openai.InternalServerError) as e:
-        s.client().completions.create(model="m", prompt="a", max_tokens=2)
-    assert e.value.status_code == 503 and e.value.body["type"] == "service_unavailable", e.value.body
-    assert "shutting down" in e.value.message
-    status, health = s.request("/health")
-    assert status == 503 and health["status"] == "draining" and health["running"] == 1
-    rest = list(chunks)
-    assert first.choices[0].text + "".join(c.choices[0].text for c in rest) == expected
-    assert rest[-1].choices[0].finish_reason == "length"
+    frozen = s.stage_pids()[1]
+    os.kill(frozen, signal.SIGSTOP)  # the request cannot end before the checks below are done, however slow they are
+    chunks: list = []
+    try:
+        reader = threading.Thread(target=lambda: chunks.extend(s.client().completions.create(
+            model="m", prompt=PROMPTS[2], max_tokens=40, stream=True)))
+        reader.start()
+        s.wait_for("the request to be running", lambda: s.get("/health")["running"] == 1)
+        os.kill(s.proc.pid, signal.SIGTERM)
+        s.wait_for("the drain to begin", lambda: "SIGTERM: draining 1 running" in s.stderr)
+        with pytest.raises(openai.InternalServerError) as e:
+            s.client().completions.create(model="m", prompt="a", max_tokens=2)
+        assert e.value.status_code == 503 and e.value.body["type"] == "service_unavailable", e.value.body
+        assert "shutting down" in e.value.message
+        status, health = s.request("/health")
+        assert status == 503 and health["status"] == "draining" and health["running"] == 1
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    reader.join(60)
+    assert "".join(c.choices[0].text for c in chunks) == expected  # the drain let it finish
+    assert chunks[-1].choices[0].finish_reason == "length"
     assert s.stop(timeout=30) == 128 + signal.SIGTERM
     assert "Traceback" not in s.stderr, s.stderr
 
@@ -430,13 +549,15 @@ def test_sigterm_shuts_the_stages_down() -> None:
             os.kill(pid, 0)
 
 
-def test_a_killed_server_leaves_no_worker_running() -> None:
-    s = Server(["--stub", "--stages", "2"], env={"PP_STUB_DELAY_MS": "60000"})  # one forward op: a minute
+def test_a_killed_server_leaves_no_worker_running(tmp_path: Path) -> None:
+    relay = f"{PY} {shlex.quote(str(RELAY))} {tmp_path}/ops{{stage}} -- {PY} -m pp_worker"  # logs the ops read
+    s = Server(["--stub", "--stages", "2", "--launcher", relay], env={"PP_STUB_DELAY_MS": "60000"})  # an op: 1 min
     pids = s.stage_pids()
     conn = http.client.HTTPConnection(s.url.removeprefix("http://"), timeout=60)
     conn.request("POST", "/v1/completions", json.dumps({"model": "m", "prompt": "a b", "max_tokens": 4}),
                  {"Content-Type": "application/json"})
-    time.sleep(0.5)  # stage 0 is in the middle of the prefill
+    ops = tmp_path / "ops0"
+    s.wait_for("stage 0 to be in the prefill", lambda: "embed_and_forward" in ops.read_text().split())
     s.proc.kill()
     s.proc.wait(5)
     conn.close()

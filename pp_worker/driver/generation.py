@@ -64,6 +64,7 @@ class Generation:
     sampling: Sampling = field(default_factory=Sampling)
     cached: list[int] = field(default_factory=list)  # tokens the session already holds (a chat's earlier turns)
     on_text: TextSink | None = None  # set: stream the text (partial detokenize of the new ids, off the critical path)
+    on_token: Callable[[Generation], None] | None = None  # after each token is appended (its time is ``t_end``)
     keep_session: bool = False  # a chat's turn: its KV session stays on the stages for the next turn
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
@@ -115,6 +116,8 @@ class Generation:
             self.tokens.append(token)
             self.t_first = self.t_first or time.monotonic()
             self.t_end = time.monotonic()
+            if self.on_token:
+                self.on_token(self)
             position += seq_len  # where the next step would write: checked before it is sent, never refused
             full = max_context is not None and position + 1 > max_context
             if token in eos or len(self.tokens) >= self.max_tokens or full or self.stop_requested:

@@ -19,7 +19,7 @@ from collections import deque
 from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
@@ -263,9 +263,11 @@ class Pipeline:
         """One round of the select loop: at most about a second, less when a stage or the wake-up pipe stirs."""
         self._pump(time.monotonic() + self.step_timeout)
 
-    def ask(self, stage: int, op: str, request_id: int, on_reply: Callable[[Reply], None]) -> None:
-        """Send a control op (``status``, ``ping``) to one stage; ``on_reply`` gets its reply from ``pump``."""
-        self._send(request_id, Call(stage, op, {}), on_reply)
+    def ask(self, stage: int, op: str, request_id: int, on_reply: Callable[[Reply], None],
+            fields: dict[str, Any] | None = None) -> None:
+        """Send one op outside any generation (``status``, ``ping``, ``tokenize``, ``detokenize``) to one stage;
+        ``on_reply`` gets its reply from ``pump``."""
+        self._send(request_id, Call(stage, op, fields or {}), on_reply)
 
     def _advance(self, rid: int, reply: Reply | None) -> None:
         """Give a generation its reply and send what it asks for next (its release when it is done, unless its

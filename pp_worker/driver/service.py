@@ -13,7 +13,9 @@ frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most 
 ``recovering`` says why and ``submit`` refuses new generations. Once the attempts are spent the service is down for
 good: ``failure`` says why, ``on_down`` is called, and every call refuses.
 
-``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left.
+``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left. ``ask``
+sends one op outside any generation (``status``, ``tokenize``, ``detokenize``) to one stage. What ``/metrics`` reports
+of the stages outlives a restart: ``restarted``, ``failures`` (by stage) and ``stage_busy_s``.
 """
 
 from __future__ import annotations
@@ -25,14 +27,14 @@ import signal
 import sys
 import threading
 import traceback
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import TextIO
+from typing import Any, TextIO
 
 from pp_worker.driver.generation import Call, Generation, Reply
 from pp_worker.driver.pipeline import Cancel, Interrupted, Pipeline, PipelineError
-from pp_worker.driver.stage_proc import Launch
+from pp_worker.driver.stage_proc import Launch, Stage
 
 MAX_BACKOFF_S = 30.0  # the longest wait before a restart attempt
 
@@ -116,7 +118,13 @@ class PipelineService:
         self._inbox: deque[Callable[[], None]] = deque()  # work for the pipeline thread, in order
         self._waiting: deque[ServedGeneration] = deque()
         self._running: dict[int, ServedGeneration] = {}
+        self._asks: dict[int, Callable[[Reply | None], None]] = {}  # ops sent by ``ask``, by request id
         self._closing = False
+        self.restarted = 0  # times a new set of stages took over
+        self.failures: Counter[int] = Counter()  # by stage: the failures that brought the pipeline down
+        # the busy seconds of the stages replaced so far, and the stages running now (none while restarting): one
+        # attribute, so that a restart replaces both at once for a reader in another thread
+        self._busy: tuple[list[float], list[Stage]] = ([0.0] * len(self.pipeline.stages), self.pipeline.stages)
         self._thread = threading.Thread(target=self._loop, name="pipeline", daemon=True)
         self._thread.start()
 
@@ -139,9 +147,15 @@ class PipelineService:
         except Unavailable:  # everything has ended already
             pass
 
-    def stage_status(self, on_reply: Callable[[list[Reply]], None]) -> None:
-        """Every stage's ``status`` reply (its KV sessions, pid, ...), in stage order, to ``on_reply``."""
-        self._post(lambda: self._ask_status(on_reply), new=True)
+    def ask(self, stage: int, op: str, fields: dict[str, Any], on_reply: Callable[[Reply | None], None]) -> None:
+        """Send one op to one stage (-1: the last); ``on_reply`` gets its reply from the pipeline thread, or None if
+        the pipeline fails or closes first. The op must be valid: a stage's error reply fails the pipeline."""
+        self._post(lambda: self._ask(stage, op, fields, on_reply), new=True)
+
+    def stage_busy_s(self) -> list[float]:
+        """Seconds each stage has had a request outstanding since the server started, across restarts."""
+        done, live = self._busy
+        return [d + st.busy_now() for d, st in zip(done, live, strict=True)] if live else list(done)
 
     @property
     def load(self) -> tuple[int, int]:
@@ -205,7 +219,7 @@ class PipelineService:
             while self._take_work():
                 self.pipeline.pump()
         except PipelineError as e:
-            return self._recover(str(e))
+            return self._recover(str(e), getattr(e, "stage", None))
         except Exception as e:  # a bug: the same treatment, with its traceback
             self._say(traceback.format_exc())
             return self._recover(f"internal error: {type(e).__name__}: {e}")
@@ -234,19 +248,16 @@ class PipelineService:
             self._waiting.remove(g)
             g.end("cancelled before it started", unavailable=True)
 
-    def _ask_status(self, on_reply: Callable[[list[Reply]], None]) -> None:
-        replies: dict[int, Reply] = {}
-        n = len(self.pipeline.stages)
+    def _ask(self, stage: int, op: str, fields: dict[str, Any], on_reply: Callable[[Reply | None], None]) -> None:
+        rid = self.new_request_id()
+        self._asks[rid] = on_reply
+        self.pipeline.ask(stage % len(self.pipeline.stages), op, rid, lambda reply: self._answer(rid, reply), fields)
 
-        def collect(stage: int, reply: Reply) -> None:
-            replies[stage] = reply
-            if len(replies) == n:
-                on_reply([replies[s] for s in range(n)])
+    def _answer(self, rid: int, reply: Reply) -> None:
+        if on_reply := self._asks.pop(rid, None):  # None: already answered with None (``expire``)
+            on_reply(reply)
 
-        for s in range(n):
-            self.pipeline.ask(s, "status", self.new_request_id(), lambda r, s=s: collect(s, r))
-
-    def _recover(self, error: str) -> bool:
+    def _recover(self, error: str, stage: int | None = None) -> bool:
         """The pipeline failed: end every generation with its error, stop its stages (a frozen one gets SIGTERM,
         then SIGKILL) and start new ones. True once a new pipeline runs; False when closing or given up."""
         if not self._closed.is_set():  # else the close interrupted it: not a failure
@@ -254,6 +265,9 @@ class PipelineService:
             self._say(f"pipeline down: {first}" + (f"\n{rest}" if rest else ""))
             with self._lock:
                 self.recovering = first
+            if stage is not None:
+                self.failures[stage] += 1
+            self._busy = (self.stage_busy_s(), [])  # a dead stage's unanswered request is not busy time
             self._end_all(f"the pipeline failed: {first}", closing=False)
             self.pipeline.close(failed=True)
             if self._restart():
@@ -282,6 +296,8 @@ class PipelineService:
                 continue
             with self._lock:
                 self.recovering = ""
+            self.restarted += 1
+            self._busy = (self._busy[0], self.pipeline.stages)
             self._say(f"pipeline restarted (attempt {attempt} of {self.restarts}): serving again")
             return True
         return False
@@ -307,6 +323,9 @@ class PipelineService:
             g.end(error, unavailable=True)
         self._waiting.clear()
         self._running.clear()
+        asks, self._asks = self._asks, {}
+        for on_reply in asks.values():  # their replies went with the pipeline
+            on_reply(None)
 
     def _say(self, text: str) -> None:
         if self.log:

@@ -184,6 +184,11 @@ class Stage:
         self._inbuf = bytearray(rest)
         return lines
 
+    def busy_now(self) -> float:
+        """Seconds with at least one request outstanding, the current stretch included (``busy_s`` counts a stretch
+        once it ends)."""
+        return self.busy_s + (time.monotonic() - self._busy_since if self.outstanding else 0.0)
+
     def replied(self) -> None:
         self.last_progress = time.monotonic()
         self.outstanding -= 1

@@ -1,5 +1,6 @@
 """The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
-the model, ``/health``, and ``/stages`` (every stage worker's ``status`` reply).
+the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``), ``page`` (the
+chat page, ``/props``) and ``metrics`` (``/metrics``), behind the middleware of ``access`` (API keys, CORS).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
@@ -17,16 +18,20 @@ from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Route
 
 from pp_worker.driver.chat import Format
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
-from pp_worker.serve.api import ApiError, Ask, Defaults, chat_ask, completion_ask, parse_body, unavailable
+from pp_worker.serve.access import RequireKey, cors
+from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
 from pp_worker.serve.feed import Feed, Update
-
-MAX_BODY_BYTES = 1 << 22  # far above any prompt we accept (api.MAX_PROMPT_CHARS)
+from pp_worker.serve.fields import ApiError, read_body, unavailable
+from pp_worker.serve.metrics import CountRequests, Metrics, metrics_route
+from pp_worker.serve.page import page_routes
+from pp_worker.serve.stages import stage_routes
 
 
 @dataclass(frozen=True)
@@ -35,16 +40,20 @@ class Api:
     chat_format: Format
     defaults: Defaults
     created: int  # when the server started: the model's "created"
+    metrics: Metrics
 
 
-def build_app(service: PipelineService, chat_format: Format, defaults: Defaults) -> Starlette:
-    api = Api(service, chat_format, defaults, int(time.time()))
+def build_app(service: PipelineService, chat_format: Format, defaults: Defaults, *, keys: list[str] | None = None,
+              cors_origins: list[str] | None = None) -> Starlette:
+    """The app; ``keys``: the API keys a request needs one of (none: open), ``cors_origins``: the origins whose
+    pages may call it (``*``: any; none: no CORS headers, no preflight)."""
+    api = Api(service, chat_format, defaults, int(time.time()), Metrics())
 
     async def completions(request: Request) -> Response:
-        return await _generate(api, request, completion_ask(await _body(request), api.defaults))
+        return await _generate(api, request, completion_ask(await read_body(request), api.defaults))
 
     async def chat_completions(request: Request) -> Response:
-        return await _generate(api, request, chat_ask(await _body(request), api.defaults, api.chat_format))
+        return await _generate(api, request, chat_ask(await read_body(request), api.defaults, api.chat_format))
 
     async def models(request: Request) -> Response:
         return JSONResponse({"object": "list", "data": [_model(api)]})
@@ -59,24 +68,33 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults)
     async def health(request: Request) -> Response:
         return _health(api.service)
 
-    async def stages(request: Request) -> Response:
-        return JSONResponse({"stages": await _stage_status(api.service)})
-
-    routes = [Route("/v1/completions", completions, methods=["POST"]),
-              Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-              Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
-              Route("/stages", stages)]
+    routes: list[BaseRoute] = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
+        *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service),
+        *page_routes(service, defaults)]
+    # outermost first: every request is counted, 401s and preflights included; CORS headers go on the 401s too
+    middleware = [Middleware(CountRequests, metrics=api.metrics, routes=routes),
+                  *([cors(cors_origins)] if cors_origins else []),
+                  *([Middleware(RequireKey, keys=keys)] if keys else [])]
     handlers: dict[Any, Any] = {ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error}
-    return Starlette(routes=routes, exception_handlers=handlers)
+    return Starlette(routes=routes, middleware=middleware, exception_handlers=handlers)
 
 
 # --- generating -----------------------------------------------------------------------------------------------
 async def _generate(api: Api, request: Request, ask: Ask) -> Response:
-    service, feed = api.service, Feed(asyncio.get_running_loop(), ask.stop)
+    service, feed, timing = api.service, Feed(asyncio.get_running_loop(), ask.stop), api.metrics.timing()
     rid = service.new_request_id()
     # per-token text only where it is needed: to stream it, or to find a stop string while generating
     on_text = feed.on_text if ask.stream or ask.stop else None
-    g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=feed.on_end)
+
+    def on_end(g: ServedGeneration) -> None:
+        timing.on_end(g)  # counted before the client can have its answer (and scrape /metrics)
+        feed.on_end(g)
+
+    g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=on_end,
+                         on_token=timing.on_token)
     try:
         service.submit(g)
     except Unavailable as e:
@@ -195,30 +213,6 @@ def _health(service: PipelineService) -> Response:
     return JSONResponse({"status": status, "model": service.model, "stages": len(service.pipeline.stages),
                          "running": running, "waiting": waiting, "concurrency": service.concurrency},
                         200 if status == "ok" else 503)
-
-
-async def _stage_status(service: PipelineService) -> list[dict[str, Any]]:
-    loop = asyncio.get_running_loop()
-    answer: asyncio.Future[list[dict[str, Any]]] = loop.create_future()
-
-    def settle(replies: list[dict[str, Any]]) -> None:
-        if not answer.done():
-            answer.set_result(replies)
-
-    try:
-        service.stage_status(lambda replies: loop.call_soon_threadsafe(settle, replies))
-        return await asyncio.wait_for(answer, service.pipeline.step_timeout)
-    except (Unavailable, TimeoutError) as e:  # a timeout: the pipeline went down meanwhile
-        raise unavailable(service.failure or str(e) or "the stages did not answer") from None
-
-
-async def _body(request: Request) -> dict[str, Any]:
-    raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
-    return parse_body(bytes(raw))
 
 
 async def _api_error(request: Request, exc: Exception) -> Response:

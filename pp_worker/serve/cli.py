@@ -10,7 +10,9 @@ While the stages load and compile every forward (PP_WARMUP=1 unless set otherwis
 The sampling flags and ``--max-tokens`` are the defaults for requests that leave those fields out (with neither:
 argmax, 64 tokens).
 A stage that dies or freezes is replaced (``--restarts``); a signal drains the requests in flight first
-(``--drain-timeout``, serve.drain). Exit status: 0 after a clean stop; 1 when the stages cannot start, or cannot be
+(``--drain-timeout``, serve.drain). ``--api-key`` (or ``PP_API_KEY``, ``--api-key-file``) makes every request but
+``/health`` and the chat page's files need the key; ``--cors-origin`` lets pages from those origins call it
+(serve.access). Exit status: 0 after a clean stop; 1 when the stages cannot start, or cannot be
 restarted; 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after a signal, once the stages are shut down; 2 for a
 --logit-bias token the vocabulary lacks.
 """
@@ -38,12 +40,14 @@ from pp_worker.driver.flags import (
 from pp_worker.driver.pipeline import PipelineError
 from pp_worker.driver.service import PipelineService
 from pp_worker.driver.stage_proc import Launch
+from pp_worker.serve.access import check_origin, parse_keys, read_key_file
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
 from pp_worker.serve.drain import DrainingServer
 from pp_worker.serve.warming import warming
 
 DEFAULT_CONCURRENCY = 8  # the workers' default PP_MAX_SESSIONS: every generation in flight holds one session
+KEY_VARIABLE = "PP_API_KEY"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,6 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     "the server gives up and exits 1 (default 5; 0: exit on the first failure)")
     ap.add_argument("--restart-backoff", type=float, default=1.0, metavar="S",
                     help="seconds before the first restart attempt, doubled for each next one up to 30 (default 1)")
+    ap.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                    help=f"require 'Authorization: Bearer KEY' on every request but /health and the chat page's "
+                    f"files (repeatable, or comma-separated; also {KEY_VARIABLE}, which keeps keys out of ps)")
+    ap.add_argument("--api-key-file", metavar="FILE", help="API keys, one per line (as --api-key)")
+    ap.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                    help="let pages from ORIGIN (scheme://host[:port], or * for any) call the API from a browser: "
+                    "CORS headers and OPTIONS preflight (repeatable; default: none)")
     add_pipeline_flags(ap, concurrency=DEFAULT_CONCURRENCY,
                        max_tokens_help="max_tokens of a request that does not say (default 64)")
     args = ap.parse_args(argv)
@@ -69,7 +80,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--port must be in [0, 65535]")
     if min(args.drain_timeout, args.restarts, args.restart_backoff) < 0:
         ap.error("--drain-timeout, --restarts and --restart-backoff must be >= 0")
+    if problem := next(filter(None, map(check_origin, args.cors_origin)), None):
+        ap.error(problem)
+    args.keys = _keys(ap, args)
     return args
+
+
+def _keys(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    """Every key from the flags, the file and the variable. The variable is removed from this process's
+    environment, which the stage workers inherit: they have no use for it."""
+    keys = parse_keys([*args.api_key, os.environ.pop(KEY_VARIABLE, "")])
+    if args.api_key_file:
+        try:
+            keys += read_key_file(args.api_key_file)
+        except OSError as e:
+            ap.error(f"--api-key-file: {e}")
+    if (args.api_key or args.api_key_file) and not keys:
+        ap.error("--api-key / --api-key-file: no key given (a blank key would let anyone in)")
+    return keys
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -122,9 +150,11 @@ def main(argv: list[str] | None = None) -> int:
         if problem := logit_bias_problem(sampling, vocab_size):
             print(f"pp-serve: {problem}", file=sys.stderr, flush=True)
             return 2
-        app = build_app(service, fmt, Defaults(args.max_tokens, sampling, vocab_size))
+        app = build_app(service, fmt, Defaults(args.max_tokens, sampling, vocab_size), keys=args.keys,
+                        cors_origins=args.cors_origin)
+        access = f"; API key required ({len(args.keys)} accepted)" if args.keys else ""
         print(f"pp-serve: listening on http://{host}:{port} (model {service.model}, {args.stages} stages, up to "
-              f"{service.concurrency} generations at once)", file=sys.stderr, flush=True)
+              f"{service.concurrency} generations at once{access})", file=sys.stderr, flush=True)
         config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, lifespan="off")
         server = DrainingServer(config, service, args.drain_timeout)
         service.on_down = lambda: server.stop(1)  # a supervisor can then start a fresh server

@@ -1,0 +1,51 @@
+"""The chat page at ``GET /`` (as llama-server's): one HTML file with its script and style under ``/static/``, all
+shipped in the package (``static/``), nothing fetched from anywhere else; and ``GET /props``, what the page reads of
+the server (llama-server's endpoint of that name, a subset of its fields).
+
+The page's own Content-Security-Policy allows nothing but this server, so a change that pulled in an outside
+resource would fail in the browser test rather than pass unnoticed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from starlette.requests import Request
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from pp_worker.driver.service import PipelineService
+from pp_worker.serve.api import Defaults
+
+STATIC = Path(__file__).resolve().parent / "static"
+PAGE_HEADERS = {
+    "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; "
+                               "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",  # a new server version's page, not a stale one
+}
+
+
+def page_routes(service: PipelineService, defaults: Defaults) -> list[BaseRoute]:
+    async def index(request: Request) -> Response:
+        return FileResponse(STATIC / "index.html", headers=PAGE_HEADERS)
+
+    async def props(request: Request) -> Response:
+        return JSONResponse(server_props(service, defaults))
+
+    return [Route("/", index), Route("/props", props), Mount("/static", StaticFiles(directory=STATIC), name="static")]
+
+
+def server_props(service: PipelineService, defaults: Defaults) -> dict[str, object]:
+    """llama-server's ``/props`` shape where it applies: ``n_ctx`` (positions a KV session holds, the context),
+    ``total_slots`` (generations at once), the defaults a request leaves out (``params``; null: greedy), plus
+    ``model`` (the served model's id, as ``/v1/models`` names it)."""
+    sampling = defaults.sampling
+    params = {"n_predict": defaults.max_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
+              "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed}
+    pipeline = service.pipeline
+    return {"model": service.model, "n_ctx": pipeline.max_context,
+            "total_slots": service.concurrency, "stages": len(pipeline.stages), "chat_template": pipeline.chat_template,
+            "default_generation_settings": {"n_ctx": pipeline.max_context, "params": params}}
