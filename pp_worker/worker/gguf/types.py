@@ -35,7 +35,7 @@ class GGMLType:
 AVX512 = ("avx512",)
 TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(0, "F32", 1, 4),
-    GGMLType(1, "F16", 1, 2, "f16", ("avx2",)),
+    GGMLType(1, "F16", 1, 2, "f16"),
     GGMLType(2, "Q4_0", 32, 18, "q4_0", ("avx512", "avx2")),
     GGMLType(3, "Q4_1", 32, 20, "q4_1", ("avx512", "avx2")),
     GGMLType(6, "Q5_0", 32, 22, "q5_0", ("avx512", "avx2")),
