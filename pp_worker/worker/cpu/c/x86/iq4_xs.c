@@ -60,6 +60,7 @@ static inline float row_dot_avx2(const unsigned char* restrict row, const float*
   const u32x8 at_l = {0, 4, 8, 12, 16, 20, 24, 28}, at_h = {0, 2, 4, 6, 8, 10, 12, 14};
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + BLOCK_BYTES * j;
+    PREFETCH(b, BLOCK_BYTES);
     unsigned int sl, sh = b[2] | b[3] << 8; __builtin_memcpy(&sl, b + 4, 4);
     u32x8 ls = (((u32x8)sl >> at_l) & 15) | (((u32x8)sh >> at_h) & 3) << 4;
     f8v sc = (__builtin_convertvector((i32x8)ls, f8v) - 32.0f) * half_at(b);  /* the 8 sub-blocks' */

@@ -29,6 +29,7 @@ static inline float row_dot_avx2(const unsigned char* restrict row, const float*
   f8v acc0 = 0, acc1 = 0, mins = 0;
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + BLOCK_BYTES * j;
+    PREFETCH(b, BLOCK_BYTES);
     f16v sm = scale_min(b);
     float d[8]; __builtin_memcpy(d, &sm, 32); SPILL(d);
     mins += __builtin_shufflevector(sm, sm, 8, 9, 10, 11, 12, 13, 14, 15) * f8_at(xs + 8 * j);

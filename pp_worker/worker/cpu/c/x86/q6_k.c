@@ -57,6 +57,7 @@ static inline float row_dot_avx2(const unsigned char* restrict row, const float*
   f8v acc = 0, offs = 0;
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + BLOCK_BYTES * j;
+    PREFETCH(b, BLOCK_BYTES);
     i8x16 sc; __builtin_memcpy(&sc, b + 192, 16);
     f16v sf = __builtin_convertvector(sc, f16v) * half_at(b + 208);
     offs += __builtin_shufflevector(sf, sf, 0, 1, 2, 3, 4, 5, 6, 7) * f8_at(xs + 16 * j)

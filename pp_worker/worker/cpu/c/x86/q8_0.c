@@ -21,6 +21,7 @@ static inline float row_dot_avx2(const unsigned char* restrict row, const float*
   int j = 0;
   for (; j + 1 < nb; j += 2) {
     const unsigned char* b = row + BLOCK_BYTES * j;
+    PREFETCH(b, 2 * BLOCK_BYTES);
     acc0 += h8_splat(b) * q8_dot(b, xp + 32 * j);
     acc1 += h8_splat(b + BLOCK_BYTES) * q8_dot(b + BLOCK_BYTES, xp + 32 * j + 32);
   }
