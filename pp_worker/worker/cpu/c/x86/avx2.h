@@ -22,7 +22,7 @@ static inline float hsum8(f8v v) {
   return b[0] + b[1]; }
 /* The weights PF_AHEAD bytes ahead of a block asked for, a line at a time (prefetcht0). Where a matrix comes from
    memory, the one-row products of Q8_0, Q6_K, Q4_K and IQ4_XS wait on its lines though they need less than a thread
-   streams: 1.04-1.35x with it (one thread, or two side by side), 0.97-0.98x cache-hot (bench/NOTES.md). Q4_0-Q5_1
+   streams: 1.04-1.35x with it (one thread, or two side by side), 0.96-0.99x cache-hot (bench/NOTES.md). Q4_0-Q5_1
    and Q5_K, bound by their instructions, gained too little to pay for it there. */
 #ifndef PF_AHEAD
 #define PF_AHEAD 8192
