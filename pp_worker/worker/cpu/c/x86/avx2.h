@@ -7,14 +7,13 @@
    load, where clang would shuffle it out of a register with two instructions. */
 typedef int i32x8 __attribute__((ext_vector_type(8)));
 typedef unsigned int u32x2 __attribute__((ext_vector_type(2)));
+typedef unsigned short u16x8 __attribute__((ext_vector_type(8)));
 static inline f8v f8_at(const float* p) { f8v v; __builtin_memcpy(&v, p, 32); return v; }
 static inline f4v f4_at(const float* p) { f4v v; __builtin_memcpy(&v, p, 16); return v; }
 static inline u32x8 u32x8_at(const unsigned char* p) { u32x8 v; __builtin_memcpy(&v, p, 32); return v; }
-typedef unsigned short u16x8 __attribute__((ext_vector_type(8)));
-static inline f8v h8_at(const unsigned char* p) {  /* 8 halves at p as floats */
-  h16x8 h; __builtin_memcpy(&h, p, 16); return __builtin_convertvector(h, f8v); }
 static inline f8v h8_splat(const unsigned char* p) {  /* the half at p in 8 lanes: vpbroadcastw, vcvtph2ps */
-  unsigned short h; __builtin_memcpy(&h, p, 2); return __builtin_convertvector(__builtin_bit_cast(h16x8, (u16x8)h), f8v); }
+  unsigned short h; __builtin_memcpy(&h, p, 2);
+  return __builtin_convertvector(__builtin_bit_cast(h16x8, (u16x8)h), f8v); }
 static inline f8v fi32(u32x8 v) { return __builtin_convertvector((i32x8)v, f8v); }  /* vcvtdq2ps */
 static inline float hsum8(f8v v) {
   f4v b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);

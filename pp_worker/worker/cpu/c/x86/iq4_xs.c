@@ -40,7 +40,8 @@ static const u8x32 KV4_U8 = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166
                              1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
 static inline const float* prep_x_avx2(const float* restrict x, float* restrict xp, float* restrict xs, int nb) {
   for (int s = 0; s < 8 * nb; s++) xs[s] = hsum(f_at(x + 32 * s) + f_at(x + 32 * s + 16));
-  /* 64 values of a pair of sub-blocks: low nibbles then high, lane l byte k is value 16 (l / 4) ... of the pair */
+  /* a pair of sub-blocks: low nibbles, then high; lane l byte k is value 4 (l % 4) + k (+ 16 for the high ones) of
+     sub-block l / 4 */
   for (int c = 0; c < 4 * nb; c++)
     for (int h = 0; h < 2; h++)
       for (int k = 0; k < 4; k++)
