@@ -101,6 +101,18 @@ def products_and_rows(ggml_type: int, b: int, n: int = 37, k: int = 512) -> tupl
     return got, x.astype(np.float64) @ w.T, rows
 
 
+# the builds this CPU runs: its own (AVX-512 or AVX2 on x86), and where it has AVX-512, the build of a CPU without it
+# (AVX2's code, run here)
+ARCH_BUILDS = ["native", pytest.param("without_avx512", marks=pytest.mark.skipif(
+    not AVX512, reason="this CPU has no AVX-512: the native build is the build without it"))]
+
+
+@pytest.fixture
+def native():
+    """The kernels tinygrad builds for this CPU (nothing changed)."""
+    yield
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
 @pytest.mark.parametrize("build", ["generic", pytest.param("without_avx512", marks=pytest.mark.skipif(
     not AVX512, reason="this CPU has no AVX-512: the native build is the build without it"))])
@@ -112,31 +124,38 @@ def test_every_build_is_right(ggml_type, build, request):
 
 
 @pytest.mark.parametrize("ggml_type", SIMD, ids=type_name)
-def test_the_native_build_decodes_the_generic_floats(ggml_type, request):
-    """A type's SIMD decoder (this CPU's: AVX-512 or AVX2 on x86) against the generic C: the same floats, so the same
-    sums, bit for bit (one row of x too, unless the type has a one-row product: that one sums in another order, and
-    is checked against float64 below)."""
+@pytest.mark.parametrize("build", ARCH_BUILDS)
+def test_every_arch_build_decodes_the_generic_floats(ggml_type, build, request):
+    """A type's SIMD decoder (AVX-512 or AVX2 on x86) against the generic C: the same floats, so the same sums, bit
+    for bit (one row of x too, unless the type has a one-row product: that one sums in another order, and is checked
+    against float64 below)."""
+    request.getfixturevalue(build)
     sizes = (5,) if ggml_type in ROW_DOTS else (1, 5)
-    native = [products_and_rows(ggml_type, b) for b in sizes]
+    arch = [products_and_rows(ggml_type, b) for b in sizes]
     request.getfixturevalue("generic")
     portable = [products_and_rows(ggml_type, b) for b in sizes]
-    for (got, _, rows), (ref, _, ref_rows) in zip(native, portable, strict=True):
+    for (got, _, rows), (ref, _, ref_rows) in zip(arch, portable, strict=True):
         assert np.array_equal(got, ref) and np.array_equal(rows, ref_rows)
 
 
 @pytest.mark.parametrize("ggml_type", ROW_DOTS, ids=type_name)
 @pytest.mark.parametrize("n, k", [(37, 1536), (9, 256)])
-def test_a_types_one_row_product_is_the_dequantized_product(ggml_type, n, k):
-    """The one-row products that rearrange the sum (compiled natively, AVX-512 where this CPU has it): several
-    blocks a row, rows split unevenly over the threads, within float32 rounding of float64 on gguf's values."""
+@pytest.mark.parametrize("build", ARCH_BUILDS)
+def test_a_types_one_row_product_is_the_dequantized_product(ggml_type, n, k, build, request):
+    """The one-row products that rearrange the sum (AVX-512 or AVX2 on x86): several blocks a row, rows split
+    unevenly over the threads, within float32 rounding of float64 on gguf's values."""
+    request.getfixturevalue(build)
     check_one_row(ggml_type, n, k)
 
 
+@pytest.mark.parametrize("ggml_type", [t for t in ROW_DOTS if TABLE[t].kernel_block == 32], ids=type_name)
 @pytest.mark.parametrize("k", [96, 800])
-def test_q8_0_one_row_product_over_partial_runs_of_blocks(k):
-    """Q8_0's one-row product takes a row's blocks 16 at a time, then two at a time: 3 blocks (a pair and one),
-    25 (16, then 9: four pairs and one)."""
-    check_one_row(8, 11, k)
+@pytest.mark.parametrize("build", ARCH_BUILDS)
+def test_one_row_products_over_odd_runs_of_blocks(ggml_type, k, build, request):
+    """The one-row products of the 32-value types take a row's blocks in runs (Q8_0's generic one 16 at a time, then
+    two at a time; AVX2's two a vector): 3 blocks (a pair and one), 25 (16, then 9: four pairs and one)."""
+    request.getfixturevalue(build)
+    check_one_row(ggml_type, 11, k)
 
 
 def check_one_row(ggml_type: int, n: int, k: int) -> None:

@@ -29,4 +29,48 @@ static inline float row_dot_avx512(const unsigned char* restrict row, const floa
 }
 #define ROW_DOT row_dot_avx512
 #define PREP_X prep_x_avx512
+#elif defined(__AVX2__)
+#include "avx2.h"
+/* One row of x with AVX2: 32 bytes of qs (sub-blocks 2c and 2c + 1, one per 16-byte half) split into nibbles, each
+   looked up as a byte, the level + 128 (vpshufb; 1-241, so the byte lanes' masks need no sign), and summed as byte
+   lanes (avx2.h): lanes 0-3 of sub-block 2c, 4-7 of 2c + 1, scaled by a vector of their two scales; the 128 taken
+   off once per block, by x's sums per sub-block. */
+typedef char v32qi __attribute__((vector_size(32)));
+static const u8x32 KV4_U8 = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241,
+                             1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static inline const float* prep_x_avx2(const float* restrict x, float* restrict xp, float* restrict xs, int nb) {
+  for (int s = 0; s < 8 * nb; s++) xs[s] = hsum(f_at(x + 32 * s) + f_at(x + 32 * s + 16));
+  /* a pair of sub-blocks: low nibbles, then high; lane l byte k is value 4 (l % 4) + k (+ 16 for the high ones) of
+     sub-block l / 4 */
+  for (int c = 0; c < 4 * nb; c++)
+    for (int h = 0; h < 2; h++)
+      for (int k = 0; k < 4; k++)
+        for (int l = 0; l < 8; l++)
+          xp[64 * c + 32 * h + 8 * k + l] = x[64 * c + 32 * (l / 4) + 16 * h + 4 * (l % 4) + k] * BYTE_AT[k];
+  return xp;
+}
+static inline u32x8 levels(u32x8 nibbles) {
+  return (u32x8)__builtin_ia32_pshufb256((v32qi)KV4_U8, (v32qi)nibbles); }
+#define IQ4_PAIR(c) { \
+  u32x8 q = u32x8_at(b + 8 + 32 * c); \
+  acc += (bytes_dot(levels(q & 0x0F0F0F0F), p + 64 * c) + bytes_dot(levels((q >> 4) & 0x0F0F0F0F), p + 64 * c + 32)) \
+         * PAIR(sc, 2 * c); }
+static inline float row_dot_avx2(const unsigned char* restrict row, const float* restrict xp,
+                                 const float* restrict xs, int nb) {
+  f8v acc = 0, offs = 0;
+  const u32x8 at_l = {0, 4, 8, 12, 16, 20, 24, 28}, at_h = {0, 2, 4, 6, 8, 10, 12, 14};
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + BLOCK_BYTES * j;
+    PREFETCH(b, BLOCK_BYTES);
+    unsigned int sl, sh = b[2] | b[3] << 8; __builtin_memcpy(&sl, b + 4, 4);
+    u32x8 ls = (((u32x8)sl >> at_l) & 15) | (((u32x8)sh >> at_h) & 3) << 4;
+    f8v sc = (__builtin_convertvector((i32x8)ls, f8v) - 32.0f) * half_at(b);  /* the 8 sub-blocks' */
+    offs += sc * f8_at(xs + 8 * j);
+    const float* p = xp + 256 * j;
+    IQ4_PAIR(0) IQ4_PAIR(1) IQ4_PAIR(2) IQ4_PAIR(3)
+  }
+  return hsum8(acc - 128.0f * offs);
+}
+#define ROW_DOT row_dot_avx2
+#define PREP_X prep_x_avx2
 #endif

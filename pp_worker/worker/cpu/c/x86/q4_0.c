@@ -6,3 +6,11 @@ static inline void decode32_avx512(const unsigned char* b, int g, f16v* w) {
   w[0] = LOOK(t, q); w[1] = LOOK(t, q >> 4); }
 #define DECODE32 decode32_avx512
 #endif
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define P_QS 2
+#define P_QH 0
+#define P_MIN 0
+#define P_OFF 8
+#define P_LEVELS 0
+#include "pairs_avx2.h"
+#endif

@@ -1,0 +1,137 @@
+"""The C products' speed, one thread, outside tinygrad: G weights/s of builds of the same kernel side by side.
+
+    python -m bench.kernel_speed [--types Q4_K,Q6_K] [--shapes 1536x512,5632x2048] [--batch 1,8] [--rounds 15]
+                                 [--variant LABEL=FILE[,FILE...]] [--dram]
+
+Each build of a (type, shape) is compiled here with tinygrad's clang flags into a shared library whose loop calls
+the matmul kernel ``reps`` times on one thread (core 0 of 1), so no Python lies between calls. Builds are timed in
+turn, round after round, and the median of the rounds is reported (this VM's speed swings between phases; only
+builds measured side by side compare). The default builds are ``generic`` (the type's generic C alone) and
+``native`` (its row of the type table: this CPU's SIMD files); ``--variant`` adds a build from other files (relative
+to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file). ``--dram`` adds one shape per type bigger than the L3
+(32000x2048) and prints GB/s of the weights' bytes too. Weights are random bytes with finite scales, as the tests'.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from pp_worker.worker.cpu import kernels
+from pp_worker.worker.gguf.types import TYPES
+
+BY_NAME = {t.name: t for t in TYPES.values() if t.kernel}
+LOOP = """
+void bench_loop(float* out, const unsigned char* w, const float* x, const int* dims, int reps) {
+  for (int i = 0; i < reps; i++) NAME(out, w, x, dims, 0);
+}
+"""
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def build(files: list[str], k: int, type_name: str, workdir: Path) -> ctypes.CDLL:
+    """A shared library of the matmul kernel over ``files`` (the type's C files) for rows of ``k`` values."""
+    t = BY_NAME[type_name]
+    defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": kernels.ROWS, "BLOCK_VALUES": t.kernel_block,
+               "BLOCK_BYTES": t.row_bytes(t.kernel_block)}
+    src = kernels.unit(defines, ["common.h", *files, "matmul.c"]) + LOOP
+    so = workdir / f"{abs(hash(src))}.so"
+    if not so.exists():
+        flags = ["-O2", "-fPIC", "-shared", "-ffreestanding", "-fno-math-errno", "-nostdlib", "-Wno-psabi",
+                 "-march=native"]
+        subprocess.run(["clang", "-x", "c", *flags, "-", "-o", str(so)], input=src.encode(), check=True)
+    return ctypes.CDLL(str(so))
+
+
+def weights(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """(n, row bytes) uint8: random bytes, the fp16 fields finite (F16: normal values)."""
+    t = BY_NAME[type_name]
+    if t.name == "F16":
+        return rng.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    qk, bb = t.kernel_block, t.row_bytes(t.kernel_block)
+    raw = rng.integers(0, 256, (n, k // qk, bb), dtype=np.uint8)
+    for off in FP16_FIELDS[t.name]:
+        raw[:, :, off:off + 2] = rng.uniform(0.001, 0.05, (n, k // qk)).astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+def measure(libs: dict[str, ctypes.CDLL], w: np.ndarray, n: int, k: int, b: int,
+            rounds: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """(median seconds per call of each library, its best round's, median of its per-round speed over the first
+    library's). The
+    libraries are timed in turn, ~2 ms each, the order reversed every other round; a ratio taken within one round
+    compares runs a few ms apart, which this VM's phases (other tenants on the cores) rarely split."""
+    x = np.random.default_rng(1).standard_normal((b, k)).astype(np.float32)
+    out = np.zeros((b, n), np.float32)
+    dims = np.array([n, b, 1], np.int32)
+    args = [a.ctypes.data_as(ctypes.c_void_p) for a in (out, w, x, dims)]
+    outs = {}
+    for name, lib in libs.items():  # warm up, and keep each build's products to compare
+        lib.bench_loop(*args, 1)
+        outs[name] = out.copy()
+    t0 = time.perf_counter()
+    next(iter(libs.values())).bench_loop(*args, 3)
+    reps = max(1, int(0.002 / ((time.perf_counter() - t0) / 3)))
+    times: dict[str, list[float]] = {name: [] for name in libs}
+    names = list(libs)
+    for r in range(rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            libs[name].bench_loop(*args, reps)
+            times[name].append((time.perf_counter() - t0) / reps)
+    ref = outs[names[0]]
+    for name, o in outs.items():  # a build that computes something else is no faster build
+        err = np.abs(o - ref).max() / max(np.abs(ref).max(), 1e-30)
+        if err > 1e-5:
+            print(f"  !! {name} differs from the first build by {err:.2e} of the largest output")
+    first = times[names[0]]
+    return ({name: statistics.median(ts) for name, ts in times.items()}, {name: min(ts) for name, ts in times.items()},
+            {name: statistics.median(f / t for f, t in zip(first, ts, strict=True)) for name, ts in times.items()})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--types", default="F16,Q8_0,Q4_0,Q4_1,Q5_0,Q4_K,Q5_K,Q6_K,IQ4_XS")
+    ap.add_argument("--shapes", default="1536x512,5632x2048")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--rounds", type=int, default=61)
+    ap.add_argument("--variant", action="append", default=[], help="LABEL=FILE[,FILE...] (files after generic/)")
+    ap.add_argument("--no-native", action="store_true", help="leave out the table's build")
+    ap.add_argument("--dram", action="store_true", help="also 32000x2048, bigger than the L3")
+    a = ap.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
+    batches = [int(v) for v in a.batch.split(",")]
+    workdir = Path(tempfile.mkdtemp(prefix="kernel_speed_"))
+    rng = np.random.default_rng(0)
+    print(f"G weights/s (and GB/s of weights for the DRAM shape), medians of {a.rounds} rounds, one thread; "
+          "(median of the per-round speed ratios to the first build, best round's G/s)")
+    for type_name in a.types.split(","):
+        t = BY_NAME[type_name]
+        generic = f"generic/{t.kernel}.c"
+        builds = {"generic": [generic]}
+        if not a.no_native:
+            builds["native"] = kernels.type_files(t)
+        for v in a.variant:
+            label, files = v.split("=", 1)
+            builds[label] = [generic, *files.split(",")]
+        for n, k in shapes + ([(32000, 2048)] if a.dram else []):
+            w = weights(type_name, n, k, rng)
+            libs = {name: build(files, k, type_name, workdir) for name, files in builds.items()}
+            for b in batches if (n, k) != (32000, 2048) else [1]:
+                med, best, ratio = measure(libs, w, n, k, b, a.rounds)
+                dram = (n, k) == (32000, 2048)
+                cells = [f"{name} {n * k / s / 1e9:6.2f}" + (f" {w.nbytes / s / 1e9:5.1f} GB/s" if dram else "")
+                         + f" ({ratio[name]:4.2f}x, best {n * k / best[name] / 1e9:5.2f})" for name, s in med.items()]
+                print(f"{type_name:7} {n:>5}x{k:<5} B={b}  " + "  ".join(cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
