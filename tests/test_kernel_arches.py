@@ -1,0 +1,148 @@
+"""Every C kernel built for other CPUs than this one (`testing.cross`): for aarch64, run under qemu-user, against
+the generic C built for this x86 CPU on the same inputs; and compiled (not run) for AVX-512, AVX2 and baseline
+x86-64, and for a recent arm64 core, so that code this CPU cannot run still compiles.
+
+The generic C gives the same floats on every CPU, and so does each arch's decoder (DECODE32): products of several
+rows of x and gathered rows are compared bit for bit. A one-row product of an arch's own (ROW_DOT) sums in its own
+order: it is compared with float64 on the `gguf` package's values, within float32 rounding."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cpu_kernels import random_rows
+
+from pp_worker.testing import cross
+from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.gguf.types import TYPES as TABLE
+from pp_worker.worker.gguf.types import GGMLType, type_name
+
+TYPES = sorted(t.id for t in TABLE.values() if t.kernel)
+N, B, T = 37, 5, 3  # rows of W (not a multiple of the kernel's 4-row steps), rows of x, parts
+IDS = np.array([7, 0, N - 1, 3, -1], np.int32)  # -1: read as row 0
+Files = Callable[[GGMLType], list[str]]  # a type's C files in a build: cpu.kernels.type_files, or generic_files
+Results = dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (type, K) -> the kernels' outputs
+
+
+def sizes(ggml_type: int) -> tuple[int, ...]:
+    """Row lengths: 3 blocks of 256, or 25 of 32 (Q8_0's one-row products take 16, then pairs, then one); for the
+    types with NEON code also one block of 256, or 3 of 32. (Each size is a kernel to compile: ~0.2-2 s.)"""
+    kb = TABLE[ggml_type].kernel_block
+    big, small = (3 * kb, kb) if kb > 32 else (25 * kb, 3 * kb)
+    return (big, small) if "neon" in TABLE[ggml_type].simd else (big,)
+
+
+KERNELS = [(t, k) for t in TYPES for k in sizes(t)]
+
+
+def neon_row_dot(ggml_type: int) -> bool:
+    """Whether the type's NEON file has a one-row product of its own (summing in another order)."""
+    t = TABLE[ggml_type]
+    return "neon" in t.simd and "#define ROW_DOT " in cpu_kernels.unit({}, [f"arm/{t.kernel}.c"])
+
+
+def generic_files(t: GGMLType) -> list[str]:
+    return [f"generic/{t.kernel}.c"]
+
+
+def inputs(folder: Path) -> dict[tuple[int, int], np.ndarray]:
+    """Each kernel pair's input file in ``folder``; returns float64 x @ W^T for x's first row, per (type, K)."""
+    want = {}
+    for t, k in KERNELS:
+        raw, w = random_rows(t, N, k, seed=k)
+        x = np.random.default_rng(k + 1).standard_normal((B, k)).astype(np.float32)
+        cross.write_input(folder, cross.pair(t, k), raw, x, IDS, T)
+        want[t, k] = x[0].astype(np.float64) @ w.T.astype(np.float64)
+    return want
+
+
+def build_and_run(target: cross.Target, builds: dict[str, Files], folder: Path, tmp: Path) -> list[Results]:
+    """Every kernel built of each of ``builds``' files for ``target`` and run on the inputs in ``folder``: per (type,
+    K), the products of one row (N,), of B rows (B, N) and the gathered rows (len(IDS), K)."""
+    sources = {name: cross.kernel_units(KERNELS, files) for name, files in builds.items()}
+    objects = cross.compile_units({f"{b}/{u}": src for b, us in sources.items() for u, src in us.items()}, target,
+                                  tmp / "obj")  # a kernel the same in two builds is compiled once
+    results = []
+    for b in builds:
+        program = cross.kernels_program(KERNELS, [objects[f"{b}/{u}"] for u in sources[b]], target, tmp / b)
+        (tmp / b / "out").mkdir()
+        cross.run(program, target, str(folder), str(tmp / b / "out"))
+        results.append({(t, k): cross.read_output(tmp / b / "out", cross.pair(t, k), N, B, k) for t, k in KERNELS})
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """(float64 one-row products, this CPU's generic build, aarch64's build, aarch64's generic build), each built
+    and run once for the module, the three at once (two under qemu)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("arches")
+    folder = tmp / "in"
+    folder.mkdir()
+    want = inputs(folder)
+    with ThreadPoolExecutor(2) as pool:
+        x86 = pool.submit(build_and_run, cross.TARGETS["native"], {"x86": generic_files}, folder, tmp / "x86")
+        arm = pool.submit(build_and_run, cross.TARGETS["aarch64"],
+                          {"neon": cpu_kernels.type_files, "arm": generic_files}, folder, tmp / "arm")
+        return want, *x86.result(), *arm.result()
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+def test_aarch64_generic_build_gives_the_x86_generic_floats(ggml_type, runs):
+    _, x86, _, arm = runs
+    for k in sizes(ggml_type):
+        for got, ref, what in zip(arm[ggml_type, k], x86[ggml_type, k], ("one row", "rows", "gathered"), strict=True):
+            assert np.array_equal(got, ref), f"K={k}, {what}"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+def test_aarch64_build_gives_the_generic_floats(ggml_type, runs):
+    """The build tinygrad makes on aarch64 (NEON files included) against this CPU's generic build and aarch64's: the
+    same floats, but for a one-row product of NEON's own, which is within float32 rounding of float64."""
+    want, x86, neon, arm = runs
+    for k in sizes(ggml_type):
+        got, ref, same = neon[ggml_type, k], x86[ggml_type, k], arm[ggml_type, k]
+        assert np.array_equal(got[1], ref[1]) and np.array_equal(got[1], same[1]), f"K={k}, rows"
+        assert np.array_equal(got[2], ref[2]) and np.array_equal(got[2], same[2]), f"K={k}, gathered"
+        if neon_row_dot(ggml_type):
+            np.testing.assert_allclose(got[0], want[ggml_type, k], rtol=0, atol=2e-6 * np.abs(want[ggml_type, k]).max())
+        else:
+            assert np.array_equal(got[0], ref[0]), f"K={k}, one row"
+
+
+def test_neon_code_covers_the_types_asked_for():
+    """F16 has none on purpose: the generic C compiles to NEON's fcvtl and fmla already (docs/internals.md)."""
+    assert {t.name for t in TABLE.values() if "neon" in t.simd} >= {"Q8_0", "Q4_K"}
+    assert neon_row_dot(8) and neon_row_dot(12)
+
+
+def attention_units() -> dict[str, str]:
+    """One token's attention over fp32 and fp16 caches, as a stage compiles it."""
+    from tinygrad import dtypes
+
+    from pp_worker.worker.cpu import attention
+
+    return {f"attend_{d.name}": attention.source(f"attend_{d.name}", 8, 2, 64, 256, d, 2)
+            for d in (dtypes.float32, dtypes.float16)}
+
+
+@pytest.mark.parametrize("target", ["avx512", "avx2", "x86-64"])
+def test_every_kernel_compiles_for(target, tmp_path):
+    """Every C unit tinygrad compiles for a stage (each type's matmul and gather, attention, the runner's entry
+    points) compiles for instruction sets this CPU may lack (a BuildError holds clang's messages)."""
+    from pp_worker.worker.cpu.graph import runner_source
+
+    units = cross.kernel_units([(t, sizes(t)[0]) for t in TYPES], cpu_kernels.type_files) | attention_units()
+    units |= {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
+    objects = cross.compile_units(units, cross.TARGETS[target], tmp_path)
+    assert all(p.stat().st_size > 0 for p in objects.values())
+
+
+def test_attention_compiles_for_aarch64(tmp_path):
+    """The rest of aarch64's units are built and run above and below."""
+    objects = cross.compile_units(attention_units(), cross.TARGETS["aarch64"], tmp_path)
+    assert all(p.stat().st_size > 0 for p in objects.values())
