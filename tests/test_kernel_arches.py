@@ -146,3 +146,27 @@ def test_attention_compiles_for_aarch64(tmp_path):
     """The rest of aarch64's units are built and run above and below."""
     objects = cross.compile_units(attention_units(), cross.TARGETS["aarch64"], tmp_path)
     assert all(p.stat().st_size > 0 for p in objects.values())
+
+
+@pytest.fixture(scope="module", params=["aarch64", "native"])
+def runner_program(request, tmp_path_factory) -> tuple[cross.Target, Path]:
+    """testing/c/runner_main.c with the runner and two kernels (Q8_0 and F16, K 64), built for the target."""
+    from pp_worker.worker.cpu.graph import runner_source
+
+    target, tmp = cross.TARGETS[request.param], tmp_path_factory.mktemp(f"runner-{request.param}")
+    sources = {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
+    sources |= {"q8_0_mm": cpu_kernels.source("matmul", 8, 64, "q8_0_mm"),
+                "f16_mm": cpu_kernels.source("matmul", 1, 64, "f16_mm")}
+    objects = cross.compile_units(sources, target, tmp / "obj")
+    return target, cross.link("runner_main.c", list(objects.values()), target, tmp / "runner")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_the_runner_gives_the_serial_results_on_threads(runner_program, threads):
+    """The runner's claims, waits, futex sleeps and wake-ups (aarch64's svc, cntvct_el0 and yield under qemu, and
+    this CPU's; testing/c/runner_main.c): 220 tables, their rows' results bit-identical to the same rows run part
+    after part; the helpers asleep in their futex before 14 of them; and in the last 20, woken by the table's start,
+    every helper taking a part of two rows that wait for all of them."""
+    target, program = runner_program
+    assert cross.run(program, target, str(threads), "200", "20").split() == \
+        ["ok", f"threads={threads}", "tables=220", "asleep=14", "met=20"]
