@@ -8,7 +8,6 @@ order: it is compared with float64 on the `gguf` package's values, within float3
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,6 @@ from pp_worker.worker.gguf.types import GGMLType, type_name
 TYPES = sorted(t.id for t in TABLE.values() if t.kernel)
 N, B, T = 37, 5, 3  # rows of W (not a multiple of the kernel's 4-row steps), rows of x, parts
 IDS = np.array([7, 0, N - 1, 3, -1], np.int32)  # -1: read as row 0
-Files = Callable[[GGMLType], list[str]]  # a type's C files in a build: cpu.kernels.type_files, or generic_files
 Results = dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (type, K) -> the kernels' outputs
 
 
@@ -59,7 +57,7 @@ def inputs(folder: Path) -> dict[tuple[int, int], np.ndarray]:
     return want
 
 
-def build_and_run(target: cross.Target, builds: dict[str, Files], folder: Path, tmp: Path) -> list[Results]:
+def build_and_run(target: cross.Target, builds: dict[str, cross.Files], folder: Path, tmp: Path) -> list[Results]:
     """Every kernel built of each of ``builds``' files for ``target`` and run on the inputs in ``folder``: per (type,
     K), the products of one row (N,), of B rows (B, N) and the gathered rows (len(IDS), K)."""
     sources = {name: cross.kernel_units(KERNELS, files) for name, files in builds.items()}

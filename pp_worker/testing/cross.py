@@ -97,7 +97,10 @@ def pair(ggml_type: int, k: int) -> str:
     return f"{TYPES[ggml_type].kernel}_{k}"
 
 
-def kernel_units(kernels: list[tuple[int, int]], files: Callable[[GGMLType], list[str]]) -> dict[str, str]:
+Files = Callable[[GGMLType], list[str]]  # a type's C files in a build: cpu.kernels.type_files, or the generic alone
+
+
+def kernel_units(kernels: list[tuple[int, int]], files: Files) -> dict[str, str]:
     """The matmul and gather sources of each (type, K) in ``kernels``, of the type's C files that ``files`` picks
     (`cpu.kernels.type_files`: what tinygrad builds; or the generic file alone)."""
     out = {}
