@@ -72,44 +72,72 @@ def build_and_run(target: cross.Target, builds: dict[str, cross.Files], folder: 
     return results
 
 
+AVX2 = "avx2" in open("/proc/cpuinfo").read()
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """(float64 one-row products, this CPU's generic build, aarch64's build, aarch64's generic build), each built
-    and run once for the module, the three at once (two under qemu)."""
+def runs(tmp_path_factory) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, Results]]:
+    """(float64 one-row products, each build's results): this CPU's generic build ("x86"), aarch64's ("neon") and
+    aarch64's generic build ("arm") under qemu, and the builds tinygrad makes on an AVX2 CPU ("avx2", where this CPU
+    runs them) and on a baseline x86-64 one, without FMA or F16C ("x86-64"). Built and run once for the module."""
     from concurrent.futures import ThreadPoolExecutor
 
     tmp = tmp_path_factory.mktemp("arches")
     folder = tmp / "in"
     folder.mkdir()
     want = inputs(folder)
+    plan = [("native", {"x86": generic_files}), ("aarch64", {"neon": cpu_kernels.type_files, "arm": generic_files}),
+            ("x86-64", {"x86-64": cpu_kernels.type_files}), *([("avx2", {"avx2": cpu_kernels.type_files})] * AVX2)]
     with ThreadPoolExecutor(2) as pool:
-        x86 = pool.submit(build_and_run, cross.TARGETS["native"], {"x86": generic_files}, folder, tmp / "x86")
-        arm = pool.submit(build_and_run, cross.TARGETS["aarch64"],
-                          {"neon": cpu_kernels.type_files, "arm": generic_files}, folder, tmp / "arm")
-        return want, *x86.result(), *arm.result()
+        done = [pool.submit(build_and_run, cross.TARGETS[target], builds, folder, tmp / target)
+                for target, builds in plan]
+        results = {name: got for (_, builds), d in zip(plan, done, strict=True)
+                   for name, got in zip(builds, d.result(), strict=True)}
+    return want, results
+
+
+def close(got: np.ndarray, want: np.ndarray) -> bool:
+    """Within float32 rounding of a float64 product (a sum in another order than the dequantized product's)."""
+    return bool(np.abs(got - want).max() <= 2e-6 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
 def test_aarch64_generic_build_gives_the_x86_generic_floats(ggml_type, runs):
-    _, x86, _, arm = runs
+    _, got = runs
     for k in sizes(ggml_type):
-        for got, ref, what in zip(arm[ggml_type, k], x86[ggml_type, k], ("one row", "rows", "gathered"), strict=True):
-            assert np.array_equal(got, ref), f"K={k}, {what}"
+        for arm, x86, what in zip(got["arm"][ggml_type, k], got["x86"][ggml_type, k], ("one row", "rows", "gathered"),
+                                  strict=True):
+            assert np.array_equal(arm, x86), f"K={k}, {what}"
 
 
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
 def test_aarch64_build_gives_the_generic_floats(ggml_type, runs):
     """The build tinygrad makes on aarch64 (NEON files included) against this CPU's generic build and aarch64's: the
     same floats, but for a one-row product of NEON's own, which is within float32 rounding of float64."""
-    want, x86, neon, arm = runs
+    want, got = runs
     for k in sizes(ggml_type):
-        got, ref, same = neon[ggml_type, k], x86[ggml_type, k], arm[ggml_type, k]
-        assert np.array_equal(got[1], ref[1]) and np.array_equal(got[1], same[1]), f"K={k}, rows"
-        assert np.array_equal(got[2], ref[2]) and np.array_equal(got[2], same[2]), f"K={k}, gathered"
+        neon, x86, arm = (got[b][ggml_type, k] for b in ("neon", "x86", "arm"))
+        assert np.array_equal(neon[1], x86[1]) and np.array_equal(neon[1], arm[1]), f"K={k}, rows"
+        assert np.array_equal(neon[2], x86[2]) and np.array_equal(neon[2], arm[2]), f"K={k}, gathered"
         if neon_row_dot(ggml_type):
-            np.testing.assert_allclose(got[0], want[ggml_type, k], rtol=0, atol=2e-6 * np.abs(want[ggml_type, k]).max())
+            assert close(neon[0], want[ggml_type, k]), f"K={k}, one row"
         else:
-            assert np.array_equal(got[0], ref[0]), f"K={k}, one row"
+            assert np.array_equal(neon[0], x86[0]), f"K={k}, one row"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+@pytest.mark.parametrize("build", ["x86-64", pytest.param("avx2", marks=pytest.mark.skipif(
+    not AVX2, reason="this CPU has no AVX2: it cannot run that build"))])
+def test_x86_builds_decode_the_generic_floats(ggml_type, build, runs):
+    """The builds for an AVX2 CPU and a baseline x86-64 one (fp16 converted in software, tinygrad's loader links no
+    runtime) decode the generic floats: the same gathered rows; the same products of several rows where the CPU
+    has FMA, as this one; without it, and for one row of x, within float32 rounding of float64."""
+    want, got = runs
+    for k in sizes(ggml_type):
+        mine, x86 = got[build][ggml_type, k], got["x86"][ggml_type, k]
+        assert np.array_equal(mine[2], x86[2]), f"K={k}, gathered"
+        assert np.array_equal(mine[1], x86[1]) if build == "avx2" else close(mine[1][0], x86[1][0]), f"K={k}, rows"
+        assert close(mine[0], want[ggml_type, k]), f"K={k}, one row"
 
 
 def test_neon_code_covers_the_types_asked_for():
@@ -118,32 +146,29 @@ def test_neon_code_covers_the_types_asked_for():
     assert neon_row_dot(8) and neon_row_dot(12)
 
 
-def attention_units() -> dict[str, str]:
-    """One token's attention over fp32 and fp16 caches, as a stage compiles it."""
+def attention_and_runner() -> dict[str, str]:
+    """One token's attention over fp32 and fp16 caches, and the runner's entry points, as a stage compiles them."""
     from tinygrad import dtypes
 
     from pp_worker.worker.cpu import attention
-
-    return {f"attend_{d.name}": attention.source(f"attend_{d.name}", 8, 2, 64, 256, d, 2)
-            for d in (dtypes.float32, dtypes.float16)}
-
-
-@pytest.mark.parametrize("target", ["avx512", "avx2", "x86-64"])
-def test_every_kernel_compiles_for(target, tmp_path):
-    """Every C unit tinygrad compiles for a stage (each type's matmul and gather, attention, the runner's entry
-    points) compiles for instruction sets this CPU may lack (a BuildError holds clang's messages)."""
     from pp_worker.worker.cpu.graph import runner_source
 
-    units = cross.kernel_units([(t, sizes(t)[0]) for t in TYPES], cpu_kernels.type_files) | attention_units()
-    units |= {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
-    objects = cross.compile_units(units, cross.TARGETS[target], tmp_path)
-    assert all(p.stat().st_size > 0 for p in objects.values())
+    return {f"attend_{d.name}": attention.source(f"attend_{d.name}", 8, 2, 64, 256, d, 2)
+            for d in (dtypes.float32, dtypes.float16)} | {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
 
 
-def test_attention_compiles_for_aarch64(tmp_path):
-    """The rest of aarch64's units are built and run above and below."""
-    objects = cross.compile_units(attention_units(), cross.TARGETS["aarch64"], tmp_path)
-    assert all(p.stat().st_size > 0 for p in objects.values())
+def test_every_kernel_compiles_for_avx512(tmp_path):
+    """Each type's matmul and gather, attention and the runner, for an AVX-512 CPU (this one may lack it): compiled
+    and loaded by tinygrad's loader (`cross.compile_units`; a BuildError holds clang's messages)."""
+    units = cross.kernel_units([(t, sizes(t)[0]) for t in TYPES], cpu_kernels.type_files) | attention_and_runner()
+    assert len(cross.compile_units(units, cross.TARGETS["avx512"], tmp_path)) == len(units)
+
+
+@pytest.mark.parametrize("target", ["avx2", "x86-64", "aarch64"])
+def test_attention_and_the_runner_compile_for(target, tmp_path):
+    """The rest of these targets' units are built and run above and below."""
+    units = attention_and_runner()
+    assert len(cross.compile_units(units, cross.TARGETS[target], tmp_path)) == len(units)
 
 
 @pytest.fixture(scope="module", params=["aarch64", "native"])

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from tinygrad.runtime.support.elf import jit_loader
 
 from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf.types import TYPES, GGMLType
@@ -61,13 +62,19 @@ def jobs() -> int:
 
 def compile_units(units: dict[str, str], target: Target, out: Path) -> dict[str, Path]:
     """Object files of the C sources ``units`` (name -> source) for ``target``, compiled in parallel into ``out``;
-    identical sources compiled once. Raises BuildError when one fails."""
+    identical sources compiled once. Raises BuildError when one fails to compile, or when tinygrad's loader could not
+    load it (a call into a runtime library, which it does not link; a relocation it does not know)."""
     out.mkdir(parents=True, exist_ok=True)
     digests = {name: hashlib.sha256(src.encode()).hexdigest()[:16] for name, src in units.items()}
     sources = {digests[name]: src for name, src in units.items()}
 
     def build(digest: str) -> None:
         clang("-c", "-x", "c", *target.kernel_flags(), "-", "-o", str(out / f"{digest}.o"), source=sources[digest])
+        try:
+            jit_loader((out / f"{digest}.o").read_bytes())
+        except (RuntimeError, NotImplementedError) as e:
+            name = next(n for n, d in digests.items() if d == digest)
+            raise BuildError(f"{name} for {target.arch}: tinygrad's loader: {e}") from e
 
     with ThreadPoolExecutor(jobs()) as pool:
         list(pool.map(build, sources))
