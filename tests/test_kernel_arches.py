@@ -8,6 +8,8 @@ order: it is compared with float64 on the `gguf` package's values, within float3
 
 from __future__ import annotations
 
+import platform
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,8 @@ from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf.types import TYPES as TABLE
 from pp_worker.worker.gguf.types import GGMLType, type_name
 
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
+                                reason="these builds cross from a Linux x86-64 machine (and run aarch64 under qemu)")
 TYPES = sorted(t.id for t in TABLE.values() if t.kernel)
 N, B, T = 37, 5, 3  # rows of W (not a multiple of the kernel's 4-row steps), rows of x, parts
 IDS = np.array([7, 0, N - 1, 3, -1], np.int32)  # -1: read as row 0
