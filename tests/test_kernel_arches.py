@@ -1,10 +1,12 @@
-"""Every C kernel built for other CPUs than this one (`testing.cross`): for aarch64, run under qemu-user, against
-the generic C built for this x86 CPU on the same inputs; and compiled (not run) for AVX-512, AVX2 and baseline
-x86-64, and for a recent arm64 core, so that code this CPU cannot run still compiles.
+"""Every C kernel built for other CPUs than this one (`testing.cross`, with tinygrad's flags, each object loaded by
+tinygrad's loader): for aarch64 with its NEON files and without, run under qemu-user against the generic C built
+for this x86 CPU on the same inputs; for an AVX2 CPU and a baseline x86-64 one (no FMA, no F16C), run here; for
+AVX-512, compiled (this CPU may lack it). And the table runner on 1-4 threads, under qemu and natively.
 
 The generic C gives the same floats on every CPU, and so does each arch's decoder (DECODE32): products of several
-rows of x and gathered rows are compared bit for bit. A one-row product of an arch's own (ROW_DOT) sums in its own
-order: it is compared with float64 on the `gguf` package's values, within float32 rounding."""
+rows of x and gathered rows are compared bit for bit (products without FMA: within float32 rounding). A one-row
+product of an arch's own (ROW_DOT) sums in its own order: it is compared with float64 on the `gguf` package's
+values, within float32 rounding."""
 
 from __future__ import annotations
 
