@@ -4,36 +4,54 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install test lint demo bench gpu-check model peers clean
+.PHONY: install system test lint demo bench gpu-check model peers clean
 
-install: $(STAMP)
+install: system $(STAMP)
 
 $(STAMP): pyproject.toml
-	@command -v clang >/dev/null 2>&1 || $(MAKE) --no-print-directory clang
-	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || $(MAKE) --no-print-directory chromium
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
 	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, tokenizers, jinja2, starlette, uvicorn, openai, ray, selenium, prometheus_client"
 	touch $(STAMP)
 
+# What the system needs, checked at every install (quick) and installed with apt where missing.
+system:
+	@command -v clang >/dev/null 2>&1 || $(MAKE) --no-print-directory clang
+	@$(ARM64_READY) || $(MAKE) --no-print-directory arm64
+	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || $(MAKE) --no-print-directory chromium
+
+# $(call apt_install,packages): apt-get as root, or with passwordless sudo, else an error naming the command to run
+apt_install = if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null; \
+	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+	sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $(1) >/dev/null; \
+	else echo "error: $(1) missing and cannot be installed without root; run: sudo apt-get install -y $(1)" >&2; exit 1; fi
+
 # tinygrad's CPU device compiles its kernels with clang; without it tinygrad finds "no usable devices".
 .PHONY: clang chromium
 clang:
 	@echo "installing clang (tinygrad's CPU device needs it)"
-	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq clang >/dev/null; \
-	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq clang >/dev/null; \
-	else echo "error: clang is missing and cannot be installed without root; run: sudo apt-get install -y clang" >&2; exit 1; fi
+	@$(call apt_install,clang)
 	@command -v clang >/dev/null 2>&1 || { echo "error: clang still missing; install it (apt-get install -y clang)" >&2; exit 1; }
 
-# The chat page's test (tests/test_serve_page.py) drives a real headless Chromium through Debian's chromedriver: the
+# The chat page's test (tests/test_serve_web.py) drives a real headless Chromium through Debian's chromedriver: the
 # same package version as the browser, and nothing downloaded at test time.
 chromium:
 	@echo "installing chromium and chromium-driver (the chat page's browser test)"
-	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null; \
-	elif command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null; then sudo apt-get update -qq && sudo apt-get install -y -qq chromium chromium-driver >/dev/null; \
-	else echo "error: chromium is missing and cannot be installed without root; run: sudo apt-get install -y chromium chromium-driver" >&2; exit 1; fi
+	@$(call apt_install,chromium chromium-driver)
 	@test -x /usr/bin/chromium -a -x /usr/bin/chromedriver || { echo "error: chromium still missing; install it (apt-get install -y chromium chromium-driver)" >&2; exit 1; }
+
+# The aarch64 kernel tests (tests/test_kernel_arches.py) build for arm64 with clang and run under qemu-user: a static
+# test program needs the arm64 C library, libgcc (crt files) and the cross linker. Ready when one links.
+ARM64_PACKAGES := qemu-user-static libc6-dev-arm64-cross libgcc-12-dev-arm64-cross binutils-aarch64-linux-gnu
+ARM64_READY := command -v qemu-aarch64-static >/dev/null 2>&1 && echo 'int main(void) { return 0; }' | \
+	clang --target=aarch64-linux-gnu -static -x c - -o /dev/null >/dev/null 2>&1
+
+.PHONY: arm64
+arm64:
+	@echo "installing qemu-user and the arm64 cross C library (the aarch64 kernel tests need them)"
+	@$(call apt_install,$(ARM64_PACKAGES))
+	@$(ARM64_READY) || { echo "error: clang still cannot build for aarch64; install $(ARM64_PACKAGES)" >&2; exit 1; }
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -18,7 +18,7 @@ from pp_worker.worker.cpu import graph as cpu_graph
 from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.cpu.graph import NativeGraph, Table
 
-pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the native graph is x86-64 Linux only")
+pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the native graph: Linux on x86-64, aarch64")
 
 
 def _step_fn(weight: Tensor):

@@ -21,7 +21,7 @@ from pp_worker.testing.modelgen import generate
 from pp_worker.worker.compiled import jitcache
 from pp_worker.worker.cpu import graph as cpu_graph
 
-pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the cache keeps native tables (x86-64 Linux)")
+pytestmark = pytest.mark.skipif(not cpu_graph.supported(), reason="the cache keeps native tables (Linux)")
 PROMPTS = ([5, 9, 11, 3, 7, 2, 40, 41, 42, 43, 44], [4, 8, 1])
 
 

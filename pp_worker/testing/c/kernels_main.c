@@ -1,0 +1,56 @@
+/* Runs the matmul and gather kernels linked with it (testing/cross.py builds them, for any CPU) on the inputs of
+   files, and writes their outputs, so that builds for different CPUs can be compared with one another.
+
+   `kernels_main IN OUT`. kernels.h (written by cross.py) lists the kernels as KERNELS(X): X(name, K, row bytes) for
+   each pair name_mm, name_gather. For each, IN/<name>.in holds int32 {N, B, T, NI}, then the weight (N rows of row
+   bytes), x (B rows of K floats) and NI int32 row ids; OUT/<name>.out gets the float32 products of x's first row
+   (N), of all B rows (B x N), and the gathered rows (NI x K). Each product runs as T parts (core_id 0..T-1), one after
+   another, as the runner's threads would run them. */
+#include <stdio.h>
+#include <stdlib.h>
+#include "kernels.h"
+
+typedef void (*matmul_fn)(float*, const unsigned char*, const float*, const int*, int);
+typedef void (*gather_fn)(float*, const unsigned char*, const int*, const int*, int);
+#define DECLARE(name, k, bytes) \
+  void name##_mm(float*, const unsigned char*, const float*, const int*, int); \
+  void name##_gather(float*, const unsigned char*, const int*, const int*, int);
+KERNELS(DECLARE)
+struct kernel { const char* name; matmul_fn mm; gather_fn gather; int k, row_bytes; };
+#define ENTRY(name, k, bytes) {#name, name##_mm, name##_gather, k, bytes},
+static const struct kernel kernels[] = {KERNELS(ENTRY)};
+
+static void* slurp(FILE* f, size_t bytes) {
+  void* p = malloc(bytes ? bytes : 1);
+  if (!p || fread(p, 1, bytes, f) != bytes) { fprintf(stderr, "short input\n"); exit(1); }
+  return p;
+}
+
+static void run(const char* in, const char* dir, const struct kernel* kn) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s.in", in, kn->name);
+  FILE* f = fopen(path, "rb");
+  if (!f) { perror(path); exit(1); }
+  int* head = slurp(f, 16), n = head[0], b = head[1], t = head[2], ni = head[3], k = kn->k;
+  unsigned char* w = slurp(f, (size_t)n * kn->row_bytes);
+  float* x = slurp(f, sizeof(float) * b * k);
+  int* ids = slurp(f, sizeof(int) * ni);
+  fclose(f);
+  size_t outs = (size_t)n + (size_t)b * n + (size_t)ni * k;
+  float* out = calloc(outs, sizeof(float));
+  int one[3] = {n, 1, t}, all[3] = {n, b, t}, rows[2] = {n, ni};
+  for (int c = 0; c < t; c++) kn->mm(out, w, x, one, c);
+  for (int c = 0; c < t; c++) kn->mm(out + n, w, x, all, c);
+  kn->gather(out + n + (size_t)b * n, w, ids, rows, 0);
+  snprintf(path, sizeof path, "%s/%s.out", dir, kn->name);
+  if (!(f = fopen(path, "wb")) || fwrite(out, sizeof(float), outs, f) != outs) { perror(path); exit(1); }
+  fclose(f);
+  free(head), free(w), free(x), free(ids), free(out);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) { fprintf(stderr, "usage: %s IN OUT\n", argv[0]); return 2; }
+  for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) run(argv[1], argv[2], &kernels[i]);
+  printf("ran %d kernels\n", (int)(sizeof kernels / sizeof kernels[0]));
+  return 0;
+}

@@ -1,0 +1,201 @@
+"""Every C kernel built for other CPUs than this one (`testing.cross`, with tinygrad's flags, each object loaded by
+tinygrad's loader): for aarch64 with its NEON files and without, run under qemu-user against the generic C built
+for this x86 CPU on the same inputs; for an AVX2 CPU and a baseline x86-64 one (no FMA, no F16C), run here; for
+AVX-512, compiled (this CPU may lack it). And the table runner on 1-4 threads, under qemu and natively.
+
+The generic C gives the same floats on every CPU, and so does each arch's decoder (DECODE32): products of several
+rows of x and gathered rows are compared bit for bit (products without FMA: within float32 rounding). A one-row
+product of an arch's own (ROW_DOT) sums in its own order: it is compared with float64 on the `gguf` package's
+values, within float32 rounding."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cpu_kernels import random_rows
+
+from pp_worker.testing import cross
+from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.gguf.types import TYPES as TABLE
+from pp_worker.worker.gguf.types import GGMLType, type_name
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
+                                reason="these builds cross from a Linux x86-64 machine (and run aarch64 under qemu)")
+TYPES = sorted(t.id for t in TABLE.values() if t.kernel)
+N, B, T = 37, 5, 3  # rows of W (not a multiple of the kernel's 4-row steps), rows of x, parts
+IDS = np.array([7, 0, N - 1, 3, -1], np.int32)  # -1: read as row 0
+Results = dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]]  # (type, K) -> the kernels' outputs
+
+
+def sizes(ggml_type: int) -> tuple[int, ...]:
+    """Row lengths: 3 blocks of 256, or 25 of 32 (Q8_0's one-row products take 16, then pairs, then one); for the
+    types with NEON code also one block of 256, or 3 of 32. (Each size is a kernel to compile: ~0.2-2 s.)"""
+    kb = TABLE[ggml_type].kernel_block
+    big, small = (3 * kb, kb) if kb > 32 else (25 * kb, 3 * kb)
+    return (big, small) if "neon" in TABLE[ggml_type].simd else (big,)
+
+
+KERNELS = [(t, k) for t in TYPES for k in sizes(t)]
+
+
+def neon_row_dot(ggml_type: int) -> bool:
+    """Whether the type's NEON file has a one-row product of its own (summing in another order)."""
+    t = TABLE[ggml_type]
+    return "neon" in t.simd and "#define ROW_DOT " in cpu_kernels.unit({}, [f"arm/{t.kernel}.c"])
+
+
+def generic_files(t: GGMLType) -> list[str]:
+    return [f"generic/{t.kernel}.c"]
+
+
+def inputs(folder: Path) -> dict[tuple[int, int], np.ndarray]:
+    """Each kernel pair's input file in ``folder``; returns float64 x @ W^T for x's first row, per (type, K)."""
+    want = {}
+    for t, k in KERNELS:
+        raw, w = random_rows(t, N, k, seed=k)
+        x = np.random.default_rng(k + 1).standard_normal((B, k)).astype(np.float32)
+        cross.write_input(folder, cross.pair(t, k), raw, x, IDS, T)
+        want[t, k] = x[0].astype(np.float64) @ w.T.astype(np.float64)
+    return want
+
+
+def build_and_run(target: cross.Target, builds: dict[str, cross.Files], folder: Path, tmp: Path) -> list[Results]:
+    """Every kernel built of each of ``builds``' files for ``target`` and run on the inputs in ``folder``: per (type,
+    K), the products of one row (N,), of B rows (B, N) and the gathered rows (len(IDS), K)."""
+    sources = {name: cross.kernel_units(KERNELS, files) for name, files in builds.items()}
+    objects = cross.compile_units({f"{b}/{u}": src for b, us in sources.items() for u, src in us.items()}, target,
+                                  tmp / "obj")  # a kernel the same in two builds is compiled once
+    results = []
+    for b in builds:
+        program = cross.kernels_program(KERNELS, [objects[f"{b}/{u}"] for u in sources[b]], target, tmp / b)
+        (tmp / b / "out").mkdir()
+        cross.run(program, target, str(folder), str(tmp / b / "out"))
+        results.append({(t, k): cross.read_output(tmp / b / "out", cross.pair(t, k), N, B, k) for t, k in KERNELS})
+    return results
+
+
+AVX2 = "avx2" in open("/proc/cpuinfo").read()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, Results]]:
+    """(float64 one-row products, each build's results): this CPU's generic build ("x86"), aarch64's ("neon") and
+    aarch64's generic build ("arm") under qemu, and the builds tinygrad makes on an AVX2 CPU ("avx2", where this CPU
+    runs them) and on a baseline x86-64 one, without FMA or F16C ("x86-64"). Built and run once for the module."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("arches")
+    folder = tmp / "in"
+    folder.mkdir()
+    want = inputs(folder)
+    plan = [("native", {"x86": generic_files}), ("aarch64", {"neon": cpu_kernels.type_files, "arm": generic_files}),
+            ("x86-64", {"x86-64": cpu_kernels.type_files}), *([("avx2", {"avx2": cpu_kernels.type_files})] * AVX2)]
+    with ThreadPoolExecutor(2) as pool:
+        done = [pool.submit(build_and_run, cross.TARGETS[target], builds, folder, tmp / target)
+                for target, builds in plan]
+        results = {name: got for (_, builds), d in zip(plan, done, strict=True)
+                   for name, got in zip(builds, d.result(), strict=True)}
+    return want, results
+
+
+def close(got: np.ndarray, want: np.ndarray) -> bool:
+    """Within float32 rounding of a float64 product (a sum in another order than the dequantized product's)."""
+    return bool(np.abs(got - want).max() <= 2e-6 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+def test_aarch64_generic_build_gives_the_x86_generic_floats(ggml_type, runs):
+    _, got = runs
+    for k in sizes(ggml_type):
+        for arm, x86, what in zip(got["arm"][ggml_type, k], got["x86"][ggml_type, k], ("one row", "rows", "gathered"),
+                                  strict=True):
+            assert np.array_equal(arm, x86), f"K={k}, {what}"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+def test_aarch64_build_gives_the_generic_floats(ggml_type, runs):
+    """The build tinygrad makes on aarch64 (NEON files included) against this CPU's generic build and aarch64's: the
+    same floats, but for a one-row product of NEON's own, which is within float32 rounding of float64."""
+    want, got = runs
+    for k in sizes(ggml_type):
+        neon, x86, arm = (got[b][ggml_type, k] for b in ("neon", "x86", "arm"))
+        assert np.array_equal(neon[1], x86[1]) and np.array_equal(neon[1], arm[1]), f"K={k}, rows"
+        assert np.array_equal(neon[2], x86[2]) and np.array_equal(neon[2], arm[2]), f"K={k}, gathered"
+        if neon_row_dot(ggml_type):
+            assert close(neon[0], want[ggml_type, k]), f"K={k}, one row"
+        else:
+            assert np.array_equal(neon[0], x86[0]), f"K={k}, one row"
+
+
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+@pytest.mark.parametrize("build", ["x86-64", pytest.param("avx2", marks=pytest.mark.skipif(
+    not AVX2, reason="this CPU has no AVX2: it cannot run that build"))])
+def test_x86_builds_decode_the_generic_floats(ggml_type, build, runs):
+    """The builds for an AVX2 CPU and a baseline x86-64 one (fp16 converted in software, tinygrad's loader links no
+    runtime) decode the generic floats: the same gathered rows; the same products of several rows where the CPU
+    has FMA, as this one; without it, and for one row of x, within float32 rounding of float64."""
+    want, got = runs
+    for k in sizes(ggml_type):
+        mine, x86 = got[build][ggml_type, k], got["x86"][ggml_type, k]
+        assert np.array_equal(mine[2], x86[2]), f"K={k}, gathered"
+        assert np.array_equal(mine[1], x86[1]) if build == "avx2" else close(mine[1][0], x86[1][0]), f"K={k}, rows"
+        assert close(mine[0], want[ggml_type, k]), f"K={k}, one row"
+
+
+def test_neon_code_covers_the_types_asked_for():
+    """F16 has none on purpose: the generic C compiles to NEON's fcvtl and fmla already (docs/internals.md)."""
+    assert {t.name for t in TABLE.values() if "neon" in t.simd} >= {"Q8_0", "Q4_K"}
+    assert neon_row_dot(8) and neon_row_dot(12)
+
+
+def attention_and_runner() -> dict[str, str]:
+    """One token's attention over fp32 and fp16 caches, and the runner's entry points, as a stage compiles them."""
+    from tinygrad import dtypes
+
+    from pp_worker.worker.cpu import attention
+    from pp_worker.worker.cpu.graph import runner_source
+
+    return {f"attend_{d.name}": attention.source(f"attend_{d.name}", 8, 2, 64, 256, d, 2)
+            for d in (dtypes.float32, dtypes.float16)} | {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
+
+
+def test_every_kernel_compiles_for_avx512(tmp_path):
+    """Each type's matmul and gather, attention and the runner, for an AVX-512 CPU (this one may lack it): compiled
+    and loaded by tinygrad's loader (`cross.compile_units`; a BuildError holds clang's messages)."""
+    units = cross.kernel_units([(t, sizes(t)[0]) for t in TYPES], cpu_kernels.type_files) | attention_and_runner()
+    assert len(cross.compile_units(units, cross.TARGETS["avx512"], tmp_path)) == len(units)
+
+
+@pytest.mark.parametrize("target", ["avx2", "x86-64", "aarch64"])
+def test_attention_and_the_runner_compile_for(target, tmp_path):
+    """The rest of these targets' units are built and run above and below."""
+    units = attention_and_runner()
+    assert len(cross.compile_units(units, cross.TARGETS[target], tmp_path)) == len(units)
+
+
+@pytest.fixture(scope="module", params=["aarch64", "native"])
+def runner_program(request, tmp_path_factory) -> tuple[cross.Target, Path]:
+    """testing/c/runner_main.c with the runner and two kernels (Q8_0 and F16, K 64), built for the target."""
+    from pp_worker.worker.cpu.graph import runner_source
+
+    target, tmp = cross.TARGETS[request.param], tmp_path_factory.mktemp(f"runner-{request.param}")
+    sources = {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
+    sources |= {"q8_0_mm": cpu_kernels.source("matmul", 8, 64, "q8_0_mm"),
+                "f16_mm": cpu_kernels.source("matmul", 1, 64, "f16_mm")}
+    objects = cross.compile_units(sources, target, tmp / "obj")
+    return target, cross.link("runner_main.c", list(objects.values()), target, tmp / "runner")
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 4])
+def test_the_runner_gives_the_serial_results_on_threads(runner_program, threads):
+    """The runner's claims, waits, futex sleeps and wake-ups (aarch64's svc, cntvct_el0 and yield under qemu, and
+    this CPU's; testing/c/runner_main.c): 220 tables, their rows' results bit-identical to the same rows run part
+    after part; the helpers asleep in their futex before 14 of them; and in the last 20, woken by the table's start,
+    every helper taking a part of two rows that wait for all of them."""
+    target, program = runner_program
+    assert cross.run(program, target, str(threads), "200", "20").split() == \
+        ["ok", f"threads={threads}", "tables=220", "asleep=14", "met=20"]
