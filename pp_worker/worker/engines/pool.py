@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 FREE_SHARE = 0.5  # of the memory free at startup, the part a host's stages may fill with KV pages
 
 
@@ -27,6 +28,17 @@ class PoolPlan:
 
     def bytes(self, position_bytes: int) -> int:
         return self.n_pages * self.page * position_bytes
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as ``PP_KV_BYTES`` and ``--kv-memory`` take it: an integer, optionally with a binary unit
+    (``1536M``, ``2G``, ``512MiB``); ValueError naming the text otherwise."""
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = raw[-1:] if raw[-1:] in UNITS else ""
+    number = raw[:len(raw) - len(unit)]
+    if not number.isascii() or not number.isdigit() or int(number) < 1:
+        raise ValueError(f"{text!r} is not a positive number of bytes (an integer, optionally with K, M, G or T)")
+    return int(number) * UNITS[unit]
 
 
 def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:

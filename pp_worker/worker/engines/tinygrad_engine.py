@@ -367,6 +367,19 @@ class TinygradEngine:
                 "jits_cached": sum(j.restored for j in self._stage.all_jits),
                 "jits_pending": len(self._stage.pending())}
 
+    def defer_compiles(self) -> bool:
+        """From now on use only the JITs compiled or kept on disk (`CompiledStage.on_demand` off), where there is a
+        compiled-forward cache for a background compile to fill; True when some JIT is still to be compiled there."""
+        if self._stage.store is None:
+            return False
+        self._stage.on_demand = False
+        return bool(self._stage.pending())
+
+    def cache_settings(self) -> dict[str, str]:
+        """What a process compiling this stage's JITs into the cache must be told besides the worker's environment
+        to name them the same (its KV pool, whose shape is in every entry's name)."""
+        return {"PP_KV_BYTES": str(self.kv_pool.nbytes), "PP_KV_DTYPE": self.kv_dtype}
+
     def kv_fields(self) -> dict[str, int]:
         """The KV pool: its cap (``kv_bytes``), pages (positions and bytes each; used, free, and touched so far: on
         the CPU what is resident), and what one session at the full context takes."""
