@@ -107,7 +107,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (r["bos_token"], r["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
         # how each stage runs: the CPU's defaults on stage 0, the environment's choices on stage 1
         head_dim = kv["llama.embedding_length"] // kv["llama.attention.head_count"]
-        kv_bytes = 2 * kv["llama.attention.head_count_kv"] * MAX_CONTEXT * head_dim * (blocks // 2)  # per element byte
+        page = 256  # a session's KV is whole pages (kvcache.PAGE) of every block of the stage
+        kv_bytes = 2 * kv["llama.attention.head_count_kv"] * page * head_dim * (blocks // 2)  # per element byte
         assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"], r["kernels"])
                 for r in ready] == [("CPU", 32, "float32", kv_bytes * 4, "c"),
                                     ("CPU", 16, "float16", kv_bytes * 2, "c")]
@@ -130,7 +131,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert status["sessions"] == {"5": len(tokens)} and status["requests_served"] >= 1
             assert (status["bos_token_id"], status["add_bos"], status["max_sessions"]) == \
                 (kv["tokenizer.ggml.bos_token_id"], False, 3)
-            assert status["kv_dtype"] == r["kv_dtype"] and status["kv_caches_allocated"] == 1
+            assert status["kv_dtype"] == r["kv_dtype"] and (status["kv_pages_used"], status["kv_pages_touched"]) == (1, 1)
+            assert status["kv_pages_used"] + status["kv_pages_free"] == status["kv_bytes"] // status["kv_page_bytes"]
             assert status["threads"] == r["threads"]
             assert status["jits_compiled"] == 1  # a short prompt on a small model: single-token calls, no new size
             assert w.request({"op": "release", "request_id": 5})["released"] is True

@@ -53,17 +53,19 @@ def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
 
 
 def default_kv_bytes(available: int | None, position_bytes: int, context: int, max_sessions: int,
-                     weight_bytes: int, host_stages: int = 1) -> int:
+                     weight_bytes: int, host_stages: int = 1, page: int | None = None) -> int:
     """The default cap: ``FREE_SHARE`` of ``available`` (read once this stage's weights are in) less the weights the
     host's other stages may still be loading, shared by the ``host_stages`` stages; at most what ``max_sessions``
     sessions of ``context`` positions take; at least one session at the full context (the memory is touched only as
     pages fill, so a cap above what the machine has costs nothing until the pages are used). Unknown free memory:
-    every slot at the full context."""
-    whole = max_sessions * context * position_bytes
+    every slot at the full context. A session's context counts in whole pages of ``page`` positions (None: one page
+    a session)."""
+    session = -(-context // page) * page * position_bytes if page else context * position_bytes
+    whole = max_sessions * session
     if available is None:
         return whole
     share = (available * FREE_SHARE - (host_stages - 1) * weight_bytes) / max(1, host_stages)
-    return int(min(whole, max(share, context * position_bytes)))
+    return int(min(whole, max(share, session)))
 
 
 def plan_pool(context: int, requested: bool, cap: int, position_bytes: int, page: int | None) -> PoolPlan:

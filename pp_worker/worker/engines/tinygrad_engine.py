@@ -335,15 +335,15 @@ class TinygradEngine:
         table = uses_table(self.device, w.kernels, cfg)
         per_position = position_bytes(n_blocks, cfg, dtype)
         context = cfg.max_context
+        if page % cpu_attention.CHUNK:
+            raise ValueError(f"a page of {page} positions is not whole chunks of {cpu_attention.CHUNK} keys")
         if kv_bytes is None:
             if device_kind(self.device) == "CPU":
                 kv_bytes = default_kv_bytes(mem_available(), per_position, context, max_sessions,
-                                            w.describe()["weight_bytes"], host_stages)
+                                            w.describe()["weight_bytes"], host_stages, page if table else None)
             else:  # a device's free memory is not known here: every slot at the context GPUs had by default
                 context = context if requested else min(context, DEFAULT_GPU_CONTEXT)
                 kv_bytes = max_sessions * context * per_position
-        if page % cpu_attention.CHUNK:
-            raise ValueError(f"a page of {page} positions is not whole chunks of {cpu_attention.CHUNK} keys")
         plan = plan_pool(context, requested, kv_bytes, per_position, page if table else None)
         if plan.max_context != cfg.max_context:
             w.config = dataclasses.replace(cfg, max_context=plan.max_context)
