@@ -127,7 +127,8 @@ def test_tied_embeddings_head_uses_the_embedding_matrix(models):
 
 
 def test_interleaved_generations_match_solo(chain, prompts):
-    """The JIT trap: caches must be JIT arguments. Swapping block.cache_kv under the JIT fails this test."""
+    """The JIT trap: what changes per session must reach the JIT as arguments (the pool, bound pages and offsets, the
+    page table's contents). A session's cache swapped in as a block attribute under the JIT fails this test."""
     c = chain("F16", 4)  # two middle stages
     solo = [c.generate(10 + i, p, N_TOKENS)[0] for i, p in enumerate(prompts)]
     rids = [20, 21, 22]
@@ -156,16 +157,16 @@ def test_rewind_reuses_the_prefix_and_overwrites_the_rest(chain, prompts):
     assert c.engines[0].sessions()[30] == k + len(b) + 7
 
 
-def test_a_released_sessions_caches_are_reused_and_not_held_by_the_blocks(models, prompts):
+def test_a_released_sessions_pages_are_reused_and_not_held_by_the_blocks(models, prompts):
     c = Chain(models["F16"], 2)
     first = c.engines[0]
     want = c.generate(1, prompts[1], N_TOKENS)[0]
     c.release(1)
-    assert all(not hasattr(b, "cache_kv") for e in c.engines for b in e._w.blocks), "a block keeps a session's cache"
-    c.generate(2, prompts[2], 4)  # reuses session 1's caches, leaving them full of its own keys and values
+    assert all(not hasattr(b, "kv") for e in c.engines for b in e._w.blocks), "a block keeps a session's pages"
+    c.generate(2, prompts[2], 4)  # reuses session 1's page, leaving it full of its own keys and values
     c.release(2)
-    assert c.generate(3, prompts[1], N_TOKENS)[0] == want  # stale contents of a reused cache never leak in
-    assert first.kv_pool.allocated == 1, "a released session's caches were not reused"
+    assert c.generate(3, prompts[1], N_TOKENS)[0] == want  # stale contents of a reused page never leak in
+    assert first.kv_pool.touched == 1, "a released session's page was not reused"
 
 
 def test_context_overflow_is_refused_before_compute(chain):
