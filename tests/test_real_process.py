@@ -131,7 +131,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert status["sessions"] == {"5": len(tokens)} and status["requests_served"] >= 1
             assert (status["bos_token_id"], status["add_bos"], status["max_sessions"]) == \
                 (kv["tokenizer.ggml.bos_token_id"], False, 3)
-            assert status["kv_dtype"] == r["kv_dtype"] and (status["kv_pages_used"], status["kv_pages_touched"]) == (1, 1)
+            assert status["kv_dtype"] == r["kv_dtype"]
+            assert (status["kv_pages_used"], status["kv_pages_touched"]) == (1, 1)
             assert status["kv_pages_used"] + status["kv_pages_free"] == status["kv_bytes"] // status["kv_page_bytes"]
             assert status["threads"] == r["threads"]
             assert status["jits_compiled"] == 1  # a short prompt on a small model: single-token calls, no new size

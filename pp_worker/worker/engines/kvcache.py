@@ -60,7 +60,8 @@ class KVPool:
         self.page, self.n_pages, self.dtype = page, n_pages, dtype
         self.page_bytes = page * position_bytes(n_blocks, config, dtype)
         # allocated, never written here: mapped memory is backed as pages are written (zeroing it would touch all)
-        self.tensor = Tensor.empty(*self.shape, dtype=dtype, device=device).realize()
+        self.tensor = Tensor.empty(*self.shape, dtype=dtype, device=device)
+        self.tensor.uop.base.buffer.ensure_allocated()
         self._free = list(range(n_pages - 1, -1, -1))  # a stack: the page freed last (resident) goes out first
         self.touched = 0  # distinct pages handed out so far: the pool's resident part on the CPU
 
