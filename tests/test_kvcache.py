@@ -40,7 +40,7 @@ def test_cache_block_copies_the_attention_of_this_tinygrad():
 
 
 def test_default_dtype_per_device():
-    assert default_kv_dtype("CPU") == "float32" and default_kv_dtype("CPU:LLVM") == "float32"
+    assert default_kv_dtype("CPU") == "float16" and default_kv_dtype("CPU:LLVM") == "float16"  # bench/NOTES.md
     assert default_kv_dtype("CUDA") == default_kv_dtype("NV:1") == default_kv_dtype("NULL:CUDA:sm_90") == "float16"
 
 

@@ -92,7 +92,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
     header = read_header(model)
     kv = header.kv
     first = spawn_real(0, 2, model, PP_MAX_SESSIONS="3")
-    last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float16", PP_PREFILL_CHUNK="16",
+    last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float32", PP_PREFILL_CHUNK="16",
                       PP_THREADS="3")  # more threads than this machine's cores
     try:
         ready = [first.wait_ready(60), last.wait_ready(60)]
@@ -110,8 +110,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         page = 256  # a session's KV is whole pages (kvcache.PAGE) of every block of the stage
         kv_bytes = 2 * kv["llama.attention.head_count_kv"] * page * head_dim * (blocks // 2)  # per element byte
         assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"], r["kernels"])
-                for r in ready] == [("CPU", 32, "float32", kv_bytes * 4, "c"),
-                                    ("CPU", 16, "float16", kv_bytes * 2, "c")]
+                for r in ready] == [("CPU", 32, "float16", kv_bytes * 2, "c"),
+                                    ("CPU", 16, "float32", kv_bytes * 4, "c")]
         assert [(r["threads"], r["graph"]) for r in ready] == [(len(os.sched_getaffinity(0)), "native"), (3, "native")]
         # what each stage holds: its share of the file (an F16 file: F16 matrices as they are, F32 gains as fp16)
         for r, (start, end) in zip(ready, [compute_layer_range(s, 2, blocks) for s in (0, 1)], strict=True):

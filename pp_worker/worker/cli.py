@@ -21,7 +21,7 @@ from pp_worker import DEFAULT_MODEL
 from pp_worker.wire import b64_len
 from pp_worker.worker.dispatch import Worker, model_fields
 from pp_worker.worker.engines.base import Engine
-from pp_worker.worker.engines.pool import parse_bytes
+from pp_worker.worker.engines.pool import PoolError, parse_bytes
 from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, start_heartbeat
 from pp_worker.worker.loop import LineReader, LoopState, serve
 from pp_worker.worker.q8 import SCALE_BYTES, WIRE_DTYPES
@@ -301,7 +301,7 @@ def _load(cfg: Config, events: Events) -> Engine | None:
     except Exception as e:  # any load failure is reported the same way
         from pp_worker.worker.gguf.header import ModelLoadError
 
-        if not isinstance(e, ModelLoadError):  # unexpected: the traceback helps; an expected one says it all
+        if not isinstance(e, (ModelLoadError, PoolError)):  # unexpected: the traceback helps; an expected one says it
             import traceback
 
             traceback.print_exc(file=sys.stderr)
