@@ -71,7 +71,8 @@ def test_worker_and_driver_settings():
 
 def test_a_cap_too_small_for_one_session_is_an_error_at_startup(tmp_path: Path):
     model = generate(tmp_path / "tiny.gguf", "tiny", seed=1)
-    env = {**clean_env(), **ENV, "MODEL": str(model), "MAX_CONTEXT": "512", "PP_KV_BYTES": "200K"}
+    env = {**clean_env(), **ENV, "MODEL": str(model), "MAX_CONTEXT": "512", "PP_KV_BYTES": "200K",
+           "PP_KV_DTYPE": "float32"}
     proc = subprocess.run([sys.executable, "-m", "pp_worker"], env=env, cwd=REPO, stdin=subprocess.DEVNULL,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2
