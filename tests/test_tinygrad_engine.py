@@ -442,7 +442,7 @@ def test_context_length_rule():
     assert context_length(kv, None) == 512
     assert context_length(kv, 100) == 100
     assert context_length(kv, 10_000) == 512  # never past what the model was trained for
-    assert context_length({**kv, "llama.context_length": 131072}, None) == 4096  # the cap
+    assert context_length({**kv, "llama.context_length": 131072}, None) == 131072  # no cap: the KV pool decides
     assert context_length({**kv, "llama.context_length": 131072}, 8192, cap=8192) == 8192
     with pytest.raises(ModelLoadError):
         context_length(kv, 0)
