@@ -52,6 +52,7 @@ def measure(plan: ServeMemPlan) -> dict[str, Any]:
         if plan.on_demand:
             say("serve memory: pp-serve cold, compiling at first use (PP_WARMUP=0)")
             out["on_demand"] = _serve(model, plan, Path(root) / "on_demand", {"PP_WARMUP": "0"})
+    say(f"serve memory: {json.dumps(out)}")  # the raw numbers, whatever becomes of the report
     return out
 
 
