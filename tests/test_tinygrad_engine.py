@@ -284,7 +284,7 @@ def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, p
     calls while they cost less than compiling a size of the ladder (here, a small model: ~ms a call), with the
     logits of the every-size chain; once a single-token call costs as much as compiling (a big model's), the sizes
     the prompt fills compile."""
-    lazy, eager = Chain(models["F16"], 2, every_size=False), chain("F16", 2)
+    lazy, eager = Chain(models["F16"], 2, every_size=False, kv_dtype="float32"), chain("F16", 2)  # eager's KV dtype
     for e in lazy.engines:
         e.warmup(full=False)
     stages = [e._stage for e in lazy.engines]
