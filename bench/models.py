@@ -17,7 +17,7 @@ from pp_worker.worker.gguf.header import GGUFHeader, TensorInfo, read_header
 from pp_worker.worker.shard import Shard
 
 CACHE = Path(__file__).resolve().parent / "models"
-KV_BYTES = 4  # the KV caches are float32, the CPU's default (PP_KV_DTYPE; make bench runs on the CPU)
+KV_BYTES = 2  # the KV pages are float16, the CPU's default (PP_KV_DTYPE; make bench runs on the CPU)
 WEIGHT_BYTES = 2  # a weight held as fp16 values (HALF=1): tinygrad's own way with every type, and norm gains here
 
 

@@ -33,6 +33,7 @@ S8 = "8 q8 hidden states on the wire (PP_WIRE_DTYPE=q8) against f16"
 S9 = "9 quantized files kept quantized, 2 stages, and llama.cpp on the same files"
 S10 = "10 peak RSS (VmHWM) of quantized stages"
 S11 = "11 a cold start (empty caches) and a restart, the embedded model"
+S13 = "13 pp-serve on a 30-block model (SmolLM2-135M's shape, Q8_0), 2 stages, 8 slots, cold"
 S12 = "12 threads: one stage's decode call on every core / on one (PP_THREADS), timed inside the stage"
 
 
@@ -54,7 +55,7 @@ def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[i
     return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
             *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
             *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
-            *thread_rows(raw.get("threads"))]
+            *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -412,3 +413,31 @@ def thread_rows(t: dict[str, Any] | None) -> list[Row]:
         Row(S12, f"  {most} threads / {one}: call rate, median of rounds in turn", t["ratio"], "x",
             1.6 if int(most) == 2 else None, note=f"rounds {t['ratios']}"),
     ]
+
+
+def serve_memory(m: dict[str, Any] | None) -> list[Row]:
+    """Section 13 (issue 35): each stage's memory after 8 concurrent completions, the context offered, the start."""
+    if not m or "background" not in m:
+        return [Row(S13, "pp-serve memory", None, "MiB", note="not measured (section servemem not run, or it failed)")]
+    srv, floor, mib = m["background"], m["floor_mb"], 1 << 20
+    rows = []
+    for i, st in enumerate(srv["stages"]):
+        w = st["weight_bytes"] / mib
+        rows.append(Row(S13, f"stage {i} RSS after {m['slots']} x {m['tokens']}-token completions", st["rss_mb"],
+                        "MiB", w + floor + 64, at_most=True,
+                        note=f"weights {w:.0f} + floor {floor:.0f} + 64; peak {number(st['hwm_mb'])} MiB; KV "
+                             f"{st['kv_pages_used']} pages used, {st['kv_pages_touched']} touched of "
+                             f"{st['kv_pages_used'] + st['kv_pages_free']} ({st['kv_page_bytes'] / mib:.1f} MiB each, "
+                             f"{st['kv_dtype']})"))
+    offered = min(st["max_context"] for st in srv["stages"])
+    rows.append(Row(S13, "max context offered / the model's own", ratio(offered, m["context"]), "x", 1.0,
+                    note=f"{offered} of {m['context']}"))
+    ttft = m["pipeline"]["ttft_s"]
+    rows.append(Row(S13, "pp-serve cold start to /health ok", srv["ok_s"], "s", 2 * ttft, at_most=True,
+                    note=f"2x pp-pipeline's cold first token ({ttft:.1f} s); /health said {srv['health']!r}"))
+    rows.append(Row(S13, "  8 completions at once, compiling in the background", srv["burst_s"], "s",
+                    note="right after /health said ok"))
+    if od := m.get("on_demand"):
+        rows.append(Row(S13, "  the same, compiling each size at its first use", od["burst_s"], "s",
+                        note=f"PP_WARMUP=0; /health ok after {od['ok_s']:.1f} s"))
+    return rows

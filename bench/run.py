@@ -29,14 +29,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import cold, models, pipe, quant, report, rss, serve, solo, threads, wire
+from bench import cold, models, pipe, quant, report, rss, serve, servemem, solo, threads, wire
 from bench.machine import CpuMeter, describe
 from bench.quant import say
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss",
-            "cold", "threads")
+            "cold", "threads", "servemem")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -64,6 +64,7 @@ class Plan:
     quant: quant.QuantPlan = quant.QuantPlan()  # sections 9 and 10: quantized files, llama.cpp on the same files
     cold: cold.ColdPlan = cold.ColdPlan()  # section 11: a cold start and a restart, against tinygrad's cold start
     threads: threads.ThreadsPlan = threads.ThreadsPlan()  # section 12: a stage's decode call on 1 thread and on all
+    servemem: servemem.ServeMemPlan = servemem.ServeMemPlan()  # section 13: pp-serve's memory and start, 30 blocks
 
 
 FULL = Plan("bench")
@@ -74,7 +75,8 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              quant=quant.QuantPlan(preset="kq", decode=12, rounds=2, load_rounds=1, prefill_reps=1,
                                    rss_preset="bench", rss_stages=(2,)),
              cold=cold.ColdPlan(decode=12, streams=8, stream_tokens=8),
-             threads=threads.ThreadsPlan(preset="bench", rounds=2, calls=6))
+             threads=threads.ThreadsPlan(preset="bench", rounds=2, calls=6),
+             servemem=servemem.ServeMemPlan(preset="bench", dtype="Q8_0", tokens=8, on_demand=False))
 
 
 
@@ -359,6 +361,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "qrss": lambda out: out.update(quant.big_rss(plan.quant, lambda m: rss.prompt(m, rss.RssPlan()))),
         "cold": lambda out: out.update(cold.measure(plan.cold)),
         "threads": lambda out: out.update(threads.measure(plan.threads)),
+        "servemem": lambda out: out.update(servemem.measure(plan.servemem)),
     }
     try:
         for key in sections:

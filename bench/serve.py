@@ -41,9 +41,12 @@ class ServePlan:
 class Endpoint:
     """A pp-serve process on a free port of 127.0.0.1; ``close`` stops it (SIGTERM) and its stages."""
 
-    def __init__(self, stages: int, concurrency: int, env: dict[str, str] | None = None, warm: bool = True):
-        """``warm``: the stages compile every forward before the server listens (PP_WARMUP=1); ``env``: more."""
-        args = ["--stages", str(stages), "--port", "0", "--concurrency", str(concurrency), "--log-level", "warning"]
+    def __init__(self, stages: int, concurrency: int, env: dict[str, str] | None = None, warm: bool = True,
+                 model: str | None = None):
+        """``warm``: the stages compile every forward before the server listens (PP_WARMUP=1); ``env``: more;
+        ``model``: a GGUF file (default: the embedded model)."""
+        args = ["--stages", str(stages), "--port", "0", "--concurrency", str(concurrency), "--log-level", "warning",
+                *(["--model", model] if model else [])]
         env = {**os.environ, **(QUIET if warm else {}), **(env or {})}
         self.proc = subprocess.Popen([sys.executable, "-m", "pp_worker.serve", *args], env=env,
                                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

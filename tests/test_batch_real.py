@@ -29,7 +29,9 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_a_batched_step_is_each_sessions_own_step(model: Path) -> None:
-    chain = Chain(model, 3, MAX_CONTEXT, max_sessions=4, max_batch=4)
+    # float32 KV pages: with float16 ones a key the batched matmul rounds to the other side of an fp16 step moves
+    # the logits by up to ~1e-3, the pages' own rounding (bench/NOTES.md)
+    chain = Chain(model, 3, MAX_CONTEXT, max_sessions=4, max_batch=4, kv_dtype="float32")
     first, middle, last = chain.engines
     row = first.info.hidden_dim * 2
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15]]  # different lengths: different positions per row

@@ -228,6 +228,22 @@ def test_report_endpoint_rows() -> None:
     assert "8 requests, 200 tokens in 4.00 s" in rows["1 concurrent client(s)"].note
 
 
+def test_report_serve_memory_rows() -> None:
+    stage = {"rss_mb": 250.0, "hwm_mb": 260.0, "weight_bytes": 83 << 20, "max_context": 8192, "kv_dtype": "float16",
+             "kv_page_bytes": 3 << 20, "kv_pages_used": 0, "kv_pages_free": 240, "kv_pages_touched": 8}
+    srv = {"ok_s": 20.0, "health": "ok", "burst_s": 30.0, "stages": [stage, stage | {"rss_mb": 300.0}]}
+    raw = {"context": 8192, "slots": 8, "tokens": 48, "floor_mb": 140.0, "pipeline": {"ttft_s": 15.0},
+           "background": srv, "on_demand": srv | {"burst_s": 90.0}}
+    rows = {r.name.strip(): r for r in report.serve_memory(raw)}
+    first, second = (rows[f"stage {i} RSS after 8 x 48-token completions"] for i in (0, 1))
+    assert first.target == 83 + 140 + 64 and (first.verdict, second.verdict) == ("PASS", "MISS")
+    assert rows["max context offered / the model's own"].value == 1.0
+    assert rows["pp-serve cold start to /health ok"].target == 30.0
+    assert rows["pp-serve cold start to /health ok"].verdict == "PASS"
+    assert rows["the same, compiling each size at its first use"].value == 90.0
+    assert report.serve_memory(None)[0].value is None
+
+
 def test_prefill_overlap_and_how_busy_the_stages_kept_the_cores() -> None:
     pre = pipe.Prefill([1.0, 1.0, 2.0], 4.1, 3.8, [1.9, 1.9, 3.8], cores=2)
     assert pre.ratio == pytest.approx(3.8 / 4) and pre.cores_busy == pytest.approx(7.6 / (2 * 4))

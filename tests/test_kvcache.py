@@ -40,7 +40,7 @@ def test_cache_block_copies_the_attention_of_this_tinygrad():
 
 
 def test_default_dtype_per_device():
-    assert default_kv_dtype("CPU") == "float32" and default_kv_dtype("CPU:LLVM") == "float32"
+    assert default_kv_dtype("CPU") == "float16" and default_kv_dtype("CPU:LLVM") == "float16"  # bench/NOTES.md
     assert default_kv_dtype("CUDA") == default_kv_dtype("NV:1") == default_kv_dtype("NULL:CUDA:sm_90") == "float16"
 
 
@@ -68,11 +68,11 @@ def test_fp16_caches_are_exact_against_a_same_cast_reference(model, monkeypatch)
     np.testing.assert_allclose(np.stack(got_logits), ref64, rtol=0, atol=LOGIT_ATOL_FP64)
 
 
-def test_fp16_caches_hold_half_the_bytes(model):
+def test_fp16_pages_hold_half_the_bytes(model):
     wide, narrow = (TinygradEngine(str(model), 1, 2, max_context=MAX_CONTEXT, kv_dtype=d)
                     for d in ("float32", "float16"))
-    blocks, kv_heads, head_dim = 2, 2, 16  # stage 1 of 2 of the tiny preset
-    assert wide.kv_pool.session_bytes == blocks * 2 * kv_heads * MAX_CONTEXT * head_dim * 4
-    assert narrow.kv_pool.session_bytes * 2 == wide.kv_pool.session_bytes
+    blocks, kv_heads, head_dim, page = 2, 2, 16, 256  # stage 1 of 2 of the tiny preset; kvcache.PAGE
+    assert wide.kv_pool.page_bytes == blocks * 2 * kv_heads * page * head_dim * 4
+    assert narrow.kv_pool.page_bytes * 2 == wide.kv_pool.page_bytes
     assert narrow.describe()["kv_dtype"] == "float16"
-    assert narrow.describe()["kv_session_bytes"] == narrow.kv_pool.session_bytes
+    assert narrow.describe()["kv_session_bytes"] == narrow.kv_pool.page_bytes  # MAX_CONTEXT fits one page

@@ -92,7 +92,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
     header = read_header(model)
     kv = header.kv
     first = spawn_real(0, 2, model, PP_MAX_SESSIONS="3")
-    last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float16", PP_PREFILL_CHUNK="16",
+    last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float32", PP_PREFILL_CHUNK="16",
                       PP_THREADS="3")  # more threads than this machine's cores
     try:
         ready = [first.wait_ready(60), last.wait_ready(60)]
@@ -107,10 +107,11 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (r["bos_token"], r["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
         # how each stage runs: the CPU's defaults on stage 0, the environment's choices on stage 1
         head_dim = kv["llama.embedding_length"] // kv["llama.attention.head_count"]
-        kv_bytes = 2 * kv["llama.attention.head_count_kv"] * MAX_CONTEXT * head_dim * (blocks // 2)  # per element byte
+        page = 256  # a session's KV is whole pages (kvcache.PAGE) of every block of the stage
+        kv_bytes = 2 * kv["llama.attention.head_count_kv"] * page * head_dim * (blocks // 2)  # per element byte
         assert [(r["device"], r["prefill_chunk"], r["kv_dtype"], r["kv_session_bytes"], r["kernels"])
-                for r in ready] == [("CPU", 32, "float32", kv_bytes * 4, "c"),
-                                    ("CPU", 16, "float16", kv_bytes * 2, "c")]
+                for r in ready] == [("CPU", 32, "float16", kv_bytes * 2, "c"),
+                                    ("CPU", 16, "float32", kv_bytes * 4, "c")]
         assert [(r["threads"], r["graph"]) for r in ready] == [(len(os.sched_getaffinity(0)), "native"), (3, "native")]
         # what each stage holds: its share of the file (an F16 file: F16 matrices as they are, F32 gains as fp16)
         for r, (start, end) in zip(ready, [compute_layer_range(s, 2, blocks) for s in (0, 1)], strict=True):
@@ -130,7 +131,9 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert status["sessions"] == {"5": len(tokens)} and status["requests_served"] >= 1
             assert (status["bos_token_id"], status["add_bos"], status["max_sessions"]) == \
                 (kv["tokenizer.ggml.bos_token_id"], False, 3)
-            assert status["kv_dtype"] == r["kv_dtype"] and status["kv_caches_allocated"] == 1
+            assert status["kv_dtype"] == r["kv_dtype"]
+            assert (status["kv_pages_used"], status["kv_pages_touched"]) == (1, 1)
+            assert status["kv_pages_used"] + status["kv_pages_free"] == status["kv_bytes"] // status["kv_page_bytes"]
             assert status["threads"] == r["threads"]
             assert status["jits_compiled"] == 1  # a short prompt on a small model: single-token calls, no new size
             assert w.request({"op": "release", "request_id": 5})["released"] is True

@@ -463,9 +463,9 @@ def test_while_the_stages_load_the_port_answers_503_warming(tmp_path: Path) -> N
         proc.wait(30)
 
 
-def test_pp_serve_compiles_before_serving_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pp_serve_compiles_in_the_background_unless_told_otherwise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PP_WARMUP", raising=False)
-    assert _launch(parse_args(["--stub"])).env["PP_WARMUP"] == "1"
+    assert _launch(parse_args(["--stub"])).env["PP_WARMUP"] == "background"
     assert _launch(parse_args(["--stub", "--env", "PP_WARMUP=0"])).env["PP_WARMUP"] == "0"
     monkeypatch.setenv("PP_WARMUP", "0")  # the operator's environment, which the stages inherit
     assert "PP_WARMUP" not in _launch(parse_args(["--stub"])).env

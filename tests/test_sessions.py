@@ -1,8 +1,9 @@
-"""SessionTable rules, without tinygrad: positions, rewind, overflow, LRU eviction and its event."""
+"""SessionTable rules, without tinygrad: positions, rewind, overflow, LRU eviction and its event, and the pages a
+session holds: taken as it grows, given back on release, eviction and rewind, the least recently used session
+evicted when the pool runs out, and a clear refusal that leaves every session as it was when even that is not
+enough."""
 
 from __future__ import annotations
-
-import itertools
 
 import pytest
 
@@ -18,23 +19,28 @@ class Recorder:
         self.events.append((kind, fields))
 
 
-class CountingPool:
-    """Caches are numbers; released ones are reused, as the engine's KVPool does."""
+class Pages:
+    """Pages are numbers; the last one given back goes out first, as the engine's KVPool does."""
 
-    def __init__(self) -> None:
-        self.counter = itertools.count()
-        self.free: list[int] = []
+    def __init__(self, n_pages: int = 64, page: int = 4) -> None:
+        self.page, self.n_pages, self.page_bytes = page, n_pages, 100
+        self._free = list(range(n_pages - 1, -1, -1))
 
-    def acquire(self) -> int:
-        return self.free.pop() if self.free else next(self.counter)
+    @property
+    def free(self) -> int:
+        return len(self._free)
 
-    def release(self, cache: int) -> None:
-        self.free.append(cache)
+    def take(self) -> int:
+        return self._free.pop()
+
+    def give(self, pages: list[int]) -> None:
+        assert not set(pages) & set(self._free), "a page given back twice"
+        self._free.extend(reversed(pages))
 
 
-def table(max_sessions: int = 4, max_context: int = 64) -> tuple[SessionTable, Recorder]:
+def table(max_sessions: int = 4, max_context: int = 64, n_pages: int = 64) -> tuple[SessionTable, Recorder]:
     rec = Recorder()
-    return SessionTable(max_sessions, max_context, CountingPool(), emit=rec), rec
+    return SessionTable(max_sessions, max_context, Pages(n_pages), emit=rec), rec
 
 
 def step(t: SessionTable, rid: int, position: int, seq_len: int):
@@ -51,9 +57,9 @@ def test_position_zero_creates_and_appends():
     assert t.positions() == {7: 6}
 
 
-def test_each_session_gets_its_own_cache():
+def test_each_session_gets_its_own_pages():
     t, _ = table()
-    assert step(t, 1, 0, 1).cache != step(t, 2, 0, 1).cache
+    assert not set(step(t, 1, 0, 9).pages) & set(step(t, 2, 0, 9).pages)
 
 
 def test_gap_is_refused_naming_both_numbers():
@@ -115,7 +121,8 @@ def test_lru_evicts_the_least_recently_used_and_says_so():
     step(t, 1, 4, 1)  # 1 is now the most recent, so 2 goes first
     step(t, 3, 0, 1)
     assert t.positions() == {1: 5, 3: 1}
-    assert rec.events == [("session_evicted", {"session": 2, "positions": 2, "max_sessions": 2})]
+    assert rec.events == [("session_evicted", {"session": 2, "positions": 2, "max_sessions": 2,
+                                               "reason": "max_sessions"})]
     assert all("request_id" not in fields for _, fields in rec.events)
     with pytest.raises(EngineError, match="session 2 was evicted"):
         t.begin(2, 2, 1)
@@ -164,16 +171,66 @@ def test_release():
 
 def test_max_sessions_must_be_positive():
     with pytest.raises(ValueError):
-        SessionTable(0, 16, CountingPool())
+        SessionTable(0, 16, Pages())
 
 
-def test_released_and_evicted_caches_go_back_to_the_pool_and_are_reused():
+def test_released_and_evicted_pages_go_back_to_the_pool_and_are_reused():
     t, _ = table(max_sessions=2)
-    a, b = step(t, 1, 0, 1).cache, step(t, 2, 0, 1).cache
+    a, b = step(t, 1, 0, 1).pages, step(t, 2, 0, 1).pages
     assert t.release(1)
-    assert step(t, 3, 0, 1).cache == a  # session 1's cache, reused
-    assert step(t, 4, 0, 1).cache == b  # evicts 2 (the least recently used), reuses its cache
-    assert {s.cache for s in t._live.values()} == {a, b}  # no live session shares a cache
+    assert step(t, 3, 0, 1).pages == a  # session 1's page, reused
+    assert step(t, 4, 0, 1).pages == b  # evicts 2 (the least recently used), reuses its page
+    assert t._pool.free == 62
+
+
+# --- pages ---------------------------------------------------------------------------------------------------------
+
+def test_pages_grow_with_the_positions():
+    t, _ = table()  # pages of 4 positions
+    s = step(t, 1, 0, 4)
+    assert len(s.pages) == 1
+    step(t, 1, 4, 1)  # position 4 opens the second page
+    assert len(s.pages) == 2
+    step(t, 1, 5, 6)  # up to position 10: the third
+    assert len(s.pages) == 3 and len(set(s.pages)) == 3 and t._pool.free == 61
+
+
+def test_a_rewind_gives_back_the_pages_past_the_step():
+    t, _ = table()
+    s = step(t, 1, 0, 11)
+    first, second = s.pages[0], s.pages[1]
+    step(t, 1, 2, 1)  # rewound to position 2: positions [0, 3) left, one page
+    assert s.pages == [first] and t._pool.free == 63
+    assert step(t, 2, 0, 1).pages == [second]  # pages given back go out before the untouched ones
+
+
+def test_a_full_pool_evicts_the_least_recently_used_session():
+    t, rec = table(n_pages=4)
+    step(t, 1, 0, 8)  # 2 pages
+    step(t, 2, 0, 4)  # 1 page
+    step(t, 1, 8, 1)  # 1 is the most recent again, and holds 3 pages: the pool is full
+    step(t, 3, 0, 2)  # needs 1: 2 goes
+    assert t.positions() == {1: 9, 3: 2}
+    assert rec.events == [("session_evicted", {"session": 2, "positions": 4, "max_sessions": 4,
+                                               "reason": "kv_pages"})]
+    with pytest.raises(EngineError, match="session 2 was evicted"):
+        t.begin(2, 4, 1)
+
+
+def test_a_step_that_cannot_get_its_pages_is_refused_with_the_numbers_and_changes_nothing():
+    t, rec = table(n_pages=4)
+    a = step(t, 1, 0, 8)  # 2 pages
+    b = step(t, 2, 0, 8)  # 2 pages: the pool is full
+    before = (t.positions(), list(a.pages), list(b.pages))
+    with pytest.raises(EngineError, match=r"session 1 needs 1 more page\(s\) of 4 positions .* the pool has 4 pages "
+                       r"\(400 bytes, PP_KV_BYTES\), 0 free, 2 held by this session, 2 by the others of this step, "
+                       r"0 by sessions it may evict"):
+        t.begin(1, 8, 1, keep=[1, 2])  # a batch of both: neither may be evicted for the other
+    with pytest.raises(EngineError, match="session 3 needs 5 more page"):
+        t.begin(3, 0, 20)  # more than the whole pool: nobody is evicted for nothing
+    assert (t.positions(), a.pages, b.pages) == before and t._pool.free == 0 and not rec.events
+    step(t, 1, 8, 1)  # alone, it may evict 2
+    assert t.positions() == {1: 9}
 
 
 # --- the seed's callers: one generation, a new request id at every step ------------------------------------------

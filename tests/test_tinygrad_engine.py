@@ -63,7 +63,9 @@ def chain(models):
 
     def get(dtype: str, num_stages: int, keep_quantized: bool = True) -> Chain:
         if (dtype, num_stages, keep_quantized) not in built:
-            built[dtype, num_stages, keep_quantized] = Chain(models[dtype], num_stages, keep_quantized=keep_quantized)
+            # float32 KV pages: the same-cast reference's (float16 ones are checked against theirs in test_kvcache)
+            built[dtype, num_stages, keep_quantized] = Chain(models[dtype], num_stages, keep_quantized=keep_quantized,
+                                                             kv_dtype="float32")
         return built[dtype, num_stages, keep_quantized]
 
     return get
@@ -127,7 +129,8 @@ def test_tied_embeddings_head_uses_the_embedding_matrix(models):
 
 
 def test_interleaved_generations_match_solo(chain, prompts):
-    """The JIT trap: caches must be JIT arguments. Swapping block.cache_kv under the JIT fails this test."""
+    """The JIT trap: what changes per session must reach the JIT as arguments (the pool, bound pages and offsets, the
+    page table's contents). A session's cache swapped in as a block attribute under the JIT fails this test."""
     c = chain("F16", 4)  # two middle stages
     solo = [c.generate(10 + i, p, N_TOKENS)[0] for i, p in enumerate(prompts)]
     rids = [20, 21, 22]
@@ -156,16 +159,16 @@ def test_rewind_reuses_the_prefix_and_overwrites_the_rest(chain, prompts):
     assert c.engines[0].sessions()[30] == k + len(b) + 7
 
 
-def test_a_released_sessions_caches_are_reused_and_not_held_by_the_blocks(models, prompts):
+def test_a_released_sessions_pages_are_reused_and_not_held_by_the_blocks(models, prompts):
     c = Chain(models["F16"], 2)
     first = c.engines[0]
     want = c.generate(1, prompts[1], N_TOKENS)[0]
     c.release(1)
-    assert all(not hasattr(b, "cache_kv") for e in c.engines for b in e._w.blocks), "a block keeps a session's cache"
-    c.generate(2, prompts[2], 4)  # reuses session 1's caches, leaving them full of its own keys and values
+    assert all(not hasattr(b, "kv") for e in c.engines for b in e._w.blocks), "a block keeps a session's pages"
+    c.generate(2, prompts[2], 4)  # reuses session 1's page, leaving it full of its own keys and values
     c.release(2)
-    assert c.generate(3, prompts[1], N_TOKENS)[0] == want  # stale contents of a reused cache never leak in
-    assert first.kv_pool.allocated == 1, "a released session's caches were not reused"
+    assert c.generate(3, prompts[1], N_TOKENS)[0] == want  # stale contents of a reused page never leak in
+    assert first.kv_pool.touched == 1, "a released session's page was not reused"
 
 
 def test_context_overflow_is_refused_before_compute(chain):
@@ -281,7 +284,7 @@ def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, p
     calls while they cost less than compiling a size of the ladder (here, a small model: ~ms a call), with the
     logits of the every-size chain; once a single-token call costs as much as compiling (a big model's), the sizes
     the prompt fills compile."""
-    lazy, eager = Chain(models["F16"], 2, every_size=False), chain("F16", 2)
+    lazy, eager = Chain(models["F16"], 2, every_size=False, kv_dtype="float32"), chain("F16", 2)  # eager's KV dtype
     for e in lazy.engines:
         e.warmup(full=False)
     stages = [e._stage for e in lazy.engines]
@@ -341,7 +344,7 @@ def test_eviction_then_evicted_and_unknown_sessions(small_table):
     engine.embed_and_forward(3, [5], 0)
     assert engine.sessions() == {1: 4, 3: 1}
     evicted = [f for kind, f in events if kind == "session_evicted"]
-    assert evicted == [{"session": 2, "positions": 3, "max_sessions": 2}]
+    assert evicted == [{"session": 2, "positions": 3, "max_sessions": 2, "reason": "max_sessions"}]
     with pytest.raises(EngineError, match="session 2 was evicted"):
         engine.embed_and_forward(2, [9], 3)
     with pytest.raises(EngineError, match="unknown session 99 at position 5"):
@@ -441,7 +444,7 @@ def test_context_length_rule():
     assert context_length(kv, None) == 512
     assert context_length(kv, 100) == 100
     assert context_length(kv, 10_000) == 512  # never past what the model was trained for
-    assert context_length({**kv, "llama.context_length": 131072}, None) == 4096  # the cap
+    assert context_length({**kv, "llama.context_length": 131072}, None) == 131072  # no cap: the KV pool decides
     assert context_length({**kv, "llama.context_length": 131072}, 8192, cap=8192) == 8192
     with pytest.raises(ModelLoadError):
         context_length(kv, 0)
@@ -499,7 +502,7 @@ def test_non_llama_architecture_is_loaded_like_tinygrad(models, tmp_path):
 
     path = _copy(models["F16"], tmp_path / "qwen3.gguf", to_qwen3)
     assert read_header(path).kv["general.architecture"] == "qwen3"
-    c = Chain(path, 2)
+    c = Chain(path, 2, kv_dtype="float32")  # the same-cast reference's KV dtype
     prompt = c.engines[0].tokenize(TEXTS[0])
     got, got_logits = c.generate(0, prompt, 8)
     want, want_logits = SameCastReference(path, MAX_CONTEXT).generate(prompt, 8, c.boundaries)

@@ -52,15 +52,15 @@ def _buffers(t: Tensor) -> list[UOp]:
 
 def _run(w: StageWeights, decode_steps: int = 4) -> tuple[CompiledStage, list[np.ndarray]]:
     """A prompt of PROMPT tokens (or rows), then ``decode_steps`` decode calls (the JIT captures and replays)."""
-    stage = CompiledStage(w, 4)
-    cache = KVPool(w.config, len(w.blocks), 1).acquire()
+    pool = KVPool(w.config, len(w.blocks), w.config.max_context, 1)  # one page: a whole context
+    stage = CompiledStage(w, pool, 4)
     rng = np.random.default_rng(1)
     n = PROMPT + decode_steps
     values = rng.integers(0, w.config.vocab_size, n).astype(np.int32) if w.shard.is_first else \
         rng.standard_normal((n, w.config.dim)).astype(np.float16)
     outs, pos = [], 0
     for size in (4, 2, 1, *[1] * decode_steps):
-        outs.append(stage.run(values[pos:pos + size], cache, pos).numpy().astype(np.float32))
+        outs.append(stage.run(values[pos:pos + size], pos, (0, pos), [0]).numpy().astype(np.float32))
         pos += size
     return stage, outs
 

@@ -8,6 +8,7 @@ from pp_worker.driver.generation import RECENT_TOKENS, Sampling
 from pp_worker.driver.pipeline import SCHEDULES
 from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
 from pp_worker.driver.stage_proc import Launch
+from pp_worker.worker.engines.pool import parse_bytes
 
 WIRE_DTYPES = ("f16", "q8")  # worker.q8.WIRE_DTYPES; the driver imports nothing of the worker
 MAX_LOGIT_BIAS = 100.0  # worker.protocol.MAX_LOGIT_BIAS, as OpenAI
@@ -29,6 +30,8 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     help="hidden states between stages: f16 (the default, exact) or q8 (int8 with a scale per token: "
                     "about half the bytes, not bit-exact); sets PP_WIRE_DTYPE for the workers")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
+    ap.add_argument("--kv-memory", metavar="BYTES", help="each stage's KV pool cap, e.g. 512M or 2G (PP_KV_BYTES; "
+                    "default: a share of the memory free once the stage's weights are in)")
     ap.add_argument("--max-tokens", type=int, default=64, help=max_tokens_help)
     ap.add_argument("--prefill-chunk", type=int, metavar="N",
                     help="pipeline a longer prompt through the stages in chunks of N tokens, so stage s+1 works while "
@@ -81,6 +84,11 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
         ap.error("--env takes K=V")
     if args.ray_num_cpus < 0 or args.ray_num_gpus < 0:
         ap.error("--ray-num-cpus and --ray-num-gpus must be >= 0")
+    if args.kv_memory is not None:
+        try:
+            parse_bytes(args.kv_memory)
+        except ValueError as e:
+            ap.error(f"--kv-memory: {e}")
 
 
 def launch_from(args: argparse.Namespace) -> Launch:
@@ -89,6 +97,8 @@ def launch_from(args: argparse.Namespace) -> Launch:
         env["MAX_CONTEXT"] = str(args.max_context)
     if args.wire_dtype:
         env["PP_WIRE_DTYPE"] = args.wire_dtype
+    if args.kv_memory:
+        env["PP_KV_BYTES"] = str(parse_bytes(args.kv_memory))
     ray = RayPlacement(args.ray_address, args.ray_num_cpus, args.ray_num_gpus) if args.launcher == RAY_LAUNCHER \
         else None
     return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray)

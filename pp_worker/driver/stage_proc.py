@@ -26,7 +26,8 @@ from pp_worker.wire import to_line, widen_pipe
 STDERR_TAIL = 50
 # Forwarded to workers started through a launcher (a local child inherits the whole environment anyway).
 PASS_THROUGH = ("MAX_CONTEXT", "PP_MAX_SESSIONS", "PP_WARMUP", "PP_HEARTBEAT_S", "PP_MAX_LINE_BYTES",
-                "PP_STUB_DELAY_MS", "PP_PREFILL_CHUNK", "PP_KV_DTYPE", "PP_WIRE_DTYPE", "PP_MAX_BATCH", "PP_BEAM",
+                "PP_STUB_DELAY_MS", "PP_PREFILL_CHUNK", "PP_KV_DTYPE", "PP_KV_BYTES", "PP_WIRE_DTYPE", "PP_MAX_BATCH",
+                "PP_BEAM",
                 "PP_KERNELS", "PP_PINNED_HOST", "PP_CACHE", "PP_CACHE_DIR", "PP_THREADS", "PP_HOST_STAGES",
                 "DEV", "CPU", "CUDA", "GPU", "METAL", "AMD", "NV", "JIT", "DEBUG", "BEAM", "HALF", "CACHEDB")
 _SSH_OPTS_WITH_ARG = set("BbcDEeFIiJLlmOopQRSWw")  # ssh(1): the options that take an argument

@@ -5,8 +5,9 @@ completions API in front of them.
     pp-serve --model my.gguf --stages 4 --host 0.0.0.0 --concurrency 8
     pp-serve --launcher ray --ray-num-gpus 1 --model /models/m.gguf --stages 4
 
-While the stages load and compile every forward (PP_WARMUP=1 unless set otherwise) the port answers 503,
-``/health`` saying ``warming`` (serve.warming); then the API (progress on stderr); ``--port 0`` picks a free port.
+While the stages load and compile their decode forward the port answers 503, ``/health`` saying ``warming``
+(serve.warming); then the API, while each stage compiles its other forwards in the background (PP_WARMUP=background
+unless set otherwise: no request waits on a compile) (progress on stderr); ``--port 0`` picks a free port.
 The sampling flags and ``--max-tokens`` are the defaults for requests that leave those fields out (with neither:
 argmax, 64 tokens).
 A stage that dies or freezes is replaced (``--restarts``); a signal drains the requests in flight first
@@ -108,11 +109,12 @@ def listen(host: str, port: int) -> socket.socket:
 
 def _launch(args: argparse.Namespace) -> Launch:
     """As pp-pipeline's, with room for every generation in flight (each holds a KV session on every stage, and a
-    worker evicting one that is still running would fail its next step, and with it the pipeline), and with every
-    forward compiled before the stages are ready (PP_WARMUP=1: a server that says ok answers at full speed; from the
-    second start on, the compiled forwards come from the cache). The operator's own settings win."""
+    worker evicting one that is still running would fail its next step, and with it the pipeline), and with the
+    forwards other than decode compiled in the background (PP_WARMUP=background: the server says ok once the decode
+    forwards are ready, and meanwhile runs prefills and batches in the sizes already compiled; from the second start
+    on, every forward comes from the cache). The operator's own settings win."""
     launch = launch_from(args)
-    env = {"PP_MAX_SESSIONS": str(args.concurrency), "PP_WARMUP": "1"}
+    env = {"PP_MAX_SESSIONS": str(args.concurrency), "PP_WARMUP": "background"}
     return dataclasses.replace(launch, env={**{k: v for k, v in env.items() if k not in os.environ}, **launch.env})
 
 

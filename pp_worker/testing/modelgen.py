@@ -61,6 +61,9 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     # TinyLlama-1.1B's shape (2.2 GB F16): the DRAM-bound bench model, its stages' shares far beyond any L3
     "tinyllama": (LlamaSpec(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, context_length=2048,
                             vocab_size=32000), 1741),
+    # SmolLM2-135M's shape (30 blocks, dim 576, 3 KV heads, tied embeddings, context 8192): pp-serve's memory bench
+    "smol": (LlamaSpec(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, context_length=8192,
+                       vocab_size=49152, tie_embeddings=True), 1741),
 }
 
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")

@@ -11,6 +11,7 @@ import gc
 import os
 import re
 import signal
+import subprocess
 import sys
 import threading
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from pp_worker import DEFAULT_MODEL
 from pp_worker.wire import b64_len
 from pp_worker.worker.dispatch import Worker, model_fields
 from pp_worker.worker.engines.base import Engine
+from pp_worker.worker.engines.pool import PoolError, parse_bytes
 from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, start_heartbeat
 from pp_worker.worker.loop import LineReader, LoopState, serve
 from pp_worker.worker.q8 import SCALE_BYTES, WIRE_DTYPES
@@ -28,7 +30,8 @@ from pp_worker.worker.watchdog import start_watchdog
 
 _ASCII_INT = re.compile(r"[0-9]{1,9}")
 KV_DTYPE_NAMES = ("float32", "float16")  # engines.kvcache.KV_DTYPES, named here so stub mode never imports tinygrad
-KERNEL_NAMES = ("c", "tinygrad")  # engines.weights.KERNELS, named here so stub mode never imports tinygrad
+KERNEL_NAMES = ("c", "tinygrad")
+WARMUPS = ("0", "1", "background")  # engines.weights.KERNELS, named here so stub mode never imports tinygrad
 _LINE_HEADROOM = 1 << 20  # JSON envelope, token lists and sampling fields around the largest payload
 
 
@@ -46,7 +49,7 @@ class Config:
     max_sessions: int
     heartbeat_s: float
     max_line_bytes: int | None
-    warmup: bool
+    warmup: str  # PP_WARMUP: "1" every JIT before ready, "0" decode only, "background" (see `start_background`)
     stub_delay_ms: int = 0
     stub_busy_file: str | None = None  # PP_STUB_BUSY_FILE (engines.stub)
     max_batch: int = 8  # sessions one batched decode step advances at most
@@ -59,6 +62,9 @@ class Config:
     kernels: str | None = None  # PP_KERNELS: "c" (the CPU's C kernels and native replays) or "tinygrad"
     pinned_host: bool | None = None  # PP_PINNED_HOST: outputs copied into host memory from the device's allocator
     threads: int = 1  # PP_THREADS: the CPU threads every kernel splits over (default_threads)
+    kv_bytes: int | None = None  # PP_KV_BYTES: the KV pool's cap; None: sized from the free memory (engines.pool)
+    host_stages: int = 1  # PP_HOST_STAGES: stages started on this host (they share its cores and memory)
+    precompile: bool = False  # PP_PRECOMPILE: compile every JIT into the cache, then exit (the background child)
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -76,6 +82,16 @@ def _env_switch(env: dict[str, str], name: str) -> bool | None:
     if raw not in ("", "0", "1"):
         raise ConfigError(f"{name}={env[name]!r} is invalid: expected 1 or 0")
     return raw == "1" if raw else None
+
+
+def _env_bytes(env: dict[str, str], name: str) -> int | None:
+    raw = env.get(name, "")
+    if not raw.strip():
+        return None
+    try:
+        return parse_bytes(raw)
+    except ValueError as e:
+        raise ConfigError(f"{name}={raw!r} is invalid: {e}") from None
 
 
 def _env_flag(env: dict[str, str], name: str) -> bool:
@@ -122,7 +138,8 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   model=(args.model or env.get("MODEL", "")).strip() or str(DEFAULT_MODEL),
                   max_context=max_context, max_sessions=_env_int(env, "PP_MAX_SESSIONS", 8, low=1) or 8,
                   heartbeat_s=_env_seconds(env, "PP_HEARTBEAT_S", 30.0),
-                  max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024), warmup=_env_flag(env, "PP_WARMUP"),
+                  max_line_bytes=_env_int(env, "PP_MAX_LINE_BYTES", low=1024),
+                  warmup=_env_choice(env, "PP_WARMUP", WARMUPS) or "0",
                   stub_delay_ms=_env_int(env, "PP_STUB_DELAY_MS", 0) or 0,
                   stub_busy_file=env.get("PP_STUB_BUSY_FILE") or None,
                   max_batch=_env_int(env, "PP_MAX_BATCH", 8, low=1) or 8,
@@ -131,7 +148,9 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16",
                   beam=_env_int(env, "PP_BEAM", 0) or 0, exit_on_eof=_env_flag(env, "PP_EXIT_ON_EOF"),
                   kernels=_env_choice(env, "PP_KERNELS", KERNEL_NAMES), pinned_host=_env_switch(env, "PP_PINNED_HOST"),
-                  threads=default_threads(env))
+                  threads=default_threads(env), kv_bytes=_env_bytes(env, "PP_KV_BYTES"),
+                  host_stages=_env_int(env, "PP_HOST_STAGES", 1, low=1) or 1,
+                  precompile=_env_flag(env, "PP_PRECOMPILE"))
 
 
 def default_threads(env: dict[str, str]) -> int:
@@ -172,15 +191,32 @@ def build_engine(cfg: Config, events: Events) -> Engine:
                                 max_sessions=cfg.max_sessions, max_batch=cfg.max_batch,
                                 prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype, beam=cfg.beam,
                                 kernels=cfg.kernels, pinned_host=cfg.pinned_host, lean=True, threads=cfg.threads,
-                                emit=events.emit)
+                                kv_bytes=cfg.kv_bytes, host_stages=cfg.host_stages, emit=events.emit)
     except Exception:
         if recalled:  # perhaps the device, not the model: the next start lets tinygrad pick again
             device_pick.forget()
         raise
     if not operators and not recalled:
         device_pick.remember(engine.device)
-    engine.warmup(full=cfg.warmup)  # without PP_WARMUP, the decode JIT only (TinygradEngine.warmup)
+    # PP_WARMUP=1: every JIT before ready; else the decode JIT only (TinygradEngine.warmup), the rest compiled at
+    # first use or, with "background", by a child process into the cache (start_background)
+    engine.warmup(full=cfg.warmup == "1" or cfg.precompile)
     return engine
+
+
+def start_background(engine: Engine, cfg: Config) -> subprocess.Popen[bytes] | None:
+    """PP_WARMUP=background: the JITs not compiled yet are compiled by a child process into the compiled-forward
+    cache (this stage's settings, at a lower priority), and until a size is there this stage runs without it
+    (prefills in the sizes it has, batches split into smaller ones, down to the decode JIT): no request waits on a
+    compile, and each size is restored from the cache at its next use. None when there is nothing to compile or no
+    cache to compile into (then sizes compile at their first use, as with PP_WARMUP=0)."""
+    if not engine.defer_compiles():
+        return None
+    env = {**os.environ, "PP_PRECOMPILE": "1", "PP_WARMUP": "1", "MODEL": cfg.model, "STAGE": str(cfg.stage),
+           "NUM_STAGES": str(cfg.num_stages), "MAX_CONTEXT": str(engine.info.max_context),
+           "PP_THREADS": str(cfg.threads), **engine.cache_settings()}
+    return subprocess.Popen([sys.executable, "-m", "pp_worker"], env=env, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
 
 
 def ready_line(engine: Engine, cfg: Config, clock: Clock) -> dict[str, object]:
@@ -265,7 +301,7 @@ def _load(cfg: Config, events: Events) -> Engine | None:
     except Exception as e:  # any load failure is reported the same way
         from pp_worker.worker.gguf.header import ModelLoadError
 
-        if not isinstance(e, ModelLoadError):  # unexpected: the traceback helps; an expected one says it all
+        if not isinstance(e, (ModelLoadError, PoolError)):  # unexpected: the traceback helps; an expected one says it
             import traceback
 
             traceback.print_exc(file=sys.stderr)
@@ -284,14 +320,21 @@ def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, 
         print(f"pp_worker: PP_WIRE_DTYPE=q8 is invalid for hidden_dim {SCALE_BYTES}: a q8 payload would be as long "
               "as an f16 one, so a receiver could not tell them apart", file=sys.stderr, flush=True)
         return 2
+    if cfg.precompile:
+        return 0  # the background child: every JIT is compiled and kept on disk (build_engine's warm-up)
     worker = Worker(engine, clock, cfg.model if not cfg.stub else "stub", cfg.wire_dtype)
+    child = start_background(engine, cfg) if cfg.warmup == "background" else None
     info = engine.info
     cap = cfg.max_line_bytes or b64_len(info.max_context * info.hidden_dim * 2) + _LINE_HEADROOM
     out.write(ready_line(engine, cfg, clock))
     events.emit("ready", pid=os.getpid(), stage=cfg.stage, uptime_ms=clock.uptime_ms(), rss_mb=rss_mb())
     events.emit("pp_worker_ready", pid=os.getpid(), uptime_ms=clock.uptime_ms())
     state.loading = False
-    reason = serve(LineReader(sys.stdin.buffer, cap, wake_fd=wake_r), out, worker, state)
+    try:
+        reason = serve(LineReader(sys.stdin.buffer, cap, wake_fd=wake_r), out, worker, state)
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()  # what it compiled so far is on disk; the rest is for the next start
     stop_watchdog.set()  # from here this thread writes the last line and exits
     if reason == "stdout_closed":
         print(f"pp_worker: stage {cfg.stage}: stdout closed by the reader; exiting", file=sys.stderr, flush=True)

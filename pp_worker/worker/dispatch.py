@@ -171,7 +171,7 @@ def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Repl
     return {"stage": s.stage, "num_stages": s.num_stages, "role": s.role.value, "layer_range": [s.start, s.end],
             "model": w.model, "pid": os.getpid(), "sessions": {str(k): v for k, v in w.engine.sessions().items()},
             "requests_served": w.clock.requests_served, "batched_requests": w.batched, "uptime_ms": w.clock.uptime_ms(),
-            "rss_mb": rss_mb(), **model_fields(w.engine, w.wire_dtype)}
+            "rss_mb": rss_mb(), "max_context": w.engine.info.max_context, **model_fields(w.engine, w.wire_dtype)}
 
 
 def model_fields(engine: Engine, wire_dtype: str) -> Reply:

@@ -1,4 +1,4 @@
-"""One token's attention over a session's KV cache as one hand-written C kernel, for decode on the CPU.
+"""A session's attention over its KV pages as one hand-written C kernel, for decode and prefill on the CPU.
 
 tinygrad runs a decode token's attention as five kernels a block, each on one thread: the scores, the softmax's
 max, sum and scaling, and the weighted values. The scores kernel reads the cache through tinygrad's view of the
@@ -6,7 +6,12 @@ transposed, GQA-repeated slice, with a division and a remainder by the symbolic 
 model at position 100 a block's attention took 0.1 ms, a third of a stage's decode call (bench/NOTES.md). This
 kernel does all of it in one pass per key head: each key and value, read once as 16-wide vectors, serves every
 query head of its group, with an online softmax (running max and sum, rescaled per chunk of keys) so no buffer
-grows with the position. The key heads split over the threads.
+grows with the position. The key heads (and a prefill call's tokens) split over the threads.
+
+The keys and values live in the stage's pool of pages (`engines.kvcache`): the kernel reads a session's through its
+page table, one int32 row per session of a (sessions, max_pages) buffer, so it reads only the pages the session
+holds, and the compiled forward stays one JIT whichever pages those are (the table's contents change per call, not
+its buffer).
 
 Same math as tinygrad's `scaled_dot_product_attention` in float32 (q . k / sqrt(head_dim), softmax, weighted sum
 of values), summed in another order: results agree to rounding, not bit for bit (the tests compare with numpy).
@@ -17,6 +22,7 @@ forward, like the products.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import DType
@@ -34,24 +40,45 @@ def supported(n_heads: int, n_kv_heads: int, head_dim: int) -> bool:
     return head_dim % 16 == 0 and n_heads % n_kv_heads == 0
 
 
-def source(name: str, n_heads: int, n_kv_heads: int, head_dim: int, max_context: int, dtype: DType,
-           threads: int) -> str:
-    ctype, half = CACHE_TYPES[dtype]
-    defines = {"NAME": name, "PP_HEADS": n_heads, "PP_KV_HEADS": n_kv_heads, "PP_HEAD_DIM": head_dim,
-               "PP_CONTEXT": max_context, "PP_CHUNK": CHUNK, "PP_THREADS": threads,
-               "PP_SCALE": f"{math.sqrt(head_dim)!r}f", "CT": ctype, "IS_HALF": half}
+@dataclass(frozen=True)
+class Shape:
+    """What a kernel is compiled for: the heads, the tokens per call, the pool's page layout and dtype, threads."""
+
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    tokens: int
+    rows: int  # blocks in a page
+    page: int  # positions in a page
+    max_pages: int  # entries in a session's row of the page table
+    dtype: DType
+    threads: int
+
+    @property
+    def name(self) -> str:
+        return (f"attend_{self.n_heads}_{self.n_kv_heads}_{self.head_dim}_t{self.tokens}_r{self.rows}_p{self.page}"
+                f"_m{self.max_pages}_{self.dtype.name}_{self.threads}")
+
+
+def source(s: Shape) -> str:
+    ctype, half = CACHE_TYPES[s.dtype]
+    defines = {"NAME": s.name, "PP_HEADS": s.n_heads, "PP_KV_HEADS": s.n_kv_heads, "PP_HEAD_DIM": s.head_dim,
+               "PP_TOKENS": s.tokens, "PP_ROWS": s.rows, "PP_PAGE": s.page, "PP_MAX_PAGES": s.max_pages,
+               "PP_CHUNK": CHUNK, "PP_THREADS": s.threads, "PP_SCALE": f"{math.sqrt(s.head_dim)!r}f", "CT": ctype,
+               "IS_HALF": half}
     return unit(defines, ["common.h", "attention.c"])
 
 
-def attend(q: Tensor, cache: Tensor, row: int, start_pos: UOp) -> Tensor:
-    """Attention of one token's queries ``q`` (1, H, 1, D) over positions [0, start_pos] of block ``row`` of
-    ``cache`` (rows, 2, 1, KvH, max_context, D), whose store of this token's key and value must come first (pass the
-    cache after it): (1, 1, H * D) float32."""
-    _, n_heads, _, head_dim = q.shape
-    n_kv_heads, max_context = cache.shape[3], cache.shape[4]
-    threads = max(1, min(CPU_COUNT.value, n_kv_heads))
-    name = f"attend_{n_heads}_{n_kv_heads}_{head_dim}_{max_context}_{cache.dtype.name}_{threads}"
-    src = source(name, n_heads, n_kv_heads, head_dim, max_context, cache.dtype, threads)
-    out = Tensor.empty(n_heads * head_dim, dtype=dtypes.float32, device=q.device)
-    qs = q.reshape(n_heads * head_dim).cast(dtypes.float32).contiguous()
-    return launch(name, src, (out, cache, qs), (row,), threads, (start_pos,)).reshape(1, 1, n_heads * head_dim)
+def attend(q: Tensor, pool: Tensor, table: Tensor, row: int, table_row: int, start_pos: UOp) -> Tensor:
+    """Attention of T tokens' queries ``q`` (1, H, T, D) at positions start_pos .. start_pos + T - 1, token t over
+    positions [0, start_pos + t] of block ``row`` of one session's pages of ``pool`` (pages, rows, 2, KvH, page, D),
+    found through row ``table_row`` of ``table`` (sessions, max_pages) int32. The store of these tokens' keys and
+    values must come first (pass the pool after it): (1, T, H * D) float32."""
+    _, n_heads, tokens, head_dim = q.shape
+    _, rows, _, n_kv_heads, page, _ = pool.shape
+    threads = max(1, min(CPU_COUNT.value, n_kv_heads * tokens))
+    shape = Shape(n_heads, n_kv_heads, head_dim, tokens, rows, page, table.shape[-1], pool.dtype, threads)
+    out = Tensor.empty(tokens * n_heads * head_dim, dtype=dtypes.float32, device=q.device)
+    qs = q.reshape(n_heads, tokens, head_dim).transpose(0, 1).cast(dtypes.float32).contiguous()  # (T, H, D)
+    return launch(shape.name, source(shape), (out, pool, qs, table), (row, table_row), threads,
+                  (start_pos,)).reshape(1, tokens, n_heads * head_dim)

@@ -81,3 +81,9 @@ class Engine(Protocol):
 
     def describe(self) -> dict[str, Any]:
         """How this stage runs (device, KV cache dtype and size...), for the ready line and `status`."""
+
+    def defer_compiles(self) -> bool:
+        """Use only what is compiled or kept on disk from now on; True when a background compile has work to do."""
+
+    def cache_settings(self) -> dict[str, str]:
+        """The environment a background compile of this stage needs besides the worker's own."""

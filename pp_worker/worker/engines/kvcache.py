@@ -1,17 +1,29 @@
-"""The KV caches of one stage: per session, one (n_blocks, 2, 1, KvH, max_context, Hd) tensor (block j's cache is
-its row j), in a dtype chosen per device; a pool that allocates them and hands a released session's cache to the
-next session instead of allocating again; and the block that stores into a cache of any dtype.
+"""The KV memory of one stage: a pool of pages, each holding ``page`` positions of every block of the stage,
+(n_pages, n_blocks, 2, KvH, page, Hd) in a dtype chosen per device; and the block that stores a token's keys and
+values into a session's page and attends over the pages it holds.
 
-One tensor rather than one per block: the cache is a JIT argument, and tinygrad prepares every tensor argument on
-every call (~60 us each on the development machine), so a 16-block stage would pay that 16 times per token.
+A session holds the pages its positions fill (`sessions.SessionTable`: taken as it grows, given back on release,
+eviction or rewind). The pool is one buffer the compiled forwards hold like a weight: what changes per call is
+which page a call writes and at which offset (bound variables, as the position is), and on the CPU's C kernels the
+session's page table (a small int32 buffer written before the call). On the CPU the buffer is mapped memory that the
+OS backs only where it is written, so a stage's KV memory grows with the pages its sessions have used; a freed page
+is reused before a new one is touched (`KVPool.take`).
 
-A cache's stale contents never matter: a session only attends to the positions [0, length) it wrote itself.
+The CPU's attention kernel reads a session's pages through its page table (`cpu.attention`), so there a page is
+`PAGE` positions. tinygrad's own attention (its kernels: GPUs, ``PP_KERNELS=tinygrad``) cannot read through a table
+without a gather over the whole pool, so there a page is a whole context (one page a session), indexed by the
+page variable: the pool still caps and shares the memory, but a session's memory does not grow with use.
 
-fp16 caches halve the memory a session holds. Attention still computes in float32 (tinygrad's
-scaled_dot_product_attention promotes q @ k to float32), so only the stored keys and values are rounded.
+A page's stale contents never matter: a session only attends to the positions [0, length) it wrote itself.
+
+fp16 pages halve the memory a session holds. Attention still computes in float32 (tinygrad's
+scaled_dot_product_attention promotes q @ k to float32, the C kernel converts each key), so only the stored keys and
+values are rounded.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from tinygrad import Tensor, UOp, dtypes
 from tinygrad.dtype import DType
@@ -20,60 +32,95 @@ from tinygrad.uop.ops import resolve
 
 from pp_worker.worker.cpu import attention as cpu_attention
 from pp_worker.worker.device import device_kind
-from pp_worker.worker.hostio import filled
 
-KVCache = Tensor  # (n_blocks, 2, 1, KvH, max_context, Hd), blocks in the stage's order
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
+PAGE = 256  # positions per page where the attention reads through a page table (the CPU's C kernel)
+DEFAULT_GPU_CONTEXT = 4096  # positions per slot a GPU's default pool holds (its pages are whole contexts)
 
 
 def default_kv_dtype(device: str) -> str:
-    """float32 on the CPU (no memory to save that matters, and it stays what tinygrad's own blocks use); float16
-    on accelerators, whose memory the caches compete for with the weights."""
-    return "float32" if device_kind(device) == "CPU" else "float16"
+    """float16 everywhere: half the memory a session's pages take and half the bytes a decode step's attention
+    reads. On the CPU it stays within the float64 reference's tolerance over long decodes, as float32 does (1,000
+    tokens on the bench model: max |logit error| 5.3e-3 against 5.1e-3, the same greedy tokens; bench/NOTES.md);
+    ``PP_KV_DTYPE=float32`` keeps the wider one."""
+    return "float16"
+
+
+def position_bytes(n_blocks: int, config: TransformerConfig, dtype: DType) -> int:
+    """Bytes one position of one session takes over ``n_blocks`` blocks: a key and a value per KV head."""
+    return n_blocks * 2 * config.n_kv_heads * config.head_dim * dtype.itemsize
 
 
 class KVPool:
-    """Allocates KV caches in ``dtype`` and keeps released ones for reuse (at most ``keep`` of them)."""
+    """``n_pages`` pages of ``page`` positions of ``n_blocks`` blocks in ``dtype``, and which of them are free."""
 
-    def __init__(self, config: TransformerConfig, n_blocks: int, keep: int, dtype: DType = dtypes.float32):
-        self.shape = (n_blocks, 2, 1, config.n_kv_heads, config.max_context, config.head_dim)
-        self.keep, self.dtype = keep, dtype
-        self._free: list[KVCache] = []
-        self.allocated = 0  # caches made so far (reuse keeps this at the peak number of sessions)
+    def __init__(self, config: TransformerConfig, n_blocks: int, page: int, n_pages: int,
+                 dtype: DType = dtypes.float32, device: str | None = None):
+        if n_pages < 1:
+            raise ValueError(f"a KV pool needs at least one page, got {n_pages}")
+        self.shape = (n_pages, n_blocks, 2, config.n_kv_heads, page, config.head_dim)
+        self.page, self.n_pages, self.dtype = page, n_pages, dtype
+        self.page_bytes = page * position_bytes(n_blocks, config, dtype)
+        # allocated, never written here: mapped memory is backed as pages are written (zeroing it would touch all)
+        self.tensor = Tensor.empty(*self.shape, dtype=dtype, device=device)
+        self.tensor.uop.base.buffer.ensure_allocated()
+        self._free = list(range(n_pages - 1, -1, -1))  # a stack: the page freed last (resident) goes out first
+        self.touched = 0  # distinct pages handed out so far: the pool's resident part on the CPU
 
     @property
-    def session_bytes(self) -> int:
-        """Bytes of one session's caches."""
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * self.dtype.itemsize
+    def free(self) -> int:
+        return len(self._free)
 
-    def acquire(self) -> KVCache:
-        if self._free:
-            return self._free.pop()
-        self.allocated += 1
-        return filled(self.shape, self.dtype)
+    @property
+    def used(self) -> int:
+        return self.n_pages - len(self._free)
 
-    def release(self, cache: KVCache) -> None:
-        if len(self._free) < self.keep:
-            self._free.append(cache)
+    @property
+    def nbytes(self) -> int:
+        return self.n_pages * self.page_bytes
+
+    def take(self) -> int:
+        page = self._free.pop()
+        self.touched = max(self.touched, page + 1)  # pages go out lowest first until one comes back
+        return page
+
+    def give(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a call stores its keys and values, and what its attention reads: the pool, the page written and the
+    offset in it (variables bound per call), and on the C kernels the page tables (B, max_pages) with this
+    session's row of them."""
+
+    pool: Tensor
+    page: UOp
+    off: UOp
+    table: Tensor | None = None
+    table_row: int = 0
 
 
 class CacheBlock(TransformerBlock):
-    """tinygrad's TransformerBlock, storing keys and values in the cache's own dtype, and able to step several
-    sessions at once (`step_batch`).
+    """tinygrad's TransformerBlock storing keys and values into pages of the stage's pool, in the pool's dtype, and
+    able to step several sessions at once (`step_batch`).
 
     tinygrad 0.13.0 stores the float32 ``Tensor.stack(k, v)`` into ``cache_kv`` uncast. Into a float16 cache the
     CPU's C compiler converts silently, but CUDA renders a vectorized store as ``half2 = float2``, which NVRTC
     refuses. `_attention` is tinygrad's, split in two (`_heads`, `_attend`) so the batched step reuses it, with
-    one change: the cast marked below (tests/test_kvcache.py fails if tinygrad's own version changes, so the copy
-    cannot drift unnoticed). ``cache_kv`` is the session's whole cache, this block's the row ``kv_row`` of it: one
-    token's attention on the CPU (`c_attention`) is a C kernel that reads the row after the store.
+    two changes: the cast marked below, and the store into a page of the pool (``kv``, set by the compiled stage
+    while it traces) instead of ``cache_kv`` (tests/test_kvcache.py fails if tinygrad's own version changes, so the
+    copy cannot drift unnoticed). One session's attention on the CPU (`c_attention`) is a C kernel that reads the
+    session's pages through its page table after the store.
     """
 
-    kv_row = 0  # this block's row in a session's cache (its index in the stage)
-    c_attention = False  # whether one token's attention runs as `cpu_attention`'s kernel (the CPU's C kernels)
+    kv_row = 0  # this block's row in a page (its index in the stage)
+    c_attention = False  # whether a session's attention runs as `cpu_attention`'s kernel (the CPU's C kernels)
+    kv: Slot  # set while a forward is traced
+
+    def _init_state(self, x: Tensor) -> None:
+        """Nothing: tinygrad's makes a ``cache_kv`` of its own and its RoPE table (the compiled stage sets the table
+        with the model's scaling; the keys and values go to the pool)."""
 
     def _attention(self, x: Tensor, start_pos: int | UOp) -> Tensor:
         c = self.config
@@ -83,18 +130,18 @@ class CacheBlock(TransformerBlock):
         if c.attn_output_gate:
             qg = q.reshape(B, T, c.n_heads, 2, c.head_dim)
             q, gate = qg[:, :, :, 0, :], qg[:, :, :, 1, :].reshape(B, T, c.n_heads * c.head_dim)
-        attn = self._attend(*self._heads(q, k, v, start_pos), self.cache_kv, start_pos)
+        attn = self._attend(*self._heads(q, k, v, start_pos), self.kv, start_pos)
         return self.attn_output(attn if gate is None else (attn * gate.sigmoid()))
 
-    def step_batch(self, x: Tensor, caches: list[Tensor], positions: list[UOp]) -> Tensor:
-        """One token of each of B sessions: ``x`` (B, 1, D), session b's cache ``caches[b]`` (the whole session's;
-        this block's is its row `kv_row`) at ``positions[b]``. The projections and the feed-forward run batched (one
-        pass over the weights); the attention runs per session, over its own cache and length."""
+    def step_batch(self, x: Tensor, slots: list[Slot], positions: list[UOp]) -> Tensor:
+        """One token of each of B sessions: ``x`` (B, 1, D), session b's keys and values at ``slots[b]``, its
+        position ``positions[b]``. The projections and the feed-forward run batched (one pass over the weights); the
+        attention runs per session, over its own pages and length."""
         assert not self.config.attn_output_gate, "no supported architecture gates its attention output"
         h = self.attn_norm(x)
         q, k, v = self.attn_q(h), self.attn_k(h), self.attn_v(h)
-        rows = [self._attend(*self._heads(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos), cache, pos)
-                for b, (cache, pos) in enumerate(zip(caches, positions, strict=True))]
+        rows = [self._attend(*self._heads(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos), slot, pos)
+                for b, (slot, pos) in enumerate(zip(slots, positions, strict=True))]
         h = x + self.attn_output(rows[0].cat(*rows[1:]))
         return (h + self._feed_forward(self.ffn_norm(h))).contiguous()
 
@@ -114,19 +161,29 @@ class CacheBlock(TransformerBlock):
         k = apply_rope(k[..., :c.rope_dim], freqs).cat(k[..., c.rope_dim:], dim=-1)
         return q, k, v
 
-    def _attend(self, q: Tensor, k: Tensor, v: Tensor, cache: Tensor, start_pos: int | UOp) -> Tensor:
-        """Store k and v at [start_pos, start_pos + T) of this block's row of ``cache`` (a session's, all blocks)
-        and attend over [0, start_pos + T): (B, T, H*Hd). One token on the C kernels' CPU: `cpu_attention`."""
+    def _attend(self, q: Tensor, k: Tensor, v: Tensor, kv: Slot, start_pos: int | UOp) -> Tensor:
+        """Store k and v (1, KvH, T, Hd) at offsets [off, off + T) of this block's row of page ``kv.page`` (the
+        positions [start_pos, start_pos + T): a call never crosses a page) and attend over [0, start_pos + T):
+        (1, T, H*Hd). On the C kernels' CPU through the session's page table (`cpu_attention`); else a page is the
+        session's whole context."""
         B, _, T, _ = q.shape
-        new_kv = Tensor.stack(k, v).cast(cache.dtype)  # the change: a no-op for a float32 cache
-        slot = cache[self.kv_row, :, :, :, start_pos:start_pos + T, :]
-        stored = Tensor(cache.uop.after(slot.uop.store(new_kv.uop)))
-        if self.c_attention and B == 1 and T == 1 and isinstance(start_pos, UOp):
-            return cpu_attention.attend(q, stored, self.kv_row, start_pos)
-        assigned_kv = stored[self.kv_row]
+        pool = kv.pool
+        new_kv = Tensor.stack(k[0], v[0]).cast(pool.dtype)  # the change: a no-op for a float32 pool; (2, KvH, T, Hd)
+        slot = pool[kv.page, self.kv_row, :, :, kv.off:kv.off + T, :]
+        stored = Tensor(pool.uop.after(slot.uop.store(new_kv.uop)))
+        if self.c_attention and kv.table is not None and isinstance(start_pos, UOp):
+            return cpu_attention.attend(q, stored, kv.table, self.kv_row, kv.table_row, start_pos)
+        assigned_kv = stored[kv.page, self.kv_row].unsqueeze(1)  # (2, 1, KvH, page, Hd)
         k = assigned_kv[0, :, :, 0:start_pos + T, :]  # (B, KvH, start_pos + T, Hd)
         v = assigned_kv[1, :, :, 0:start_pos + T, :]
         mask = Tensor.full((1, 1, T, start_pos + T), float("-inf"), dtype=q.dtype, device=q.device,
                            buffer=False).triu(start_pos + 1) if resolve(T != 1) else None
         attn = q.scaled_dot_product_attention(k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, Hd)
         return attn.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * Hd)
+
+
+def uses_table(device: str, kernels: str, config: TransformerConfig) -> bool:
+    """Whether this stage's attention reads pages through a page table (the CPU's C kernel), so a page is `PAGE`
+    positions; else a page is a whole context."""
+    return kernels == "c" and device_kind(device) == "CPU" and \
+        cpu_attention.supported(config.n_heads, config.n_kv_heads, config.head_dim)

@@ -1,9 +1,9 @@
 """One stage's model: the config from the GGUF's metadata, and its blocks, embedding and head built from the tensors
 `gguf.tensors` reads (only this stage's share of the file).
 
-Context: ``max_context = min(requested or context_length, context_length, cap)`` with ``cap`` 4096 by default.
-Every session holds a KV cache of max_context positions per block, so an uncapped 128k-context model would need
-gigabytes per generation. tinygrad is imported inside the functions that need it.
+Context: ``max_context = min(requested or context_length, context_length)``: the model's own by default. A session's
+KV grows in pages as its positions do (`kvcache.KVPool`), so a long context costs only what is used; the engine
+lowers a default context to what its KV pool can hold. tinygrad is imported inside the functions that need it.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     from pp_worker.worker.engines.weights import Embedding, Linear
 
 B = TypeVar("B", bound="TransformerBlock")
-CONTEXT_CAP = 4096
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # plain attention + dense FFN, tinygrad's TransformerBlock
 END_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
                    "</s>", "<end_of_turn>")
@@ -58,12 +57,12 @@ def check_architecture(kv: dict[str, Any]) -> str:
     return arch
 
 
-def context_length(kv: dict[str, Any], requested: int | None, cap: int = CONTEXT_CAP) -> int:
+def context_length(kv: dict[str, Any], requested: int | None, cap: int | None = None) -> int:
     """min(requested or the model's context_length, context_length, cap): see the module docstring."""
     trained = _meta(kv, f"{kv['general.architecture']}.context_length")
     if requested is not None and requested < 1:
         raise ModelLoadError(f"max_context must be >= 1, got {requested}")
-    return min(requested or trained, trained, cap)
+    return min(requested or trained, trained, cap or trained)
 
 
 def build_config(header: GGUFHeader, max_context: int) -> TransformerConfig:
@@ -172,7 +171,7 @@ class StageWeights:
 
 
 def load_stage(model: str, stage: int, num_stages: int, max_context: int | None = None, *,
-               context_cap: int = CONTEXT_CAP, emit: Callable[..., None] = lambda kind, **fields: None,
+               context_cap: int | None = None, emit: Callable[..., None] = lambda kind, **fields: None,
                kernels: str | None = None, keep_quantized: bool = True) -> StageWeights:
     """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors. ``kernels``:
     how products run and matrices are held (`weights`; by default decided by the device); ``keep_quantized``

@@ -1,43 +1,54 @@
-"""Per-generation KV sessions keyed by request_id, with an LRU bound and the position rules.
+"""Per-generation KV sessions keyed by request_id, with an LRU bound, the position rules, and their KV pages.
 
-A session owns one KV cache, taken from a pool (the engine's ``kvcache.KVPool``) and given back to it when the
-session is released or evicted, and the number of positions it holds. Every rule is checked in `begin`, before
-any compute, so a refused step leaves the session unchanged. No tinygrad here: these rules are tested with a
-pool of plain objects.
+A session holds the pages of the stage's KV pool (the engine's ``kvcache.KVPool``) that its positions fill: page
+i holds positions [i * page, (i + 1) * page). Pages are taken as its positions grow and go back to the pool when
+it is released, evicted or rewound below them. When the pool has no free page, the least recently used other
+session is evicted to make room; when even that is not enough, the step is refused with the numbers. Every rule is
+checked in `begin`, before any compute and before any other session is touched, so a refused step leaves every
+session as it was. No tinygrad here: these rules are tested with a pool of plain numbers.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from pp_worker.worker.engines.base import EngineError
 
 REMEMBER_EVICTED = 1024  # how many evicted ids we remember, to tell "evicted" from "unknown"
 
 
-class CachePool(Protocol):
-    def acquire(self) -> Any:
-        """A cache for a new session (its contents are stale: a session only reads the positions it wrote)."""
+class PagePool(Protocol):
+    page: int  # positions per page
+    n_pages: int
+    page_bytes: int
 
-    def release(self, cache: Any) -> None:
-        """Take back a cache no session uses any more."""
+    @property
+    def free(self) -> int:
+        """Pages no session holds."""
+
+    def take(self) -> int:
+        """A free page (the caller checked `free`; its contents are stale: a session only reads what it wrote)."""
+
+    def give(self, pages: list[int]) -> None:
+        """Take back pages no session holds any more."""
 
 
 @dataclass
 class Session:
-    """One generation's cache; ``length`` positions [0, length) of it are valid."""
+    """One generation's pages (page i holds positions [i * page, (i + 1) * page)); positions [0, length) are valid."""
 
-    cache: Any
+    pages: list[int] = field(default_factory=list)
     length: int = 0
 
 
 class SessionTable:
-    """request_id -> Session, least recently used evicted first once ``max_sessions`` are held."""
+    """request_id -> Session, least recently used evicted first once ``max_sessions`` are held or the pool's pages
+    run out."""
 
-    def __init__(self, max_sessions: int, max_context: int, pool: CachePool,
+    def __init__(self, max_sessions: int, max_context: int, pool: PagePool,
                  emit: Callable[..., None] = lambda kind, **fields: None):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
@@ -46,8 +57,9 @@ class SessionTable:
         self._live: OrderedDict[int, Session] = OrderedDict()  # oldest use first
         self._evicted: OrderedDict[int, None] = OrderedDict()  # a bounded ordered set
 
-    def begin(self, rid: int, position: int, seq_len: int) -> Session:
-        """The session to run ``seq_len`` positions from ``position`` on, after checking every rule.
+    def begin(self, rid: int, position: int, seq_len: int, keep: Collection[int] = ()) -> Session:
+        """The session to run ``seq_len`` positions from ``position`` on, after checking every rule, with the pages
+        those positions need. ``keep``: sessions that must not be evicted to make room (the others of a batch).
 
         position == length appends; position < length rewinds (positions [0, position) are reused and the
         cache is overwritten from there); position 0 on an unknown id starts a new session.
@@ -55,10 +67,22 @@ class SessionTable:
         """
         self._check_bounds(position, seq_len)
         session = self._live.get(rid)
-        if session is None:
-            return self._create(rid, position)
-        if position > session.length:
+        if session is None and position > 0:
+            session = self._adopt(rid, position)
+            if session is None:
+                self._refuse_unknown(rid, position)
+        if session is not None and position > session.length:
             raise EngineError(f"position {position} is past the {session.length} positions session {rid} holds")
+        need = -(-(position + seq_len) // self._pool.page)  # pages for positions [0, position + seq_len)
+        held = len(session.pages) if session is not None else 0
+        self._check_room(rid, need - held, keep, new=session is None)
+        if session is None:
+            session = self._create(rid, keep)
+        if held > need:  # a rewind below a page boundary: what lies past the step goes back
+            self._pool.give(session.pages[need:])
+            del session.pages[need:]
+        self._make_room(need - len(session.pages), rid, keep)
+        session.pages += [self._pool.take() for _ in range(need - len(session.pages))]
         session.length = position  # rewind (a no-op when appending): [position, ...) is about to be rewritten
         self._live.move_to_end(rid)
         return session
@@ -69,15 +93,15 @@ class SessionTable:
 
     def holds(self, rid: int, position: int) -> bool:
         """Whether a one-token step of ``rid`` at ``position`` just appends to a session held (no rewind, no new
-        session, no eviction): what a batched step needs of each of its sessions."""
+        session): what a batched step needs of each of its sessions."""
         session = self._live.get(rid)
         return session is not None and session.length == position and position + 1 <= self.max_context
 
     def release(self, rid: int) -> bool:
-        """Drop a session (its cache goes back to the pool); False when there was none."""
+        """Drop a session (its pages go back to the pool); False when there was none."""
         session = self._live.pop(rid, None)
         if session is not None:
-            self._pool.release(session.cache)
+            self._pool.give(session.pages)
         return session is not None
 
     def positions(self) -> dict[int, int]:
@@ -96,19 +120,39 @@ class SessionTable:
             raise EngineError(f"position {position} + seq_len {seq_len} = {position + seq_len} exceeds "
                               f"max_context {self.max_context}")
 
-    def _create(self, rid: int, position: int) -> Session:
-        if position > 0:
-            adopted = self._adopt(rid, position)
-            if adopted is not None:
-                return adopted
-            if rid in self._evicted:
-                raise EngineError(f"session {rid} was evicted (more than max_sessions={self.max_sessions} "
-                                  f"generations in flight); restart it from position 0")
-            raise EngineError(f"unknown session {rid} at position {position}; a generation starts at position 0")
+    def _refuse_unknown(self, rid: int, position: int) -> None:
+        if rid in self._evicted:
+            raise EngineError(f"session {rid} was evicted (more generations in flight than max_sessions="
+                              f"{self.max_sessions} or the KV pool's {self._pool.n_pages} pages hold); restart it "
+                              f"from position 0")
+        raise EngineError(f"unknown session {rid} at position {position}; a generation starts at position 0")
+
+    def _check_room(self, rid: int, missing: int, keep: Collection[int], new: bool) -> None:
+        """Refuse, before anything changes, a step whose pages cannot be found even by evicting every other session
+        that may be evicted."""
+        if missing <= 0:
+            return
+        movable = sum(len(s.pages) for r, s in self._live.items() if r != rid and r not in keep)
+        if self._pool.free + movable >= missing:
+            return
+        kept = sum(len(s.pages) for r, s in self._live.items() if r in keep and r != rid)
+        own = 0 if new else len(self._live[rid].pages)
+        raise EngineError(
+            f"the KV pool is full: session {rid} needs {missing} more page(s) of {self._pool.page} positions "
+            f"({missing * self._pool.page_bytes} bytes); the pool has {self._pool.n_pages} pages "
+            f"({self._pool.n_pages * self._pool.page_bytes} bytes, PP_KV_BYTES), {self._pool.free} free, "
+            f"{own} held by this session, {kept} by the others of this step, {movable} by sessions it may evict")
+
+    def _make_room(self, missing: int, rid: int, keep: Collection[int]) -> None:
+        while self._pool.free < missing:  # `_check_room` made sure there is enough to evict
+            victim = next(r for r in self._live if r != rid and r not in keep)
+            self._evict(victim, "kv_pages")
+
+    def _create(self, rid: int, keep: Collection[int]) -> Session:
         while len(self._live) >= self.max_sessions:
-            self._evict_oldest()
+            self._evict(next(r for r in self._live if r not in keep), "max_sessions")
         self._evicted.pop(rid, None)
-        session = self._live[rid] = Session(self._pool.acquire())
+        session = self._live[rid] = Session()
         return session
 
     def _adopt(self, rid: int, position: int) -> Session | None:
@@ -125,11 +169,12 @@ class SessionTable:
         self._emit("session_adopted", session=rid, from_session=old, positions=position)
         return session
 
-    def _evict_oldest(self) -> None:
-        rid, session = self._live.popitem(last=False)
-        self._pool.release(session.cache)
+    def _evict(self, rid: int, reason: str) -> None:
+        session = self._live.pop(rid)
+        self._pool.give(session.pages)
         self._evicted[rid] = None
         if len(self._evicted) > REMEMBER_EVICTED:
             self._evicted.popitem(last=False)
         # never a field named request_id on an event line: the caller would take it for a reply
-        self._emit("session_evicted", session=rid, positions=session.length, max_sessions=self.max_sessions)
+        self._emit("session_evicted", session=rid, positions=session.length, max_sessions=self.max_sessions,
+                   reason=reason)

@@ -111,6 +111,12 @@ class StubEngine:
     def describe(self) -> dict[str, Any]:
         return {"max_batch": self.max_batch}  # no device, no KV cache
 
+    def defer_compiles(self) -> bool:
+        return False  # nothing to compile
+
+    def cache_settings(self) -> dict[str, str]:
+        return {}
+
     def _track(self, session: int, length: int) -> None:
         if self.busy_file:
             with open(self.busy_file, "a") as f:

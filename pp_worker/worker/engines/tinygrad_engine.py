@@ -12,9 +12,13 @@ a step compiles nothing. A symbolic token count is what failed on CUDA: tinygrad
 kernel node with all variables set to 0, so a grid of (n_tokens, 1, 1) becomes (0, 1, 1), "CUDA Error 1, invalid
 argument" (tests/test_cuda_graph.py replays that check without a GPU). Concrete counts also give fixed kernels.
 
-Each session's KV caches are explicit JIT arguments: the JIT swaps argument buffers on replay, whereas a cache
-swapped in as a block attribute would silently keep the buffer it captured. Replays skip tinygrad's per-call input
-preparation (`replay.Replay`): the arguments are always whole realized buffers and bound positions.
+Every session's keys and values live in the stage's pool of pages (`kvcache.KVPool`), one buffer passed to every
+JIT as an argument (a buffer the function writes but does not take as an argument is a copy in tinygrad 0.13's
+capture at the first call, measured): what changes per call is bound variables (the position, the page written and
+the offset in it) and, on the CPU's C kernels, the contents of a page-table buffer the JIT reads (the session's
+pages), so one JIT serves every session and replays natively. A call never crosses a page (`_pieces`).
+Replays skip tinygrad's per-call input preparation (`replay.Replay`): the arguments are always whole realized
+buffers and bound variables.
 
 Host <-> device copies (`hostio`): inputs go through one staging array per JIT, outputs come back into one reusable
 host buffer; no allocation per call.
@@ -26,6 +30,7 @@ one function each, here and in the modules named; a keyword argument (the worker
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from typing import Any
@@ -40,10 +45,20 @@ from pp_worker.worker.cpu import attention as cpu_attention
 from pp_worker.worker.cpu import graph as cpu_graph
 from pp_worker.worker.device import device_kind
 from pp_worker.worker.engines.base import ModelInfo
-from pp_worker.worker.engines.kvcache import KV_DTYPES, KVCache, KVPool, default_kv_dtype
+from pp_worker.worker.engines.kvcache import (
+    DEFAULT_GPU_CONTEXT,
+    KV_DTYPES,
+    PAGE,
+    KVPool,
+    Slot,
+    default_kv_dtype,
+    position_bytes,
+    uses_table,
+)
 from pp_worker.worker.engines.model import StageWeights, eos_token_ids, load_stage
+from pp_worker.worker.engines.pool import default_kv_bytes, mem_available, plan_pool
 from pp_worker.worker.engines.rope import freqs_cis
-from pp_worker.worker.engines.sessions import SessionTable
+from pp_worker.worker.engines.sessions import Session, SessionTable
 from pp_worker.worker.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
 from pp_worker.worker.text.vocab import bos_token
 
@@ -77,37 +92,48 @@ def split(n: int, rungs: tuple[int, ...]) -> list[int]:
 
 
 class CompiledStage:
-    """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer."""
+    """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer, over the
+    stage's KV pool."""
 
-    def __init__(self, w: StageWeights, max_chunk: int, max_batch: int = 1, beam: int = 0, lean: bool = False,
-                 store: jitcache.Store | None = None, ident: tuple[Any, ...] = ()):
+    def __init__(self, w: StageWeights, pool: KVPool, max_chunk: int, max_batch: int = 1, beam: int = 0,
+                 lean: bool = False, store: jitcache.Store | None = None, ident: tuple[Any, ...] = (),
+                 table: bool = False):
         """``lean``: see `Replay` (a worker process's stage drops tinygrad's memos after each capture). ``store``:
         where compiled forwards are kept on disk (`jitcache`), their entries named by ``ident`` (what else shapes
-        the kernels: the engine's settings) with the stage's config and the JIT's size."""
-        self.w, cfg = w, w.config
+        the kernels: the engine's settings) with the stage's config, the pool's shape and the JIT's size.
+        ``table``: the attention reads pages through page tables (`kvcache.uses_table`)."""
+        self.w, cfg, self.pool = w, w.config, pool
         self.store, self.ident = store, (*ident, repr(cfg), w.shard.start, w.shard.end, w.shard.is_first,
-                                         w.shard.is_last, beam)
+                                         w.shard.is_last, beam, pool.shape)
         self._named: jitcache.Named | None = None
         self.beam = beam  # tinygrad BEAM search width for the decode JIT's kernels; 0: tinygrad's own setting
+        self.max_pages = -(-cfg.max_context // pool.page)  # pages one session holds at most: a page table's length
         self.start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
-        self.rungs = ladder(min(max_chunk, cfg.max_context))
+        self.page, self.off = UOp.variable("page", 0, pool.n_pages - 1), UOp.variable("off", 0, pool.page - 1)
+        self.rungs = ladder(min(max_chunk, cfg.max_context, pool.page))
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
         self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
         self.jits = {n: Replay(self._forward, lean, self._slot("prefill", n)) for n in self.rungs}
         # batched decode: B sessions one token each, B on a ladder of its own (7 = 4 + 2 + 1; 1 is the decode JIT)
         self.batch_rungs = ladder(max_batch)
         self.positions = [UOp.variable(f"pos{b}", 0, cfg.max_context - 1) for b in range(max_batch)]
+        self.pages = [UOp.variable(f"page{b}", 0, pool.n_pages - 1) for b in range(max_batch)]
+        self.offs = [UOp.variable(f"off{b}", 0, pool.page - 1) for b in range(max_batch)]
         self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
         self.batch_jits = {b: Replay(self._forward_batch, lean, self._slot("batch", b))
                            for b in self.batch_rungs if b > 1}
+        # the page tables the C attention reads: (B, max_pages) int32, one for the single-session JITs, one per batch
+        # size; held by the JITs like a weight, written before each call
+        self.tables = {b: InputBuffer((b, self.max_pages), dtypes.int32) for b in (1, *self.batch_inputs)} \
+            if table else {}
         self.every_size = False  # see TinygradEngine
+        self.on_demand = True  # compile a size at its first use when it pays (False: use only sizes compiled or kept)
         self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
-        # normally set by TransformerBlock._init_state, which is skipped because we set cache_kv ourselves
+        # normally set by TransformerBlock._init_state, which is skipped because the blocks store into the pool
         freqs = freqs_cis(w.rope, cfg.max_context)  # with the model's RoPE scaling, unlike tinygrad's
         for j, block in enumerate(w.blocks):
-            block.freqs_cis, block.kv_row = freqs, j
-            block.c_attention = w.kernels == "c" and cpu_attention.supported(cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+            block.freqs_cis, block.kv_row, block.c_attention = freqs, j, table
 
     def _slot(self, kind: str, size: int) -> CacheSlot | None:
         return None if self.store is None else CacheSlot(self.store, jitcache.key(*self.ident, kind, size), self.named)
@@ -121,6 +147,7 @@ class CompiledStage:
             for name, obj in (("token_embd", w.token_embd), ("output_norm", w.output_norm), ("output", w.output)):
                 if obj is not None:
                     parts |= {f"{name}.{k}": t for k, t in nn.state.get_state_dict(obj).items()}
+            parts |= {f"kv.table.{b}": t.tensor for b, t in self.tables.items()}
             self._named = jitcache.Named.of(parts)
         return self._named
 
@@ -144,10 +171,21 @@ class CompiledStage:
                 continue
             jit = self.jits[r]
             saves = (n // r) * (r - 1) * self.step_s  # the single-token calls its calls replace
-            if r == 1 or self.every_size or jit.ready or jit.cached or saves > self.compile_s:
+            if r == 1 or jit.ready or jit.cached or (self.on_demand and (self.every_size or saves > self.compile_s)):
                 out.append(r)
                 n %= r
         return tuple(out)
+
+    def batch_usable(self) -> tuple[int, ...]:
+        """The batch sizes a batched step runs in: every one, each compiled at its first use; without `on_demand`
+        only those compiled or kept on disk (the others' sessions go in smaller batches, down to the decode JIT)."""
+        if self.on_demand:
+            return self.batch_rungs
+        return tuple(b for b in self.batch_rungs if b == 1 or self.batch_jits[b].ready or self.batch_jits[b].cached)
+
+    def pending(self) -> list[Replay]:
+        """The JITs neither compiled nor kept on disk."""
+        return [j for j in self.all_jits if not (j.ready or j.cached)]
 
     def timed(self, n: int, fresh: bool, seconds: float) -> None:
         """A call's time, input written to output taken: the cost of compiling when it was a size's first call
@@ -162,49 +200,73 @@ class CompiledStage:
         """How many of the JITs have captured (their kernels compiled): every one after `TinygradEngine.warmup`."""
         return sum(j.ready for j in self.all_jits)
 
-    def _forward(self, inp: Tensor, cache: KVCache, start_pos: UOp) -> Tensor:
+    def _slots(self, pool: Tensor, size: int, pages: list[UOp], offs: list[UOp]) -> list[Slot]:
+        table = self.tables[size].tensor if self.tables else None
+        return [Slot(pool, page, off, table, b) for b, (page, off) in enumerate(zip(pages, offs,
+                                                                                                  strict=True))]
+
+    def _forward(self, inp: Tensor, pool: Tensor, start_pos: UOp, page: UOp, off: UOp) -> Tensor:
         w = self.w
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (1, T, D)
+        (slot,) = self._slots(pool, 1, [page], [off])
         for block in w.blocks:
-            block.cache_kv = cache  # the argument itself: the JIT substitutes each call's session cache
+            block.kv = slot  # what is stored and read where: variables and buffers the JIT holds
             x = block(x, start_pos)
-        for block in w.blocks:  # the graph holds the caches now; a block must not keep a released session's
-            del block.cache_kv
+        for block in w.blocks:
+            del block.kv
         if w.output is None:
             return x.half()  # (1, T, D)
         return w.output(w.output_norm(x[:, -1:, :]))[:, 0, :].float()  # (1, V): T is fixed per JIT, so is -1
 
-    def _forward_batch(self, inp: Tensor, caches: list[KVCache], *positions: UOp) -> Tensor:
+    def _forward_batch(self, inp: Tensor, pool: Tensor, *bound: UOp) -> Tensor:
         w = self.w
+        b = inp.shape[0]
+        positions, pages, offs = list(bound[:b]), list(bound[b:2 * b]), list(bound[2 * b:])
         x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (B, 1, D)
+        slots = self._slots(pool, b, pages, offs)
         for block in w.blocks:
-            x = block.step_batch(x, caches, list(positions))
+            x = block.step_batch(x, slots, positions)
         if w.output is None:
             return x.half()  # (B, 1, D)
         return w.output(w.output_norm(x))[:, 0, :].float()  # (B, V)
 
-    def run_batch(self, values: np.ndarray, caches: list[KVCache], positions: list[int]) -> Tensor:
-        """One token for each of B sessions (B a batch ladder size > 1): ``values`` B token ids or (B, D) rows."""
+    def _write_tables(self, size: int, tables: list[list[int]]) -> None:
+        if self.tables:
+            rows = np.zeros((size, self.max_pages), np.int32)
+            for b, pages in enumerate(tables):
+                rows[b, :len(pages)] = pages
+            self.tables[size].write(rows)
+
+    def run_batch(self, values: np.ndarray, positions: list[int], where: list[tuple[int, int]],
+                  tables: list[list[int]]) -> Tensor:
+        """One token for each of B sessions (B a batch ladder size > 1): ``values`` B token ids or (B, D) rows,
+        session b at ``positions[b]``, written at (page, offset) ``where[b]``, its pages ``tables[b]``."""
         b = len(values)
         self.batch_inputs[b].write(values)
+        self._write_tables(b, tables)
         jit, inp = self.batch_jits[b], self.batch_inputs[b].tensor
-        values_of = {v.expr: p for v, p in zip(self.positions, positions, strict=False)}
-        if (out := jit.replay([inp, *caches], values_of)) is not None:
+        variables = [*self.positions[:b], *self.pages[:b], *self.offs[:b]]
+        numbers = [*positions, *(p for p, _ in where), *(o for _, o in where)]
+        if (out := jit.replay([inp, self.pool.tensor], {v.expr: n for v, n in zip(variables, numbers, strict=True)})) \
+                is not None:
             return out
-        bound = [var.bind(p) for var, p in zip(self.positions, positions, strict=False)]
-        return jit(inp, caches, *bound)
+        return jit(inp, self.pool.tensor, *(v.bind(n) for v, n in zip(variables, numbers, strict=True)))
 
-    def run(self, values: np.ndarray, cache: KVCache, position: int) -> Tensor:
-        """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``."""
+    def run(self, values: np.ndarray, position: int, where: tuple[int, int], table: list[int]) -> Tensor:
+        """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``, written at
+        (page, offset) ``where`` (a call never crosses a page), the session's pages ``table``."""
         n = len(values)
         self.inputs[n].write(values)
+        self._write_tables(1, [table])
         jit, inp = self.jits[n], self.inputs[n].tensor
-        if (out := jit.replay([inp, cache], {self.start_pos.expr: position})) is not None:
+        page, off = where
+        values = {self.start_pos.expr: position, self.page.expr: page, self.off.expr: off}
+        if (out := jit.replay([inp, self.pool.tensor], values)) is not None:
             return out
         # BEAM is read when kernels compile: the decode JIT's first call, which captures it (Replay); replays compile
         # nothing. Decode only: its kernels run every token, and each searched size costs minutes on a CPU.
         with Context(BEAM=self.beam) if n == 1 and self.beam else contextlib.nullcontext():
-            return jit(inp, cache, self.start_pos.bind(position))
+            return jit(inp, self.pool.tensor, self.start_pos.bind(position), self.page.bind(page), self.off.bind(off))
 
 
 class TinygradEngine:
@@ -214,13 +276,17 @@ class TinygradEngine:
                  max_sessions: int = 8, prefill_chunk: int | None = None, kv_dtype: str | None = None,
                  max_batch: int = 8, beam: int = 0, kernels: str | None = None, keep_quantized: bool = True,
                  pinned_host: bool | None = None, lean: bool = False, every_size: bool = False,
-                 threads: int | None = None, emit: Callable[..., None] = lambda kind, **f: None):
-        """None for ``prefill_chunk``, ``kv_dtype``, ``kernels``, ``pinned_host``: the device's default
-        (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`).
-        ``lean``: the worker process's setting, see `Replay`. ``every_size``: a prefill compiles each ladder size it
-        needs at its first use (the exactness tests', so they cover every size), not only when it pays (`usable`).
-        ``keep_quantized`` False dequantizes quantized matrices to fp16 at load (the tests' reference). ``threads``:
-        the CPU threads every kernel splits over (tinygrad's CPU_COUNT, process-wide; None: as it is)."""
+                 threads: int | None = None, kv_bytes: int | None = None, host_stages: int = 1,
+                 kv_page: int = PAGE, emit: Callable[..., None] = lambda kind, **f: None):
+        """None for ``prefill_chunk``, ``kv_dtype``, ``kernels``, ``pinned_host``, ``kv_bytes``: the device's default
+        (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`,
+        `pool.default_kv_bytes` over ``host_stages`` stages on this host). ``lean``: the worker process's setting,
+        see `Replay`. ``every_size``: a prefill compiles each ladder size it needs at its first use (the exactness
+        tests', so they cover every size), not only when it pays (`usable`). ``keep_quantized`` False dequantizes
+        quantized matrices to fp16 at load (the tests' reference). ``threads``: the CPU threads every kernel splits
+        over (tinygrad's CPU_COUNT, process-wide; None: as it is). ``kv_page``: positions in a page where the
+        attention reads page tables (whole chunks of the C kernel's keys; the tests' smaller pages). A ``kv_bytes``
+        cap that cannot hold one session (at ``max_context`` if given) raises `pool.PoolError`."""
         if threads is not None:
             CPU_COUNT.value = threads
         self.device = Device.DEFAULT
@@ -231,6 +297,8 @@ class TinygradEngine:
         self.load_ms = round((time.perf_counter() - t0) * 1000)  # reading the header, tokenizer and tensors
         # on the CPU with its own kernels, JITs replay from one native call (cpu_graph); else tinygrad's graph
         self.native_graph = self._w.kernels == "c" and cpu_graph.install(self.device)
+        self.kv_dtype = kv_dtype or default_kv_dtype(self.device)
+        self.kv_pool, table = self._make_pool(max_context is not None, max_sessions, kv_bytes, host_stages, kv_page)
         cfg, kv = self._w.config, self._w.kv
         self.shard = self._w.shard
         bos, add_bos = bos_token(kv)
@@ -242,21 +310,46 @@ class TinygradEngine:
                               bos_token=None if bos is None else tokens[bos],
                               eos_token=None if eos is None else tokens[eos])
         self.max_sessions = max_sessions
-        self.max_batch = max(1, min(max_batch, max_sessions))  # a batch holds distinct sessions
-        self.kv_dtype = kv_dtype or default_kv_dtype(self.device)
+        # a batch holds distinct sessions, each with a page of its own
+        self.max_batch = max(1, min(max_batch, max_sessions, self.kv_pool.n_pages))
         root = jitcache.cache_root() if self.native_graph else None  # a restored table replays natively
         file = self._w.path.resolve().stat()
         ident = (str(self._w.path.resolve()), file.st_size, file.st_mtime_ns, self.device, self.kv_dtype,
                  self._w.kernels, getenv("HALF", 1))
-        self._stage = CompiledStage(self._w, prefill_chunk or default_prefill_chunk(self.device), self.max_batch, beam,
-                                    lean, None if root is None else jitcache.Store(root), ident)
+        self._stage = CompiledStage(self._w, self.kv_pool, prefill_chunk or default_prefill_chunk(self.device),
+                                    self.max_batch, beam, lean, None if root is None else jitcache.Store(root), ident,
+                                    table)
         self._stage.every_size = every_size
-        self.kv_pool = KVPool(cfg, len(self._w.blocks), keep=max_sessions, dtype=KV_DTYPES[self.kv_dtype])
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
         self._row_bytes = cfg.dim * 2  # one fp16 hidden row
         out_bytes = cfg.vocab_size * 4 if self.shard.is_last else self._stage.rungs[0] * self._row_bytes
         self._host = HostBuffer(out_bytes, pinned_allocator(self.device, pinned_host))
         self._outputs = Outputs()
+
+    def _make_pool(self, requested: bool, max_sessions: int, kv_bytes: int | None, host_stages: int,
+                   page: int) -> tuple[KVPool, bool]:
+        """The stage's KV pool (`pool.plan_pool`), with the config's context lowered to what it holds where the
+        context was not asked for; and whether the attention reads it through page tables."""
+        w = self._w
+        cfg, dtype, n_blocks = w.config, KV_DTYPES[self.kv_dtype], len(w.blocks)
+        table = uses_table(self.device, w.kernels, cfg)
+        per_position = position_bytes(n_blocks, cfg, dtype)
+        context = cfg.max_context
+        if page % cpu_attention.CHUNK:
+            raise ValueError(f"a page of {page} positions is not whole chunks of {cpu_attention.CHUNK} keys")
+        if kv_bytes is None:
+            if device_kind(self.device) == "CPU":
+                kv_bytes = default_kv_bytes(mem_available(), per_position, context, max_sessions,
+                                            w.describe()["weight_bytes"], host_stages, page if table else None)
+            else:  # a device's free memory is not known here: every slot at the context GPUs had by default
+                context = context if requested else min(context, DEFAULT_GPU_CONTEXT)
+                kv_bytes = max_sessions * context * per_position
+        plan = plan_pool(context, requested, kv_bytes, per_position, page if table else None)
+        if plan.max_context != cfg.max_context:
+            w.config = dataclasses.replace(cfg, max_context=plan.max_context)
+            for block in w.blocks:
+                block.config = w.config
+        return KVPool(w.config, n_blocks, plan.page, plan.n_pages, dtype), table
 
     @property
     def loaded_tensors(self) -> dict[str, int]:
@@ -266,13 +359,34 @@ class TinygradEngine:
     def describe(self) -> dict[str, Any]:
         """What the ready line and `status` report about how this stage runs."""
         return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
-                "kv_dtype": self.kv_dtype, "kv_session_bytes": self.kv_pool.session_bytes,
-                "kv_caches_allocated": self.kv_pool.allocated, "beam": self._stage.beam, **self._w.describe(),
+                "kv_dtype": self.kv_dtype, **self.kv_fields(), "beam": self._stage.beam, **self._w.describe(),
                 "graph": "native" if self.native_graph else "tinygrad", "threads": CPU_COUNT.value,
                 "pinned_host": self._host.pinned,
                 "load_ms": self.load_ms,
                 "jits": len(self._stage.all_jits), "jits_compiled": self._stage.compiled,
-                "jits_cached": sum(j.restored for j in self._stage.all_jits)}
+                "jits_cached": sum(j.restored for j in self._stage.all_jits),
+                "jits_pending": len(self._stage.pending())}
+
+    def defer_compiles(self) -> bool:
+        """From now on use only the JITs compiled or kept on disk (`CompiledStage.on_demand` off), where there is a
+        compiled-forward cache for a background compile to fill; True when some JIT is still to be compiled there."""
+        if self._stage.store is None:
+            return False
+        self._stage.on_demand = False
+        return bool(self._stage.pending())
+
+    def cache_settings(self) -> dict[str, str]:
+        """What a process compiling this stage's JITs into the cache must be told besides the worker's environment
+        to name them the same (its KV pool, whose shape is in every entry's name)."""
+        return {"PP_KV_BYTES": str(self.kv_pool.nbytes), "PP_KV_DTYPE": self.kv_dtype}
+
+    def kv_fields(self) -> dict[str, int]:
+        """The KV pool: its cap (``kv_bytes``), pages (positions and bytes each; used, free, and touched so far: on
+        the CPU what is resident), and what one session at the full context takes."""
+        pool = self.kv_pool
+        return {"kv_bytes": pool.nbytes, "kv_page_positions": pool.page, "kv_page_bytes": pool.page_bytes,
+                "kv_pages_used": pool.used, "kv_pages_free": pool.free, "kv_pages_touched": pool.touched,
+                "kv_session_bytes": self._stage.max_pages * pool.page_bytes}
 
     # ---- tokenizer (encoding on the first stage, decoding on the last). The role, token ids and payload sizes
     # were checked by the protocol layer (worker.protocol, worker.dispatch): here they are preconditions.
@@ -320,16 +434,20 @@ class TinygradEngine:
             values = np.asarray(inputs, dtype=np.int32)
         else:
             values = np.frombuffer(b"".join(inputs), dtype="<f2").reshape(n, cfg.dim)  # type: ignore[arg-type]
-        held = [self._sessions.begin(rid, position, 1) for rid, position in zip(sessions, positions, strict=True)]
+        # a session crossing into a new page may evict another to find it, never one of this batch
+        held = [self._sessions.begin(rid, position, 1, keep=sessions)
+                for rid, position in zip(sessions, positions, strict=True)]
+        where = [self._where(s, p) for s, p in zip(held, positions, strict=True)]
         width = cfg.vocab_size * 4 if self.shard.is_last else self._row_bytes
         out = self._host.view(n * width)
         start = 0
-        for b in split(n, self._stage.batch_rungs):
+        for b in split(n, self._stage.batch_usable()):
             part = slice(start, start + b)
             if b == 1:
-                result = self._stage.run(values[part], held[start].cache, positions[start])
+                result = self._stage.run(values[part], positions[start], where[start], held[start].pages)
             else:
-                result = self._stage.run_batch(values[part], [s.cache for s in held[part]], positions[part])
+                result = self._stage.run_batch(values[part], positions[part], where[part],
+                                               [s.pages for s in held[part]])
             self._outputs.copy(result, out[start * width:(start + b) * width])  # before a JIT is called again
             start += b
         for session, position in zip(held, positions, strict=True):
@@ -345,10 +463,11 @@ class TinygradEngine:
         return self._sessions.positions()
 
     def warmup(self, full: bool = True) -> None:
-        """Compile every JIT (a JIT captures at its first call) on scratch sessions, then drop them: each size of
-        the prefill ladder, then each batch size (b one-token sessions stepped twice). ``full`` False: only the
-        decode JIT, which every generation needs at once (the worker's default before its ready line: the stages
-        compile it side by side instead of one after the other at the first request)."""
+        """Compile every JIT (a JIT captures at its first call) on scratch sessions, then drop them (their pages go
+        back to the pool, to be reused first): each size of the prefill ladder, then each batch size (b one-token
+        sessions stepped twice). ``full`` False: only the decode JIT, which every generation needs at once (the
+        worker's default before its ready line: the stages compile it side by side instead of one after the other
+        at the first request)."""
         cfg, first = self._w.config, self.shard.is_first
 
         def fake(n: int) -> np.ndarray:
@@ -364,23 +483,17 @@ class TinygradEngine:
         self._sessions.release(WARMUP_SESSION)
         if not full:
             return
-        # the batch sizes need as many sessions: scratch caches from a pool that keeps none, so the stage does not
-        # hold max_batch caches for sessions it may never have (the JITs drop theirs at their first real batch)
-        sessions = self._sessions
-        scratch = KVPool(cfg, len(self._w.blocks), keep=0, dtype=self.kv_pool.dtype)
-        self._sessions = SessionTable(self.max_batch, cfg.max_context, scratch)
-        try:
-            for b in self._stage.batch_rungs[:-1] if cfg.max_context >= 3 else ():
-                rids = [WARMUP_SESSION - i for i in range(b)]
+        for b in self._stage.batch_rungs[:-1] if cfg.max_context >= 3 else ():
+            rids = [WARMUP_SESSION - i for i in range(b)]
+            try:
                 for rid in rids:
                     self._run(rid, fake(1), 0, ignore)
                 inputs: list[Any] = [0] * b if first else [bytes(self._row_bytes)] * b
                 for position in (1, 2):
                     self.step_batch(rids, [position] * b, inputs)
+            finally:
                 for rid in rids:
                     self._sessions.release(rid)
-        finally:
-            self._sessions = sessions
 
     # ---- internals
 
@@ -401,15 +514,33 @@ class TinygradEngine:
 
     def _run(self, rid: int, values: np.ndarray, position: int, take: Callable[[Tensor, int, int], None],
              rungs: tuple[int, ...] | None = None) -> None:
-        """Check the session rules, then run ``values`` through the stage in ladder-sized calls (``rungs``, by
-        default `CompiledStage.usable`); ``take(out, start, n)`` after each call, before the next one can overwrite
-        its output."""
+        """Check the session rules (and find its pages), then run ``values`` through the stage in ladder-sized calls
+        (``rungs``, by default `CompiledStage.usable`), none crossing a page; ``take(out, start, n)`` after each
+        call, before the next one can overwrite its output."""
         seq_len = len(values)
         session = self._sessions.begin(rid, position, seq_len)
         start = 0
-        for n in split(seq_len, rungs or self._stage.usable(seq_len)):
-            fresh, t0 = not self._stage.jits[n].ready, time.perf_counter()
-            take(self._stage.run(values[start:start + n], session.cache, position + start), start, n)
-            self._stage.timed(n, fresh, time.perf_counter() - t0)
-            start += n
+        for piece in _pieces(position, seq_len, self.kv_pool.page):
+            for n in split(piece, rungs or self._stage.usable(piece)):
+                fresh, t0 = not self._stage.jits[n].ready, time.perf_counter()
+                at = position + start
+                take(self._stage.run(values[start:start + n], at, self._where(session, at), session.pages), start, n)
+                self._stage.timed(n, fresh, time.perf_counter() - t0)
+                start += n
         self._sessions.commit(session, position, seq_len)
+
+    def _where(self, session: Session, position: int) -> tuple[int, int]:
+        """The pool's page and the offset in it that hold ``position`` of ``session``."""
+        page = self.kv_pool.page
+        return session.pages[position // page], position % page
+
+
+def _pieces(position: int, seq_len: int, page: int) -> list[int]:
+    """The lengths of [position, position + seq_len) cut at page boundaries: 300 positions from 200 in pages of
+    256 -> [56, 244]."""
+    pieces, end = [], position + seq_len
+    while position < end:
+        stop = min(end, (position // page + 1) * page)
+        pieces.append(stop - position)
+        position = stop
+    return pieces

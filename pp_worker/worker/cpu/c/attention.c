@@ -1,8 +1,10 @@
-/* out (H * D) = one token's attention: q (H * D) over the keys and values [0, start_pos] of row dims[0] of the cache,
-   laid out (rows, 2, 1, KVH, CTX, D) in CT (float, or __fp16 with IS_HALF). Query head h reads key head h / (H / KVH).
-   Each key and value, read once as 16-wide vectors, serves every query head of its group, with an online softmax
-   (running max and sum, rescaled per chunk of C keys) so no buffer grows with the position; the key heads split over
-   the threads. */
+/* out (T * H * D) = the attention of T consecutive tokens at positions start_pos .. start_pos + T - 1: query t
+   (q (T * H * D)) over the keys and values [0, start_pos + t] of one session, read through its page table: logical
+   page i of the session (positions [i * PAGE, (i + 1) * PAGE)) is page table[dims[1] * MAX_PAGES + i] of the pool,
+   laid out (pages, ROWS, 2, KVH, PAGE, D) in CT (float, or __fp16 with IS_HALF); this block is row dims[0].
+   Query head h reads key head h / (H / KVH). Each key and value, read once as 16-wide vectors, serves every query
+   head of its group, with an online softmax (running max and sum, rescaled per chunk of C keys, a chunk never
+   crossing a page) so no buffer grows with the position; the (key head, token) pairs split over the threads. */
 
 /* exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), ggml's and Cephes' range reduction and polynomial
    (relative error ~1e-7), written with plain arithmetic so the loops over a chunk vectorize */
@@ -22,28 +24,30 @@ static inline f16v load16(const CT* p) {
   return f_at(p);
 #endif
 }
-void NAME(float* restrict out, const CT* restrict cache, const float* restrict q, const int* restrict dims,
-          int core_id, int start_pos) {
-  enum { H = PP_HEADS, KVH = PP_KV_HEADS, D = PP_HEAD_DIM, CTX = PP_CONTEXT, G = H / KVH, V = D / 16,
-         C = PP_CHUNK, T = PP_THREADS };
-  const int len = start_pos + 1;
+void NAME(float* restrict out, const CT* restrict pool, const float* restrict q, const int* restrict table,
+          const int* restrict dims, int core_id, int start_pos) {
+  enum { H = PP_HEADS, KVH = PP_KV_HEADS, D = PP_HEAD_DIM, T = PP_TOKENS, ROWS = PP_ROWS, PAGE = PP_PAGE,
+         MAX_PAGES = PP_MAX_PAGES, G = H / KVH, V = D / 16, C = PP_CHUNK, THREADS = PP_THREADS };
+  _Static_assert(PAGE % C == 0, "a chunk of keys never crosses a page");
   const float scale = PP_SCALE;
-  for (int kh = core_id; kh < KVH; kh += T) {
-    const CT* keys = cache + (((long)dims[0] * 2 * KVH + kh) * CTX) * D;
-    const CT* vals = keys + (long)KVH * CTX * D;
+  const int* pages = table + (long)dims[1] * MAX_PAGES;
+  for (int item = core_id; item < KVH * T; item += THREADS) {
+    const int kh = item % KVH, tok = item / KVH, len = start_pos + tok + 1;
     f16v qv[G][V], acc[G][V];
     float m[G], l[G], s[G][C];
     for (int g = 0; g < G; g++) {
-      for (int v = 0; v < V; v++) { qv[g][v] = f_at(q + (kh * G + g) * D + 16 * v); acc[g][v] = 0; }
+      for (int v = 0; v < V; v++) { qv[g][v] = f_at(q + ((long)tok * H + kh * G + g) * D + 16 * v); acc[g][v] = 0; }
       m[g] = -__builtin_inff(); l[g] = 0;
     }
     for (int t0 = 0; t0 < len; t0 += C) {
       int n = len - t0 < C ? len - t0 : C;
+      const CT* keys = pool + ((((long)pages[t0 / PAGE] * ROWS + dims[0]) * 2 * KVH + kh) * PAGE + t0 % PAGE) * D;
+      const CT* vals = keys + (long)KVH * PAGE * D;
       for (int t = 0; t < n; t++) {  /* scores: each key once for the G query heads */
         f16v d[G];
         for (int g = 0; g < G; g++) d[g] = 0;
         for (int v = 0; v < V; v++) {
-          f16v k = load16(keys + (long)(t0 + t) * D + 16 * v);
+          f16v k = load16(keys + (long)t * D + 16 * v);
           for (int g = 0; g < G; g++) d[g] += qv[g][v] * k;
         }
         for (int g = 0; g < G; g++) s[g][t] = hsum(d[g]) / scale;
@@ -59,14 +63,14 @@ void NAME(float* restrict out, const CT* restrict cache, const float* restrict q
       }
       for (int t = 0; t < n; t++)  /* weighted values: each value once for the G query heads */
         for (int v = 0; v < V; v++) {
-          f16v x = load16(vals + (long)(t0 + t) * D + 16 * v);
+          f16v x = load16(vals + (long)t * D + 16 * v);
           for (int g = 0; g < G; g++) acc[g][v] += s[g][t] * x;
         }
     }
     for (int g = 0; g < G; g++)
       for (int v = 0; v < V; v++) {
         f16v o = acc[g][v] / l[g];
-        __builtin_memcpy(out + (kh * G + g) * D + 16 * v, &o, 64);
+        __builtin_memcpy(out + ((long)tok * H + kh * G + g) * D + 16 * v, &o, 64);
       }
   }
 }
