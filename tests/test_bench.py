@@ -164,7 +164,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 13)}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 14)}
     assert by_name["cold first token / tinygrad's"].value == pytest.approx(0.8)
     assert by_name["restart first token / tinygrad's cold one"].verdict == "MISS"  # 0.3 > 0.2
     assert by_name["first generation's decode / tinygrad's steady"].value == pytest.approx(0.75)

@@ -153,14 +153,16 @@ def test_neon_code_covers_the_types_asked_for():
 
 
 def attention_and_runner() -> dict[str, str]:
-    """One token's attention over fp32 and fp16 caches, and the runner's entry points, as a stage compiles them."""
+    """Attention over fp32 and fp16 KV pages, and the runner's entry points, as a stage compiles them."""
     from tinygrad import dtypes
 
     from pp_worker.worker.cpu import attention
     from pp_worker.worker.cpu.graph import runner_source
 
-    return {f"attend_{d.name}": attention.source(f"attend_{d.name}", 8, 2, 64, 256, d, 2)
-            for d in (dtypes.float32, dtypes.float16)} | {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
+    shapes = [attention.Shape(8, 2, 64, tokens, 4, 256, 4, d, 2) for d in (dtypes.float32, dtypes.float16)
+              for tokens in (1, 8)]  # one token and a prefill call, over pages of either dtype
+    runner = {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
+    return {s.name: attention.source(s) for s in shapes} | runner
 
 
 def test_every_kernel_compiles_for_avx512(tmp_path):
