@@ -93,6 +93,7 @@ class RefModel:
     rope_scaling: RopeScaling = RopeScaling()
     experts_used: int = 0  # a mixture of experts: the k experts routed per token (`_moe`)
     norm_experts: bool = True  # the k routing weights renormalized to sum 1 (llama.cpp's norm_w)
+    experts_scale: float = 1.0  # then multiplied by expert_weights_scale where the file sets it (not 0)
 
     @staticmethod
     def from_gguf(path: str | Path) -> RefModel:
@@ -116,7 +117,7 @@ class RefModel:
             interleaved_rope=arch == "llama",  # qwen3moe: llama.cpp's NEOX rope (rows as HF stores them)
             rope_scaling=RefModel._rope_scaling(kv, weights.pop("rope_freqs.weight", None)),
             experts_used=kv(f"{arch}.expert_used_count", 0),
-            norm_experts=bool(kv(f"{arch}.expert_weights_norm", True)),
+            experts_scale=kv(f"{arch}.expert_weights_scale", 0.0) or 1.0,
         )
 
     @staticmethod
@@ -176,7 +177,8 @@ class RefModel:
 
     def _moe(self, i: int, x: np.ndarray) -> np.ndarray:
         """Routed feed-forward over x (T, D): per token p = softmax(router x), the k largest p, renormalized to sum 1
-        when ``norm_experts``, and y = sum over those experts e of p_e * down_e(silu(gate_e x) * up_e x)."""
+        when ``norm_experts`` (llama.cpp: always, for llama and qwen3moe), times ``experts_scale``, and
+        y = sum over those experts e of p_e * down_e(silu(gate_e x) * up_e x)."""
         w = self.weights
         logits = x @ w[f"blk.{i}.ffn_gate_inp.weight"].T  # (T, E)
         p = np.exp(logits - logits.max(-1, keepdims=True))
@@ -184,7 +186,7 @@ class RefModel:
         out = np.zeros_like(x)
         for t in range(x.shape[0]):
             top = np.argsort(-p[t], kind="stable")[: self.experts_used]
-            weight = p[t, top] / (p[t, top].sum() if self.norm_experts else 1.0)
+            weight = self.experts_scale * p[t, top] / (p[t, top].sum() if self.norm_experts else 1.0)
             for e, we in zip(top, weight, strict=True):
                 gate = w[f"blk.{i}.ffn_gate_exps.weight"][e] @ x[t]
                 up = w[f"blk.{i}.ffn_up_exps.weight"][e] @ x[t]

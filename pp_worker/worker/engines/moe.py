@@ -3,8 +3,9 @@ attention with a routed feed-forward, as llama.cpp's ``build_moe_ffn`` computes 
 
     p = softmax(x W_router^T)                   over the E experts, float32
     sel = the k largest p; w = p[sel]           (``expert_used_count`` = k)
-    w = w / sum(w)                              where the file asks (``expert_weights_norm``; llama.cpp normalizes
-                                                 for both: Mixtral always, qwen3moe by default)
+    w = s * w / sum(w)                          llama.cpp normalizes for both families whatever the file says (a
+                                                 file with ``expert_weights_norm`` false is refused, not misrun);
+                                                 s: ``expert_weights_scale`` where set (not 0), else 1
     y = sum_j w_j * down_j(silu(gate_j(x)) * up_j(x))
 
 Each of ``ffn_gate_exps``, ``ffn_up_exps`` and ``ffn_down_exps`` stays one buffer of its GGUF type (`Experts`), read
@@ -51,6 +52,9 @@ def check_experts(arch: str, kv: dict[str, Any]) -> None:
         raise ModelLoadError(f"{arch}.expert_used_count must be in 1..{n}, got {used}")
     if kv.get(f"{arch}.expert_shared_count", 0) or kv.get(f"{arch}.expert_shared_feed_forward_length", 0):
         raise ModelLoadError(f"unsupported {arch} variant: shared experts")
+    if not kv.get(f"{arch}.expert_weights_norm", True):
+        raise ModelLoadError(f"unsupported {arch} variant: unnormalized expert weights (llama.cpp normalizes the "
+                             f"routed experts' weights of {arch} files)")
     if kv.get(f"{arch}.expert_gating_func", 1) != 1:  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX
         raise ModelLoadError(f"unsupported {arch} variant: expert gating function "
                              f"{kv[f'{arch}.expert_gating_func']} (softmax only)")
@@ -63,7 +67,7 @@ def config_fields(arch: str, kv: dict[str, Any]) -> dict[str, Any]:
         return {}
     hidden = kv.get(f"{arch}.expert_feed_forward_length", kv.get(f"{arch}.feed_forward_length", 0))
     return {"num_experts": n, "num_experts_per_tok": kv[f"{arch}.expert_used_count"], "hidden_dim": hidden,
-            "norm_topk_prob": bool(kv.get(f"{arch}.expert_weights_norm", True))}
+            "norm_topk_prob": True, "routed_scaling_factor": kv.get(f"{arch}.expert_weights_scale", 0.0) or 1.0}
 
 
 @dataclass
@@ -107,6 +111,8 @@ class MoEBlock(CacheBlock):
         weights, sel = pairwise_topk(probs, k)  # (B, T, k) each
         if c.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
+        if c.routed_scaling_factor != 1.0:
+            weights = weights * c.routed_scaling_factor
         ids = sel.reshape(B * T * k).cast(dtypes.int32).contiguous()
         h = x.reshape(B * T, D)
         act = self.ffn_gate_exps(h, ids, k).silu() * self.ffn_up_exps(h, ids, k)  # (B*T*k, hidden)
