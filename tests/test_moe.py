@@ -206,3 +206,30 @@ def test_supported_mixtures_of_experts_are_accepted():
     assert check_architecture(BASE) == "llama"
     assert check_architecture({"general.architecture": "qwen3moe", "qwen3moe.expert_count": 128,
                                "qwen3moe.expert_used_count": 8, "qwen3moe.expert_weights_norm": True}) == "qwen3moe"
+
+
+# ---------------------------------------------------------------- compiled forwards
+
+
+def test_compiled_forwards_are_kept_and_replayed_by_a_restart(models, tmp_path, monkeypatch):
+    """The routing changes per token, the graph does not: a restart replays the compiled forwards from disk (ids
+    computed inside them), with the first start's tokens and logits."""
+    from pp_worker.worker.cpu import graph as cpu_graph
+
+    if not cpu_graph.supported():
+        pytest.skip("the cache keeps native tables (Linux)")
+    monkeypatch.setenv("PP_CACHE", "1")
+    monkeypatch.setenv("PP_CACHE_DIR", str(tmp_path))
+
+    def run() -> tuple[Chain, list[int], list[np.ndarray]]:
+        c = Chain(models["llama-moe-Q8_0"], 2, MAX_CONTEXT, prefill_chunk=8)
+        tokens, logits = c.generate(0, [5, 9, 11, 3, 7, 2, 40, 41, 42, 43, 44], 5)
+        return c, tokens, logits
+
+    c, want_tokens, want_logits = run()
+    jits = [j for e in c.engines for j in e._stage.all_jits if j.ready]
+    assert jits and not any(j.restored for j in jits)
+    c, tokens, logits = run()
+    again = [j for e in c.engines for j in e._stage.all_jits if j.ready]
+    assert len(again) == len(jits) and all(j.restored and j.captured is None for j in again)
+    assert tokens == want_tokens and all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
