@@ -123,6 +123,11 @@ class MoEBlock(CacheBlock):
 def load_experts(block: MoEBlock, source: TensorSource, config: TransformerConfig, i: int) -> None:
     """Block ``i``'s router and its three expert tensors, each one buffer as the file holds it."""
     e, d, h = config.num_experts, config.dim, config.hidden_dim
+    tensors = source.header.tensors
+    if f"blk.{i}.ffn_gate_exps.weight" not in tensors and f"blk.{i}.ffn_gate.0.weight" in tensors:
+        raise ModelLoadError(f"{source.header.path}: experts stored one tensor each (blk.{i}.ffn_gate.0.weight..., "
+                             f"an early Mixtral GGUF): this worker reads them as one tensor per projection "
+                             f"(ffn_gate_exps...); convert the model again with a current llama.cpp")
     for name, (n, k) in zip(EXPERT_TENSORS, ((h, d), (h, d), (d, h)), strict=True):
         w = source.matrix(f"blk.{i}.{name}.weight", (e, n, k))
         setattr(block, name, Experts(w, e, n, k, source.kernels))
