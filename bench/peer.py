@@ -24,7 +24,8 @@ WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8]]
 
 
 def available() -> bool:
-    return PEERS_PYTHON.exists()
+    """Whether ``make peers`` finished (its stamp: a venv still being built has a python but no llama_cpp)."""
+    return (REPO / ".venv-peers" / ".installed-stamp").exists()
 
 
 def serve(model: str, threads: int, max_context: int, out: Any) -> None:
