@@ -7,6 +7,8 @@ the MoE reads its attention, its router and 2 of the 16 experts of each block, s
 are read it decodes several times faster (target >= 2.5x). Both Q8_0, both 2-stage pipelines, decode in rounds taken
 in turn (each round: the MoE pipeline, the dense one, then llama.cpp on the MoE file where ``make peers`` built it),
 the ratio taken within each round and the median of the rounds reported (this loaded machine's speed swings).
+Beside it, the last stage's decode call of each model timed inside one process (``calls``), rounds in turn: the
+same comparison without the driver, the wire and the other stage, so the loaded machine moves it less.
 
     python -m bench.run --sections moe    # the section alone (its models are generated into bench/models/ once)
 """
@@ -14,7 +16,11 @@ the ratio taken within each round and the median of the rounds reported (this lo
 from __future__ import annotations
 
 import contextlib
+import json
 import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,6 +39,8 @@ class MoePlan:
     rounds: int = 15
     threads: int = 2  # llama.cpp's: the machine's 2 cores
     max_context: int = 1024
+    call_rounds: int = 9  # rounds of the in-stage comparison
+    calls: int = 24  # decode calls timed per round and model
 
 
 def active_bytes(path: Any) -> tuple[int, int]:
@@ -85,10 +93,43 @@ def measure(plan: MoePlan) -> dict[str, Any]:
     out["moe_over_dense"] = median_ratio(rounds, f"{key} moe", f"{key} dense")
     out["moe_over_llama_cpp"] = median_ratio(rounds, f"{key} moe", "llama.cpp moe")
     out["tps"] = {k: statistics.median(r[k] for r in rounds) for k in rounds[0]} if rounds else {}
+    say(f"moe: the last stage's decode call, in one process, {plan.call_rounds} rounds in turn")
+    run = subprocess.run([sys.executable, "-m", "bench.moe", "--calls", str(moe), str(dense), str(plan.stages),
+                          str(plan.call_rounds), str(plan.calls)], capture_output=True, text=True, check=True,
+                         timeout=1800)
+    calls = json.loads(run.stdout)
+    out["call_ms"] = calls
+    out["call_ratio"] = statistics.median(d / m for m, d in zip(calls["moe"], calls["dense"], strict=True))
+    return out
+
+
+def stage_calls(moe: str, dense: str, num_stages: int, rounds: int, calls: int) -> dict[str, list[float]]:
+    """The last stage of each model in this process; per round and model, the median of ``calls`` decode calls
+    (one session, positions from 0), in ms."""
+    import numpy as np
+
+    from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
+
+    engines = {name: TinygradEngine(path, num_stages - 1, num_stages, max_context=256, max_sessions=1)
+               for name, path in (("moe", moe), ("dense", dense))}
+    for e in engines.values():
+        e.warmup(full=False)
+    hidden = np.random.default_rng(0).standard_normal(engines["moe"].info.hidden_dim).astype(np.float16).tobytes()
+    out: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(rounds):
+        for name, e in engines.items():
+            times = []
+            for pos in range(calls):
+                t0 = time.perf_counter()
+                e.forward_logits(7, hidden, pos, 1)
+                times.append(time.perf_counter() - t0)
+            e.release(7)
+            out[name].append(round(statistics.median(times) * 1000, 4))
     return out
 
 
 if __name__ == "__main__":
-    import json
-
-    print(json.dumps(measure(MoePlan()), indent=1))
+    if sys.argv[1:2] == ["--calls"]:
+        print(json.dumps(stage_calls(sys.argv[2], sys.argv[3], *map(int, sys.argv[4:7]))))
+    else:
+        print(json.dumps(measure(MoePlan()), indent=1))

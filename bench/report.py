@@ -459,6 +459,10 @@ def moe_rows(m: dict[str, Any] | None) -> list[Row]:
             Row(S14, "MoE / dense decode", m["moe_over_dense"], "x", 2.5,
                 note=f"median of {n} rounds in turn; bytes read a token: dense / MoE "
                      f"{b['dense']['read_per_token'] / b['moe']['read_per_token']:.1f}x")]
+    if calls := m.get("call_ms"):
+        rows.append(Row(S14, "  last stage's decode call, dense / MoE, in one process", m["call_ratio"], "x",
+                        note=f"median of {len(calls['moe'])} rounds in turn; MoE {statistics.median(calls['moe']):.2f}"
+                             f" ms, dense {statistics.median(calls['dense']):.2f} ms"))
     if m.get("peers_skipped"):
         rows.append(Row(S14, "MoE 2 stages / llama.cpp", None, "x", 0.8, note=m["peers_skipped"]))
     else:

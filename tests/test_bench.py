@@ -146,6 +146,7 @@ def fake_raw() -> dict:
                           "dense": {"file": 64 << 20, "read_per_token": 60 << 20}},
                 "rounds": [{"pp2 moe": 90.0, "pp2 dense": 30.0}, {"pp2 moe": 80.0, "pp2 dense": 40.0}],
                 "tps": {"pp2 moe": 85.0, "pp2 dense": 35.0}, "moe_over_dense": 2.5, "moe_over_llama_cpp": None,
+                "call_ms": {"moe": [1.0, 0.9], "dense": [5.0, 4.8]}, "call_ratio": 5.1,
                 "peers_skipped": "llama.cpp not built: run make peers"},
     }
 
@@ -173,6 +174,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
     assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 15)}
     assert by_name["MoE / dense decode"].verdict == "PASS" and "dense / MoE 5.0x" in by_name["MoE / dense decode"].note
+    assert by_name["last stage's decode call, dense / MoE, in one process"].value == pytest.approx(5.1)
     no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
     assert no_peer.verdict == "n/a" and "make peers" in no_peer.note
     assert report.moe_rows(None)[0].value is None  # the section did not run: one n/a row, no crash
