@@ -81,6 +81,8 @@ def measure(plan: MoePlan) -> dict[str, Any]:
         for name, p in pipes.items():
             say(f"moe: {name}, {plan.stages} stages, warm-up generation")
             pipe.run_traced(p, [warm], 8)
+        if "moe" in peers:
+            out["peer_check"] = _peer_check(pipes["moe"], peers["moe"], prompt, ids, plan.decode)
         rounds = []
         for r in range(plan.rounds):
             say(f"moe: decode round {r + 1} of {plan.rounds}")
@@ -101,6 +103,18 @@ def measure(plan: MoePlan) -> dict[str, Any]:
     out["call_ms"] = calls
     out["call_ratio"] = statistics.median(d / m for m, d in zip(calls["moe"], calls["dense"], strict=True))
     return out
+
+
+def _peer_check(p: Any, s: solo.Solo, prompt: str, ids: list[int], n: int) -> dict[str, Any]:
+    """Tokens against llama.cpp's on the same file: the prompt's ids by each tokenizer, and the greedy tokens of
+    each (how many agree before the first divergence: fp16 activations against llama.cpp's own rounding may swap a
+    close pick, after which the texts differ)."""
+    stats, _ = pipe.run_traced(p, [prompt], n + 1)
+    ours = stats.generations[0].tokens
+    s.decode_times(ids, n)
+    theirs = s.last_tokens or []
+    agree = next((i for i, (a, b) in enumerate(zip(ours, theirs, strict=False)) if a != b), min(len(ours), len(theirs)))
+    return {"prompt_ids_equal": s.tokenize(prompt) == ids, "tokens": len(ours), "agree_before_divergence": agree}
 
 
 def stage_calls(moe: str, dense: str, num_stages: int, rounds: int, calls: int) -> dict[str, list[float]]:

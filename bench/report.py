@@ -470,4 +470,9 @@ def moe_rows(m: dict[str, Any] | None) -> list[Row]:
                      note=m.get("peer_info") or ""),
                  Row(S14, f"MoE {m['stages']} stages / llama.cpp", m["moe_over_llama_cpp"], "x", 0.8,
                      note=f"median of {n} rounds in turn")]
+        if check := m.get("peer_check"):
+            rows.append(Row(S14, "  greedy tokens equal to llama.cpp's before the first divergence",
+                            check["agree_before_divergence"] / check["tokens"], "x",
+                            note=f"{check['agree_before_divergence']} of {check['tokens']}; the prompt's ids "
+                                 f"{'equal' if check['prompt_ids_equal'] else 'DIFFERENT'} by both tokenizers"))
     return rows

@@ -178,6 +178,13 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
     assert no_peer.verdict == "n/a" and "make peers" in no_peer.note
     assert report.moe_rows(None)[0].value is None  # the section did not run: one n/a row, no crash
+    with_peer = fake_raw()["moe"] | {"peers_skipped": None, "moe_over_llama_cpp": 0.9, "peer_info": "AVX2",
+                                     "peer_check": {"prompt_ids_equal": True, "tokens": 32,
+                                                    "agree_before_divergence": 24}}
+    moe = {r.name.strip(): r for r in report.moe_rows(with_peer)}
+    assert moe["MoE 2 stages / llama.cpp"].verdict == "PASS"
+    agree = moe["greedy tokens equal to llama.cpp's before the first divergence"]
+    assert agree.value == pytest.approx(0.75) and "ids equal" in agree.note
     assert by_name["cold first token / tinygrad's"].value == pytest.approx(0.8)
     assert by_name["restart first token / tinygrad's cold one"].verdict == "MISS"  # 0.3 > 0.2
     assert by_name["first generation's decode / tinygrad's steady"].value == pytest.approx(0.75)
