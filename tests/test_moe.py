@@ -183,6 +183,17 @@ def test_the_expert_kernel_reads_only_the_routed_experts(ggml_type, ids, xdiv):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("target", ["avx512", "avx2", "x86-64", "aarch64"])
+def test_the_expert_kernel_compiles_for(target, tmp_path):
+    """Every type's expert kernel for the CPUs the other kernels are built for (run above on this one; here
+    compiled and loaded by tinygrad's loader, `cross.compile_units`)."""
+    from pp_worker.testing import cross
+    from pp_worker.worker.cpu.kernels import source
+
+    units = {f"{type_name(t).lower()}_moe": source("moe", t, 256, f"{type_name(t).lower()}_moe") for t in TYPES}
+    assert len(cross.compile_units(units, cross.TARGETS[target], tmp_path)) == len(units)
+
+
 # ---------------------------------------------------------------- what is refused
 
 
