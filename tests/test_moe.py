@@ -244,3 +244,14 @@ def test_compiled_forwards_are_kept_and_replayed_by_a_restart(models, tmp_path, 
     again = [j for e in c.engines for j in e._stage.all_jits if j.ready]
     assert len(again) == len(jits) and all(j.restored and j.captured is None for j in again)
     assert tokens == want_tokens and all(np.array_equal(a, b) for a, b in zip(logits, want_logits, strict=True))
+
+
+def test_an_early_mixtral_file_with_one_tensor_per_expert_is_refused_with_what_to_do():
+    from types import SimpleNamespace
+
+    from pp_worker.worker.engines.moe import load_experts
+
+    header = SimpleNamespace(path="mixtral.gguf", tensors={"blk.0.ffn_gate.0.weight": None})
+    config = SimpleNamespace(num_experts=8, dim=64, hidden_dim=64)
+    with pytest.raises(ModelLoadError, match="experts stored one tensor each .* convert the model again"):
+        load_experts(None, SimpleNamespace(header=header), config, 0)  # type: ignore[arg-type]
