@@ -78,12 +78,15 @@ def tensor_shapes(spec: GemmaSpec, vocab_size: int) -> dict[str, tuple[int, ...]
 
 def random_weights(spec: GemmaSpec, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
     """Seeded float32 weights. Embedding rows of std 0.4: times sqrt(dim) they are a few units, and as the tied
-    head they spread the logits over several units. Norm gains near 1 but not exactly (a missing one would show)."""
+    head they spread the logits over several units. Norm gains near 1 but not exactly (a missing one would show);
+    the post-norms' near 3, so that what the blocks add outweighs the token's own embedding (with gains near 1 the
+    model mostly predicts its input token, and greedy decoding repeats one token)."""
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in tensor_shapes(spec, vocab_size).items():
         if len(shape) == 1:
-            weights[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+            gain = 3.0 if ".post_" in name else 1.0
+            weights[name] = (gain * (1.0 + 0.2 * rng.standard_normal(shape))).astype(np.float32)
         else:
             std = 0.4 if name == "token_embd.weight" else 1.0 / np.sqrt(shape[1])
             weights[name] = (std * rng.standard_normal(shape)).astype(np.float32)
