@@ -26,7 +26,7 @@ from pp_worker.testing import gemma3gen
 from pp_worker.testing.chain import Chain
 from pp_worker.testing.npref import Gemma3Ref
 from pp_worker.worker.cpu import attention as cpu_attention
-from pp_worker.worker.engines.gemma3 import is_sliding
+from pp_worker.worker.engines.gemma3 import attention_scale, is_sliding, sliding_window
 from pp_worker.worker.engines.model import eos_token_ids
 from pp_worker.worker.gguf.header import ModelLoadError, read_header
 from pp_worker.worker.text.tokenizer import Tokenizer
@@ -195,6 +195,23 @@ def test_tokenizer_as_llama_cpps(model):
     assert ids[1] == start and ids.count(end) == 1 and ids.count(start) == 2
     assert not tokens[ids[2]].startswith("\u2581")  # no space prefix after the marker
     assert end in eos_token_ids(kv)
+
+
+def test_attention_scale_is_llama_cpps():
+    from tinygrad.llm.model import TransformerConfig
+
+    def config(blocks: int) -> TransformerConfig:
+        return TransformerConfig(num_blocks=blocks, dim=5376, hidden_dim=1, n_heads=32, n_kv_heads=16, norm_eps=1e-6,
+                                 vocab_size=1, head_dim=128, rope_theta=1.0, rope_dim=128,
+                                 v_head_dim=128, max_context=1)
+
+    assert attention_scale({}, config(34)) == pytest.approx(1 / np.sqrt(128))  # 1/sqrt(key_length)
+    assert attention_scale({}, config(62)) == pytest.approx(1 / np.sqrt(168))  # the 27B's: 1/sqrt(dim / n_heads)
+
+
+def test_a_missing_window_is_a_clear_error():
+    with pytest.raises(ModelLoadError, match="lacks a positive gemma3.attention.sliding_window"):
+        sliding_window({})
 
 
 def test_other_architectures_stay_a_clear_error(tmp_path, model):

@@ -27,6 +27,7 @@ from tinygrad.llm.model import TransformerConfig
 from pp_worker.worker.engines.kvcache import CacheBlock, Slot
 from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.weights import Embedding
+from pp_worker.worker.gguf.header import ModelLoadError
 
 ARCH = "gemma3"
 SWA_PATTERN = 6  # llama.cpp's set_swa_pattern(6): block il slides unless il % 6 == 5
@@ -40,7 +41,11 @@ def is_sliding(i: int) -> bool:
 
 
 def sliding_window(kv: dict[str, Any]) -> int:
-    return int(kv[f"{ARCH}.attention.sliding_window"])
+    """The window of the sliding blocks; llama.cpp requires the key too."""
+    key = f"{ARCH}.attention.sliding_window"
+    if not isinstance(kv.get(key), int) or kv[key] < 1:
+        raise ModelLoadError(f"gemma3: GGUF metadata lacks a positive {key} (got {kv.get(key)!r})")
+    return kv[key]
 
 
 def attention_scale(kv: dict[str, Any], config: TransformerConfig) -> float:
