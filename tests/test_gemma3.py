@@ -223,10 +223,14 @@ def test_other_architectures_stay_a_clear_error(tmp_path, model):
 
 
 def test_real_workers_through_the_driver(model, ref):
+    """Two generations in flight at once through 2 worker processes (their decode steps interleaved or batched):
+    each one's tokens are the reference's greedy picks."""
     launch = Launch(2, model=str(model), env={"MAX_CONTEXT": str(MAX_CONTEXT)})
-    text = "Flat is better than nested. " * 3  # longer than the window once tokenized
+    texts = ["Flat is better than nested. " * 3, "<start_of_turn>user\nSparse is better than dense.<end_of_turn>\n"]
     with Pipeline(launch, log=None) as p:
-        g = p.run(make_generations(p, [text], 4, Sampling())).generations[0]
-    assert len(g.prompt_tokens) > WINDOW and g.prompt_tokens[0] == read_header(model).kv["tokenizer.ggml.bos_token_id"]
-    want = ref.logits(g.prompt_tokens + g.tokens[:-1])[len(g.prompt_tokens) - 1:]
-    assert g.tokens == [int(a) for a in want.argmax(-1)][:len(g.tokens)]
+        generations = p.run(make_generations(p, texts, 4, Sampling())).generations
+    bos = read_header(model).kv["tokenizer.ggml.bos_token_id"]
+    for g in generations:
+        assert len(g.prompt_tokens) > WINDOW and g.prompt_tokens[0] == bos
+        want = ref.logits(g.prompt_tokens + g.tokens[:-1])[len(g.prompt_tokens) - 1:]
+        assert g.tokens == [int(a) for a in want.argmax(-1)][:len(g.tokens)]
