@@ -329,7 +329,13 @@ def padded(vocab: Vocab | SpmVocab, size: int) -> Vocab | SpmVocab:
 def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "F16", *,
              add_bos: bool | None = False, chat_template: str | None = None, tokenizer: str = "llama-bpe",
              rope: RopeScaling | None = None) -> Path:
-    """Write the `preset` model with weights from `seed`; the same arguments give a byte-identical file."""
+    """Write the `preset` model with weights from `seed`; the same arguments give a byte-identical file. The
+    `gemma3gen` presets ("gemma3", "gemma3-kq") write a Gemma 3 (its own vocabulary; the tokenizer arguments do not
+    apply)."""
+    from pp_worker.testing import gemma3gen
+
+    if preset in gemma3gen.PRESETS:
+        return gemma3gen.generate(path, preset, seed, dtype)
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec, n_merges = PRESETS[preset]
@@ -342,7 +348,9 @@ def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str =
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pp_worker.testing.modelgen", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output .gguf path")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    from pp_worker.testing import gemma3gen
+
+    ap.add_argument("--preset", choices=sorted([*PRESETS, *gemma3gen.PRESETS]), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=DTYPES, default="F16")
     ap.add_argument("--add-bos", action="store_true", help="tokenizer.ggml.add_bos_token = true (default false)")
@@ -350,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="'spm' (SentencePiece) or a byte-level BPE's tokenizer.ggml.pre name (default llama-bpe)")
     args = ap.parse_args(argv)
     path = generate(args.out, args.preset, args.seed, args.dtype, add_bos=args.add_bos, tokenizer=args.tokenizer)
+    if args.preset in gemma3gen.PRESETS:
+        print(f"{path}: {args.preset} {args.dtype} bytes={path.stat().st_size}", file=sys.stderr)
+        return 0
     spec, n_merges = PRESETS[args.preset]
     n_vocab = len(builtin_vocab(n_merges, args.tokenizer).tokens)
     print(

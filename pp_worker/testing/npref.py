@@ -213,3 +213,110 @@ class RefModel:
         for _ in range(n):
             seq.append(int(np.argmax(self.logits(seq)[-1])))
         return seq[len(tokens) :]
+
+
+# ---------------------------------------------------------------- Gemma 3
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+@dataclass
+class Gemma3Ref:
+    """Gemma 3 from its formulas (llama.cpp's gemma3 graph, sliding-window build), float64, whole sequence per call:
+    x = E[tokens] * sqrt(D); per block, with n = rms(x) * attn_norm:
+      q, k = rms(n Wq) * q_norm, rms(n Wk) * k_norm per head, roped NEOX-style (half-split pairs: Gemma's GGUF
+      rows are HF-ordered) at base ``local_theta`` unscaled on a sliding block, else at ``rope_theta`` scaled;
+      scores = q . k * scale, causal, and on a sliding block key p is seen from query t only when t - p < window;
+      h = x + rms(attn Wo) * post_attention_norm; x = h + rms(ffn(rms(h) * ffn_norm)) * post_ffw_norm with
+      ffn(y) = (gelu_tanh(y Wgate) * y Wup) Wdown;
+    logits = rms(x) * output_norm @ E^T (tied). Block il slides unless il % 6 == 5 (llama.cpp's pattern)."""
+
+    weights: dict[str, np.ndarray]
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    local_theta: float
+    window: int
+    scale: float
+    global_scaling: RopeScaling = RopeScaling()
+    use_window: bool = True  # False: every block global (the test's proof that the window matters)
+
+    @staticmethod
+    def from_gguf(path: str | Path) -> Gemma3Ref:
+        reader = GGUFReader(str(path))
+
+        def kv(key: str, default=None):
+            return reader.fields[f"gemma3.{key}"].contents() if f"gemma3.{key}" in reader.fields else default
+
+        assert reader.fields["general.architecture"].contents() == "gemma3"
+        weights = {t.name: dequantize(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
+                   for t in reader.tensors}
+        n_layers, dim, n_heads = kv("block_count"), kv("embedding_length"), kv("attention.head_count")
+        head_dim = kv("attention.key_length", dim // n_heads)
+        kind, factor = kv("rope.scaling.type", "linear"), kv("rope.scaling.factor", 0.0)
+        if kind not in ("none", "linear"):
+            raise NotImplementedError(f"Gemma3Ref has no {kind} RoPE scaling")
+        scaling = RopeScaling(freq_scale=1.0 / factor if kind == "linear" and factor else 1.0)
+        scale = 1.0 / np.sqrt(dim // n_heads if n_layers == 62 else head_dim)  # llama.cpp: the 27B's own scale
+        return Gemma3Ref(weights, n_layers, n_heads, kv("attention.head_count_kv", n_heads), head_dim,
+                         kv("attention.layer_norm_rms_epsilon"), kv("rope.freq_base", 10000.0),
+                         kv("rope.local.freq_base", 10000.0), kv("attention.sliding_window"), scale, scaling)
+
+    def sliding(self, i: int) -> bool:
+        return self.use_window and i % 6 != 5
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        w = self.weights["token_embd.weight"]
+        return w[np.asarray(tokens)] * np.sqrt(w.shape[1])
+
+    def _attention(self, i: int, x: np.ndarray) -> np.ndarray:
+        w, T, eps = self.weights, x.shape[0], self.norm_eps
+        q = rms_norm((x @ w[f"blk.{i}.attn_q.weight"].T).reshape(T, self.n_heads, -1), w[f"blk.{i}.attn_q_norm.weight"],
+                     eps)
+        k = rms_norm((x @ w[f"blk.{i}.attn_k.weight"].T).reshape(T, self.n_kv_heads, -1),
+                     w[f"blk.{i}.attn_k_norm.weight"], eps)
+        v = (x @ w[f"blk.{i}.attn_v.weight"].T).reshape(T, self.n_kv_heads, -1)
+        pos = np.arange(T, dtype=np.float64)
+        theta, scaling = (self.local_theta, RopeScaling()) if i % 6 != 5 else (self.rope_theta, self.global_scaling)
+        q, k = rope(q, pos, theta, False, scaling), rope(k, pos, theta, False, scaling)
+        group = self.n_heads // self.n_kv_heads
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("thd,shd->hts", q, k) * self.scale  # (H, T, T)
+        t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+        seen = (s <= t) & ((t - s < self.window) if self.sliding(i) else True)
+        scores = np.where(seen, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return np.einsum("hts,shd->thd", p, v).reshape(T, -1) @ w[f"blk.{i}.attn_output.weight"].T
+
+    def _block(self, i: int, x: np.ndarray) -> np.ndarray:
+        w, eps = self.weights, self.norm_eps
+        a = self._attention(i, rms_norm(x, w[f"blk.{i}.attn_norm.weight"], eps))
+        h = x + rms_norm(a, w[f"blk.{i}.post_attention_norm.weight"], eps)
+        n = rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], eps)
+        f = (gelu_tanh(n @ w[f"blk.{i}.ffn_gate.weight"].T) * (n @ w[f"blk.{i}.ffn_up.weight"].T)) \
+            @ w[f"blk.{i}.ffn_down.weight"].T
+        return h + rms_norm(f, w[f"blk.{i}.post_ffw_norm.weight"], eps)
+
+    def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
+        for i in range(start, end):
+            x = self._block(i, x)
+        return x
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        out = self.weights.get("output.weight", self.weights["token_embd.weight"])
+        return rms_norm(x, self.weights["output_norm.weight"], self.norm_eps) @ out.T
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        return self.head(self.run_blocks(self.embed(tokens), 0, self.n_layers))
+
+    def greedy(self, tokens: list[int], n: int) -> list[int]:
+        seq = list(tokens)
+        for _ in range(n):
+            seq.append(int(np.argmax(self.logits(seq)[-1])))
+        return seq[len(tokens):]

@@ -33,7 +33,9 @@ if TYPE_CHECKING:
     from pp_worker.worker.engines.weights import Embedding, Linear
 
 B = TypeVar("B", bound="TransformerBlock")
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe")  # tinygrad's TransformerBlock; experts: `moe`
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3",  # plain attention + dense FFN, tinygrad's TransformerBlock
+                   "gemma3",  # post-norms, GELU, sliding-window blocks (engines.gemma3)
+                   "qwen3moe")  # routed experts (engines.moe; also in llama files)
 END_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
                    "</s>", "<end_of_turn>")
 
@@ -124,11 +126,11 @@ def load_block(source: TensorSource, config: TransformerConfig, i: int) -> Cache
     projections are `weights.Linear` over matrices as `TensorSource.matrix` holds them."""
     from tinygrad import nn
 
-    from pp_worker.worker.engines.kvcache import CacheBlock
-    from pp_worker.worker.engines.moe import EXPERT_TENSORS, MoEBlock, load_experts
+    from pp_worker.worker.engines.moe import EXPERT_TENSORS, load_experts
     from pp_worker.worker.engines.weights import Linear
 
-    block = unweighted_block(MoEBlock if config.num_experts else CacheBlock, config)
+    arch = source.header.kv["general.architecture"]
+    block = unweighted_block(_block_class(arch, config), config)
     heads: dict[str, tuple[int, int]] = {}
     if source.header.kv["general.architecture"] == "llama":
         heads = {"attn_q": (config.n_heads, config.head_dim - config.rope_dim), "attn_k": (config.n_kv_heads, 0)}
@@ -146,7 +148,27 @@ def load_block(source: TensorSource, config: TransformerConfig, i: int) -> Cache
         bias = None if layer.bias is None else source.tensor(f"blk.{i}.{name}.bias")
         weight = source.matrix(f"blk.{i}.{name}.weight", layer.weight.shape, heads.get(name))
         setattr(block, name, Linear(weight, bias, source.kernels))
+    if arch == "gemma3":
+        from pp_worker.worker.engines import gemma3
+
+        gemma3.configure(block, source.header.kv, config, i)  # type: ignore[arg-type]
     return block
+
+
+def _block_class(arch: str, config: TransformerConfig) -> type[CacheBlock]:
+    """The block of an architecture: tinygrad's TransformerBlock over the KV pool, Gemma 3's, or one whose
+    feed-forward is routed over experts."""
+    from pp_worker.worker.engines.kvcache import CacheBlock
+
+    if config.num_experts:
+        from pp_worker.worker.engines.moe import MoEBlock
+
+        return MoEBlock
+    if arch == "gemma3":
+        from pp_worker.worker.engines.gemma3 import GemmaBlock
+
+        return GemmaBlock
+    return CacheBlock
 
 
 # ---------------------------------------------------------------- a stage
@@ -238,7 +260,12 @@ def _rope_freqs(source: TensorSource) -> np.ndarray | None:
 def _load_embedding(source: TensorSource, config: TransformerConfig) -> Embedding:
     from pp_worker.worker.engines.weights import Embedding
 
-    return Embedding(source.matrix("token_embd.weight", (config.vocab_size, config.dim)), source.kernels)
+    weight = source.matrix("token_embd.weight", (config.vocab_size, config.dim))
+    if source.header.kv["general.architecture"] == "gemma3":
+        from pp_worker.worker.engines.gemma3 import ScaledEmbedding
+
+        return ScaledEmbedding(weight, source.kernels, config.dim)
+    return Embedding(weight, source.kernels)
 
 
 def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSNorm, Linear]:

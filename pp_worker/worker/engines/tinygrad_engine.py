@@ -131,9 +131,12 @@ class CompiledStage:
         self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
         # normally set by TransformerBlock._init_state, which is skipped because the blocks store into the pool
-        freqs = freqs_cis(w.rope, cfg.max_context)  # with the model's RoPE scaling, unlike tinygrad's
+        tables: dict[Any, Tensor] = {}  # with the model's RoPE scaling, unlike tinygrad's; a block may have its own
         for j, block in enumerate(w.blocks):
-            block.freqs_cis, block.kv_row, block.c_attention = freqs, j, table
+            rope = getattr(block, "rope", None) or w.rope  # Gemma 3's sliding blocks rope with their own base
+            if rope not in tables:
+                tables[rope] = freqs_cis(rope, cfg.max_context)
+            block.freqs_cis, block.kv_row, block.c_attention = tables[rope], j, table
 
     def _slot(self, kind: str, size: int) -> CacheSlot | None:
         return None if self.store is None else CacheSlot(self.store, jitcache.key(*self.ident, kind, size), self.named)
