@@ -4,7 +4,8 @@ measured in turn with the pipelines'.
 The child runs in ``.venv-peers`` (``make peers``: llama-cpp-python built from source), which holds no pp_worker:
 this file is run there as a script and imports nothing of the project. Its protocol is `bench.solo`'s ``--serve``:
 ``{"ready": true}`` after a warm-up, then for each line ``{"prompt": [ids], "decode": n}`` the arrival times of a
-greedy generation's tokens. The prompt ids are the pipeline's (the same tokenizer's), fed to llama.cpp as tokens.
+greedy generation's tokens (and the tokens), and for ``{"tokenize": text}`` llama.cpp's ids of the text. The prompt
+ids are the pipeline's (the same tokenizer's), fed to llama.cpp as tokens.
 
     .venv-peers/bin/python bench/peer.py MODEL --threads 2 --max-context 1024
 """
@@ -24,7 +25,8 @@ WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8]]
 
 
 def available() -> bool:
-    return PEERS_PYTHON.exists()
+    """Whether ``make peers`` finished (its stamp: a venv still being built has a python but no llama_cpp)."""
+    return (REPO / ".venv-peers" / ".installed-stamp").exists()
 
 
 def serve(model: str, threads: int, max_context: int, out: Any) -> None:
@@ -33,20 +35,26 @@ def serve(model: str, threads: int, max_context: int, out: Any) -> None:
     llm = Llama(model_path=model, n_ctx=max_context, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False, seed=0)
 
-    def generate(prompt: list[int], n: int) -> list[float]:
-        times = []
-        for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    def generate(prompt: list[int], n: int) -> tuple[list[float], list[int]]:
+        times, tokens = [], []
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             times.append(time.perf_counter())
+            tokens.append(int(token))
             if len(times) == n:
                 break
-        return times
+        return times, tokens
 
     for p in WARMUP:
         generate(p, 4)
     print(json.dumps({"ready": True, "system_info": llm_info()}), file=out, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        print(json.dumps({"decode_token_times": generate(ask["prompt"], ask["decode"] + 1)}), file=out, flush=True)
+        if "tokenize" in ask:  # llama.cpp's own ids for a text, its special tokens as the vocabulary says
+            print(json.dumps({"tokens": llm.tokenize(ask["tokenize"].encode(), add_bos=True, special=True)}),
+                  file=out, flush=True)
+            continue
+        times, tokens = generate(ask["prompt"], ask["decode"] + 1)
+        print(json.dumps({"decode_token_times": times, "tokens": tokens}), file=out, flush=True)
 
 
 def llm_info() -> str:

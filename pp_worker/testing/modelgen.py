@@ -43,6 +43,9 @@ class LlamaSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     vocab_size: int = 0  # > 0: the vocabulary padded to this size with reserved control tokens (`padded`)
+    arch: str = "llama"  # or "qwen3moe": Q/K norms, rows in HF order (NEOX rope), experts required
+    n_experts: int = 0  # > 0: a mixture of experts, each of ffn_dim, in place of the dense feed-forward
+    n_experts_used: int = 0  # experts routed per token (top-k)
 
     @property
     def head_dim(self) -> int:
@@ -64,6 +67,16 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     # SmolLM2-135M's shape (30 blocks, dim 576, 3 KV heads, tied embeddings, context 8192): pp-serve's memory bench
     "smol": (LlamaSpec(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, context_length=8192,
                        vocab_size=49152, tie_embeddings=True), 1741),
+    # mixtures of experts (8 experts, top-2): Mixtral-style experts in a llama file, and a qwen3moe
+    "moe-llama": (LlamaSpec(ffn_dim=64, n_experts=8, n_experts_used=2), 253),
+    "qwen3moe": (LlamaSpec(ffn_dim=64, n_experts=8, n_experts_used=2, arch="qwen3moe"), 253),
+    # widths of 256, so that K-quants apply to every matrix
+    "qwen3moe-kq": (LlamaSpec(dim=256, n_layers=4, ffn_dim=256, n_experts=8, n_experts_used=2, arch="qwen3moe"), 509),
+    # the bench's: 16 experts, top-2, and the dense model of the same dims and total parameters (ffn 16 x 512)
+    "qwen3moe-bench": (LlamaSpec(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=512, context_length=1024,
+                                 n_experts=16, n_experts_used=2, arch="qwen3moe"), 1741),
+    "qwen3moe-bench-dense": (LlamaSpec(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=16 * 512,
+                                       context_length=1024), 1741),
 }
 
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
@@ -90,10 +103,17 @@ def tensor_shapes(spec: LlamaSpec, vocab_size: int) -> dict[str, tuple[int, ...]
             f"blk.{i}.attn_v.weight": (kv, d),
             f"blk.{i}.attn_output.weight": (d, d),
             f"blk.{i}.ffn_norm.weight": (d,),
-            f"blk.{i}.ffn_gate.weight": (spec.ffn_dim, d),
-            f"blk.{i}.ffn_up.weight": (spec.ffn_dim, d),
-            f"blk.{i}.ffn_down.weight": (d, spec.ffn_dim),
         }
+        if spec.arch == "qwen3moe":
+            shapes |= {f"blk.{i}.attn_q_norm.weight": (spec.head_dim,), f"blk.{i}.attn_k_norm.weight": (spec.head_dim,)}
+        if spec.n_experts:  # llama.cpp's names: the router, then (E, out, in) tensors
+            e = spec.n_experts
+            shapes |= {f"blk.{i}.ffn_gate_inp.weight": (e, d), f"blk.{i}.ffn_gate_exps.weight": (e, spec.ffn_dim, d),
+                       f"blk.{i}.ffn_up_exps.weight": (e, spec.ffn_dim, d),
+                       f"blk.{i}.ffn_down_exps.weight": (e, d, spec.ffn_dim)}
+        else:
+            shapes |= {f"blk.{i}.ffn_gate.weight": (spec.ffn_dim, d), f"blk.{i}.ffn_up.weight": (spec.ffn_dim, d),
+                       f"blk.{i}.ffn_down.weight": (d, spec.ffn_dim)}
     shapes["output_norm.weight"] = (d,)
     if not spec.tie_embeddings:
         shapes["output.weight"] = (vocab_size, d)
@@ -111,8 +131,11 @@ def _init_std(name: str, shape: tuple[int, ...], spec: LlamaSpec) -> float:
         return 1.0
     if name == "output.weight":
         return 3.0 / np.sqrt(shape[1])
-    damp = 1.0 / np.sqrt(2 * spec.n_layers) if name.endswith(("attn_output.weight", "ffn_down.weight")) else 1.0
-    return damp / np.sqrt(shape[1])
+    if name.endswith("ffn_gate_inp.weight"):  # router logits spread over a few units: clear top-k choices
+        return 2.0 / np.sqrt(shape[-1])
+    damp = 1.0 / np.sqrt(2 * spec.n_layers) if name.endswith(("attn_output.weight", "ffn_down.weight",
+                                                              "ffn_down_exps.weight")) else 1.0
+    return damp / np.sqrt(shape[-1])
 
 
 def random_weights(spec: LlamaSpec, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
@@ -141,9 +164,9 @@ def tensor_types(spec: LlamaSpec, vocab_size: int, dtype: str) -> dict[str, str]
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     types = {}
-    matrices = [n for n, shape in tensor_shapes(spec, vocab_size).items() if len(shape) == 2]
+    matrices = [n for n, shape in tensor_shapes(spec, vocab_size).items() if len(shape) >= 2]
     for name, shape in tensor_shapes(spec, vocab_size).items():
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):  # llama.cpp's quantize keeps routers F32 too
             types[name] = "F32"
         elif dtype == "Q4_K_M":
             types[name] = _q4_k_m(name, spec.n_layers)
@@ -164,7 +187,7 @@ def _q4_k_m(name: str, n_layers: int) -> str:
     `use_more_bits` holds (the first and last eighth, and every third between); Q4_K everywhere else."""
     if name == "output.weight":
         return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
         i = int(name.split(".")[1])
         if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2:
             return "Q6_K"
@@ -182,7 +205,7 @@ def _q3_k_m(name: str, n_layers: int) -> str:
             return "Q4_K"
         if name.endswith("attn_v.weight"):
             return "Q5_K" if i < 2 else "Q4_K"
-        if name.endswith("ffn_down.weight"):
+        if name.endswith(("ffn_down.weight", "ffn_down_exps.weight")):
             return "Q5_K" if i < n_layers // 16 else "Q4_K"
     return "Q3_K"
 
@@ -197,7 +220,8 @@ def _encode_tensor(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object | 
         return w.astype(np.float32 if type_name == "F32" else np.float16), None
     qtype = GGMLQuantizationType[type_name]
     if type_name in kquants.QUANTIZERS:  # gguf cannot quantize the K, IQ4 and TQ types
-        return kquants.quantize(w.astype(np.float32), type_name), qtype
+        flat = kquants.quantize(w.reshape(-1, w.shape[-1]).astype(np.float32), type_name)  # rows; experts are 3-D
+        return flat.reshape(*w.shape[:-1], -1), qtype
     # gguf.quants is documented bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref...)
     return quants.quantize(w.astype(np.float32), qtype), qtype
 
@@ -218,6 +242,12 @@ def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab | SpmVocab, dtype: str, 
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_rope_dimension_count(spec.head_dim)
+    if spec.n_experts:
+        writer.add_expert_count(spec.n_experts)
+        writer.add_expert_used_count(spec.n_experts_used)
+        writer.add_expert_feed_forward_length(spec.ffn_dim)
+        if spec.arch == "qwen3moe":
+            writer.add_expert_weights_norm(True)
     vocab.write_tokenizer(writer)
     if "<|eot_id|>" in vocab.tokens:
         writer.add_eot_token_id(vocab.tokens.index("<|eot_id|>"))
@@ -253,7 +283,7 @@ def write_gguf(
         raise ValueError(f"weights: missing {missing}, unexpected {extra}")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # readers of a shared model dir never see half a file
-    writer = GGUFWriter(tmp, "llama")
+    writer = GGUFWriter(tmp, spec.arch)
     _add_metadata(writer, spec, vocab, dtype, chat_template, name, add_bos)
     if rope is not None:
         rope.write(writer)
@@ -261,7 +291,7 @@ def write_gguf(
         w = np.asarray(weights[tname], dtype=np.float32)
         if w.shape != shape:
             raise ValueError(f"{tname}: shape {w.shape}, expected {shape}")
-        if tname.endswith(("attn_q.weight", "attn_k.weight")):
+        if spec.arch == "llama" and tname.endswith(("attn_q.weight", "attn_k.weight")):  # qwen's stay HF order
             w = permute_rope_rows(w, spec.n_heads if "attn_q" in tname else spec.n_kv_heads)
         data, raw_dtype = _encode_tensor(w, types[tname])
         writer.add_tensor(tname, data, raw_dtype=raw_dtype)

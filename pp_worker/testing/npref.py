@@ -1,4 +1,5 @@
-"""An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against.
+"""An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against; also
+qwen3moe and Mixtral-style experts in llama files (llama.cpp's routing, from its formulas: `RefModel._moe`).
 
 It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad, the engine or modelgen: it
 dequantizes F32/F16/Q8_0 itself, every other type with the `gguf` package's numpy dequantizer, and applies ggml's
@@ -90,6 +91,9 @@ class RefModel:
     rope_theta: float
     interleaved_rope: bool = True  # True for GGUF-order Q/K rows, False for HF (half-split) order
     rope_scaling: RopeScaling = RopeScaling()
+    experts_used: int = 0  # a mixture of experts: the k experts routed per token (`_moe`)
+    norm_experts: bool = True  # the k routing weights renormalized to sum 1 (llama.cpp's norm_w)
+    experts_scale: float = 1.0  # then multiplied by expert_weights_scale where the file sets it (not 0)
 
     @staticmethod
     def from_gguf(path: str | Path) -> RefModel:
@@ -98,18 +102,22 @@ class RefModel:
         def kv(key: str, default=None):
             return reader.fields[key].contents() if key in reader.fields else default
 
-        assert kv("general.architecture") == "llama"
+        arch = kv("general.architecture")
+        assert arch in ("llama", "qwen3moe"), arch
         weights = {
             t.name: dequantize(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors
         }
         return RefModel(
             weights,
-            kv("llama.block_count"),
-            kv("llama.attention.head_count"),
-            kv("llama.attention.head_count_kv"),
-            kv("llama.attention.layer_norm_rms_epsilon"),
-            kv("llama.rope.freq_base"),
+            kv(f"{arch}.block_count"),
+            kv(f"{arch}.attention.head_count"),
+            kv(f"{arch}.attention.head_count_kv"),
+            kv(f"{arch}.attention.layer_norm_rms_epsilon"),
+            kv(f"{arch}.rope.freq_base"),
+            interleaved_rope=arch == "llama",  # qwen3moe: llama.cpp's NEOX rope (rows as HF stores them)
             rope_scaling=RefModel._rope_scaling(kv, weights.pop("rope_freqs.weight", None)),
+            experts_used=kv(f"{arch}.expert_used_count", 0),
+            experts_scale=kv(f"{arch}.expert_weights_scale", 0.0) or 1.0,
         )
 
     @staticmethod
@@ -143,6 +151,9 @@ class RefModel:
         q = (x @ w[f"blk.{i}.attn_q.weight"].T).reshape(T, self.n_heads, -1)  # (T, H, Hd)
         k = (x @ w[f"blk.{i}.attn_k.weight"].T).reshape(T, self.n_kv_heads, -1)  # (T, KvH, Hd)
         v = (x @ w[f"blk.{i}.attn_v.weight"].T).reshape(T, self.n_kv_heads, -1)
+        if f"blk.{i}.attn_q_norm.weight" in w:  # qwen3: each head's q and k RMS-normed before the rope
+            q = rms_norm(q, w[f"blk.{i}.attn_q_norm.weight"], self.norm_eps)
+            k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], self.norm_eps)
         pos = np.arange(T, dtype=np.float64)
         q = rope(q, pos, self.rope_theta, self.interleaved_rope, self.rope_scaling)
         k = rope(k, pos, self.rope_theta, self.interleaved_rope, self.rope_scaling)
@@ -159,8 +170,28 @@ class RefModel:
         w = self.weights
         h = x + self._attention(i, rms_norm(x, w[f"blk.{i}.attn_norm.weight"], self.norm_eps))
         n = rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], self.norm_eps)
+        if self.experts_used:
+            return h + self._moe(i, n)
         ffn = silu(n @ w[f"blk.{i}.ffn_gate.weight"].T) * (n @ w[f"blk.{i}.ffn_up.weight"].T)
         return h + ffn @ w[f"blk.{i}.ffn_down.weight"].T
+
+    def _moe(self, i: int, x: np.ndarray) -> np.ndarray:
+        """Routed feed-forward over x (T, D): per token p = softmax(router x), the k largest p, renormalized to sum 1
+        when ``norm_experts`` (llama.cpp: always, for llama and qwen3moe), times ``experts_scale``, and
+        y = sum over those experts e of p_e * down_e(silu(gate_e x) * up_e x)."""
+        w = self.weights
+        logits = x @ w[f"blk.{i}.ffn_gate_inp.weight"].T  # (T, E)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for t in range(x.shape[0]):
+            top = np.argsort(-p[t], kind="stable")[: self.experts_used]
+            weight = self.experts_scale * p[t, top] / (p[t, top].sum() if self.norm_experts else 1.0)
+            for e, we in zip(top, weight, strict=True):
+                gate = w[f"blk.{i}.ffn_gate_exps.weight"][e] @ x[t]
+                up = w[f"blk.{i}.ffn_up_exps.weight"][e] @ x[t]
+                out[t] += we * (w[f"blk.{i}.ffn_down_exps.weight"][e] @ (silu(gate) * up))
+        return out
 
     def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
         """Blocks [start, end) over hidden states x (T, D) of the whole sequence from position 0."""
