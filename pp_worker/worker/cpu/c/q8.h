@@ -20,6 +20,14 @@ static inline int nearest_int(float v) {  /* ggml's: the float's bits after addi
 static inline int round_away(float v) {  /* roundf without libm (freestanding): |v| < 2^23, so v - trunc v exact */
   int t = (int)v; float f = v - (float)t; return t + (f >= 0.5f) - (f <= -0.5f); }
 
+static inline float fp16_round(float f) {  /* f >= 0 rounded to fp16 and back (ties to even), without F16C's
+  instruction or the runtime's __gnu_f2h_ieee (tinygrad links no library) */
+  if (f < 0x1p-14f) return (float)nearest_int(f * 0x1p24f) * 0x1p-24f;  /* subnormal halves: steps of 2^-24 */
+  if (f >= 65520.f) return __builtin_inff();
+  unsigned int u; __builtin_memcpy(&u, &f, 4);
+  u = (u + 0xFFFu + ((u >> 13) & 1)) & ~0x1FFFu;
+  __builtin_memcpy(&f, &u, 4); return f; }
+
 static void quantize_block(const float* restrict v, unsigned char* restrict out) {
   enum { QK = BLOCK_VALUES };
   signed char q[QK]; float d;
@@ -37,7 +45,7 @@ static void quantize_block(const float* restrict v, unsigned char* restrict out)
   for (int i = 0; i < QK; i++) { float a = __builtin_fabsf(v[i]); amax = a > amax ? a : amax; }
   float dd = amax / 127, id = dd != 0 ? 1 / dd : 0;
   for (int i = 0; i < QK; i++) q[i] = (signed char)round_away(v[i] * id);
-  d = (float)(__fp16)dd;
+  d = fp16_round(dd);
 #endif
   __builtin_memcpy(out, &d, 4); __builtin_memcpy(out + 4, q, QK);
   for (int j = 0; j < QK / 16; j++) {
