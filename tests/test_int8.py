@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_cpu_kernels import AVX512, random_rows
 from tinygrad import Tensor
 
 from pp_worker.testing import ggml_int8
 from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf.types import TYPES, type_name
-
-from test_cpu_kernels import AVX512, random_rows
 
 INT8 = sorted(t.id for t in TYPES.values() if t.int8)
 

@@ -55,15 +55,16 @@ static void quantize_block(const float* restrict v, unsigned char* restrict out)
   }
 }
 
+static inline i8x32 abs_i8(i8x32 w) { return w < 0 ? -w : w; }  /* vpabsb */
+static inline i8x32 sign_i8(i8x32 x, i8x32 w) { return w < 0 ? -x : (w == 0 ? (i8x32)0 : x); }  /* vpsignb */
 /* 32 products summed in 8 lanes, lane l holding values 4l..4l+3: u unsigned (at most 127 where AVX2 adds pairs in
    16 bits), w signed; x in [-127, 127] */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
 static inline i32x8 dot32u(u8x32 u, i8x32 x) {
   return (i32x8)__builtin_ia32_vpdpbusd256((i32x8)0, (i32x8)u, (i32x8)x); }
-static inline i32x8 dot32s(i8x32 w, i8x32 x) {  /* (w + 128) x - 128 x: vpdpbusd takes its first operand unsigned */
-  const u8x32 bias = (u8x32)(unsigned char)128;
-  return (i32x8)__builtin_ia32_vpdpbusd256((i32x8)0, (i32x8)((u8x32)w ^ bias), (i32x8)x)
-       - (i32x8)__builtin_ia32_vpdpbusd256((i32x8)0, (i32x8)bias, (i32x8)x); }
+static inline i32x8 dot32s(i8x32 w, i8x32 x) {  /* |w| times x with w's sign (ggml's): vpdpbusd's first operand
+  is unsigned (|-128| read as 128) */
+  return (i32x8)__builtin_ia32_vpdpbusd256((i32x8)0, (i32x8)abs_i8(w), (i32x8)sign_i8(x, w)); }
 #define INT_DOT "vnni"
 #elif defined(__AVX2__)
 static inline i32x8 madd_pairs(i16x16 p) {  /* adjacent 16-bit sums added into 32 bits (vpmaddwd with ones) */
@@ -71,8 +72,7 @@ static inline i32x8 madd_pairs(i16x16 p) {  /* adjacent 16-bit sums added into 3
 static inline i32x8 dot32u(u8x32 u, i8x32 x) {  /* vpmaddubsw: u x in pairs, 16-bit (127 127 2 fits) */
   return madd_pairs(__builtin_ia32_pmaddubsw256((i8x32)u, x)); }
 static inline i32x8 dot32s(i8x32 w, i8x32 x) {  /* |w| times x with w's sign (ggml's trick): |w| <= 128 fits */
-  i8x32 aw = w < 0 ? -w : w, sx = w < 0 ? -x : (w == 0 ? (i8x32)0 : x);
-  return madd_pairs(__builtin_ia32_pmaddubsw256(aw, sx)); }
+  return madd_pairs(__builtin_ia32_pmaddubsw256(abs_i8(w), sign_i8(x, w))); }
 #define INT_DOT "avx2"
 #else
 static inline i32x8 dot32_generic(i16x32 p) {  /* 32 16-bit products summed in 8 lanes of 4 */
@@ -90,5 +90,8 @@ static inline i32x8 dot32s(i8x32 w, i8x32 x) {
 static inline int hsum_i8(i32x8 v) {
   v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3); v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0,
   1); return v[0] + v[1]; }
+static inline float hsum_f8(f8v v) {
+  f4v b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1); return b[0] + b[1]; }
 static inline i8x32 i8x32_at(const unsigned char* p) { i8x32 v; __builtin_memcpy(&v, p, 32); return v; }
 static inline u8x32 u8x32_at(const unsigned char* p) { u8x32 v; __builtin_memcpy(&v, p, 32); return v; }

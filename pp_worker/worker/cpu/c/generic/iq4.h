@@ -18,17 +18,23 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 #define IQ_SIGNED 1
 static const i8x16 KV4_INT = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static inline i8x32 iq32(const unsigned char* b, int g) {
-  u8x16 q = u8_at(b + IQ4_QS); i8x32 v;
-  for (int i = 0; i < 16; i++) { v[i] = KV4_INT[q[i] & 15]; v[16 + i] = KV4_INT[q[i] >> 4]; }
-  return v; }
-static inline void iscales(const unsigned char* b, int* s, int* m, float* D, float* M) {
-  for (int j = 0; j < BLOCK_VALUES / 16; j++) m[j] = 0;
-#if IQ4_XS
-  unsigned short sh; __builtin_memcpy(&sh, b + 2, 2);
-  for (int g = 0; g < 8; g++) s[2 * g] = s[2 * g + 1] = (((b[4 + g / 2] >> 4 * (g & 1)) & 15) | (((sh >> 2 * g) & 3)
-                                                         << 4)) - 32;
+  u8x16 q = u8_at(b + IQ4_QS); i8x16 lo, hi;
+#if defined(__SSSE3__)  /* the levels looked up 16 at once (pshufb) */
+  typedef char v16qi_t __attribute__((vector_size(16)));
+  lo = (i8x16)__builtin_ia32_pshufb128((v16qi_t)KV4_INT, (v16qi_t)(q & 15));
+  hi = (i8x16)__builtin_ia32_pshufb128((v16qi_t)KV4_INT, (v16qi_t)(q >> 4));
 #else
-  s[0] = s[1] = 1;
+  for (int i = 0; i < 16; i++) { lo[i] = KV4_INT[q[i] & 15]; hi[i] = KV4_INT[q[i] >> 4]; }
 #endif
-  *D = half_at(b); *M = 0; }
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                 22, 23, 24, 25, 26, 27, 28, 29, 30, 31); }
+#if IQ4_XS
+static inline void iscales(const unsigned char* b, i32x16* s, i32x16* m, float* D, float* M) {
+  unsigned short sh; __builtin_memcpy(&sh, b + 2, 2);
+  for (int g = 0; g < 8; g++) (*s)[2 * g] = (*s)[2 * g + 1] = (((b[4 + g / 2] >> 4 * (g & 1)) & 15) | (((sh >> 2 * g)
+                                                                  & 3) << 4)) - 32;
+  *m = 0; *D = half_at(b); *M = 0; }
+#else
+static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = 0; }
+#endif
 #endif

@@ -12,6 +12,6 @@ static inline u8x32 iq32(const unsigned char* b, int g) {
                                     21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
   for (int i = 0; i < 32; i++) v[i] |= ((qh >> i) & 1) << 4;
   return v; }
-static inline void iscales(const unsigned char* b, int* s, int* m, float* D, float* M) {
-  s[0] = s[1] = 1; m[0] = m[1] = 1; *D = half_at(b); *M = -half_at(b + 2); }
+#define IQ_MIN 1  /* the min: M times the sum of x's block */
+static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = -half_at(b + 2); }
 #endif

@@ -11,11 +11,5 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 static inline u8x32 iq32(const unsigned char* b, int g) {
   u8x32 v = u8x32_at(b + 48 + 32 * (g >> 1)), h = u8x32_at(b + 16);
   return (g & 1 ? v >> 4 : v & 15) | (((h >> g) & 1) << 4); }
-static inline void k4_scale_min(const unsigned char* q, int j, int* s, int* m) {  /* ggml's get_scale_min_k4 */
-  if (j < 4) { *s = q[j] & 63; *m = q[j + 4] & 63; }
-  else { *s = (q[j + 4] & 15) | ((q[j - 4] >> 6) << 4); *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4); } }
-static inline void iscales(const unsigned char* b, int* s, int* m, float* D, float* M) {
-  for (int j = 0; j < 8; j++) { k4_scale_min(b + 4, j, &s[2 * j], &m[2 * j]); s[2 * j + 1] = s[2 * j];
-    m[2 * j + 1] = m[2 * j]; }
-  *D = half_at(b); *M = half_at(b + 2); }
+#define iscales k4_iscales
 #endif
