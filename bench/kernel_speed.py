@@ -52,7 +52,8 @@ def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = 
     if not so.exists():
         flags = ["-O2", "-fPIC", "-shared", "-ffreestanding", "-fno-math-errno", "-nostdlib", "-Wno-psabi",
                  "-march=native"]
-        subprocess.run([os.environ.get("CC", "clang"), "-x", "c", *flags, "-", "-o", str(so)], input=src.encode(), check=True)
+        subprocess.run([os.environ.get("CC", "clang"), "-x", "c", *flags, "-", "-o", str(so)], input=src.encode(),
+                       check=True)
     return ctypes.CDLL(str(so))
 
 
