@@ -30,7 +30,7 @@ static inline float fp16_round(float f) {  /* f >= 0 rounded to fp16 and back (t
 
 static void quantize_block(const float* restrict v, unsigned char* restrict out) {
   enum { QK = BLOCK_VALUES };
-  signed char q[QK]; float d;
+  signed char* q = (signed char*)(out + 4); float d;  /* written in place: a copy of 256 bytes is a memcpy call */
 #if BLOCK_VALUES == 256
   float amax = 0, max = 0;
   for (int i = 0; i < QK; i++) { float a = __builtin_fabsf(v[i]); if (a > amax) { amax = a; max = v[i]; } }
@@ -47,7 +47,7 @@ static void quantize_block(const float* restrict v, unsigned char* restrict out)
   for (int i = 0; i < QK; i++) q[i] = (signed char)round_away(v[i] * id);
   d = fp16_round(dd);
 #endif
-  __builtin_memcpy(out, &d, 4); __builtin_memcpy(out + 4, q, QK);
+  __builtin_memcpy(out, &d, 4);
   for (int j = 0; j < QK / 16; j++) {
     short s = 0;
     for (int i = 0; i < 16; i++) s += q[16 * j + i];
