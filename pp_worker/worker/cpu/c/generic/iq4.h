@@ -30,9 +30,15 @@ static inline i8x32 iq32(const unsigned char* b, int g) {
                                  22, 23, 24, 25, 26, 27, 28, 29, 30, 31); }
 #if IQ4_XS
 static inline void iscales(const unsigned char* b, i32x16* s, i32x16* m, float* D, float* M) {
-  unsigned short sh; __builtin_memcpy(&sh, b + 2, 2);
-  for (int g = 0; g < 8; g++) (*s)[2 * g] = (*s)[2 * g + 1] = (((b[4 + g / 2] >> 4 * (g & 1)) & 15) | (((sh >> 2 * g)
-                                                                  & 3) << 4)) - 32;
+  /* sub-block g's 6 bits: nibble g of scales_l[4] (bytes 4-7), bits 2g.. of scales_h (bytes 2-3); each twice */
+  u8x16 v = u8_at(b);
+  u32x16 l = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+                                     u32x16);
+  u32x16 h = __builtin_convertvector(__builtin_shufflevector(v, v, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                                     u32x16);
+  const u32x16 lsh = {0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4}, hsh = {0, 0, 2, 2, 4, 4, 6, 6, 0, 0, 2, 2, 4, 4,
+                                                                              6, 6};
+  *s = (i32x16)(((l >> lsh) & 15) | (((h >> hsh) & 3) << 4)) - 32;
   *m = 0; *D = half_at(b); *M = 0; }
 #else
 static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = 0; }
