@@ -20,6 +20,7 @@ INT8 = sorted(t.id for t in TYPES.values() if t.int8)
 @pytest.fixture(autouse=True)
 def int8_path(monkeypatch):
     monkeypatch.delenv("PP_EXACT", raising=False)
+    monkeypatch.setattr(cpu_kernels, "INT8_EVERY_TYPE", True)  # the code of every type, default or not
 
 
 @pytest.fixture
@@ -109,3 +110,12 @@ def test_pp_exact_selects_the_float_path(monkeypatch):
     assert cpu_kernels.numerics() == "int8"
     got = cpu_kernels.matmul(Tensor(x), Tensor(raw), 12, 9, 512).numpy()
     assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()  # the integer path, not the float one
+
+
+def test_by_default_only_the_types_where_it_pays_take_the_integer_path(monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "INT8_EVERY_TYPE", False)
+    taken = {TYPES[t].name for t in INT8 if cpu_kernels.uses_int8("matmul", t)}
+    assert taken == {"Q8_0", "Q4_K", "Q5_K", "Q6_K"}
+    assert not cpu_kernels.uses_int8("gather", 12)
+    monkeypatch.setenv("PP_EXACT", "1")
+    assert not any(cpu_kernels.uses_int8("matmul", t) for t in INT8)

@@ -75,9 +75,16 @@ def numerics() -> str:
     return "float" if os.environ.get("PP_EXACT", "").strip() == "1" else "int8"
 
 
+INT8_EVERY_TYPE = False  # True: every type with integer code takes it (the tests of that code), not only the defaults
+
+
 def uses_int8(kind: str, ggml_type: int) -> bool:
-    """Whether a ``kind`` kernel of ``ggml_type`` runs the integer path now (`numerics`; only products have one)."""
-    return kind == "matmul" and has_int8(ggml_type) and numerics() == "int8"
+    """Whether a ``kind`` kernel of ``ggml_type`` runs the integer path now (`numerics`; only products have one):
+    the types whose row says ``int8_default`` (where it measured faster than the float path here, bench/NOTES.md:
+    Q8_0, Q4_K, Q5_K, Q6_K), or with `INT8_EVERY_TYPE` every type with integer code."""
+    if kind != "matmul" or not has_int8(ggml_type) or numerics() != "int8":
+        return False
+    return INT8_EVERY_TYPE or TYPES[ggml_type].int8_default
 
 
 def source(kind: str, ggml_type: int, k: int, name: str) -> str:

@@ -24,6 +24,7 @@ class GGMLType:
     kernel: str | None = None  # C file stem, None: no CPU kernel (dequantized at load)
     simd: tuple[str, ...] = ()  # variants with code of their own (keys of SIMD_DIRS)
     int8: bool = False  # an integer path: x quantized to int8 blocks as ggml's Q8_K / Q8_0 (cpu/c/q8.h)
+    int8_default: bool = False  # ... taken by default (PP_EXACT unset): where it measured faster (bench/NOTES.md)
 
     @property
     def kernel_block(self) -> int:
@@ -42,13 +43,13 @@ TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(3, "Q4_1", 32, 20, "q4_1", ("avx512", "avx2"), int8=True),
     GGMLType(6, "Q5_0", 32, 22, "q5_0", ("avx512", "avx2"), int8=True),
     GGMLType(7, "Q5_1", 32, 24, "q5_1", ("avx512", "avx2"), int8=True),
-    GGMLType(8, "Q8_0", 32, 34, "q8_0", ("avx2", "neon"), int8=True),
+    GGMLType(8, "Q8_0", 32, 34, "q8_0", ("avx2", "neon"), int8=True, int8_default=True),
     GGMLType(9, "Q8_1", 32, 36),
     GGMLType(10, "Q2_K", 256, 84, "q2_k", AVX512),
     GGMLType(11, "Q3_K", 256, 110, "q3_k", AVX512),
-    GGMLType(12, "Q4_K", 256, 144, "q4_k", ("avx512", "avx2", "neon"), int8=True),
-    GGMLType(13, "Q5_K", 256, 176, "q5_k", ("avx512", "avx2"), int8=True),
-    GGMLType(14, "Q6_K", 256, 210, "q6_k", ("avx512", "avx2"), int8=True),
+    GGMLType(12, "Q4_K", 256, 144, "q4_k", ("avx512", "avx2", "neon"), int8=True, int8_default=True),
+    GGMLType(13, "Q5_K", 256, 176, "q5_k", ("avx512", "avx2"), int8=True, int8_default=True),
+    GGMLType(14, "Q6_K", 256, 210, "q6_k", ("avx512", "avx2"), int8=True, int8_default=True),
     GGMLType(15, "Q8_K", 256, 292),
     GGMLType(16, "IQ2_XXS", 256, 66),
     GGMLType(17, "IQ2_XS", 256, 74),
