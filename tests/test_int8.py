@@ -119,3 +119,21 @@ def test_by_default_only_the_types_where_it_pays_take_the_integer_path(monkeypat
     assert not cpu_kernels.uses_int8("gather", 12)
     monkeypatch.setenv("PP_EXACT", "1")
     assert not any(cpu_kernels.uses_int8("matmul", t) for t in INT8)
+
+
+@pytest.mark.parametrize("ggml_type", [8, 12], ids=type_name)  # Q8_0 (x as Q8_0: ties away), Q4_K (Q8_K: to even)
+def test_ties_round_as_ggml_in_the_kernels(ggml_type):
+    """x whose scaled values fall on .5 exactly: each block's largest |x| is 127 (Q8_0's d = 1) or -127 (Q8_K's
+    iscale = 1), the others k + 0.5: Q8_0 rounds them away from zero, Q8_K to even."""
+    k, qk = 512, TYPES[ggml_type].kernel_block
+    x = np.tile((np.arange(qk) % 40 - 20 + 0.5).astype(np.float32), k // qk)
+    x[::qk] = 127.0 if qk == 32 else -127.0
+    x = x[None]
+    raw, w = random_rows(ggml_type, 7, k, seed=12)
+    got = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, 7, k).numpy()
+    want = ggml_int8.product(x, w, qk)
+    nudge = np.float32(1e-3) * np.sign(x)
+    nudge[:, ::qk] = 0  # the scales stay
+    other = ggml_int8.product(x - nudge, w, qk)  # the ties broken toward zero: other ints
+    assert np.abs(want - other).max() > 1e-4 * np.abs(want).max()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
