@@ -11,6 +11,10 @@ the instruction sets it needs), and the kernels (``matmul.c``, ``gather.c``, ``a
 has is its row of the type table (`gguf.types`). A kernel's source is those files put together (`unit`), its
 includes inlined, so tinygrad's compile cache, keyed by the source, sees every byte of it.
 
+Two numerics (`numerics`): by default the products with Q8_0 and K-quant weights take the integer path
+(``c/q8.h``, ``c/matmul_int.c``: x quantized to int8 blocks as ggml's CPU backend does, summed in integers);
+``PP_EXACT=1`` keeps every product on the float path above (docs/internals.md).
+
 Why C: tinygrad's CPU codegen sums each output row serially and re-derives the dequantization per element; these
 kernels keep 16-wide accumulators over contiguous rows (bench/NOTES.md has the measurements). They run as ordinary
 tinygrad programs: an ``Ops.PROGRAM`` whose source tinygrad compiles with its own clang compiler (and caches),
