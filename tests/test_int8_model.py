@@ -96,3 +96,26 @@ def test_int8_logits_lie_within_ggmls_own_distance_from_float64(int8_env, model)
     # embeddings moves its logits as far as it lies from float64 (one rounding step of one block moves the next
     # block's inputs by far more), so fp32 against float64 arithmetic alone takes the two apart. That they are the same
     # scheme is tests/test_int8.py's, product by product, on the same inputs.
+
+
+def test_on_the_integer_path_a_batched_step_is_each_sessions_own_step(int8_env, model):
+    # x is quantized per row, so a row's int8 blocks do not depend on the rows batched with it: sessions stepped
+    # together take the tokens they take alone (the default numerics, as pp-serve's batched decode runs them). The
+    # float products a batch sums in another order (MIXED's float types: ~1e-6) can move an int8 block's rounding
+    # by one step downstream, hence the float path's tolerance against float64 (measured: 5.6e-3 on MIXED, <1e-4 on
+    # Q4_K_M), and the tokens equal.
+    chain = Chain(model, 2, MAX_CONTEXT, max_sessions=3, max_batch=4, kv_dtype="float32")
+    first, last = chain.engines
+    assert [e.describe()["numerics"] for e in chain.engines] == ["int8", "int8"]
+    row = first.info.hidden_dim * 2
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    alone = [chain.generate(100 + i, p, 5) for i, p in enumerate(prompts)]
+    got = [[int(chain.step(i, p, 0).argmax())] for i, p in enumerate(prompts)]
+    for ids in ([0, 1, 2], [2, 0], [0, 1, 2], [1, 2]):
+        at = [len(prompts[i]) + len(got[i]) - 1 for i in ids]
+        hidden = first.step_batch(ids, at, [got[i][-1] for i in ids])
+        logits = last.step_batch(ids, at, [bytes(hidden[b * row:(b + 1) * row]) for b in range(len(ids))]).copy()
+        for b, i in enumerate(ids):
+            np.testing.assert_allclose(logits[b], alone[i][1][len(got[i])], rtol=0, atol=LOGIT_ATOL_FP64)
+            got[i].append(int(logits[b].argmax()))
+    assert got == [tokens[:len(g)] for g, (tokens, _) in zip(got, alone, strict=True)]
