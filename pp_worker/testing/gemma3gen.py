@@ -97,7 +97,7 @@ def write_gguf(path: str | Path, spec: GemmaSpec, weights: dict[str, np.ndarray]
                name: str = "pp-worker-gemma3") -> Path:
     from gguf import GGUFWriter
 
-    from pp_worker.testing import modelgen
+    from pp_worker.testing import encode
 
     spm = vocab(spec.n_merges)
     shapes = tensor_shapes(spec, len(spm.tokens))
@@ -105,8 +105,8 @@ def write_gguf(path: str | Path, spec: GemmaSpec, weights: dict[str, np.ndarray]
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     w = GGUFWriter(tmp, ARCH)
     w.add_name(name)
-    if dtype in modelgen.FILE_TYPES:
-        w.add_file_type(modelgen.FILE_TYPES[dtype])
+    if dtype in encode.FILE_TYPES:
+        w.add_file_type(encode.FILE_TYPES[dtype])
     w.add_quantization_version(2)
     w.add_context_length(spec.context_length)
     w.add_embedding_length(spec.dim)
@@ -137,7 +137,7 @@ def write_gguf(path: str | Path, spec: GemmaSpec, weights: dict[str, np.ndarray]
 
             if shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]:
                 kind = "F16"
-        data, raw_dtype = modelgen._encode_tensor(a, kind)
+        data, raw_dtype = encode.encode_tensor(a, kind)
         w.add_tensor(tname, data, raw_dtype=raw_dtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -23,6 +23,7 @@ import numpy as np
 
 # the tokenizers the generated models carry
 from pp_worker.testing.bpe import Vocab, build_vocab, builtin_text
+from pp_worker.testing.encode import FILE_TYPES, encode_tensor
 from pp_worker.testing.rope_scaling import RopeScaling
 from pp_worker.testing.spm import SpmVocab, build_spm_vocab
 
@@ -83,9 +84,6 @@ QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "
 # a whole file of one type (TQ2_0: one the worker dequantizes at load), or a mix: Q4_K_M and Q3_K_M as llama.cpp
 # makes them, MIXED cycling every kept type over the matrices
 DTYPES = ("F32", "F16", *QUANT_TYPES, "TQ2_0", "Q4_K_M", "Q3_K_M", "MIXED")
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
-              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "TQ2_0": 37, "Q4_K_M": 15,
-              "Q3_K_M": 12}  # llama_ftype (Q3_K, Q4_K and Q5_K: the _S files; MIXED has none)
 
 
 # ---------------------------------------------------------------- weights
@@ -210,22 +208,6 @@ def _q3_k_m(name: str, n_layers: int) -> str:
     return "Q3_K"
 
 
-def _encode_tensor(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object | None]:
-    """-> (array to store, raw GGML type or None for the float types)."""
-    from gguf import GGMLQuantizationType, quants
-
-    from pp_worker.testing import kquants
-
-    if type_name in ("F32", "F16"):
-        return w.astype(np.float32 if type_name == "F32" else np.float16), None
-    qtype = GGMLQuantizationType[type_name]
-    if type_name in kquants.QUANTIZERS:  # gguf cannot quantize the K, IQ4 and TQ types
-        flat = kquants.quantize(w.reshape(-1, w.shape[-1]).astype(np.float32), type_name)  # rows; experts are 3-D
-        return flat.reshape(*w.shape[:-1], -1), qtype
-    # gguf.quants is documented bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref...)
-    return quants.quantize(w.astype(np.float32), qtype), qtype
-
-
 def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab | SpmVocab, dtype: str, chat_template: str | None, name: str,
                   add_bos: bool | None) -> None:
     writer.add_name(name)
@@ -293,7 +275,7 @@ def write_gguf(
             raise ValueError(f"{tname}: shape {w.shape}, expected {shape}")
         if spec.arch == "llama" and tname.endswith(("attn_q.weight", "attn_k.weight")):  # qwen's stay HF order
             w = permute_rope_rows(w, spec.n_heads if "attn_q" in tname else spec.n_kv_heads)
-        data, raw_dtype = _encode_tensor(w, types[tname])
+        data, raw_dtype = encode_tensor(w, types[tname])
         writer.add_tensor(tname, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
