@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tinygrad.runtime.support.elf import jit_loader
+from tinygrad.runtime.autogen import libc
+from tinygrad.runtime.support.elf import elf_loader, jit_loader
 
 from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf.types import TYPES, GGMLType
@@ -70,15 +71,40 @@ def compile_units(units: dict[str, str], target: Target, out: Path) -> dict[str,
 
     def build(digest: str) -> None:
         clang("-c", "-x", "c", *target.kernel_flags(), "-", "-o", str(out / f"{digest}.o"), source=sources[digest])
+        name = next(n for n, d in digests.items() if d == digest)
+        obj = (out / f"{digest}.o").read_bytes()
         try:
-            jit_loader((out / f"{digest}.o").read_bytes())
+            jit_loader(obj)
         except (RuntimeError, NotImplementedError) as e:
-            name = next(n for n, d in digests.items() if d == digest)
             raise BuildError(f"{name} for {target.arch}: tinygrad's loader: {e}") from e
+        if (first := entry(obj)) != (kernel := kernel_function(obj)):
+            raise BuildError(f"{name} for {target.arch}: tinygrad would call {first}, not the kernel {kernel}")
 
     with ThreadPoolExecutor(jobs()) as pool:
         list(pool.map(build, sources))
     return {name: out / f"{digests[name]}.o" for name in units}
+
+
+def _functions(obj: bytes) -> list[tuple[int, str, int]]:
+    """(offset in the image tinygrad's loader makes, name, binding) of each function an object file defines."""
+    _, sections, _ = elf_loader(obj)  # lays the sections out as tinygrad does: their sh_addr is the image offset
+    symtab = next(sh for sh in sections if sh.header.sh_type == libc.SHT_SYMTAB)
+    names = sections[symtab.header.sh_link].content
+    syms = (libc.Elf64_Sym * (symtab.header.sh_size // symtab.header.sh_entsize)).from_buffer_copy(symtab.content)
+    return [(sections[s.st_shndx].header.sh_addr + s.st_value, names[s.st_name:names.index(b"\0", s.st_name)].decode(),
+             s.st_info >> 4) for s in syms if s.st_info & 0xF == libc.STT_FUNC and 0 < s.st_shndx < len(sections)]
+
+
+def entry(obj: bytes) -> str:
+    """The function tinygrad runs of this object: the one at the start of its image (tinygrad calls a program at its
+    first byte)."""
+    return next(name for offset, name, _ in _functions(obj) if offset == 0)
+
+
+def kernel_function(obj: bytes) -> str:
+    """The unit's one strong global function: its kernel (or the runner's entry point)."""
+    (name,) = [name for _, name, bind in _functions(obj) if bind == libc.STB_GLOBAL]
+    return name
 
 
 def link(main: str, objects: list[Path], target: Target, out: Path, include: Path | None = None) -> Path:

@@ -59,10 +59,11 @@ def _inlined(path: Path, seen: set[Path]) -> str:
 
 
 def unit(defines: dict[str, Any], files: list[str]) -> str:
-    """One translation unit: ``#define``s, then ``files`` (relative to ``c/``) with their includes inlined."""
+    """One translation unit: ``#define``s, then ``files`` (relative to ``c/``) with their includes inlined, then
+    ``tail.h`` (helpers defined after the kernel: tinygrad calls a program at its first byte)."""
     seen: set[Path] = set()
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    return head + "".join(_inlined((C_DIR / f).resolve(), seen) for f in files)
+    return head + "".join(_inlined((C_DIR / f).resolve(), seen) for f in [*files, "tail.h"])
 
 
 def type_files(t: GGMLType) -> list[str]:

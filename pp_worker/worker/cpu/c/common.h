@@ -20,15 +20,6 @@ typedef __fp16 h16x16 __attribute__((ext_vector_type(16)));
 typedef __fp16 h16x8 __attribute__((ext_vector_type(8)));
 static inline float half_at(const unsigned char* p) { unsigned short h; __builtin_memcpy(&h, p, 2);
   return (float)__builtin_bit_cast(__fp16, h); }
-#if defined(__x86_64__) && !defined(__F16C__)
-/* x86-64 without F16C (before 2012): clang 14 converts each fp16 by calling the runtime's __gnu_h2f_ieee, which
-   tinygrad's loader cannot link (it links no library): given here, weak (one per unit, the tests link several) */
-__attribute__((weak)) float __gnu_h2f_ieee(unsigned short h) {
-  unsigned int sign = (h & 0x8000u) << 16, e = (h >> 10) & 31, m = h & 1023;
-  if (e == 0) { float f = (float)m * 0x1p-24f; return sign ? -f : f; }  /* zero and subnormals: m 2^-24, exact */
-  if (e == 31) return __builtin_bit_cast(float, sign | 0x7F800000u | (m ? 0x400000u : 0) | m << 13);  /* quiet */
-  return __builtin_bit_cast(float, sign | (e + 112) << 23 | m << 13); }
-#endif
 static inline u8x16 u8_at(const unsigned char* p) { u8x16 v; __builtin_memcpy(&v, p, 16); return v; }
 static inline f16v f_at(const float* p) { f16v v; __builtin_memcpy(&v, p, 64); return v; }
 static inline f16v fu8(u8x16 v) { return __builtin_convertvector(v, f16v); }
