@@ -149,7 +149,8 @@ def measure(plan: MemwallPlan, avx2: bool = True) -> dict[str, Any]:
         out["files"][dt] = {"name": path.name, "file_bytes": path.stat().st_size, "streamed_bytes":
                             streamed_bytes(path), "quantizer": maker}
         say(f"memwall: {dt} ({maker}), 2 stages and llama.cpp ({peer.BUILD_NAMES[build]})")
-        out["rows"][_key(dt, build, plan.label)] = measure_row(path, build, env, plan, prompt, ids) | {"dtype": dt}
+        out["rows"][_key(dt, build, plan.label)] = measure_row(path, build, env, plan, prompt, ids) | {"dtype": dt,
+                                                                                                  "label": plan.label}
     if avx2 and plan.avx2_dtypes and peer.available("avx2"):
         for dt in plan.avx2_dtypes:
             path, maker = ensure_file(plan.preset, dt)
@@ -160,7 +161,8 @@ def measure(plan: MemwallPlan, avx2: bool = True) -> dict[str, Any]:
                 env2 = env | {"CC": str(NO_AVX512_CC), "XDG_CACHE_HOME": cache, "PP_CACHE_DIR": f"{cache}/pp_worker"}
                 say(f"memwall: {dt}, 2 stages compiled without AVX-512 and llama.cpp's AVX2 build")
                 out["rows"][_key(dt, "avx2", plan.label)] = (measure_row(path, "avx2", env2, plan, prompt, ids)
-                                                            | {"dtype": dt, "clang": "no-avx512"})
+                                                            | {"dtype": dt, "clang": "no-avx512",
+                                                                                 "label": plan.label})
     elif avx2 and plan.avx2_dtypes:
         out["avx2_skipped"] = "llama.cpp's AVX2 build (.venv-peers) not built: run make peers"
     return out
