@@ -182,13 +182,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--decode", type=int)
     ap.add_argument("--tree", help="another checkout whose pp_worker the pipelines run (PYTHONPATH)")
     ap.add_argument("--label", default="", help="appended to every row's key (e.g. the tree's branch)")
+    ap.add_argument("--env", action="append", default=[], metavar="NAME=VALUE", help="for the pipelines' workers")
     args = ap.parse_args(argv)
     plan = MemwallPlan()
-    changes: dict[str, Any] = {"tree": args.tree, "label": args.label}
-    if args.dtypes:
-        changes["dtypes"] = tuple(args.dtypes.split(","))
-    if args.avx2_dtypes:
-        changes["avx2_dtypes"] = tuple(args.avx2_dtypes.split(","))
+    changes: dict[str, Any] = {"tree": args.tree, "label": args.label,
+                               "extra_env": dict(e.split("=", 1) for e in args.env)}
+    if args.dtypes is not None:  # "": no row on the default build (e.g. the AVX2 rows alone)
+        changes["dtypes"] = tuple(d for d in args.dtypes.split(",") if d)
+    if args.avx2_dtypes is not None:
+        changes["avx2_dtypes"] = tuple(d for d in args.avx2_dtypes.split(",") if d)
     if args.rounds:
         changes["rounds"] = args.rounds
     if args.decode:
