@@ -4,6 +4,8 @@
                                    # process, 2 and 3 stages, then pinned to CPUs), then section 6 again on the
                                    # 0.73B "rss" model (its first run generates it), pp-serve, and section 8, q8
                                    # against f16 on the wire: ~15 minutes on 2 idle cores
+    python -m bench.run --sections memwall   # section 15: the 1.1B shape's files against llama.cpp (bench.memwall;
+                                             # its first run generates and quantizes ~5 GB into bench/models/)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
     python -m bench.run --sections beam   # PP_BEAM=2 vs without (not in the default run: the first search takes
                                           # minutes, 20+ on a loaded machine; the kernel cache is kept in bench/models/)
