@@ -1,14 +1,16 @@
 """The C products' speed, one thread, outside tinygrad: G weights/s of builds of the same kernel side by side.
 
     python -m bench.kernel_speed [--types Q4_K,Q6_K] [--shapes 1536x512,5632x2048] [--batch 1,8] [--rounds 15]
-                                 [--variant LABEL=FILE[,FILE...]] [--dram]
+                                 [--variant LABEL=FILE[,FILE...]] [--dram] [--int8]
 
 Each build of a (type, shape) is compiled here with tinygrad's clang flags into a shared library whose loop calls
 the matmul kernel ``reps`` times on one thread (core 0 of 1), so no Python lies between calls. Builds are timed in
 turn, round after round, and the median of the rounds is reported (this VM's speed swings between phases; only
 builds measured side by side compare). The default builds are ``generic`` (the type's generic C alone) and
 ``native`` (its row of the type table: this CPU's SIMD files); ``--variant`` adds a build from other files (relative
-to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file). ``--dram`` adds one shape per type bigger than the L3
+to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds the integer path (``matmul_int.c``,
+its products checked against the first build's within the int8 rounding only). ``CC`` picks the compiler (the
+AVX2 wrapper: ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
 (32000x2048) and prints GB/s of the weights' bytes too. Weights are random bytes with finite scales, as the tests'.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import subprocess
 import tempfile
@@ -37,17 +40,20 @@ FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
-def build(files: list[str], k: int, type_name: str, workdir: Path) -> ctypes.CDLL:
-    """A shared library of the matmul kernel over ``files`` (the type's C files) for rows of ``k`` values."""
+def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = False) -> ctypes.CDLL:
+    """A shared library of the matmul kernel over ``files`` (the type's C files) for rows of ``k`` values; ``int8``:
+    the integer path's kernel."""
     t = BY_NAME[type_name]
     defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": kernels.ROWS, "BLOCK_VALUES": t.kernel_block,
-               "BLOCK_BYTES": t.row_bytes(t.kernel_block)}
-    src = kernels.unit(defines, ["common.h", *files, "matmul.c"]) + LOOP
+               "BLOCK_BYTES": t.row_bytes(t.kernel_block), **({"PP_INT": 1} if int8 else {})}
+    parts = ["common.h", "q8.h", *files, "matmul_int.c"] if int8 else ["common.h", *files, "matmul.c"]
+    src = kernels.unit(defines, parts) + LOOP
     so = workdir / f"{abs(hash(src))}.so"
     if not so.exists():
         flags = ["-O2", "-fPIC", "-shared", "-ffreestanding", "-fno-math-errno", "-nostdlib", "-Wno-psabi",
                  "-march=native"]
-        subprocess.run(["clang", "-x", "c", *flags, "-", "-o", str(so)], input=src.encode(), check=True)
+        subprocess.run([os.environ.get("CC", "clang"), "-x", "c", *flags, "-", "-o", str(so)], input=src.encode(),
+                       check=True)
     return ctypes.CDLL(str(so))
 
 
@@ -90,7 +96,7 @@ def measure(libs: dict[str, ctypes.CDLL], w: np.ndarray, n: int, k: int, b: int,
     ref = outs[names[0]]
     for name, o in outs.items():  # a build that computes something else is no faster build
         err = np.abs(o - ref).max() / max(np.abs(ref).max(), 1e-30)
-        if err > 1e-5:
+        if err > (0.05 if name.startswith("int8") else 1e-5):
             print(f"  !! {name} differs from the first build by {err:.2e} of the largest output")
     first = times[names[0]]
     return ({name: statistics.median(ts) for name, ts in times.items()}, {name: min(ts) for name, ts in times.items()},
@@ -106,6 +112,8 @@ def main() -> None:
     ap.add_argument("--variant", action="append", default=[], help="LABEL=FILE[,FILE...] (files after generic/)")
     ap.add_argument("--no-native", action="store_true", help="leave out the table's build")
     ap.add_argument("--dram", action="store_true", help="also 32000x2048, bigger than the L3")
+    ap.add_argument("--int8", action="store_true", help="add the integer path's build (int8)")
+    ap.add_argument("--no-generic", action="store_true", help="leave out the generic build")
     a = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     batches = [int(v) for v in a.batch.split(",")]
@@ -116,15 +124,17 @@ def main() -> None:
     for type_name in a.types.split(","):
         t = BY_NAME[type_name]
         generic = f"generic/{t.kernel}.c"
-        builds = {"generic": [generic]}
+        builds = {} if a.no_generic else {"generic": [generic]}
         if not a.no_native:
             builds["native"] = kernels.type_files(t)
+        if a.int8 and t.int8:
+            builds["int8"] = kernels.type_files(t)
         for v in a.variant:
             label, files = v.split("=", 1)
             builds[label] = [generic, *files.split(",")]
         for n, k in shapes + ([(32000, 2048)] if a.dram else []):
             w = weights(type_name, n, k, rng)
-            libs = {name: build(files, k, type_name, workdir) for name, files in builds.items()}
+            libs = {name: build(files, k, type_name, workdir, name == "int8") for name, files in builds.items()}
             for b in batches if (n, k) != (32000, 2048) else [1]:
                 med, best, ratio = measure(libs, w, n, k, b, a.rounds)
                 dram = (n, k) == (32000, 2048)

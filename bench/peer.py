@@ -7,7 +7,8 @@ is run there as a script and imports nothing of the project. Two builds may sit 
 `default_build` picks the best one the CPU runs, and every row names the build it used.
 Its protocol is `bench.solo`'s ``--serve``:
 ``{"ready": true}`` after a warm-up, then for each line ``{"prompt": [ids], "decode": n}`` the arrival times of a
-greedy generation's tokens. The prompt ids are the pipeline's (the same tokenizer's), fed to llama.cpp as tokens.
+greedy generation's tokens (and the tokens), and for ``{"tokenize": text}`` llama.cpp's ids of the text. The prompt
+ids are the pipeline's (the same tokenizer's), fed to llama.cpp as tokens.
 
     .venv-peers/bin/python bench/peer.py MODEL --threads 2 --max-context 1024
 """
@@ -23,6 +24,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 BUILDS = {"avx2": REPO / ".venv-peers", "avx512": REPO / ".venv-peers-avx512"}  # as the Makefile's peers target
+PEERS_PYTHON = BUILDS["avx2"] / "bin" / "python"  # the AVX2 build: make peers always builds it
 BUILD_NAMES = {"avx2": "AVX2", "avx512": "AVX-512 + VNNI"}
 AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16")
 WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8]]
@@ -45,14 +47,19 @@ def cpu_has_avx512(cpuinfo: str | None = None) -> bool:
 
 def available(build: str | None = None) -> bool:
     """``build`` is built (None: any build this CPU runs)."""
-    return default_build() is not None if build is None else python(build).exists()
+    return default_build() is not None if build is None else built(build)
 
 
 def default_build() -> str | None:
     """The fastest build there is that this CPU runs: AVX-512 where it can, else AVX2; None: no build."""
-    if cpu_has_avx512() and python("avx512").exists():
+    if cpu_has_avx512() and built("avx512"):
         return "avx512"
-    return "avx2" if python("avx2").exists() else None
+    return "avx2" if built("avx2") else None
+
+
+def built(build: str) -> bool:
+    """Whether ``make peers`` finished ``build`` (its stamp: a venv still being built has a python, no llama_cpp)."""
+    return (BUILDS[build] / ".installed-stamp").exists()
 
 
 def serve(model: str, threads: int, max_context: int, out: Any) -> None:
@@ -61,20 +68,26 @@ def serve(model: str, threads: int, max_context: int, out: Any) -> None:
     llm = Llama(model_path=model, n_ctx=max_context, n_threads=threads, n_threads_batch=threads, n_batch=512,
                 verbose=False, seed=0)
 
-    def generate(prompt: list[int], n: int) -> list[float]:
-        times = []
-        for _ in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+    def generate(prompt: list[int], n: int) -> tuple[list[float], list[int]]:
+        times, tokens = [], []
+        for token in llm.generate(prompt, top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
             times.append(time.perf_counter())
+            tokens.append(int(token))
             if len(times) == n:
                 break
-        return times
+        return times, tokens
 
     for p in WARMUP:
         generate(p, 4)
     print(json.dumps({"ready": True, "system_info": llm_info()}), file=out, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        print(json.dumps({"decode_token_times": generate(ask["prompt"], ask["decode"] + 1)}), file=out, flush=True)
+        if "tokenize" in ask:  # llama.cpp's own ids for a text, its special tokens as the vocabulary says
+            print(json.dumps({"tokens": llm.tokenize(ask["tokenize"].encode(), add_bos=True, special=True)}),
+                  file=out, flush=True)
+            continue
+        times, tokens = generate(ask["prompt"], ask["decode"] + 1)
+        print(json.dumps({"decode_token_times": times, "tokens": tokens}), file=out, flush=True)
 
 
 def llm_info() -> str:

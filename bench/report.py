@@ -36,6 +36,7 @@ S11 = "11 a cold start (empty caches) and a restart, the embedded model"
 S13 = "13 pp-serve on a 30-block model (SmolLM2-135M's shape, Q8_0), 2 stages, 8 slots, cold"
 S15 = "15 memwall: TinyLlama-1.1B's shape (2.2 GB F16), weights streamed from DRAM, 2 stages and llama.cpp"
 S12 = "12 threads: one stage's decode call on every core / on one (PP_THREADS), timed inside the stage"
+S14 = "14 mixture of experts (qwen3moe, Q8_0), 2 stages: against a dense twin and llama.cpp"
 
 
 def get(raw: dict[str, Any], *path: str) -> Any:
@@ -56,7 +57,8 @@ def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[i
     return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
             *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
             *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
-            *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *memwall_rows(raw.get("memwall"))]
+            *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe")),
+            *memwall_rows(raw.get("memwall"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -441,6 +443,40 @@ def serve_memory(m: dict[str, Any] | None) -> list[Row]:
     if od := m.get("on_demand"):
         rows.append(Row(S13, "  the same, compiling each size at its first use", od["burst_s"], "s",
                         note=f"PP_WARMUP=0; /health ok after {od['ok_s']:.1f} s"))
+    return rows
+
+
+def moe_rows(m: dict[str, Any] | None) -> list[Row]:
+    """Section 14 (issue 34): decode of a qwen3moe file against a dense model of the same dims and parameters (only
+    the routed experts read: target 2.5x) and against llama.cpp's one process on the same file (target 0.8x)."""
+    if not m or "rounds" not in m:
+        return [Row(S14, "MoE decode", None, "tok/s", note="not measured (section moe not run, or it failed)")]
+    tps, b, n = m["tps"], m["bytes"], len(m["rounds"])
+    key = f"pp{m['stages']}"
+    read = {k: f"reads ~{v['read_per_token'] / MIB:.0f} of {v['file'] / MIB:.0f} MiB a token" for k, v in b.items()}
+    rows = [Row(S14, f"{m['model']}, {m['stages']} stages", tps.get(f"{key} moe"), "tok/s",
+                note=f"{_params(m['params']['moe'])} parameters; {read['moe']}"),
+            Row(S14, f"  dense twin {m['dense_model']}", tps.get(f"{key} dense"), "tok/s",
+                note=f"{_params(m['params']['dense'])} parameters; {read['dense']}"),
+            Row(S14, "MoE / dense decode", m["moe_over_dense"], "x", 2.5,
+                note=f"median of {n} rounds in turn; bytes read a token: dense / MoE "
+                     f"{b['dense']['read_per_token'] / b['moe']['read_per_token']:.1f}x")]
+    if calls := m.get("call_ms"):
+        rows.append(Row(S14, "  last stage's decode call, dense / MoE, in one process", m["call_ratio"], "x",
+                        note=f"median of {len(calls['moe'])} rounds in turn; MoE {statistics.median(calls['moe']):.2f}"
+                             f" ms, dense {statistics.median(calls['dense']):.2f} ms"))
+    if m.get("peers_skipped"):
+        rows.append(Row(S14, "MoE 2 stages / llama.cpp", None, "x", 0.8, note=m["peers_skipped"]))
+    else:
+        rows += [Row(S14, "  llama.cpp one process, MoE file", tps.get("llama.cpp moe"), "tok/s",
+                     note=m.get("peer_info") or ""),
+                 Row(S14, f"MoE {m['stages']} stages / llama.cpp", m["moe_over_llama_cpp"], "x", 0.8,
+                     note=f"median of {n} rounds in turn")]
+        if check := m.get("peer_check"):
+            rows.append(Row(S14, "  greedy tokens equal to llama.cpp's before the first divergence",
+                            check["agree_before_divergence"] / check["tokens"], "x",
+                            note=f"{check['agree_before_divergence']} of {check['tokens']}; the prompt's ids "
+                                 f"{'equal' if check['prompt_ids_equal'] else 'DIFFERENT'} by both tokenizers"))
     return rows
 
 

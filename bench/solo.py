@@ -172,7 +172,16 @@ class Solo:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps({"prompt": prompt, "decode": decode}) + "\n")
         self.proc.stdin.flush()
-        return self._read()["decode_token_times"]
+        reply = self._read()
+        self.last_tokens: list[int] | None = reply.get("tokens")  # the generation's tokens, where the child says
+        return reply["decode_token_times"]
+
+    def tokenize(self, text: str) -> list[int]:
+        """The child's own ids of ``text`` (`bench.peer`: llama.cpp's tokenizer)."""
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"tokenize": text}) + "\n")
+        self.proc.stdin.flush()
+        return self._read()["tokens"]
 
     def _read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None

@@ -62,13 +62,17 @@ def run_requests(stage: int, num_stages: int, requests: list[dict[str, Any]]) ->
 # Compiled forwards are not kept on disk during the suite (compiled.jitcache): a test sees what a first start does,
 # whatever ran before it; tests/test_jitcache.py turns the cache on in directories of its own.
 os.environ["PP_CACHE"] = "0"
+# The C products on their float path (cpu.kernels.numerics): the suite's float64-reference tolerances are the float
+# path's; the integer path (the workers' default) has its own tests (tests/test_int8*.py), which unset this.
+os.environ["PP_EXACT"] = "1"
 
 
 def clean_env() -> dict[str, str]:
     """The inherited environment minus anything of ours that could leak into a worker under test (but the suite's
-    PP_CACHE=0)."""
+    PP_CACHE=0 and PP_EXACT=1)."""
     return {k: v for k, v in os.environ.items()
-            if (not k.startswith("PP_") or k == "PP_CACHE") and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
+            if (not k.startswith("PP_") or k in ("PP_CACHE", "PP_EXACT"))
+            and k not in ("STAGE", "NUM_STAGES", "MODEL", "DEBUG")}
 
 
 def stub_env(stage: int | None, num_stages: int | None, **extra: str) -> dict[str, str]:

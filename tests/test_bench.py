@@ -140,6 +140,14 @@ def fake_raw() -> dict:
                  "cold": {"ready_s": 2.0, "ttft_s": 8.0, "first_tps": 150.0},
                  "restart": {"ready_s": 1.0, "ttft_s": 3.0, "first_tps": 300.0},
                  "serve": {"listening_s": 5.0, "first_burst_s": 3.0, "warm_burst_s": 2.0}},
+        "moe": {"model": "qwen3moe-bench-s0-Q8_0.gguf", "dense_model": "qwen3moe-bench-dense-s0-Q8_0.gguf",
+                "stages": 2, "params": {"moe": 60_000_000, "dense": 60_000_000},
+                "bytes": {"moe": {"file": 64 << 20, "read_per_token": 12 << 20},
+                          "dense": {"file": 64 << 20, "read_per_token": 60 << 20}},
+                "rounds": [{"pp2 moe": 90.0, "pp2 dense": 30.0}, {"pp2 moe": 80.0, "pp2 dense": 40.0}],
+                "tps": {"pp2 moe": 85.0, "pp2 dense": 35.0}, "moe_over_dense": 2.5, "moe_over_llama_cpp": None,
+                "call_ms": {"moe": [1.0, 0.9], "dense": [5.0, 4.8]}, "call_ratio": 5.1,
+                "peers_skipped": "llama.cpp not built: run make peers"},
         "memwall": fake_memwall(),
     }
 
@@ -184,7 +192,19 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 14)} | {"15"}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 16)}
+    assert by_name["MoE / dense decode"].verdict == "PASS" and "dense / MoE 5.0x" in by_name["MoE / dense decode"].note
+    assert by_name["last stage's decode call, dense / MoE, in one process"].value == pytest.approx(5.1)
+    no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
+    assert no_peer.verdict == "n/a" and "make peers" in no_peer.note
+    assert report.moe_rows(None)[0].value is None  # the section did not run: one n/a row, no crash
+    with_peer = fake_raw()["moe"] | {"peers_skipped": None, "moe_over_llama_cpp": 0.9, "peer_info": "AVX2",
+                                     "peer_check": {"prompt_ids_equal": True, "tokens": 32,
+                                                    "agree_before_divergence": 24}}
+    moe = {r.name.strip(): r for r in report.moe_rows(with_peer)}
+    assert moe["MoE 2 stages / llama.cpp"].verdict == "PASS"
+    agree = moe["greedy tokens equal to llama.cpp's before the first divergence"]
+    assert agree.value == pytest.approx(0.75) and "ids equal" in agree.note
     wall = {r.name.strip(): r for r in rows if r.section.startswith("15 ")}
     q4 = wall["Q4_K_M avx512: 2 stages / llama.cpp"]  # the median of the rounds' ratios, not of the rates
     assert q4.value == pytest.approx(22 / 27) and q4.target == 1.0 and q4.verdict == "MISS"
@@ -315,6 +335,25 @@ def test_run_arguments() -> None:
         run.parse_args(["--sections", "nope"])
     assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
+    assert run.SECTIONS[-2:] == ("moe", "memwall") and run.parse_args(["--sections", "moe"]).sections == (
+        "moe",)  # sections 14 and 15, each runnable alone
+    assert "memwall" in run.parse_args([]).sections and run.FULL.memwall.preset == "tinyllama"
+    assert {run.FULL.moe.preset, run.FULL.moe.dense} <= set(PRESETS)
+
+
+def test_moe_bench_twins_have_the_same_dims_and_parameters() -> None:
+    """Section 14's dense model: the MoE's blocks with one feed-forward as wide as all its experts together."""
+    from pp_worker.testing.modelgen import param_count
+
+    moe_spec, moe_merges = PRESETS[run.FULL.moe.preset]
+    dense_spec, dense_merges = PRESETS[run.FULL.moe.dense]
+    assert moe_merges == dense_merges and moe_spec.n_experts > 0 and dense_spec.n_experts == 0
+    assert (moe_spec.dim, moe_spec.n_layers, moe_spec.n_heads, moe_spec.n_kv_heads) == \
+        (dense_spec.dim, dense_spec.n_layers, dense_spec.n_heads, dense_spec.n_kv_heads)
+    vocab = 256 + moe_merges + 3
+    router = moe_spec.n_layers * moe_spec.n_experts * moe_spec.dim
+    qk_norms = moe_spec.n_layers * 2 * moe_spec.head_dim
+    assert param_count(moe_spec, vocab) - router - qk_norms == param_count(dense_spec, vocab)
 
 
 @pytest.mark.parametrize("plan", [run.QUICK, run.FULL], ids=["quick", "full"])
@@ -384,11 +423,11 @@ def test_peer_builds_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, tmp_p
     builds = {name: tmp_path / name for name in ("avx2", "avx512")}
     monkeypatch.setattr(peer, "BUILDS", builds)
     assert peer.default_build() is None and not peer.available()
-    (builds["avx2"] / "bin").mkdir(parents=True)
-    (builds["avx2"] / "bin" / "python").touch()
+    builds["avx2"].mkdir(parents=True)
+    (builds["avx2"] / ".installed-stamp").touch()
     assert peer.default_build() == "avx2" and peer.available("avx2") and not peer.available("avx512")
-    (builds["avx512"] / "bin").mkdir(parents=True)
-    (builds["avx512"] / "bin" / "python").touch()
+    builds["avx512"].mkdir(parents=True)
+    (builds["avx512"] / ".installed-stamp").touch()
     monkeypatch.setattr(peer, "cpu_has_avx512", lambda cpuinfo=None: False)
     assert peer.default_build() == "avx2"  # built, but this CPU would die on it
     monkeypatch.setattr(peer, "cpu_has_avx512", lambda cpuinfo=None: True)

@@ -100,9 +100,9 @@ def test_cpu_stages_decode_through_the_kernel(model, monkeypatch):
     calls: list[int] = []
     attend = cpu_attention.attend
 
-    def counted(q, pool, table, row, table_row, start_pos):
+    def counted(q, pool, table, row, table_row, start_pos, window=0):
         calls.append(row)
-        return attend(q, pool, table, row, table_row, start_pos)
+        return attend(q, pool, table, row, table_row, start_pos, window)
 
     monkeypatch.setattr(cpu_attention, "attend", counted)
     chain = Chain(model, 2, 64, max_sessions=2, max_batch=2, every_size=False)

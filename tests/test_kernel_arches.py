@@ -153,7 +153,8 @@ def test_neon_code_covers_the_types_asked_for():
 
 
 def attention_and_runner() -> dict[str, str]:
-    """Attention over fp32 and fp16 KV pages, and the runner's entry points, as a stage compiles them."""
+    """Attention over fp32 and fp16 KV pages (and over a sliding window), and the runner's entry points, as a stage
+    compiles them."""
     from tinygrad import dtypes
 
     from pp_worker.worker.cpu import attention
@@ -161,6 +162,7 @@ def attention_and_runner() -> dict[str, str]:
 
     shapes = [attention.Shape(8, 2, 64, tokens, 4, 256, 4, d, 2) for d in (dtypes.float32, dtypes.float16)
               for tokens in (1, 8)]  # one token and a prefill call, over pages of either dtype
+    shapes.append(attention.Shape(8, 2, 64, 8, 4, 256, 4, dtypes.float16, 2, window=12))  # Gemma 3's sliding window
     runner = {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
     return {s.name: attention.source(s) for s in shapes} | runner
 

@@ -18,6 +18,7 @@ import pytest
 
 from pp_worker.testing import bpe
 from pp_worker.testing import modelgen as mg
+from pp_worker.testing.encode import encode_tensor
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.text.detokenizer import byte_symbols
 
@@ -142,7 +143,7 @@ def test_q8_0_matches_ggml_reference_rounding():
 
     x = np.random.default_rng(3).standard_normal((2, 64)).astype(np.float32)
     x[0, :32] = np.linspace(-1, 1, 32, dtype=np.float32) * 12.7  # exact .5 cases: round half away from zero
-    data, qtype = mg._encode_tensor(x, "Q8_0")
+    data, qtype = encode_tensor(x, "Q8_0")
     assert qtype == GGMLQuantizationType.Q8_0
     blocks = data.reshape(-1, 34)
     d = np.abs(x.reshape(-1, 32)).max(-1, keepdims=True) / np.float32(127)  # ggml: float d = amax / 127
@@ -161,7 +162,7 @@ def test_k_quant_packer_round_trips_through_gguf_dequantize(type_name, levels):
 
     x = np.random.default_rng(5).standard_normal((6, 512)).astype(np.float32)
     x[0, :256] = 0.0  # a block of zeros: no division by a zero scale
-    data, qtype = mg._encode_tensor(x, type_name)
+    data, qtype = encode_tensor(x, type_name)
     assert qtype == GGMLQuantizationType[type_name] and data.shape == (6, 2 * kquants.BLOCK_BYTES[type_name])
     back = quants.dequantize(data, qtype).reshape(x.shape)
     sub = 32 if type_name in ("Q4_K", "Q5_K") else 16
@@ -180,7 +181,7 @@ def test_iq4_packers_round_trip_through_gguf_dequantize(type_name, block, qs):
 
     x = np.random.default_rng(6).standard_normal((4, 256)).astype(np.float32)
     x[0] = 0.0
-    data, qtype = mg._encode_tensor(x, type_name)
+    data, qtype = encode_tensor(x, type_name)
     assert qtype == GGMLQuantizationType[type_name] and data.size == x.size // (32 if block == 18 else 256) * block
     back = quants.dequantize(data, qtype).reshape(-1, 32)
     probe = data.reshape(-1, block).copy()
@@ -202,7 +203,7 @@ def test_tq2_0_packer_round_trips_through_gguf_dequantize():
     from gguf import GGMLQuantizationType, quants
 
     x = np.random.default_rng(7).standard_normal((3, 512)).astype(np.float32)
-    data, qtype = mg._encode_tensor(x, "TQ2_0")
+    data, qtype = encode_tensor(x, "TQ2_0")
     back = quants.dequantize(data, qtype).reshape(-1, 256)
     peak = np.abs(x.reshape(-1, 256)).max(-1, keepdims=True)
     assert qtype == GGMLQuantizationType.TQ2_0 and set(np.unique(np.round(back / peak, 2))) <= {-1.0, 0.0, 1.0}

@@ -120,6 +120,7 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_BEAM": "-1"}, "PP_BEAM", "-1"),
     ({"PP_BEAM": "two"}, "PP_BEAM", "two"),
     ({"PP_KERNELS": "cuda"}, "PP_KERNELS", "cuda"),
+    ({"PP_EXACT": "yes"}, "PP_EXACT", "yes"),
     ({"PP_PINNED_HOST": "true"}, "PP_PINNED_HOST", "true"),
     ({"PP_THREADS": "0"}, "PP_THREADS", "0"),
     ({"PP_THREADS": "two"}, "PP_THREADS", "two"),

@@ -93,7 +93,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
     kv = header.kv
     first = spawn_real(0, 2, model, PP_MAX_SESSIONS="3")
     last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float32", PP_PREFILL_CHUNK="16",
-                      PP_THREADS="3")  # more threads than this machine's cores
+                      PP_THREADS="3", PP_EXACT="0")  # more threads than this machine's cores; the integer path
     try:
         ready = [first.wait_ready(60), last.wait_ready(60)]
         blocks = kv["llama.block_count"]
@@ -113,6 +113,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
                 for r in ready] == [("CPU", 32, "float16", kv_bytes * 2, "c"),
                                     ("CPU", 16, "float32", kv_bytes * 4, "c")]
         assert [(r["threads"], r["graph"]) for r in ready] == [(len(os.sched_getaffinity(0)), "native"), (3, "native")]
+        assert [r["numerics"] for r in ready] == ["float", "int8"]  # the suite's PP_EXACT=1; PP_EXACT=0
         # what each stage holds: its share of the file (an F16 file: F16 matrices as they are, F32 gains as fp16)
         for r, (start, end) in zip(ready, [compute_layer_range(s, 2, blocks) for s in (0, 1)], strict=True):
             names = [n for n in header.tensors if n.startswith(tuple(f"blk.{i}." for i in range(start, end)))]
@@ -134,7 +135,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert status["kv_dtype"] == r["kv_dtype"]
             assert (status["kv_pages_used"], status["kv_pages_touched"]) == (1, 1)
             assert status["kv_pages_used"] + status["kv_pages_free"] == status["kv_bytes"] // status["kv_page_bytes"]
-            assert status["threads"] == r["threads"]
+            assert (status["threads"], status["numerics"]) == (r["threads"], r["numerics"])
             assert status["jits_compiled"] == 1  # a short prompt on a small model: single-token calls, no new size
             assert w.request({"op": "release", "request_id": 5})["released"] is True
             assert w.request({"op": "status", "request_id": 7})["sessions"] == {}

@@ -107,9 +107,10 @@ def pair(ggml_type: int, k: int) -> str:
 Files = Callable[[GGMLType], list[str]]  # a type's C files in a build: cpu.kernels.type_files, or the generic alone
 
 
-def kernel_units(kernels: list[tuple[int, int]], files: Files) -> dict[str, str]:
+def kernel_units(kernels: list[tuple[int, int]], files: Files, int8: bool = False) -> dict[str, str]:
     """The matmul and gather sources of each (type, K) in ``kernels``, of the type's C files that ``files`` picks
-    (`cpu.kernels.type_files`: what tinygrad builds; or the generic file alone)."""
+    (`cpu.kernels.type_files`: what tinygrad builds; or the generic file alone); ``int8``: the matmuls of the types
+    that have one on the integer path (``matmul_int.c``)."""
     out = {}
     for ggml_type, k in kernels:
         t = TYPES[ggml_type]
@@ -117,7 +118,11 @@ def kernel_units(kernels: list[tuple[int, int]], files: Files) -> dict[str, str]
                    "BLOCK_BYTES": t.row_bytes(t.kernel_block)}
         for kind, suffix in (("matmul", "mm"), ("gather", "gather")):
             name = f"{pair(ggml_type, k)}_{suffix}"
-            out[name] = cpu_kernels.unit({"NAME": name, **defines}, ["common.h", *files(t), f"{kind}.c"])
+            if int8 and kind == "matmul" and t.int8:
+                parts = ["common.h", "q8.h", *files(t), "matmul_int.c"]
+                out[name] = cpu_kernels.unit({"NAME": name, **defines, "PP_INT": 1}, parts)
+            else:
+                out[name] = cpu_kernels.unit({"NAME": name, **defines}, ["common.h", *files(t), f"{kind}.c"])
     return out
 
 

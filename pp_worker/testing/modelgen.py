@@ -23,6 +23,7 @@ import numpy as np
 
 # the tokenizers the generated models carry
 from pp_worker.testing.bpe import Vocab, build_vocab, builtin_text
+from pp_worker.testing.encode import FILE_TYPES, encode_tensor
 from pp_worker.testing.rope_scaling import RopeScaling
 from pp_worker.testing.spm import SpmVocab, build_spm_vocab
 
@@ -43,6 +44,9 @@ class LlamaSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     vocab_size: int = 0  # > 0: the vocabulary padded to this size with reserved control tokens (`padded`)
+    arch: str = "llama"  # or "qwen3moe": Q/K norms, rows in HF order (NEOX rope), experts required
+    n_experts: int = 0  # > 0: a mixture of experts, each of ffn_dim, in place of the dense feed-forward
+    n_experts_used: int = 0  # experts routed per token (top-k)
 
     @property
     def head_dim(self) -> int:
@@ -64,15 +68,22 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     # SmolLM2-135M's shape (30 blocks, dim 576, 3 KV heads, tied embeddings, context 8192): pp-serve's memory bench
     "smol": (LlamaSpec(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, ffn_dim=1536, context_length=8192,
                        vocab_size=49152, tie_embeddings=True), 1741),
+    # mixtures of experts (8 experts, top-2): Mixtral-style experts in a llama file, and a qwen3moe
+    "moe-llama": (LlamaSpec(ffn_dim=64, n_experts=8, n_experts_used=2), 253),
+    "qwen3moe": (LlamaSpec(ffn_dim=64, n_experts=8, n_experts_used=2, arch="qwen3moe"), 253),
+    # widths of 256, so that K-quants apply to every matrix
+    "qwen3moe-kq": (LlamaSpec(dim=256, n_layers=4, ffn_dim=256, n_experts=8, n_experts_used=2, arch="qwen3moe"), 509),
+    # the bench's: 16 experts, top-2, and the dense model of the same dims and total parameters (ffn 16 x 512)
+    "qwen3moe-bench": (LlamaSpec(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=512, context_length=1024,
+                                 n_experts=16, n_experts_used=2, arch="qwen3moe"), 1741),
+    "qwen3moe-bench-dense": (LlamaSpec(dim=512, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=16 * 512,
+                                       context_length=1024), 1741),
 }
 
 QUANT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 # a whole file of one type (TQ2_0: one the worker dequantizes at load), or a mix: Q4_K_M and Q3_K_M as llama.cpp
 # makes them, MIXED cycling every kept type over the matrices
 DTYPES = ("F32", "F16", *QUANT_TYPES, "TQ2_0", "Q4_K_M", "Q3_K_M", "MIXED")
-FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
-              "Q4_K": 14, "Q5_K": 16, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "TQ2_0": 37, "Q4_K_M": 15,
-              "Q3_K_M": 12}  # llama_ftype (Q3_K, Q4_K and Q5_K: the _S files; MIXED has none)
 
 
 # ---------------------------------------------------------------- weights
@@ -90,10 +101,17 @@ def tensor_shapes(spec: LlamaSpec, vocab_size: int) -> dict[str, tuple[int, ...]
             f"blk.{i}.attn_v.weight": (kv, d),
             f"blk.{i}.attn_output.weight": (d, d),
             f"blk.{i}.ffn_norm.weight": (d,),
-            f"blk.{i}.ffn_gate.weight": (spec.ffn_dim, d),
-            f"blk.{i}.ffn_up.weight": (spec.ffn_dim, d),
-            f"blk.{i}.ffn_down.weight": (d, spec.ffn_dim),
         }
+        if spec.arch == "qwen3moe":
+            shapes |= {f"blk.{i}.attn_q_norm.weight": (spec.head_dim,), f"blk.{i}.attn_k_norm.weight": (spec.head_dim,)}
+        if spec.n_experts:  # llama.cpp's names: the router, then (E, out, in) tensors
+            e = spec.n_experts
+            shapes |= {f"blk.{i}.ffn_gate_inp.weight": (e, d), f"blk.{i}.ffn_gate_exps.weight": (e, spec.ffn_dim, d),
+                       f"blk.{i}.ffn_up_exps.weight": (e, spec.ffn_dim, d),
+                       f"blk.{i}.ffn_down_exps.weight": (e, d, spec.ffn_dim)}
+        else:
+            shapes |= {f"blk.{i}.ffn_gate.weight": (spec.ffn_dim, d), f"blk.{i}.ffn_up.weight": (spec.ffn_dim, d),
+                       f"blk.{i}.ffn_down.weight": (d, spec.ffn_dim)}
     shapes["output_norm.weight"] = (d,)
     if not spec.tie_embeddings:
         shapes["output.weight"] = (vocab_size, d)
@@ -111,8 +129,11 @@ def _init_std(name: str, shape: tuple[int, ...], spec: LlamaSpec) -> float:
         return 1.0
     if name == "output.weight":
         return 3.0 / np.sqrt(shape[1])
-    damp = 1.0 / np.sqrt(2 * spec.n_layers) if name.endswith(("attn_output.weight", "ffn_down.weight")) else 1.0
-    return damp / np.sqrt(shape[1])
+    if name.endswith("ffn_gate_inp.weight"):  # router logits spread over a few units: clear top-k choices
+        return 2.0 / np.sqrt(shape[-1])
+    damp = 1.0 / np.sqrt(2 * spec.n_layers) if name.endswith(("attn_output.weight", "ffn_down.weight",
+                                                              "ffn_down_exps.weight")) else 1.0
+    return damp / np.sqrt(shape[-1])
 
 
 def random_weights(spec: LlamaSpec, vocab_size: int, seed: int) -> dict[str, np.ndarray]:
@@ -141,9 +162,9 @@ def tensor_types(spec: LlamaSpec, vocab_size: int, dtype: str) -> dict[str, str]
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     types = {}
-    matrices = [n for n, shape in tensor_shapes(spec, vocab_size).items() if len(shape) == 2]
+    matrices = [n for n, shape in tensor_shapes(spec, vocab_size).items() if len(shape) >= 2]
     for name, shape in tensor_shapes(spec, vocab_size).items():
-        if len(shape) == 1:
+        if len(shape) == 1 or name.endswith("ffn_gate_inp.weight"):  # llama.cpp's quantize keeps routers F32 too
             types[name] = "F32"
         elif dtype == "Q4_K_M":
             types[name] = _q4_k_m(name, spec.n_layers)
@@ -164,7 +185,7 @@ def _q4_k_m(name: str, n_layers: int) -> str:
     `use_more_bits` holds (the first and last eighth, and every third between); Q4_K everywhere else."""
     if name == "output.weight":
         return "Q6_K"
-    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+    if name.endswith(("attn_v.weight", "ffn_down.weight", "ffn_down_exps.weight")):
         i = int(name.split(".")[1])
         if i < n_layers // 8 or i >= 7 * n_layers // 8 or (i - n_layers // 8) % 3 == 2:
             return "Q6_K"
@@ -182,24 +203,9 @@ def _q3_k_m(name: str, n_layers: int) -> str:
             return "Q4_K"
         if name.endswith("attn_v.weight"):
             return "Q5_K" if i < 2 else "Q4_K"
-        if name.endswith("ffn_down.weight"):
+        if name.endswith(("ffn_down.weight", "ffn_down_exps.weight")):
             return "Q5_K" if i < n_layers // 16 else "Q4_K"
     return "Q3_K"
-
-
-def _encode_tensor(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object | None]:
-    """-> (array to store, raw GGML type or None for the float types)."""
-    from gguf import GGMLQuantizationType, quants
-
-    from pp_worker.testing import kquants
-
-    if type_name in ("F32", "F16"):
-        return w.astype(np.float32 if type_name == "F32" else np.float16), None
-    qtype = GGMLQuantizationType[type_name]
-    if type_name in kquants.QUANTIZERS:  # gguf cannot quantize the K, IQ4 and TQ types
-        return kquants.quantize(w.astype(np.float32), type_name), qtype
-    # gguf.quants is documented bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref...)
-    return quants.quantize(w.astype(np.float32), qtype), qtype
 
 
 def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab | SpmVocab, dtype: str, chat_template: str | None, name: str,
@@ -218,6 +224,12 @@ def _add_metadata(writer, spec: LlamaSpec, vocab: Vocab | SpmVocab, dtype: str, 
     writer.add_layer_norm_rms_eps(spec.norm_eps)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_rope_dimension_count(spec.head_dim)
+    if spec.n_experts:
+        writer.add_expert_count(spec.n_experts)
+        writer.add_expert_used_count(spec.n_experts_used)
+        writer.add_expert_feed_forward_length(spec.ffn_dim)
+        if spec.arch == "qwen3moe":
+            writer.add_expert_weights_norm(True)
     vocab.write_tokenizer(writer)
     if "<|eot_id|>" in vocab.tokens:
         writer.add_eot_token_id(vocab.tokens.index("<|eot_id|>"))
@@ -253,7 +265,7 @@ def write_gguf(
         raise ValueError(f"weights: missing {missing}, unexpected {extra}")
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # readers of a shared model dir never see half a file
-    writer = GGUFWriter(tmp, "llama")
+    writer = GGUFWriter(tmp, spec.arch)
     _add_metadata(writer, spec, vocab, dtype, chat_template, name, add_bos)
     if rope is not None:
         rope.write(writer)
@@ -261,9 +273,9 @@ def write_gguf(
         w = np.asarray(weights[tname], dtype=np.float32)
         if w.shape != shape:
             raise ValueError(f"{tname}: shape {w.shape}, expected {shape}")
-        if tname.endswith(("attn_q.weight", "attn_k.weight")):
+        if spec.arch == "llama" and tname.endswith(("attn_q.weight", "attn_k.weight")):  # qwen's stay HF order
             w = permute_rope_rows(w, spec.n_heads if "attn_q" in tname else spec.n_kv_heads)
-        data, raw_dtype = _encode_tensor(w, types[tname])
+        data, raw_dtype = encode_tensor(w, types[tname])
         writer.add_tensor(tname, data, raw_dtype=raw_dtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -299,7 +311,13 @@ def padded(vocab: Vocab | SpmVocab, size: int) -> Vocab | SpmVocab:
 def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str = "F16", *,
              add_bos: bool | None = False, chat_template: str | None = None, tokenizer: str = "llama-bpe",
              rope: RopeScaling | None = None) -> Path:
-    """Write the `preset` model with weights from `seed`; the same arguments give a byte-identical file."""
+    """Write the `preset` model with weights from `seed`; the same arguments give a byte-identical file. The
+    `gemma3gen` presets ("gemma3", "gemma3-kq") write a Gemma 3 (its own vocabulary; the tokenizer arguments do not
+    apply)."""
+    from pp_worker.testing import gemma3gen
+
+    if preset in gemma3gen.PRESETS:
+        return gemma3gen.generate(path, preset, seed, dtype)
     if preset not in PRESETS:
         raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {preset!r}")
     spec, n_merges = PRESETS[preset]
@@ -312,7 +330,9 @@ def generate(path: str | Path, preset: str = "tiny", seed: int = 0, dtype: str =
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pp_worker.testing.modelgen", description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path, help="output .gguf path")
-    ap.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    from pp_worker.testing import gemma3gen
+
+    ap.add_argument("--preset", choices=sorted([*PRESETS, *gemma3gen.PRESETS]), default="tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", choices=DTYPES, default="F16")
     ap.add_argument("--add-bos", action="store_true", help="tokenizer.ggml.add_bos_token = true (default false)")
@@ -320,6 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="'spm' (SentencePiece) or a byte-level BPE's tokenizer.ggml.pre name (default llama-bpe)")
     args = ap.parse_args(argv)
     path = generate(args.out, args.preset, args.seed, args.dtype, add_bos=args.add_bos, tokenizer=args.tokenizer)
+    if args.preset in gemma3gen.PRESETS:
+        print(f"{path}: {args.preset} {args.dtype} bytes={path.stat().st_size}", file=sys.stderr)
+        return 0
     spec, n_merges = PRESETS[args.preset]
     n_vocab = len(builtin_vocab(n_merges, args.tokenizer).tokens)
     print(

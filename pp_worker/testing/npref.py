@@ -1,4 +1,5 @@
-"""An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against.
+"""An independent float64 numpy llama forward pass, the reference the tinygrad engine is checked against; also
+qwen3moe and Mixtral-style experts in llama files (llama.cpp's routing, from its formulas: `RefModel._moe`).
 
 It reads GGUF files with `gguf.GGUFReader` and shares no code with tinygrad, the engine or modelgen: it
 dequantizes F32/F16/Q8_0 itself, every other type with the `gguf` package's numpy dequantizer, and applies ggml's
@@ -90,6 +91,9 @@ class RefModel:
     rope_theta: float
     interleaved_rope: bool = True  # True for GGUF-order Q/K rows, False for HF (half-split) order
     rope_scaling: RopeScaling = RopeScaling()
+    experts_used: int = 0  # a mixture of experts: the k experts routed per token (`_moe`)
+    norm_experts: bool = True  # the k routing weights renormalized to sum 1 (llama.cpp's norm_w)
+    experts_scale: float = 1.0  # then multiplied by expert_weights_scale where the file sets it (not 0)
 
     @staticmethod
     def from_gguf(path: str | Path) -> RefModel:
@@ -98,18 +102,22 @@ class RefModel:
         def kv(key: str, default=None):
             return reader.fields[key].contents() if key in reader.fields else default
 
-        assert kv("general.architecture") == "llama"
+        arch = kv("general.architecture")
+        assert arch in ("llama", "qwen3moe"), arch
         weights = {
             t.name: dequantize(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors
         }
         return RefModel(
             weights,
-            kv("llama.block_count"),
-            kv("llama.attention.head_count"),
-            kv("llama.attention.head_count_kv"),
-            kv("llama.attention.layer_norm_rms_epsilon"),
-            kv("llama.rope.freq_base"),
+            kv(f"{arch}.block_count"),
+            kv(f"{arch}.attention.head_count"),
+            kv(f"{arch}.attention.head_count_kv"),
+            kv(f"{arch}.attention.layer_norm_rms_epsilon"),
+            kv(f"{arch}.rope.freq_base"),
+            interleaved_rope=arch == "llama",  # qwen3moe: llama.cpp's NEOX rope (rows as HF stores them)
             rope_scaling=RefModel._rope_scaling(kv, weights.pop("rope_freqs.weight", None)),
+            experts_used=kv(f"{arch}.expert_used_count", 0),
+            experts_scale=kv(f"{arch}.expert_weights_scale", 0.0) or 1.0,
         )
 
     @staticmethod
@@ -143,6 +151,9 @@ class RefModel:
         q = (x @ w[f"blk.{i}.attn_q.weight"].T).reshape(T, self.n_heads, -1)  # (T, H, Hd)
         k = (x @ w[f"blk.{i}.attn_k.weight"].T).reshape(T, self.n_kv_heads, -1)  # (T, KvH, Hd)
         v = (x @ w[f"blk.{i}.attn_v.weight"].T).reshape(T, self.n_kv_heads, -1)
+        if f"blk.{i}.attn_q_norm.weight" in w:  # qwen3: each head's q and k RMS-normed before the rope
+            q = rms_norm(q, w[f"blk.{i}.attn_q_norm.weight"], self.norm_eps)
+            k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], self.norm_eps)
         pos = np.arange(T, dtype=np.float64)
         q = rope(q, pos, self.rope_theta, self.interleaved_rope, self.rope_scaling)
         k = rope(k, pos, self.rope_theta, self.interleaved_rope, self.rope_scaling)
@@ -159,8 +170,28 @@ class RefModel:
         w = self.weights
         h = x + self._attention(i, rms_norm(x, w[f"blk.{i}.attn_norm.weight"], self.norm_eps))
         n = rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], self.norm_eps)
+        if self.experts_used:
+            return h + self._moe(i, n)
         ffn = silu(n @ w[f"blk.{i}.ffn_gate.weight"].T) * (n @ w[f"blk.{i}.ffn_up.weight"].T)
         return h + ffn @ w[f"blk.{i}.ffn_down.weight"].T
+
+    def _moe(self, i: int, x: np.ndarray) -> np.ndarray:
+        """Routed feed-forward over x (T, D): per token p = softmax(router x), the k largest p, renormalized to sum 1
+        when ``norm_experts`` (llama.cpp: always, for llama and qwen3moe), times ``experts_scale``, and
+        y = sum over those experts e of p_e * down_e(silu(gate_e x) * up_e x)."""
+        w = self.weights
+        logits = x @ w[f"blk.{i}.ffn_gate_inp.weight"].T  # (T, E)
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        out = np.zeros_like(x)
+        for t in range(x.shape[0]):
+            top = np.argsort(-p[t], kind="stable")[: self.experts_used]
+            weight = self.experts_scale * p[t, top] / (p[t, top].sum() if self.norm_experts else 1.0)
+            for e, we in zip(top, weight, strict=True):
+                gate = w[f"blk.{i}.ffn_gate_exps.weight"][e] @ x[t]
+                up = w[f"blk.{i}.ffn_up_exps.weight"][e] @ x[t]
+                out[t] += we * (w[f"blk.{i}.ffn_down_exps.weight"][e] @ (silu(gate) * up))
+        return out
 
     def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
         """Blocks [start, end) over hidden states x (T, D) of the whole sequence from position 0."""
@@ -182,3 +213,110 @@ class RefModel:
         for _ in range(n):
             seq.append(int(np.argmax(self.logits(seq)[-1])))
         return seq[len(tokens) :]
+
+
+# ---------------------------------------------------------------- Gemma 3
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+@dataclass
+class Gemma3Ref:
+    """Gemma 3 from its formulas (llama.cpp's gemma3 graph, sliding-window build), float64, whole sequence per call:
+    x = E[tokens] * sqrt(D); per block, with n = rms(x) * attn_norm:
+      q, k = rms(n Wq) * q_norm, rms(n Wk) * k_norm per head, roped NEOX-style (half-split pairs: Gemma's GGUF
+      rows are HF-ordered) at base ``local_theta`` unscaled on a sliding block, else at ``rope_theta`` scaled;
+      scores = q . k * scale, causal, and on a sliding block key p is seen from query t only when t - p < window;
+      h = x + rms(attn Wo) * post_attention_norm; x = h + rms(ffn(rms(h) * ffn_norm)) * post_ffw_norm with
+      ffn(y) = (gelu_tanh(y Wgate) * y Wup) Wdown;
+    logits = rms(x) * output_norm @ E^T (tied). Block il slides unless il % 6 == 5 (llama.cpp's pattern)."""
+
+    weights: dict[str, np.ndarray]
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+    rope_theta: float
+    local_theta: float
+    window: int
+    scale: float
+    global_scaling: RopeScaling = RopeScaling()
+    use_window: bool = True  # False: every block global (the test's proof that the window matters)
+
+    @staticmethod
+    def from_gguf(path: str | Path) -> Gemma3Ref:
+        reader = GGUFReader(str(path))
+
+        def kv(key: str, default=None):
+            return reader.fields[f"gemma3.{key}"].contents() if f"gemma3.{key}" in reader.fields else default
+
+        assert reader.fields["general.architecture"].contents() == "gemma3"
+        weights = {t.name: dequantize(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape)))
+                   for t in reader.tensors}
+        n_layers, dim, n_heads = kv("block_count"), kv("embedding_length"), kv("attention.head_count")
+        head_dim = kv("attention.key_length", dim // n_heads)
+        kind, factor = kv("rope.scaling.type", "linear"), kv("rope.scaling.factor", 0.0)
+        if kind not in ("none", "linear"):
+            raise NotImplementedError(f"Gemma3Ref has no {kind} RoPE scaling")
+        scaling = RopeScaling(freq_scale=1.0 / factor if kind == "linear" and factor else 1.0)
+        scale = 1.0 / np.sqrt(dim // n_heads if n_layers == 62 else head_dim)  # llama.cpp: the 27B's own scale
+        return Gemma3Ref(weights, n_layers, n_heads, kv("attention.head_count_kv", n_heads), head_dim,
+                         kv("attention.layer_norm_rms_epsilon"), kv("rope.freq_base", 10000.0),
+                         kv("rope.local.freq_base", 10000.0), kv("attention.sliding_window"), scale, scaling)
+
+    def sliding(self, i: int) -> bool:
+        return self.use_window and i % 6 != 5
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        w = self.weights["token_embd.weight"]
+        return w[np.asarray(tokens)] * np.sqrt(w.shape[1])
+
+    def _attention(self, i: int, x: np.ndarray) -> np.ndarray:
+        w, T, eps = self.weights, x.shape[0], self.norm_eps
+        q = rms_norm((x @ w[f"blk.{i}.attn_q.weight"].T).reshape(T, self.n_heads, -1), w[f"blk.{i}.attn_q_norm.weight"],
+                     eps)
+        k = rms_norm((x @ w[f"blk.{i}.attn_k.weight"].T).reshape(T, self.n_kv_heads, -1),
+                     w[f"blk.{i}.attn_k_norm.weight"], eps)
+        v = (x @ w[f"blk.{i}.attn_v.weight"].T).reshape(T, self.n_kv_heads, -1)
+        pos = np.arange(T, dtype=np.float64)
+        theta, scaling = (self.local_theta, RopeScaling()) if i % 6 != 5 else (self.rope_theta, self.global_scaling)
+        q, k = rope(q, pos, theta, False, scaling), rope(k, pos, theta, False, scaling)
+        group = self.n_heads // self.n_kv_heads
+        k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+        scores = np.einsum("thd,shd->hts", q, k) * self.scale  # (H, T, T)
+        t, s = np.arange(T)[:, None], np.arange(T)[None, :]
+        seen = (s <= t) & ((t - s < self.window) if self.sliding(i) else True)
+        scores = np.where(seen, scores, -np.inf)
+        p = np.exp(scores - scores.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        return np.einsum("hts,shd->thd", p, v).reshape(T, -1) @ w[f"blk.{i}.attn_output.weight"].T
+
+    def _block(self, i: int, x: np.ndarray) -> np.ndarray:
+        w, eps = self.weights, self.norm_eps
+        a = self._attention(i, rms_norm(x, w[f"blk.{i}.attn_norm.weight"], eps))
+        h = x + rms_norm(a, w[f"blk.{i}.post_attention_norm.weight"], eps)
+        n = rms_norm(h, w[f"blk.{i}.ffn_norm.weight"], eps)
+        f = (gelu_tanh(n @ w[f"blk.{i}.ffn_gate.weight"].T) * (n @ w[f"blk.{i}.ffn_up.weight"].T)) \
+            @ w[f"blk.{i}.ffn_down.weight"].T
+        return h + rms_norm(f, w[f"blk.{i}.post_ffw_norm.weight"], eps)
+
+    def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
+        for i in range(start, end):
+            x = self._block(i, x)
+        return x
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        out = self.weights.get("output.weight", self.weights["token_embd.weight"])
+        return rms_norm(x, self.weights["output_norm.weight"], self.norm_eps) @ out.T
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        return self.head(self.run_blocks(self.embed(tokens), 0, self.n_layers))
+
+    def greedy(self, tokens: list[int], n: int) -> list[int]:
+        seq = list(tokens)
+        for _ in range(n):
+            seq.append(int(np.argmax(self.logits(seq)[-1])))
+        return seq[len(tokens):]

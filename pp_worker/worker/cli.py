@@ -65,6 +65,7 @@ class Config:
     kv_bytes: int | None = None  # PP_KV_BYTES: the KV pool's cap; None: sized from the free memory (engines.pool)
     host_stages: int = 1  # PP_HOST_STAGES: stages started on this host (they share its cores and memory)
     precompile: bool = False  # PP_PRECOMPILE: compile every JIT into the cache, then exit (the background child)
+    exact: bool = False  # PP_EXACT: the C products' float path (cpu.kernels.numerics reads it from the environment)
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -150,7 +151,7 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   kernels=_env_choice(env, "PP_KERNELS", KERNEL_NAMES), pinned_host=_env_switch(env, "PP_PINNED_HOST"),
                   threads=default_threads(env), kv_bytes=_env_bytes(env, "PP_KV_BYTES"),
                   host_stages=_env_int(env, "PP_HOST_STAGES", 1, low=1) or 1,
-                  precompile=_env_flag(env, "PP_PRECOMPILE"))
+                  precompile=_env_flag(env, "PP_PRECOMPILE"), exact=_env_flag(env, "PP_EXACT"))
 
 
 def default_threads(env: dict[str, str]) -> int:

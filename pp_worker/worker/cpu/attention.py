@@ -53,31 +53,37 @@ class Shape:
     max_pages: int  # entries in a session's row of the page table
     dtype: DType
     threads: int
+    window: int = 0  # > 0: a sliding window, token t sees positions [start_pos + t - window + 1, start_pos + t]
 
     @property
     def name(self) -> str:
         return (f"attend_{self.n_heads}_{self.n_kv_heads}_{self.head_dim}_t{self.tokens}_r{self.rows}_p{self.page}"
-                f"_m{self.max_pages}_{self.dtype.name}_{self.threads}")
+                f"_m{self.max_pages}_{self.dtype.name}_{self.threads}" + (f"_w{self.window}" if self.window else ""))
 
 
 def source(s: Shape) -> str:
     ctype, half = CACHE_TYPES[s.dtype]
     defines = {"NAME": s.name, "PP_HEADS": s.n_heads, "PP_KV_HEADS": s.n_kv_heads, "PP_HEAD_DIM": s.head_dim,
                "PP_TOKENS": s.tokens, "PP_ROWS": s.rows, "PP_PAGE": s.page, "PP_MAX_PAGES": s.max_pages,
-               "PP_CHUNK": CHUNK, "PP_THREADS": s.threads, "PP_SCALE": f"{math.sqrt(s.head_dim)!r}f", "CT": ctype,
+               "PP_CHUNK": CHUNK, "PP_THREADS": s.threads, "PP_WINDOW": s.window,
+               "PP_SCALE": f"{math.sqrt(s.head_dim)!r}f", "CT": ctype,
                "IS_HALF": half}
     return unit(defines, ["common.h", "attention.c"])
 
 
-def attend(q: Tensor, pool: Tensor, table: Tensor, row: int, table_row: int, start_pos: UOp) -> Tensor:
+def attend(q: Tensor, pool: Tensor, table: Tensor, row: int, table_row: int, start_pos: UOp,
+           window: int = 0) -> Tensor:
     """Attention of T tokens' queries ``q`` (1, H, T, D) at positions start_pos .. start_pos + T - 1, token t over
     positions [0, start_pos + t] of block ``row`` of one session's pages of ``pool`` (pages, rows, 2, KvH, page, D),
-    found through row ``table_row`` of ``table`` (sessions, max_pages) int32. The store of these tokens' keys and
+    found through row ``table_row`` of ``table`` (sessions, max_pages) int32; with a ``window`` > 0 only over the
+    last ``window`` of those positions (a sliding window: the keys before are not read). The store of these tokens'
+    keys and
     values must come first (pass the pool after it): (1, T, H * D) float32."""
     _, n_heads, tokens, head_dim = q.shape
     _, rows, _, n_kv_heads, page, _ = pool.shape
     threads = max(1, min(CPU_COUNT.value, n_kv_heads * tokens))
-    shape = Shape(n_heads, n_kv_heads, head_dim, tokens, rows, page, table.shape[-1], pool.dtype, threads)
+    shape = Shape(n_heads, n_kv_heads, head_dim, tokens, rows, page, table.shape[-1], pool.dtype, threads,
+                  window)
     out = Tensor.empty(tokens * n_heads * head_dim, dtype=dtypes.float32, device=q.device)
     qs = q.reshape(n_heads, tokens, head_dim).transpose(0, 1).cast(dtypes.float32).contiguous()  # (T, H, D)
     return launch(shape.name, source(shape), (out, pool, qs, table), (row, table_row), threads,

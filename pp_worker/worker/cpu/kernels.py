@@ -11,6 +11,10 @@ the instruction sets it needs), and the kernels (``matmul.c``, ``gather.c``, ``a
 has is its row of the type table (`gguf.types`). A kernel's source is those files put together (`unit`), its
 includes inlined, so tinygrad's compile cache, keyed by the source, sees every byte of it.
 
+Two numerics (`numerics`): by default the products with Q8_0 and K-quant weights take the integer path
+(``c/q8.h``, ``c/matmul_int.c``: x quantized to int8 blocks as ggml's CPU backend does, summed in integers);
+``PP_EXACT=1`` keeps every product on the float path above (docs/internals.md).
+
 Why C: tinygrad's CPU codegen sums each output row serially and re-derives the dequantization per element; these
 kernels keep 16-wide accumulators over contiguous rows (bench/NOTES.md has the measurements). They run as ordinary
 tinygrad programs: an ``Ops.PROGRAM`` whose source tinygrad compiles with its own clang compiler (and caches),
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -31,7 +36,7 @@ from tinygrad.helpers import CPU_COUNT
 from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 from tinygrad.uop.ops import KernelInfo, Ops, ProgramInfo
 
-from pp_worker.worker.gguf.types import SIMD_DIRS, TYPES, GGMLType, has_kernel
+from pp_worker.worker.gguf.types import SIMD_DIRS, TYPES, GGMLType, has_int8, has_kernel
 from pp_worker.worker.hostio import filled
 
 C_DIR = Path(__file__).parent / "c"
@@ -66,11 +71,35 @@ def type_files(t: GGMLType) -> list[str]:
     return [f"generic/{t.kernel}.c", *sorted({f"{SIMD_DIRS[s]}/{t.kernel}.c" for s in t.simd})]
 
 
+def numerics() -> str:
+    """Which products the matmul kernels compute: "int8" (x quantized to int8 blocks and summed in integers, as
+    ggml's CPU backend does; the default, see docs/internals.md) or "float" (``PP_EXACT=1``: every weight decoded to
+    float32, the path the float64-reference tests hold exact). Read from the environment at each kernel's build, so
+    the worker's settings (validated by `cli`) and a test's apply alike."""
+    return "float" if os.environ.get("PP_EXACT", "").strip() == "1" else "int8"
+
+
+INT8_EVERY_TYPE = False  # True: every type with integer code takes it (the tests of that code), not only the defaults
+
+
+def uses_int8(kind: str, ggml_type: int) -> bool:
+    """Whether a ``kind`` kernel of ``ggml_type`` runs the integer path now (`numerics`; only products have one):
+    the types whose row says ``int8_default`` (where it measured faster than the float path here, bench/NOTES.md:
+    Q8_0, Q4_K, Q5_K, Q6_K), or with `INT8_EVERY_TYPE` every type with integer code."""
+    if kind != "matmul" or not has_int8(ggml_type) or numerics() != "int8":
+        return False
+    return INT8_EVERY_TYPE or TYPES[ggml_type].int8_default
+
+
 def source(kind: str, ggml_type: int, k: int, name: str) -> str:
-    """C source of kernel ``name``, ``kind`` "matmul" or "gather", for rows of ``k`` values of ``ggml_type``."""
+    """C source of kernel ``name``, ``kind`` "matmul" or "gather", for rows of ``k`` values of ``ggml_type``: a
+    matmul on the integer path where `uses_int8` (``matmul_int.c``), else the float one."""
     t = TYPES[ggml_type]
     qk = t.kernel_block
-    defines = {"NAME": name, "PP_K": k, "PP_ROWS": ROWS, "BLOCK_VALUES": qk, "BLOCK_BYTES": t.row_bytes(qk)}
+    defines: dict[str, Any] = {"NAME": name, "PP_K": k, "PP_ROWS": ROWS, "BLOCK_VALUES": qk,
+                               "BLOCK_BYTES": t.row_bytes(qk)}
+    if uses_int8(kind, ggml_type):
+        return unit({**defines, "PP_INT": 1}, ["common.h", "q8.h", *type_files(t), "matmul_int.c"])
     return unit(defines, ["common.h", *type_files(t), f"{kind}.c"])
 
 
@@ -142,7 +171,8 @@ def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, .
 def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
           threads: int) -> Tensor:
     """``out`` after the ``kind`` kernel ("matmul" or "gather") ran on (out, w, x, dims)."""
-    name = f"{TYPES[ggml_type].name.lower()}_{'gather' if kind == 'gather' else 'mm'}_{k}"
+    op = "gather" if kind == "gather" else "mm8" if uses_int8(kind, ggml_type) else "mm"
+    name = f"{TYPES[ggml_type].name.lower()}_{op}_{k}"
     return launch(name, source(kind, ggml_type, k, name), (out, w, x), shape, threads)
 
 

@@ -116,6 +116,7 @@ class CacheBlock(TransformerBlock):
 
     kv_row = 0  # this block's row in a page (its index in the stage)
     c_attention = False  # whether a session's attention runs as `cpu_attention`'s kernel (the CPU's C kernels)
+    window = 0  # > 0: a sliding window, the query at q sees the keys at [q - window + 1, q] (Gemma 3's local blocks)
     kv: Slot  # set while a forward is traced
 
     def _init_state(self, x: Tensor) -> None:
@@ -172,12 +173,18 @@ class CacheBlock(TransformerBlock):
         slot = pool[kv.page, self.kv_row, :, :, kv.off:kv.off + T, :]
         stored = Tensor(pool.uop.after(slot.uop.store(new_kv.uop)))
         if self.c_attention and kv.table is not None and isinstance(start_pos, UOp):
-            return cpu_attention.attend(q, stored, kv.table, self.kv_row, kv.table_row, start_pos)
+            return cpu_attention.attend(q, stored, kv.table, self.kv_row, kv.table_row, start_pos, self.window)
         assigned_kv = stored[kv.page, self.kv_row].unsqueeze(1)  # (2, 1, KvH, page, Hd)
         k = assigned_kv[0, :, :, 0:start_pos + T, :]  # (B, KvH, start_pos + T, Hd)
         v = assigned_kv[1, :, :, 0:start_pos + T, :]
-        mask = Tensor.full((1, 1, T, start_pos + T), float("-inf"), dtype=q.dtype, device=q.device,
-                           buffer=False).triu(start_pos + 1) if resolve(T != 1) else None
+
+        def full() -> Tensor:
+            return Tensor.full((1, 1, T, start_pos + T), float("-inf"), dtype=q.dtype, device=q.device, buffer=False)
+
+        mask = full().triu(start_pos + 1) if resolve(T != 1) else None
+        if self.window:  # query t (at start_pos + t) does not see key j where j <= start_pos + t - window
+            far = full().tril(start_pos - self.window)
+            mask = far if mask is None else mask + far
         attn = q.scaled_dot_product_attention(k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, Hd)
         return attn.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * Hd)
 

@@ -33,7 +33,9 @@ if TYPE_CHECKING:
     from pp_worker.worker.engines.weights import Embedding, Linear
 
 B = TypeVar("B", bound="TransformerBlock")
-SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")  # plain attention + dense FFN, tinygrad's TransformerBlock
+SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3",  # plain attention + dense FFN, tinygrad's TransformerBlock
+                   "gemma3",  # post-norms, GELU, sliding-window blocks (engines.gemma3)
+                   "qwen3moe")  # routed experts (engines.moe; also in llama files)
 END_TOKEN_NAMES = ("<|eot_id|>", "<|end_of_text|>", "<|eom_id|>", "<|im_end|>", "<|endoftext|>", "<|end|>",
                    "</s>", "<end_of_turn>")
 
@@ -51,9 +53,10 @@ def check_architecture(kv: dict[str, Any]) -> str:
     arch = _meta(kv, "general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelLoadError(f"unsupported architecture {arch!r}: this worker runs {', '.join(SUPPORTED_ARCHS)} "
-                             f"(plain attention, dense feed-forward)")
-    if kv.get(f"{arch}.expert_count", 0) > 0:
-        raise ModelLoadError(f"unsupported {arch} variant: mixture of experts ({kv[f'{arch}.expert_count']} experts)")
+                             f"(plain attention; dense or routed-expert feed-forward)")
+    from pp_worker.worker.engines.moe import check_experts
+
+    check_experts(arch, kv)  # routed experts in llama and qwen3moe files; any other mixture of experts refused
     return arch
 
 
@@ -69,20 +72,25 @@ def build_config(header: GGUFHeader, max_context: int) -> TransformerConfig:
     """The TransformerConfig that `Transformer.from_gguf` builds, for the plain-attention archs."""
     from tinygrad.llm.model import TransformerConfig
 
+    from pp_worker.worker.engines.moe import config_fields
+
     kv, tensors = header.kv, header.tensors
     arch = check_architecture(kv)
     n_heads, dim = _meta(kv, f"{arch}.attention.head_count"), _meta(kv, f"{arch}.embedding_length")
     head_dim = kv.get(f"{arch}.attention.key_length", dim // n_heads)
     q_norm = tensors.get("blk.0.attn_q_norm.weight")
+    experts = config_fields(arch, kv)  # with the expert's hidden width
     return TransformerConfig(
-        num_blocks=_meta(kv, f"{arch}.block_count"), dim=dim, hidden_dim=_meta(kv, f"{arch}.feed_forward_length"),
+        num_blocks=_meta(kv, f"{arch}.block_count"), dim=dim,
+        hidden_dim=experts.pop("hidden_dim") if experts else _meta(kv, f"{arch}.feed_forward_length"),
         n_heads=n_heads, n_kv_heads=kv.get(f"{arch}.attention.head_count_kv", n_heads),
         norm_eps=_meta(kv, f"{arch}.attention.layer_norm_rms_epsilon"),
         vocab_size=len(_meta(kv, "tokenizer.ggml.tokens")), head_dim=head_dim,
         rope_theta=kv.get(f"{arch}.rope.freq_base", 10000.0),
         rope_dim=kv.get(f"{arch}.rope.dimension_count", head_dim),
         v_head_dim=kv.get(f"{arch}.attention.value_length", head_dim), max_context=max_context,
-        qk_norm=q_norm.shape[0] if q_norm is not None else 0, qkv_bias="blk.0.attn_q.bias" in tensors)
+        qk_norm=q_norm.shape[0] if q_norm is not None else 0, qkv_bias="blk.0.attn_q.bias" in tensors,
+        **experts)
 
 
 def eos_token_ids(kv: dict[str, Any]) -> list[int]:
@@ -118,15 +126,20 @@ def load_block(source: TensorSource, config: TransformerConfig, i: int) -> Cache
     projections are `weights.Linear` over matrices as `TensorSource.matrix` holds them."""
     from tinygrad import nn
 
-    from pp_worker.worker.engines.kvcache import CacheBlock
+    from pp_worker.worker.engines.moe import EXPERT_TENSORS, load_experts
     from pp_worker.worker.engines.weights import Linear
 
-    block = unweighted_block(CacheBlock, config)
+    arch = source.header.kv["general.architecture"]
+    block = unweighted_block(_block_class(arch, config), config)
     heads: dict[str, tuple[int, int]] = {}
     if source.header.kv["general.architecture"] == "llama":
         heads = {"attn_q": (config.n_heads, config.head_dim - config.rope_dim), "attn_k": (config.n_kv_heads, 0)}
     linears = {name: layer for name, layer in vars(block).items() if isinstance(layer, nn.Linear)}
-    gains = {k: source.tensor(f"blk.{i}.{k}") for k in nn.state.get_state_dict(block) if k.split(".")[0] not in linears}
+    if config.num_experts:  # the router and the experts: `load_experts`
+        linears.pop("ffn_gate_inp")
+        load_experts(block, source, config, i)
+    skip = set(linears) | set(EXPERT_TENSORS) | {"ffn_gate_inp"}
+    gains = {k: source.tensor(f"blk.{i}.{k}") for k in nn.state.get_state_dict(block) if k.split(".")[0] not in skip}
     try:
         nn.state.load_state_dict(block, gains, strict=False, verbose=False, realize=False)
     except ValueError as e:
@@ -135,7 +148,27 @@ def load_block(source: TensorSource, config: TransformerConfig, i: int) -> Cache
         bias = None if layer.bias is None else source.tensor(f"blk.{i}.{name}.bias")
         weight = source.matrix(f"blk.{i}.{name}.weight", layer.weight.shape, heads.get(name))
         setattr(block, name, Linear(weight, bias, source.kernels))
+    if arch == "gemma3":
+        from pp_worker.worker.engines import gemma3
+
+        gemma3.configure(block, source.header.kv, config, i)  # type: ignore[arg-type]
     return block
+
+
+def _block_class(arch: str, config: TransformerConfig) -> type[CacheBlock]:
+    """The block of an architecture: tinygrad's TransformerBlock over the KV pool, Gemma 3's, or one whose
+    feed-forward is routed over experts."""
+    from pp_worker.worker.engines.kvcache import CacheBlock
+
+    if config.num_experts:
+        from pp_worker.worker.engines.moe import MoEBlock
+
+        return MoEBlock
+    if arch == "gemma3":
+        from pp_worker.worker.engines.gemma3 import GemmaBlock
+
+        return GemmaBlock
+    return CacheBlock
 
 
 # ---------------------------------------------------------------- a stage
@@ -227,7 +260,12 @@ def _rope_freqs(source: TensorSource) -> np.ndarray | None:
 def _load_embedding(source: TensorSource, config: TransformerConfig) -> Embedding:
     from pp_worker.worker.engines.weights import Embedding
 
-    return Embedding(source.matrix("token_embd.weight", (config.vocab_size, config.dim)), source.kernels)
+    weight = source.matrix("token_embd.weight", (config.vocab_size, config.dim))
+    if source.header.kv["general.architecture"] == "gemma3":
+        from pp_worker.worker.engines.gemma3 import ScaledEmbedding
+
+        return ScaledEmbedding(weight, source.kernels, config.dim)
+    return Embedding(weight, source.kernels)
 
 
 def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSNorm, Linear]:

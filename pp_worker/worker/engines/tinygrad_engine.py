@@ -43,6 +43,7 @@ from pp_worker.worker.compiled import jitcache
 from pp_worker.worker.compiled.replay import CacheSlot, Replay
 from pp_worker.worker.cpu import attention as cpu_attention
 from pp_worker.worker.cpu import graph as cpu_graph
+from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.device import device_kind
 from pp_worker.worker.engines.base import ModelInfo
 from pp_worker.worker.engines.kvcache import (
@@ -131,9 +132,12 @@ class CompiledStage:
         self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
         # normally set by TransformerBlock._init_state, which is skipped because the blocks store into the pool
-        freqs = freqs_cis(w.rope, cfg.max_context)  # with the model's RoPE scaling, unlike tinygrad's
+        tables: dict[Any, Tensor] = {}  # with the model's RoPE scaling, unlike tinygrad's; a block may have its own
         for j, block in enumerate(w.blocks):
-            block.freqs_cis, block.kv_row, block.c_attention = freqs, j, table
+            rope = getattr(block, "rope", None) or w.rope  # Gemma 3's sliding blocks rope with their own base
+            if rope not in tables:
+                tables[rope] = freqs_cis(rope, cfg.max_context)
+            block.freqs_cis, block.kv_row, block.c_attention = tables[rope], j, table
 
     def _slot(self, kind: str, size: int) -> CacheSlot | None:
         return None if self.store is None else CacheSlot(self.store, jitcache.key(*self.ident, kind, size), self.named)
@@ -315,7 +319,7 @@ class TinygradEngine:
         root = jitcache.cache_root() if self.native_graph else None  # a restored table replays natively
         file = self._w.path.resolve().stat()
         ident = (str(self._w.path.resolve()), file.st_size, file.st_mtime_ns, self.device, self.kv_dtype,
-                 self._w.kernels, getenv("HALF", 1))
+                 self._w.kernels, getenv("HALF", 1), self.numerics)
         self._stage = CompiledStage(self._w, self.kv_pool, prefill_chunk or default_prefill_chunk(self.device),
                                     self.max_batch, beam, lean, None if root is None else jitcache.Store(root), ident,
                                     table)
@@ -356,9 +360,16 @@ class TinygradEngine:
         """GGUF tensor name -> bytes this stage read from the file (nothing else was read)."""
         return dict(self._w.loaded)
 
+    @property
+    def numerics(self) -> str:
+        """"int8" where the C kernels' products quantize x to int8 blocks (ggml's scheme), "float" where every product
+        is in float (PP_EXACT=1, or no C kernels: tinygrad's own kernels dequantize)."""
+        return cpu_kernels.numerics() if self._w.kernels == "c" else "float"
+
     def describe(self) -> dict[str, Any]:
         """What the ready line and `status` report about how this stage runs."""
-        return {"device": self.device, "prefill_chunk": self._stage.rungs[0], "max_batch": self.max_batch,
+        return {"device": self.device, "numerics": self.numerics, "prefill_chunk": self._stage.rungs[0],
+                "max_batch": self.max_batch,
                 "kv_dtype": self.kv_dtype, **self.kv_fields(), "beam": self._stage.beam, **self._w.describe(),
                 "graph": "native" if self.native_graph else "tinygrad", "threads": CPU_COUNT.value,
                 "pinned_host": self._host.pinned,

@@ -92,7 +92,8 @@ class TensorSource:
 
     def matrix(self, name: str, shape: tuple[int, ...], heads: tuple[int, int] | None = None) -> Tensor | PackedWeight:
         """A weight matrix of ``shape`` (n, k): its file bytes (`PackedWeight`) when its type has a kernel and
-        the stage keeps it (see the class); else fp16 values, packed as F16 rows when the C kernels run."""
+        the stage keeps it (see the class); else fp16 values, packed as F16 rows when the C kernels run. A 3-D
+        ``shape`` (E, n, k), a mixture of experts' tensor, is held the same way as E * n rows of k."""
         from tinygrad import dtypes
 
         info = self._info(name)
@@ -100,17 +101,18 @@ class TensorSource:
             raise ModelLoadError(f"{self.header.path}: tensor {name} has shape {info.shape}, expected {shape}")
         c = self.kernels == "c"
         keep = c if info.ggml_type == F16 else self.keep_quantized
+        rows, k = math.prod(shape[:-1]), shape[-1]
         # the C kernels read their types; tinygrad's expressions (`weights.dequantize`) only the types it expands
-        if keep and has_kernel(info.ggml_type, shape[1]) and (c or tinygrad_expands(info.ggml_type)):
-            raw = self._raw(info.nbytes, self._filler(info, heads)).reshape(shape[0], -1)
+        if keep and has_kernel(info.ggml_type, k) and (c or tinygrad_expands(info.ggml_type)):
+            raw = self._raw(info.nbytes, self._filler(info, heads)).reshape(rows, -1)
             self.loaded[name] = info.nbytes
             self.held[name] = (type_name(info.ggml_type), info.nbytes)
-            return PackedWeight(raw, info.ggml_type, shape)
+            return PackedWeight(raw, info.ggml_type, (rows, k))
         if info.ggml_type != F16:
             self.converted[name] = type_name(info.ggml_type)
         raw = self.tensor(name, heads, raw=True)
-        if c and raw.dtype == dtypes.uint8 and has_kernel(F16, shape[1]):
-            return PackedWeight(raw.reshape(shape[0], -1), F16, shape)
+        if c and raw.dtype == dtypes.uint8 and has_kernel(F16, k):
+            return PackedWeight(raw.reshape(rows, -1), F16, (rows, k))
         return self._view(raw, shape)
 
     def tensor(self, name: str, heads: tuple[int, int] | None = None, raw: bool = False) -> Tensor:

@@ -4,7 +4,8 @@ A row gives ggml's id and name, the values and bytes of one block (ggml's ``type
 blocks, so a tensor of n values takes n / block * nbytes bytes), and, for the types the CPU kernels read, the stem of
 their C files (``cpu/c/generic/<stem>.c``) and the SIMD variants that have code of their own
 (``cpu/c/x86/<stem>.c`` for avx512 and avx2, ``cpu/c/arm/<stem>.c`` for neon). The kernels fall back to the generic
-C wherever a variant is missing. Imports nothing heavy: the header parser sizes tensors from it.
+C wherever a variant is missing. ``int8`` marks the types whose generic file also has the integer path's code
+(``iq32`` and ``iscales``, see ``cpu/c/matmul_int.c``). Imports nothing heavy: the header parser sizes tensors from it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ class GGMLType:
     nbytes: int  # bytes per block
     kernel: str | None = None  # C file stem, None: no CPU kernel (dequantized at load)
     simd: tuple[str, ...] = ()  # variants with code of their own (keys of SIMD_DIRS)
+    int8: bool = False  # an integer path: x quantized to int8 blocks as ggml's Q8_K / Q8_0 (cpu/c/q8.h)
+    int8_default: bool = False  # ... taken by default (PP_EXACT unset): where it measured faster (bench/NOTES.md)
 
     @property
     def kernel_block(self) -> int:
@@ -36,26 +39,26 @@ AVX512 = ("avx512",)
 TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(0, "F32", 1, 4),
     GGMLType(1, "F16", 1, 2, "f16"),
-    GGMLType(2, "Q4_0", 32, 18, "q4_0", ("avx512", "avx2")),
-    GGMLType(3, "Q4_1", 32, 20, "q4_1", ("avx512", "avx2")),
-    GGMLType(6, "Q5_0", 32, 22, "q5_0", ("avx512", "avx2")),
-    GGMLType(7, "Q5_1", 32, 24, "q5_1", ("avx512", "avx2")),
-    GGMLType(8, "Q8_0", 32, 34, "q8_0", ("avx2", "neon")),
+    GGMLType(2, "Q4_0", 32, 18, "q4_0", ("avx512", "avx2"), int8=True),
+    GGMLType(3, "Q4_1", 32, 20, "q4_1", ("avx512", "avx2"), int8=True),
+    GGMLType(6, "Q5_0", 32, 22, "q5_0", ("avx512", "avx2"), int8=True),
+    GGMLType(7, "Q5_1", 32, 24, "q5_1", ("avx512", "avx2"), int8=True),
+    GGMLType(8, "Q8_0", 32, 34, "q8_0", ("avx2", "neon"), int8=True, int8_default=True),
     GGMLType(9, "Q8_1", 32, 36),
     GGMLType(10, "Q2_K", 256, 84, "q2_k", AVX512),
     GGMLType(11, "Q3_K", 256, 110, "q3_k", AVX512),
-    GGMLType(12, "Q4_K", 256, 144, "q4_k", ("avx512", "avx2", "neon")),
-    GGMLType(13, "Q5_K", 256, 176, "q5_k", ("avx512", "avx2")),
-    GGMLType(14, "Q6_K", 256, 210, "q6_k", ("avx512", "avx2")),
+    GGMLType(12, "Q4_K", 256, 144, "q4_k", ("avx512", "avx2", "neon"), int8=True, int8_default=True),
+    GGMLType(13, "Q5_K", 256, 176, "q5_k", ("avx512", "avx2"), int8=True, int8_default=True),
+    GGMLType(14, "Q6_K", 256, 210, "q6_k", ("avx512", "avx2"), int8=True, int8_default=True),
     GGMLType(15, "Q8_K", 256, 292),
     GGMLType(16, "IQ2_XXS", 256, 66),
     GGMLType(17, "IQ2_XS", 256, 74),
     GGMLType(18, "IQ3_XXS", 256, 98),
     GGMLType(19, "IQ1_S", 256, 50),
-    GGMLType(20, "IQ4_NL", 32, 18, "iq4_nl", ("avx512", "avx2")),
+    GGMLType(20, "IQ4_NL", 32, 18, "iq4_nl", ("avx512", "avx2"), int8=True),
     GGMLType(21, "IQ3_S", 256, 110),
     GGMLType(22, "IQ2_S", 256, 82),
-    GGMLType(23, "IQ4_XS", 256, 136, "iq4_xs", ("avx512", "avx2")),
+    GGMLType(23, "IQ4_XS", 256, 136, "iq4_xs", ("avx512", "avx2"), int8=True),
     GGMLType(24, "I8", 1, 1),
     GGMLType(25, "I16", 1, 2),
     GGMLType(26, "I32", 1, 4),
@@ -82,6 +85,12 @@ def has_kernel(ggml_type: int, k: int) -> bool:
     """Whether rows of ``k`` values of ``ggml_type`` have a CPU kernel (whole kernel blocks)."""
     t = TYPES.get(ggml_type)
     return t is not None and t.kernel is not None and k % t.kernel_block == 0
+
+
+def has_int8(ggml_type: int) -> bool:
+    """Whether ``ggml_type`` has the integer path (its products with x quantized to int8 blocks, `cpu.kernels`)."""
+    t = TYPES.get(ggml_type)
+    return t is not None and t.int8
 
 
 def tinygrad_expands(ggml_type: int) -> bool:

@@ -4,7 +4,8 @@
    laid out (pages, ROWS, 2, KVH, PAGE, D) in CT (float, or __fp16 with IS_HALF); this block is row dims[0].
    Query head h reads key head h / (H / KVH). Each key and value, read once as 16-wide vectors, serves every query
    head of its group, with an online softmax (running max and sum, rescaled per chunk of C keys, a chunk never
-   crossing a page) so no buffer grows with the position; the (key head, token) pairs split over the threads. */
+   crossing a page) so no buffer grows with the position; the (key head, token) pairs split over the threads.
+   WINDOW > 0: a sliding window, query t reads only the last WINDOW of its positions. */
 
 /* exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), ggml's and Cephes' range reduction and polynomial
    (relative error ~1e-7), written with plain arithmetic so the loops over a chunk vectorize */
@@ -27,7 +28,8 @@ static inline f16v load16(const CT* p) {
 void NAME(float* restrict out, const CT* restrict pool, const float* restrict q, const int* restrict table,
           const int* restrict dims, int core_id, int start_pos) {
   enum { H = PP_HEADS, KVH = PP_KV_HEADS, D = PP_HEAD_DIM, T = PP_TOKENS, ROWS = PP_ROWS, PAGE = PP_PAGE,
-         MAX_PAGES = PP_MAX_PAGES, G = H / KVH, V = D / 16, C = PP_CHUNK, THREADS = PP_THREADS };
+         MAX_PAGES = PP_MAX_PAGES, G = H / KVH, V = D / 16, C = PP_CHUNK, THREADS = PP_THREADS,
+         WINDOW = PP_WINDOW };
   _Static_assert(PAGE % C == 0, "a chunk of keys never crosses a page");
   const float scale = PP_SCALE;
   const int* pages = table + (long)dims[1] * MAX_PAGES;
@@ -39,8 +41,11 @@ void NAME(float* restrict out, const CT* restrict pool, const float* restrict q,
       for (int v = 0; v < V; v++) { qv[g][v] = f_at(q + ((long)tok * H + kh * G + g) * D + 16 * v); acc[g][v] = 0; }
       m[g] = -__builtin_inff(); l[g] = 0;
     }
-    for (int t0 = 0; t0 < len; t0 += C) {
-      int n = len - t0 < C ? len - t0 : C;
+    /* a sliding window (WINDOW > 0) starts at the oldest key it holds; the first chunk then ends at the next
+       multiple of C, so that no chunk crosses a page */
+    const int lo = WINDOW > 0 && len > WINDOW ? len - WINDOW : 0;
+    for (int t0 = lo, n; t0 < len; t0 += n) {
+      n = C - t0 % C < len - t0 ? C - t0 % C : len - t0;
       const CT* keys = pool + ((((long)pages[t0 / PAGE] * ROWS + dims[0]) * 2 * KVH + kh) * PAGE + t0 % PAGE) * D;
       const CT* vals = keys + (long)KVH * PAGE * D;
       for (int t = 0; t < n; t++) {  /* scores: each key once for the G query heads */

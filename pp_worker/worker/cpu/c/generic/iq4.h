@@ -14,3 +14,33 @@ static inline float iq4_scale(const unsigned char* b, int g) {  /* d for IQ4_NL,
 static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
   float d = iq4_scale(b, g); u8x16 q = u8_at(b + IQ4_QS);
   for (int i = 0; i < 16; i++) { w[0][i] = KV4[q[i] & 15] * d; w[1][i] = KV4[q[i] >> 4] * d; } }
+#ifdef PP_INT  /* the integer path (q8.h): the levels as signed bytes, IQ4_XS's 6-bit scale an integer per 32 */
+#define IQ_SIGNED 1
+static const i8x16 KV4_INT = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+static inline i8x32 iq32(const unsigned char* b, int g) {
+  u8x16 q = u8_at(b + IQ4_QS); i8x16 lo, hi;
+#if defined(__SSSE3__)  /* the levels looked up 16 at once (pshufb) */
+  typedef char v16qi_t __attribute__((vector_size(16)));
+  lo = (i8x16)__builtin_ia32_pshufb128((v16qi_t)KV4_INT, (v16qi_t)(q & 15));
+  hi = (i8x16)__builtin_ia32_pshufb128((v16qi_t)KV4_INT, (v16qi_t)(q >> 4));
+#else
+  for (int i = 0; i < 16; i++) { lo[i] = KV4_INT[q[i] & 15]; hi[i] = KV4_INT[q[i] >> 4]; }
+#endif
+  return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
+                                 22, 23, 24, 25, 26, 27, 28, 29, 30, 31); }
+#if IQ4_XS
+static inline void iscales(const unsigned char* b, i32x16* s, i32x16* m, float* D, float* M) {
+  /* sub-block g's 6 bits: nibble g of scales_l[4] (bytes 4-7), bits 2g.. of scales_h (bytes 2-3); each twice */
+  u8x16 v = u8_at(b);
+  u32x16 l = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
+                                     u32x16);
+  u32x16 h = __builtin_convertvector(__builtin_shufflevector(v, v, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
+                                     u32x16);
+  const u32x16 lsh = {0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4}, hsh = {0, 0, 2, 2, 4, 4, 6, 6, 0, 0, 2, 2, 4, 4,
+                                                                              6, 6};
+  *s = (i32x16)(((l >> lsh) & 15) | (((h >> hsh) & 3) << 4)) - 32;
+  *m = 0; *D = half_at(b); *M = 0; }
+#else
+static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = 0; }
+#endif
+#endif

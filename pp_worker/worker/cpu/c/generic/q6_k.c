@@ -9,3 +9,14 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
   u8x32 l, e; __builtin_memcpy(&l, ql, 32); __builtin_memcpy(&e, qh, 32);
   i8x32 q = (i8x32)((quarter >> 1 ? l >> 4 : l & 15) | (((e >> (2 * quarter)) & 3) << 4)) - 32;
   w[0] = ds[8 * half + 2 * quarter] * lo16(q); w[1] = ds[8 * half + 2 * quarter + 1] * hi16(q); }
+#ifdef PP_INT  /* the integer path (q8.h): unsigned 6-bit values (q + 32), a signed scale per 16 (sub-block g's scale
+   is scales[g]), the 32 taken back through the offsets: d sc (u - 32) = d sc u - d (32 sc) */
+#define IQ_SIGNED 0
+static inline u8x32 iq32(const unsigned char* b, int g) {
+  int half = g >> 2, quarter = g & 3;
+  u8x32 l = u8x32_at(b + 64 * half + 32 * (quarter & 1)), e = u8x32_at(b + 128 + 32 * half);
+  return (quarter >> 1 ? l >> 4 : l & 15) | (((e >> (2 * quarter)) & 3) << 4); }
+static inline void iscales(const unsigned char* b, i32x16* s, i32x16* m, float* D, float* M) {
+  i8x16 sc; __builtin_memcpy(&sc, b + 192, 16);
+  *s = __builtin_convertvector(sc, i32x16); *m = 32 * *s; *D = *M = half_at(b + 208); }
+#endif

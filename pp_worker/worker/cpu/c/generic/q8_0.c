@@ -30,3 +30,8 @@ static inline float row_dot_generic(const unsigned char* restrict row, const flo
   return hsum(acc0 + acc1);
 }
 #define ROW_DOT_GENERIC
+#ifdef PP_INT  /* the integer path (q8.h): signed bytes as they are */
+#define IQ_SIGNED 1
+static inline i8x32 iq32(const unsigned char* b, int g) { return i8x32_at(b + 2); }
+static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = 0; }
+#endif

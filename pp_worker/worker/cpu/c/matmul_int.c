@@ -1,0 +1,65 @@
+/* out (B, N) = x (B, K) @ W (N, K)^T on the integer path (PP_EXACT unset; q8.h): x quantized to int8 blocks once per
+   call in each thread (BT rows at a time, on the stack), then each weight row's integer products with those rows.
+   dims = {N, B, threads}; rows of W split over the threads as in matmul.c. The type's generic file gives iq32 (a
+   32-value group of a block as unsigned, or signed with IQ_SIGNED, bytes) and iscales: for 256-value blocks, per 16
+   values an integer scale s and offset m, and the block's floats D and M: weight value = D s u - M m. So a block's
+   product with x's block is dx (D sum_j s_j (u . q)_j - M sum_j m_j bsums_j), the sums in int32 as ggml's. For
+   32-value blocks, D (and M, with IQ_MIN: Q4_1, Q5_1's min, times the block's sum of q): dx D (w . q) - dx M sum q. */
+enum { BT = 8 };  /* rows of x quantized per pass: each weight row read once per BT rows (prefill, batched decode) */
+#if IQ_SIGNED
+#define IDOT dot32s
+#else
+#define IDOT dot32u
+#endif
+#if BLOCK_VALUES == 256  /* a scale and an offset per 16 values (iscales gives them as vectors) */
+static inline float block_dot(const unsigned char* restrict b, const unsigned char* restrict xb) {
+  i32x16 s, m; float D, M, dx;
+  iscales(b, &s, &m, &D, &M);
+  __builtin_memcpy(&dx, xb, 4);
+  i32x8 acc = 0;
+  _Pragma("clang loop unroll(full)") for (int g = 0; g < 8; g++) {
+    i32x8 sv = {s[2 * g], s[2 * g], s[2 * g], s[2 * g], s[2 * g + 1], s[2 * g + 1], s[2 * g + 1], s[2 * g + 1]};
+    acc += IDOT(iq32(b, g), i8x32_at(xb + 4 + 32 * g)) * sv;
+  }
+  i16x16 bs; __builtin_memcpy(&bs, xb + 4 + 256, 32);
+  i32x16 mb = m * __builtin_convertvector(bs, i32x16);
+  int imin = hsum_i8(__builtin_shufflevector(mb, mb, 0, 1, 2, 3, 4, 5, 6, 7)
+                     + __builtin_shufflevector(mb, mb, 8, 9, 10, 11, 12, 13, 14, 15));
+  return dx * (D * (float)hsum_i8(acc) - M * (float)imin);
+}
+static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
+  float acc = 0;
+  for (int j = 0; j < nb; j++) acc += block_dot(row + j * BLOCK_BYTES, xq + j * XB);
+  return acc;
+}
+#else  /* 32-value blocks, one scale each: the integer sums scaled and added in 8 float lanes, summed once a row */
+static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
+  f8v acc = 0; float off = 0;
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
+    float D, M, dx; iscales(b, &D, &M); __builtin_memcpy(&dx, xb, 4);
+    acc += __builtin_convertvector(IDOT(iq32(b, 0), i8x32_at(xb + 4)), f8v) * (dx * D);
+#if IQ_MIN
+    short bs[2]; __builtin_memcpy(bs, xb + 36, 4);
+    off += dx * M * (float)(bs[0] + bs[1]);
+#endif
+  }
+  return hsum_f8(acc) - off;
+}
+#endif
+void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict dims,
+          int core_id) {
+  enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
+  const int N = dims[0], B = dims[1], T = dims[2];
+  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  unsigned char xq[BT][NB * XB] __attribute__((aligned(64)));
+  for (int b0 = 0; b0 < B; b0 += BT) {
+    int nbt = B - b0 < BT ? B - b0 : BT;
+    for (int i = 0; i < nbt; i++)
+      for (int j = 0; j < NB; j++) quantize_block(x + (long)(b0 + i) * K + j * BLOCK_VALUES, xq[i] + j * XB);
+    for (int n = n0; n < n1; n++) {
+      const unsigned char* row = w + (long)n * NB * BLOCK_BYTES;
+      for (int i = 0; i < nbt; i++) out[(long)(b0 + i) * N + n] = row_dot_q8(row, xq[i], NB);
+    }
+  }
+}

@@ -1,0 +1,70 @@
+/* Mixture-of-experts products: out (M, N), row m = x[m / XDIV] (K) @ W[ids[m]]^T, W the (E, N, K) experts of one
+   GGUF tensor, expert e's N rows after expert e-1's; dims = {N, M, XDIV, E, threads}. A slot m is one (token, routed
+   expert) pair: XDIV = k when every routed expert of a token reads the token's one input row (gate, up), 1 when each
+   slot has its own (down). Slots are grouped by expert, so an expert routed to by several tokens (sessions of a batch,
+   tokens of a prefill chunk) has its rows decoded once for all of them, and an expert no slot names is never read.
+   The ids come from a buffer written by the forward itself: the compiled graph is the same whatever the routing.
+   Rows split over the threads (core_id) as in matmul.c; the type's files give DECODE32 and the one-row product. */
+#ifndef DECODE32
+#define DECODE32 decode32_generic
+#endif
+#if !defined(ROW_DOT) && defined(ROW_DOT_GENERIC)
+#define ROW_DOT row_dot_generic
+#define PREP_X prep_x_generic
+#endif
+void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict ids,
+          const int* restrict dims, int core_id) {
+  enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
+  const int N = dims[0], M = dims[1], XDIV = dims[2], E = dims[3], T = dims[4];
+  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  if (n0 >= n1) return;
+  int slots[M > 0 ? M : 1];
+  for (int e = 0; e < E; e++) {
+    int c = 0;
+    for (int m = 0; m < M; m++)
+      if (ids[m] == e) slots[c++] = m;
+    if (c == 0) continue;  /* not routed to: its bytes are not touched */
+    const unsigned char* we = w + (long)e * N * NB * BB;
+    if (c == 1) {  /* one slot: the type's one-row product, as matmul.c's B = 1 */
+      const int m = slots[0];
+      const float* xr0 = x + (long)(m / XDIV) * K;
+      float* o = out + (long)m * N;
+#ifdef ROW_DOT
+      float xp[K] __attribute__((aligned(64))), xs[K / 16];
+      const float* xr = PREP_X(xr0, xp, xs, NB);
+      for (int n = n0; n < n1; n++) o[n] = ROW_DOT(we + (long)n * NB * BB, xr, xs, NB);
+#else
+      for (int n = n0; n < n1; n++) {
+        const unsigned char* row = we + (long)n * NB * BB;
+        f16v acc0 = 0, acc1 = 0;
+        for (int j = 0; j < NB; j++)
+          _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++) {
+            f16v v[2];
+            DECODE32(row + j * BB, g, v);
+            acc0 += v[0] * f_at(xr0 + j * QK + 32 * g);
+            acc1 += v[1] * f_at(xr0 + j * QK + 32 * g + 16);
+          }
+        o[n] = hsum(acc0 + acc1);
+      }
+#endif
+      continue;
+    }
+    f16v wbuf[R][V];  /* several slots: R rows decoded once, each multiplied with every slot's input */
+    for (int n = n0; n < n1; n += R) {
+      int r_n = n1 - n < R ? n1 - n : R;
+      for (int r = 0; r < r_n; r++)
+        for (int j = 0; j < NB; j++)
+          _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
+            DECODE32(we + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
+      for (int s = 0; s < c; s++) {
+        const float* xb = x + (long)(slots[s] / XDIV) * K;
+        f16v acc[R] = {0};
+        for (int v = 0; v < V; v++) {
+          f16v xv = f_at(xb + 16 * v);
+          for (int r = 0; r < R; r++) acc[r] += wbuf[r][v] * xv;
+        }
+        for (int r = 0; r < r_n; r++) out[(long)slots[s] * N + n + r] = hsum(acc[r]);
+      }
+    }
+  }
+}

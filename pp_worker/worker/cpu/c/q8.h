@@ -1,0 +1,97 @@
+/* The integer path's shared half (PP_EXACT unset): x quantized to int8 per block as ggml's CPU backend does, and the
+   integer dot products of 32 values (VNNI's vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, or generic C any CPU compiles).
+
+   A block of x matches the weight type's block (QK = BLOCK_VALUES): 256 values as ggml's Q8_K (the K-quants, IQ4_XS),
+   32 as ggml's Q8_0 (Q4_0, Q5_0, Q8_0, ...). Its bytes here: float d, int8 qs[QK], int16 bsums[QK / 16] (the sums of
+   each 16 qs: what a weight's per-sub-block offsets multiply), XB bytes in all. The ints are ggml's, exactly:
+   - Q8_K (quantize_row_q8_K_ref): max the value of largest |x| (the first), iscale = -127 / max, q = nearest_int(
+     iscale x) (ties to even) capped at 127, d = 1 / iscale; an all-zero block has d 0 and q 0.
+   - Q8_0 (quantize_row_q8_0_ref): d = max|x| / 127, q = roundf(x / d) (ties away from zero, x times 1 / d), and d
+     kept as ggml keeps it, rounded to fp16.
+   testing/ggml_int8.py is the numpy model of the same. */
+#define XB (4 + BLOCK_VALUES + BLOCK_VALUES / 8)
+typedef int i32x8 __attribute__((ext_vector_type(8)));
+typedef short i16x32 __attribute__((ext_vector_type(32)));
+typedef short i16x8 __attribute__((ext_vector_type(8)));
+typedef short i16x16 __attribute__((ext_vector_type(16)));
+
+static inline int nearest_int(float v) {  /* ggml's: the float's bits after adding 1.5 2^23 (ties to even) */
+  float f = v + 12582912.f; int i; __builtin_memcpy(&i, &f, 4); return (i & 0x007fffff) - 0x00400000; }
+static inline int round_away(float v) {  /* roundf without libm (freestanding): |v| < 2^23, so v - trunc v exact */
+  int t = (int)v; float f = v - (float)t; return t + (f >= 0.5f) - (f <= -0.5f); }
+
+static inline float fp16_round(float f) {  /* f >= 0 rounded to fp16 and back (ties to even), without F16C's
+  instruction or the runtime's __gnu_f2h_ieee (tinygrad links no library) */
+  if (f < 0x1p-14f) return (float)nearest_int(f * 0x1p24f) * 0x1p-24f;  /* subnormal halves: steps of 2^-24 */
+  if (f >= 65520.f) return __builtin_inff();
+  unsigned int u; __builtin_memcpy(&u, &f, 4);
+  u = (u + 0xFFFu + ((u >> 13) & 1)) & ~0x1FFFu;
+  __builtin_memcpy(&f, &u, 4); return f; }
+
+static void quantize_block(const float* restrict v, unsigned char* restrict out) {
+  enum { QK = BLOCK_VALUES };
+  signed char* q = (signed char*)(out + 4); float d;  /* written in place: a copy of 256 bytes is a memcpy call */
+#if BLOCK_VALUES == 256
+  float amax = 0, max = 0;
+  for (int i = 0; i < QK; i++) { float a = __builtin_fabsf(v[i]); if (a > amax) { amax = a; max = v[i]; } }
+  if (amax == 0) { d = 0; for (int i = 0; i < QK; i++) q[i] = 0; }
+  else {
+    float iscale = -127.f / max;
+    for (int i = 0; i < QK; i++) { int n = nearest_int(iscale * v[i]); q[i] = (signed char)(n < 127 ? n : 127); }
+    d = 1 / iscale;
+  }
+#else
+  float amax = 0;
+  for (int i = 0; i < QK; i++) { float a = __builtin_fabsf(v[i]); amax = a > amax ? a : amax; }
+  float dd = amax / 127, id = dd != 0 ? 1 / dd : 0;
+  for (int i = 0; i < QK; i++) q[i] = (signed char)round_away(v[i] * id);
+  d = fp16_round(dd);
+#endif
+  __builtin_memcpy(out, &d, 4);
+  for (int j = 0; j < QK / 16; j++) {
+    short s = 0;
+    for (int i = 0; i < 16; i++) s += q[16 * j + i];
+    __builtin_memcpy(out + 4 + QK + 2 * j, &s, 2);
+  }
+}
+
+static inline i8x32 abs_i8(i8x32 w) { return w < 0 ? -w : w; }  /* vpabsb */
+static inline i8x32 sign_i8(i8x32 x, i8x32 w) { return w < 0 ? -x : (w == 0 ? (i8x32)0 : x); }  /* vpsignb */
+/* 32 products summed in 8 lanes, lane l holding values 4l..4l+3: u unsigned (at most 127 where AVX2 adds pairs in
+   16 bits), w signed; x in [-127, 127] */
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+static inline i32x8 dot32u(u8x32 u, i8x32 x) {
+  return (i32x8)__builtin_ia32_vpdpbusd256((i32x8)0, (i32x8)u, (i32x8)x); }
+static inline i32x8 dot32s(i8x32 w, i8x32 x) {  /* |w| times x with w's sign (ggml's): vpdpbusd's first operand
+  is unsigned (|-128| read as 128) */
+  return (i32x8)__builtin_ia32_vpdpbusd256((i32x8)0, (i32x8)abs_i8(w), (i32x8)sign_i8(x, w)); }
+#define INT_DOT "vnni"
+#elif defined(__AVX2__)
+static inline i32x8 madd_pairs(i16x16 p) {  /* adjacent 16-bit sums added into 32 bits (vpmaddwd with ones) */
+  return (i32x8)__builtin_ia32_pmaddwd256((i16x16)p, (i16x16)(short)1); }
+static inline i32x8 dot32u(u8x32 u, i8x32 x) {  /* vpmaddubsw: u x in pairs, 16-bit (127 127 2 fits) */
+  return madd_pairs(__builtin_ia32_pmaddubsw256((i8x32)u, x)); }
+static inline i32x8 dot32s(i8x32 w, i8x32 x) {  /* |w| times x with w's sign (ggml's trick): |w| <= 128 fits */
+  return madd_pairs(__builtin_ia32_pmaddubsw256(abs_i8(w), sign_i8(x, w))); }
+#define INT_DOT "avx2"
+#else
+static inline i32x8 dot32_generic(i16x32 p) {  /* 32 16-bit products summed in 8 lanes of 4 */
+  i16x8 a = __builtin_shufflevector(p, p, 0, 4, 8, 12, 16, 20, 24, 28), b = __builtin_shufflevector(p, p, 1, 5, 9, 13,
+            17, 21, 25, 29), c = __builtin_shufflevector(p, p, 2, 6, 10, 14, 18, 22, 26, 30), e =
+            __builtin_shufflevector(p, p, 3, 7, 11, 15, 19, 23, 27, 31);
+  return __builtin_convertvector(a, i32x8) + __builtin_convertvector(b, i32x8) + __builtin_convertvector(c, i32x8)
+       + __builtin_convertvector(e, i32x8); }
+static inline i32x8 dot32u(u8x32 u, i8x32 x) {  /* 255 x 127 fits 16 bits */
+  return dot32_generic(__builtin_convertvector(u, i16x32) * __builtin_convertvector(x, i16x32)); }
+static inline i32x8 dot32s(i8x32 w, i8x32 x) {
+  return dot32_generic(__builtin_convertvector(w, i16x32) * __builtin_convertvector(x, i16x32)); }
+#define INT_DOT "generic"
+#endif
+static inline int hsum_i8(i32x8 v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3); v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0,
+  1); return v[0] + v[1]; }
+static inline float hsum_f8(f8v v) {
+  f4v b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+  b += __builtin_shufflevector(b, b, 2, 3, 0, 1); return b[0] + b[1]; }
+static inline i8x32 i8x32_at(const unsigned char* p) { i8x32 v; __builtin_memcpy(&v, p, 32); return v; }
+static inline u8x32 u8x32_at(const unsigned char* p) { u8x32 v; __builtin_memcpy(&v, p, 32); return v; }

@@ -1,0 +1,80 @@
+"""The integer path's matmuls built for other CPUs than this one (`testing.cross`, as tests/test_kernel_arches.py):
+aarch64 (the generic integer dot products, NEON files included) under qemu-user, an AVX2 CPU (vpmaddubsw), a baseline
+x86-64 one (generic, no F16C) and this CPU's build (VNNI where it has it), each against the numpy model of ggml's
+scheme (testing/ggml_int8.py) on the same inputs: the same int8 blocks and integer sums, floats combined in
+another order. One row of x (the one-row call) and B rows (quantized BT at a time, then the rest)."""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from test_cpu_kernels import random_rows
+
+from pp_worker.testing import cross, ggml_int8
+from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.gguf.types import TYPES as TABLE
+from pp_worker.worker.gguf.types import type_name
+
+pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
+                                reason="these builds cross from a Linux x86-64 machine (and run aarch64 under qemu)")
+INT8 = sorted(t.id for t in TABLE.values() if t.int8)
+N, B, T = 37, 11, 3  # rows of W, rows of x (more than the kernel's 8 quantized per pass), parts
+IDS = np.array([7, 0], np.int32)
+KERNELS = [(t, 2 * TABLE[t].kernel_block if TABLE[t].kernel_block > 32 else 9 * 32) for t in INT8]
+AVX2 = "avx2" in open("/proc/cpuinfo").read()
+
+
+def inputs(folder: Path) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """Each kernel's input file in ``folder``; returns ggml's scheme's x @ W^T and float64's, per (type, K)."""
+    want = {}
+    for t, k in KERNELS:
+        raw, w = random_rows(t, N, k, seed=k + t)
+        x = np.random.default_rng(k + 1).standard_normal((B, k)).astype(np.float32)
+        cross.write_input(folder, cross.pair(t, k), raw, x, IDS, T)
+        want[t, k] = (ggml_int8.product(x, w, TABLE[t].kernel_block), x.astype(np.float64) @ w.T.astype(np.float64))
+    return want
+
+
+def build_and_run(target: str, folder: Path, tmp: Path) -> dict[tuple[int, int], tuple[np.ndarray, np.ndarray]]:
+    """Every int8 matmul built for ``target`` (with tinygrad's files for it) and run: per (type, K), x's first row's
+    products (N,) and all B rows' (B, N)."""
+    t = cross.TARGETS[target]
+    units = cross.kernel_units(KERNELS, cpu_kernels.type_files, int8=True)
+    objects = cross.compile_units(units, t, tmp / "obj")
+    program = cross.kernels_program(KERNELS, list(objects.values()), t, tmp / "bin")
+    (tmp / "out").mkdir()
+    cross.run(program, t, str(folder), str(tmp / "out"))
+    return {(g, k): cross.read_output(tmp / "out", cross.pair(g, k), N, B, k)[:2] for g, k in KERNELS}
+
+
+TARGETS = ["native", "aarch64", "x86-64", *(["avx2"] if AVX2 else [])]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from concurrent.futures import ThreadPoolExecutor
+
+    tmp = tmp_path_factory.mktemp("int8_arches")
+    folder = tmp / "in"
+    folder.mkdir()
+    want = inputs(folder)
+    with ThreadPoolExecutor(2) as pool:
+        done = {target: pool.submit(build_and_run, target, folder, tmp / target) for target in TARGETS}
+        return want, {target: d.result() for target, d in done.items()}
+
+
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("ggml_type", INT8, ids=type_name)
+def test_every_arch_builds_integer_path_is_ggmls_scheme(runs, target, ggml_type):
+    want, results = runs
+    k = dict(KERNELS)[ggml_type]
+    scheme, exact = want[ggml_type, k]
+    one, many = results[target][ggml_type, k]
+    scale = np.abs(exact).max()
+    assert np.abs(scheme - exact).max() > 1e-4 * scale  # int8 rounding: 1e-5 tells the schemes apart
+    np.testing.assert_allclose(one, scheme[0], rtol=0, atol=1e-5 * scale)
+    np.testing.assert_allclose(many, scheme, rtol=0, atol=1e-5 * scale)
