@@ -70,18 +70,35 @@ bench: install
 gpu-check: install
 	$(BIN)/python -m bench.gpu $(GPU_CHECK_ARGS)
 
-# Optional: llama.cpp (llama-cpp-python, built from source into .venv-peers/, ~8 minutes) for make bench's peer
-# rows. A native build crashes on these VMs: the instruction sets are named instead.
+# Optional: llama.cpp (llama-cpp-python, built from source, ~8 minutes a build) for make bench's peer rows. A native
+# build crashes on these VMs: the instruction sets are named instead, and never AMX. .venv-peers is the AVX2 build
+# (for the AVX2 rows, and the only one on a CPU without AVX-512); where /proc/cpuinfo has AVX-512 F/BW/VL/VBMI/VNNI/BF16,
+# .venv-peers-avx512 is built beside it (plus AVX-VNNI where the CPU has that). pip's wheel cache ignores CMAKE_ARGS,
+# so each build is --no-cache-dir: a cached AVX2 wheel would otherwise be reused for the AVX-512 venv.
 PEERS := .venv-peers
+PEERS_AVX512 := .venv-peers-avx512
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.16
-peers: $(PEERS)/.installed-stamp
+PEERS_AVX2_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+HAS_AVX512 := $(and $(filter avx512f,$(CPU_FLAGS)),$(filter avx512bw,$(CPU_FLAGS)),$(filter avx512vl,$(CPU_FLAGS)),$(filter avx512vbmi,$(CPU_FLAGS)),$(filter avx512_vnni,$(CPU_FLAGS)),$(filter avx512_bf16,$(CPU_FLAGS)))
+PEERS_AVX512_ARGS := $(PEERS_AVX2_ARGS) -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
+	-DGGML_AVX_VNNI=$(if $(filter avx_vnni,$(CPU_FLAGS)),ON,OFF) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+peers: $(PEERS)/.installed-stamp $(if $(HAS_AVX512),$(PEERS_AVX512)/.installed-stamp)
+
+# $(call peer_build,venv,cmake args)
+peer_build = test -x $(1)/bin/python || $(PYTHON) -m venv $(1); \
+	$(1)/bin/python -m pip install --quiet --upgrade pip && \
+	CMAKE_ARGS="$(2)" $(1)/bin/python -m pip install --quiet --no-cache-dir --force-reinstall --no-deps \
+		--no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)" && \
+	$(1)/bin/python -m pip install --quiet "$(LLAMA_CPP_PYTHON)" && \
+	$(1)/bin/python -c "import llama_cpp" && echo "$(2)" > $(1)/.cmake-args
 
 $(PEERS)/.installed-stamp:
-	test -x $(PEERS)/bin/python || $(PYTHON) -m venv $(PEERS)
-	$(PEERS)/bin/python -m pip install --quiet --upgrade pip
-	CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON" \
-		$(PEERS)/bin/python -m pip install --quiet --no-binary llama-cpp-python "$(LLAMA_CPP_PYTHON)"
-	$(PEERS)/bin/python -c "import llama_cpp"
+	$(call peer_build,$(PEERS),$(PEERS_AVX2_ARGS))
+	touch $@
+
+$(PEERS_AVX512)/.installed-stamp:
+	$(call peer_build,$(PEERS_AVX512),$(PEERS_AVX512_ARGS))
 	touch $@
 
 # Rebuild the embedded demo model from the Zen of Python (deterministic; takes a few minutes).
@@ -89,4 +106,4 @@ model: install
 	$(BIN)/python tools/train_demo.py --out pp_worker/data/zen.gguf
 
 clean:
-	rm -rf $(VENV) $(PEERS) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEERS) $(PEERS_AVX512) build *.egg-info .pytest_cache .ruff_cache

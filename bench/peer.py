@@ -1,8 +1,11 @@
 """llama.cpp on the same GGUF file, the program people would run instead: a warm one-process peer for decode
 measured in turn with the pipelines'.
 
-The child runs in ``.venv-peers`` (``make peers``: llama-cpp-python built from source), which holds no pp_worker:
-this file is run there as a script and imports nothing of the project. Its protocol is `bench.solo`'s ``--serve``:
+The child runs in a venv of ``make peers`` (llama-cpp-python built from source), which holds no pp_worker: this file
+is run there as a script and imports nothing of the project. Two builds may sit side by side (`BUILDS`):
+``.venv-peers`` for AVX2, and ``.venv-peers-avx512`` (AVX-512 F/BW/VL/VBMI/VNNI/BF16) where the CPU has AVX-512;
+`default_build` picks the best one the CPU runs, and every row names the build it used.
+Its protocol is `bench.solo`'s ``--serve``:
 ``{"ready": true}`` after a warm-up, then for each line ``{"prompt": [ids], "decode": n}`` the arrival times of a
 greedy generation's tokens (and the tokens), and for ``{"tokenize": text}`` llama.cpp's ids of the text. The prompt
 ids are the pipeline's (the same tokenizer's), fed to llama.cpp as tokens.
@@ -20,13 +23,43 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+BUILDS = {"avx2": REPO / ".venv-peers", "avx512": REPO / ".venv-peers-avx512"}  # as the Makefile's peers target
+PEERS_PYTHON = BUILDS["avx2"] / "bin" / "python"  # the AVX2 build: make peers always builds it
+BUILD_NAMES = {"avx2": "AVX2", "avx512": "AVX-512 + VNNI"}
+AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16")
 WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8]]
 
 
-def available() -> bool:
-    """Whether ``make peers`` finished (its stamp: a venv still being built has a python but no llama_cpp)."""
-    return (REPO / ".venv-peers" / ".installed-stamp").exists()
+def python(build: str) -> Path:
+    return BUILDS[build] / "bin" / "python"
+
+
+def cpu_has_avx512(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU runs the AVX-512 build (every instruction set it is built with, in /proc/cpuinfo)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
+    return all(f in flags for f in AVX512_FLAGS)
+
+
+def available(build: str | None = None) -> bool:
+    """``build`` is built (None: any build this CPU runs)."""
+    return default_build() is not None if build is None else built(build)
+
+
+def default_build() -> str | None:
+    """The fastest build there is that this CPU runs: AVX-512 where it can, else AVX2; None: no build."""
+    if cpu_has_avx512() and built("avx512"):
+        return "avx512"
+    return "avx2" if built("avx2") else None
+
+
+def built(build: str) -> bool:
+    """Whether ``make peers`` finished ``build`` (its stamp: a venv still being built has a python, no llama_cpp)."""
+    return (BUILDS[build] / ".installed-stamp").exists()
 
 
 def serve(model: str, threads: int, max_context: int, out: Any) -> None:
@@ -63,9 +96,10 @@ def llm_info() -> str:
     return f"llama-cpp-python {llama_cpp.__version__}: {llama_cpp.llama_print_system_info().decode().strip()}"
 
 
-def command(model: Path, threads: int, max_context: int) -> list[str]:
-    """The child's command line (for `bench.solo.Solo`)."""
-    return [str(PEERS_PYTHON), str(Path(__file__).resolve()), str(model), "--threads", str(threads),
+def command(model: Path, threads: int, max_context: int, build: str | None = None) -> list[str]:
+    """The child's command line (for `bench.solo.Solo`), in ``build``'s venv (None: `default_build`)."""
+    build = build or default_build() or "avx2"
+    return [str(python(build)), str(Path(__file__).resolve()), str(model), "--threads", str(threads),
             "--max-context", str(max_context)]
 
 

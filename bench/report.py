@@ -34,6 +34,7 @@ S9 = "9 quantized files kept quantized, 2 stages, and llama.cpp on the same file
 S10 = "10 peak RSS (VmHWM) of quantized stages"
 S11 = "11 a cold start (empty caches) and a restart, the embedded model"
 S13 = "13 pp-serve on a 30-block model (SmolLM2-135M's shape, Q8_0), 2 stages, 8 slots, cold"
+S15 = "15 memwall: TinyLlama-1.1B's shape (2.2 GB F16), weights streamed from DRAM, 2 stages and llama.cpp"
 S12 = "12 threads: one stage's decode call on every core / on one (PP_THREADS), timed inside the stage"
 S14 = "14 mixture of experts (qwen3moe, Q8_0), 2 stages: against a dense twin and llama.cpp"
 
@@ -56,7 +57,8 @@ def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[i
     return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
             *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
             *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
-            *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe"))]
+            *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe")),
+            *memwall_rows(raw.get("memwall"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -475,4 +477,49 @@ def moe_rows(m: dict[str, Any] | None) -> list[Row]:
                             check["agree_before_divergence"] / check["tokens"], "x",
                             note=f"{check['agree_before_divergence']} of {check['tokens']}; the prompt's ids "
                                  f"{'equal' if check['prompt_ids_equal'] else 'DIFFERENT'} by both tokenizers"))
+    return rows
+
+
+# issue 33: 2 stages / llama.cpp (the AVX-512 build) on the same 1.1B file; AVX2 (our clang without AVX-512 against
+# llama.cpp's AVX2 build): Q4_K_M only; Q4_K_M's bytes/s >= 0.8x the F16 file's (the memory wall)
+MEMWALL_PEER_TARGETS = {"avx512": {"F16": 1.0, "Q8_0": 1.0, "Q4_K_M": 1.0, "Q5_K_M": 1.0, "Q6_K": 1.0},
+                        "avx2": {"Q4_K_M": 1.0}}
+MEMWALL_WALL_TARGETS = {"Q4_K_M": 0.8}
+GB = 1e9
+
+
+def memwall_rows(m: dict[str, Any] | None) -> list[Row]:
+    """Section 15 (issue 33): each file's 2-stage decode against llama.cpp's, in rounds taken in turn, and the bytes
+    a token streams times tokens/s against the F16 file's."""
+    if not m or not m.get("rows"):
+        note = (m or {}).get("peers_skipped") or "not measured (section memwall not run, or it failed)"
+        return [Row(S15, "memwall", None, "tok/s", note=note)]
+    rows: list[Row] = []
+    for key, r in m["rows"].items():
+        dt, build, label = r["dtype"], r["build"], r.get("label", "")
+        f = m["files"][dt]
+        ours, theirs = statistics.median(r["pp2_tps"]), statistics.median(r["peer_tps"])
+        clang = " (our clang without AVX-512)" if r.get("clang") == "no-avx512" else ""
+        tree = f" [{label}]" if label else ""
+        rows.append(Row(S15, f"{key}: {dt} file ({f['file_bytes'] / MIB:.0f} MiB, {f['quantizer']}), 2 stages{clang}"
+                             f"{tree}", ours, "tok/s", note=f"median of {len(r['pp2_tps'])} rounds"))
+        rows.append(Row(S15, f"  llama.cpp one process, {r['build_name']} build", theirs, "tok/s",
+                        note=(r.get("peer_info") or "")[:160]))
+        ratios = [x for x in r["ratios"] if x]
+        rows.append(Row(S15, f"  {key}: 2 stages / llama.cpp", statistics.median(ratios) if ratios else None, "x",
+                        MEMWALL_PEER_TARGETS.get(build, {}).get(dt),
+                        note="median of the rounds' ratios, both decoding the same file in turn"))
+        rate = ours * f["streamed_bytes"]
+        rows.append(Row(S15, f"  {key}: effective bytes/s (2 stages)", rate / GB, "GB/s",
+                        note=f"{f['streamed_bytes'] / MIB:.0f} MiB a token (all but the token embedding) x tok/s; "
+                             f"llama.cpp's {theirs * f['streamed_bytes'] / GB:.1f} GB/s"))
+        ref = m["rows"].get(" ".join(x for x in ("F16", build) if x)) if dt != "F16" else None
+        if ref is not None:
+            f16 = statistics.median(ref["pp2_tps"]) * m["files"]["F16"]["streamed_bytes"]
+            rows.append(Row(S15, f"  {key}: bytes/s / the F16 file's", rate / f16, "x",
+                            MEMWALL_WALL_TARGETS.get(dt) if build != "avx2" else None,
+                            note="against F16's 2 stages on the same build, its row measured before this one"))
+    for what in ("avx2_skipped",):
+        if m.get(what):
+            rows.append(Row(S15, "AVX2 rows", None, "tok/s", note=m[what]))
     return rows

@@ -4,6 +4,8 @@
                                    # process, 2 and 3 stages, then pinned to CPUs), then section 6 again on the
                                    # 0.73B "rss" model (its first run generates it), pp-serve, and section 8, q8
                                    # against f16 on the wire: ~15 minutes on 2 idle cores
+    python -m bench.run --sections memwall   # section 15: the 1.1B shape's files against llama.cpp (bench.memwall;
+                                             # its first run generates and quantizes ~5 GB into bench/models/)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
     python -m bench.run --sections beam   # PP_BEAM=2 vs without (not in the default run: the first search takes
                                           # minutes, 20+ on a loaded machine; the kernel cache is kept in bench/models/)
@@ -29,14 +31,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import cold, models, moe, pipe, quant, report, rss, serve, servemem, solo, threads, wire
+from bench import cold, memwall, models, moe, pipe, quant, report, rss, serve, servemem, solo, threads, wire
 from bench.machine import CpuMeter, describe
 from bench.quant import say
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss",
-            "cold", "threads", "servemem", "moe")
+            "cold", "threads", "servemem", "moe", "memwall")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -66,6 +68,7 @@ class Plan:
     threads: threads.ThreadsPlan = threads.ThreadsPlan()  # section 12: a stage's decode call on 1 thread and on all
     servemem: servemem.ServeMemPlan = servemem.ServeMemPlan()  # section 13: pp-serve's memory and start, 30 blocks
     moe: moe.MoePlan = moe.MoePlan()  # section 14: a qwen3moe against its dense twin and llama.cpp
+    memwall: memwall.MemwallPlan = memwall.MemwallPlan()  # section 15: the 1.1B shape from DRAM, against llama.cpp
 
 
 FULL = Plan("bench")
@@ -78,7 +81,9 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              cold=cold.ColdPlan(decode=12, streams=8, stream_tokens=8),
              threads=threads.ThreadsPlan(preset="bench", rounds=2, calls=6),
              servemem=servemem.ServeMemPlan(preset="bench", dtype="Q8_0", tokens=8, on_demand=False),
-             moe=moe.MoePlan(decode=8, rounds=2))
+             moe=moe.MoePlan(decode=8, rounds=2),
+             memwall=memwall.MemwallPlan(preset="kq", dtypes=("F16", "Q4_K_M"), avx2_dtypes=("Q4_K_M",), rounds=2,
+                                         decode=8))
 
 
 
@@ -365,6 +370,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "threads": lambda out: out.update(threads.measure(plan.threads)),
         "servemem": lambda out: out.update(servemem.measure(plan.servemem)),
         "moe": lambda out: out.update(moe.measure(plan.moe)),
+        "memwall": lambda out: out.update(memwall.measure(plan.memwall)),
     }
     try:
         for key in sections:

@@ -148,7 +148,27 @@ def fake_raw() -> dict:
                 "tps": {"pp2 moe": 85.0, "pp2 dense": 35.0}, "moe_over_dense": 2.5, "moe_over_llama_cpp": None,
                 "call_ms": {"moe": [1.0, 0.9], "dense": [5.0, 4.8]}, "call_ratio": 5.1,
                 "peers_skipped": "llama.cpp not built: run make peers"},
+        "memwall": fake_memwall(),
     }
+
+
+def fake_memwall() -> dict:
+    """Section 15: an F16 and a Q4_K_M row on the AVX-512 build, Q4_K_M on the AVX2 one, and Q4_K_M from another
+    tree (labelled), as bench.memwall writes them."""
+    mib = 1 << 20
+    files = {"F16": {"file_bytes": 2100 * mib, "streamed_bytes": 2000 * mib, "quantizer": "modelgen"},
+             "Q4_K_M": {"file_bytes": 640 * mib, "streamed_bytes": 600 * mib, "quantizer": "llama.cpp"}}
+
+    def row(dt: str, build: str, ours: list[float], theirs: list[float], **extra: str) -> dict:
+        return {"dtype": dt, "build": build, "build_name": {"avx512": "AVX-512 + VNNI", "avx2": "AVX2"}[build],
+                "pp2_tps": ours, "peer_tps": theirs, "ratios": [a / b for a, b in zip(ours, theirs, strict=True)],
+                "peer_info": f"llama.cpp {build}", "label": "", **extra}
+
+    return {"model": "tinyllama-s0-F16.gguf", "files": files, "rows": {
+        "F16 avx512": row("F16", "avx512", [12.0, 10.0, 11.0], [11.0, 10.0, 10.0]),
+        "Q4_K_M avx512": row("Q4_K_M", "avx512", [22.0, 20.0, 30.0], [27.0, 25.0, 25.0]),
+        "Q4_K_M avx2": row("Q4_K_M", "avx2", [8.0, 9.0], [23.0, 20.0], clang="no-avx512"),
+        "Q4_K_M avx512 int8": row("Q4_K_M", "avx512", [33.0, 36.0, 30.0], [27.0, 30.0, 30.0], label="int8")}}
 
 
 def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
@@ -172,7 +192,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 15)}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 16)}
     assert by_name["MoE / dense decode"].verdict == "PASS" and "dense / MoE 5.0x" in by_name["MoE / dense decode"].note
     assert by_name["last stage's decode call, dense / MoE, in one process"].value == pytest.approx(5.1)
     no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
@@ -185,6 +205,23 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert moe["MoE 2 stages / llama.cpp"].verdict == "PASS"
     agree = moe["greedy tokens equal to llama.cpp's before the first divergence"]
     assert agree.value == pytest.approx(0.75) and "ids equal" in agree.note
+    wall = {r.name.strip(): r for r in rows if r.section.startswith("15 ")}
+    q4 = wall["Q4_K_M avx512: 2 stages / llama.cpp"]  # the median of the rounds' ratios, not of the rates
+    assert q4.value == pytest.approx(22 / 27) and q4.target == 1.0 and q4.verdict == "MISS"
+    assert wall["F16 avx512: 2 stages / llama.cpp"].value == pytest.approx(12 / 11) and \
+        wall["F16 avx512: 2 stages / llama.cpp"].verdict == "PASS"
+    # bytes a token streams x the median tok/s, against the F16 file's on the same build: (600 x 22) / (2000 x 11)
+    assert wall["Q4_K_M avx512: effective bytes/s (2 stages)"].value == pytest.approx(600 * (1 << 20) * 22 / 1e9)
+    wall_q4 = wall["Q4_K_M avx512: bytes/s / the F16 file's"]
+    assert wall_q4.value == pytest.approx(0.6) and wall_q4.target == 0.8 and wall_q4.verdict == "MISS"
+    avx2 = wall["Q4_K_M avx2: 2 stages / llama.cpp"]
+    assert avx2.value == pytest.approx((8 / 23 + 9 / 20) / 2) and avx2.target == 1.0
+    assert "Q4_K_M avx2: bytes/s / the F16 file's" not in wall  # no F16 row on the AVX2 build: no reference
+    assert any("our clang without AVX-512" in n for n in wall) and "llama.cpp one process, AVX2 build" in wall
+    int8 = wall["Q4_K_M avx512 int8: bytes/s / the F16 file's"]  # another tree's row against this tree's F16
+    assert int8.value == pytest.approx(600 * 33 / (2000 * 11)) and int8.verdict == "PASS"
+    assert report.memwall_rows(None)[0].value is None
+    assert "make peers" in report.memwall_rows({"peers_skipped": "llama.cpp not built: run make peers"})[0].note
     assert by_name["cold first token / tinygrad's"].value == pytest.approx(0.8)
     assert by_name["restart first token / tinygrad's cold one"].verdict == "MISS"  # 0.3 > 0.2
     assert by_name["first generation's decode / tinygrad's steady"].value == pytest.approx(0.75)
@@ -298,8 +335,9 @@ def test_run_arguments() -> None:
         run.parse_args(["--sections", "nope"])
     assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
-    assert run.SECTIONS.index("moe") == len(run.SECTIONS) - 1 and run.parse_args(["--sections", "moe"]).sections == (
-        "moe",)  # section 14, runnable alone
+    assert run.SECTIONS[-2:] == ("moe", "memwall") and run.parse_args(["--sections", "moe"]).sections == (
+        "moe",)  # sections 14 and 15, each runnable alone
+    assert "memwall" in run.parse_args([]).sections and run.FULL.memwall.preset == "tinyllama"
     assert {run.FULL.moe.preset, run.FULL.moe.dense} <= set(PRESETS)
 
 
@@ -372,6 +410,39 @@ def test_a_pinned_stage_runs_on_its_share_of_the_cpus() -> None:
     finally:
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+def test_peer_builds_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """bench.peer picks llama.cpp's AVX-512 build only where /proc/cpuinfo has every set it is built with."""
+    from bench import peer
+
+    full = "flags\t\t: fpu avx2 avx512f avx512bw avx512vl avx512vbmi avx512_vnni avx512_bf16\n"
+    assert peer.cpu_has_avx512(full)
+    assert not peer.cpu_has_avx512(full.replace(" avx512_bf16", ""))
+    assert not peer.cpu_has_avx512("flags\t\t: fpu avx2\n")
+    builds = {name: tmp_path / name for name in ("avx2", "avx512")}
+    monkeypatch.setattr(peer, "BUILDS", builds)
+    assert peer.default_build() is None and not peer.available()
+    builds["avx2"].mkdir(parents=True)
+    (builds["avx2"] / ".installed-stamp").touch()
+    assert peer.default_build() == "avx2" and peer.available("avx2") and not peer.available("avx512")
+    builds["avx512"].mkdir(parents=True)
+    (builds["avx512"] / ".installed-stamp").touch()
+    monkeypatch.setattr(peer, "cpu_has_avx512", lambda cpuinfo=None: False)
+    assert peer.default_build() == "avx2"  # built, but this CPU would die on it
+    monkeypatch.setattr(peer, "cpu_has_avx512", lambda cpuinfo=None: True)
+    assert peer.default_build() == "avx512"
+    assert peer.command(Path("m.gguf"), 2, 256)[0] == str(builds["avx512"] / "bin" / "python")
+    assert peer.command(Path("m.gguf"), 2, 256, "avx2")[0] == str(builds["avx2"] / "bin" / "python")
+
+
+def test_memwall_streamed_bytes_leave_out_the_token_embedding(tiny_model: Path) -> None:
+    from bench import memwall
+    from pp_worker.worker.gguf.header import read_header
+
+    tensors = read_header(tiny_model).tensors
+    every = sum(t.nbytes or 0 for t in tensors.values())
+    assert memwall.streamed_bytes(tiny_model) == every - (tensors["token_embd.weight"].nbytes or 0) > 0
 
 
 def test_threads_section_times_each_count_in_its_own_stage() -> None:
