@@ -7,7 +7,8 @@
 
     .venv/bin/python -m bench.gemma3_peer [--dtypes F32 Q8_0 Q4_K]
 
-Not part of ``make bench``'s table (yet): one line of JSON per file on stdout.
+Also run by ``make bench``'s section 14 (``moe``), whose table gives a row per file; alone, one line of JSON per
+file on stdout.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 from bench import peer
 
 N_GREEDY = 8
+DTYPES = ["F32", "Q8_0", "Q4_K"]
 TEXTS = ["<start_of_turn>user\nBeautiful is better than ugly.<end_of_turn>\n<start_of_turn>model\n",
          "Flat is better than nested. Grüße ☃"]
 PEER_SIDE = """
@@ -65,21 +67,29 @@ def check(path: Path, prompt: list[int]) -> dict[str, object]:
             "greedy_equal": tokens == theirs["greedy"], "pp_worker": tokens, "llama.cpp": theirs["greedy"]}
 
 
-def main(argv: list[str] | None = None) -> int:
+def checks(dtypes: list[str]) -> list[dict[str, object]]:
+    """`check` of a generated gemma3 file of each of ``dtypes`` (needs ``make peers``)."""
     from pp_worker.testing import gemma3gen
 
+    prompt = [int(t) for t in np.random.default_rng(0).integers(5, 500, 40)]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in dtypes:
+            preset = "gemma3-kq" if dtype.startswith(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")) else "gemma3"
+            path = gemma3gen.generate(Path(tmp) / f"{preset}-{dtype}.gguf", preset, seed=0, dtype=dtype)
+            out.append(check(path, prompt))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gemma3_peer", description=__doc__.splitlines()[0])
-    ap.add_argument("--dtypes", nargs="+", default=["F32", "Q8_0", "Q4_K"])
+    ap.add_argument("--dtypes", nargs="+", default=DTYPES)
     args = ap.parse_args(argv)
     if not peer.available():
         print("llama.cpp not built: run make peers", file=sys.stderr)
         return 1
-    prompt = [int(t) for t in np.random.default_rng(0).integers(5, 500, 40)]
-    with tempfile.TemporaryDirectory() as tmp:
-        for dtype in args.dtypes:
-            preset = "gemma3-kq" if dtype.startswith(("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS")) else "gemma3"
-            path = gemma3gen.generate(Path(tmp) / f"{preset}-{dtype}.gguf", preset, seed=0, dtype=dtype)
-            print(json.dumps(check(path, prompt)), flush=True)
+    for result in checks(args.dtypes):
+        print(json.dumps(result), flush=True)
     return 0
 
 

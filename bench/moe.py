@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from bench import models, peer, pipe, solo
+from bench import gemma3_peer, models, peer, pipe, solo
 from bench.quant import median_ratio, say
 
 
@@ -102,6 +102,9 @@ def measure(plan: MoePlan) -> dict[str, Any]:
     calls = json.loads(run.stdout)
     out["call_ms"] = calls
     out["call_ratio"] = statistics.median(d / m for m, d in zip(calls["moe"], calls["dense"], strict=True))
+    if peer.available():  # the other family of issue 34 against llama.cpp on the same generated files
+        say("moe: gemma3 against llama.cpp (tokenizer, logits against float64, greedy tokens)")
+        out["gemma3_peer"] = gemma3_peer.checks(gemma3_peer.DTYPES)
     return out
 
 

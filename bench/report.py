@@ -477,6 +477,11 @@ def moe_rows(m: dict[str, Any] | None) -> list[Row]:
                             check["agree_before_divergence"] / check["tokens"], "x",
                             note=f"{check['agree_before_divergence']} of {check['tokens']}; the prompt's ids "
                                  f"{'equal' if check['prompt_ids_equal'] else 'DIFFERENT'} by both tokenizers"))
+    for g in m.get("gemma3_peer", []):
+        rows.append(Row(S14, f"gemma3 {g['file']}: llama.cpp's greedy tokens equal 2 stages'", float(g["greedy_equal"]),
+                        "x", note=f"tokenizer {'equal' if g['tokenizer_equal'] else 'DIFFERENT'}; llama.cpp's logits "
+                                  f"{g['max_abs_logit_diff_vs_float64']} from float64, argmax "
+                                  f"{'equal' if g['argmax_equal'] else 'not always equal'} at every position"))
     return rows
 
 

@@ -205,6 +205,10 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert moe["MoE 2 stages / llama.cpp"].verdict == "PASS"
     agree = moe["greedy tokens equal to llama.cpp's before the first divergence"]
     assert agree.value == pytest.approx(0.75) and "ids equal" in agree.note
+    gemma = {"file": "gemma3-Q8_0.gguf", "tokenizer_equal": True, "max_abs_logit_diff_vs_float64": 0.49,
+             "argmax_equal": False, "greedy_equal": False}
+    (row,) = [r for r in report.moe_rows(with_peer | {"gemma3_peer": [gemma]}) if "gemma3" in r.name]
+    assert row.value == 0.0 and "tokenizer equal" in row.note and "not always equal" in row.note
     wall = {r.name.strip(): r for r in rows if r.section.startswith("15 ")}
     q4 = wall["Q4_K_M avx512: 2 stages / llama.cpp"]  # the median of the rounds' ratios, not of the rates
     assert q4.value == pytest.approx(22 / 27) and q4.target == 1.0 and q4.verdict == "MISS"
