@@ -81,8 +81,43 @@ def silu(x: np.ndarray) -> np.ndarray:
     return x / (1.0 + np.exp(-x))
 
 
+class Forward:
+    """The whole-sequence forward both references share, over their own ``embed`` and ``_block``."""
+
+    weights: dict[str, np.ndarray]
+    n_layers: int
+    norm_eps: float
+
+    def embed(self, tokens: list[int]) -> np.ndarray:
+        raise NotImplementedError
+
+    def _block(self, i: int, x: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
+        """Blocks [start, end) over hidden states x (T, D) of the whole sequence from position 0."""
+        for i in range(start, end):
+            x = self._block(i, x)
+        return x
+
+    def head(self, x: np.ndarray) -> np.ndarray:
+        out = self.weights.get("output.weight", self.weights["token_embd.weight"])  # tied if absent
+        return rms_norm(x, self.weights["output_norm.weight"], self.norm_eps) @ out.T  # (T, V)
+
+    def logits(self, tokens: list[int]) -> np.ndarray:
+        """(T, vocab) float64 logits for every position."""
+        return self.head(self.run_blocks(self.embed(tokens), 0, self.n_layers))
+
+    def greedy(self, tokens: list[int], n: int) -> list[int]:
+        """n greedy (argmax) continuation tokens of the prompt `tokens`."""
+        seq = list(tokens)
+        for _ in range(n):
+            seq.append(int(np.argmax(self.logits(seq)[-1])))
+        return seq[len(tokens) :]
+
+
 @dataclass
-class RefModel:
+class RefModel(Forward):
     weights: dict[str, np.ndarray]  # float64, numpy shapes (out, in)
     n_layers: int
     n_heads: int
@@ -193,27 +228,6 @@ class RefModel:
                 out[t] += we * (w[f"blk.{i}.ffn_down_exps.weight"][e] @ (silu(gate) * up))
         return out
 
-    def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
-        """Blocks [start, end) over hidden states x (T, D) of the whole sequence from position 0."""
-        for i in range(start, end):
-            x = self._block(i, x)
-        return x
-
-    def head(self, x: np.ndarray) -> np.ndarray:
-        out = self.weights.get("output.weight", self.weights["token_embd.weight"])  # tied if absent
-        return rms_norm(x, self.weights["output_norm.weight"], self.norm_eps) @ out.T  # (T, V)
-
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        """(T, vocab) float64 logits for every position."""
-        return self.head(self.run_blocks(self.embed(tokens), 0, self.n_layers))
-
-    def greedy(self, tokens: list[int], n: int) -> list[int]:
-        """n greedy (argmax) continuation tokens of the prompt `tokens`."""
-        seq = list(tokens)
-        for _ in range(n):
-            seq.append(int(np.argmax(self.logits(seq)[-1])))
-        return seq[len(tokens) :]
-
 
 # ---------------------------------------------------------------- Gemma 3
 
@@ -223,7 +237,7 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
 
 
 @dataclass
-class Gemma3Ref:
+class Gemma3Ref(Forward):
     """Gemma 3 from its formulas (llama.cpp's gemma3 graph, sliding-window build), float64, whole sequence per call:
     x = E[tokens] * sqrt(D); per block, with n = rms(x) * attn_norm:
       q, k = rms(n Wq) * q_norm, rms(n Wk) * k_norm per head, roped NEOX-style (half-split pairs: Gemma's GGUF
@@ -302,21 +316,3 @@ class Gemma3Ref:
         f = (gelu_tanh(n @ w[f"blk.{i}.ffn_gate.weight"].T) * (n @ w[f"blk.{i}.ffn_up.weight"].T)) \
             @ w[f"blk.{i}.ffn_down.weight"].T
         return h + rms_norm(f, w[f"blk.{i}.post_ffw_norm.weight"], eps)
-
-    def run_blocks(self, x: np.ndarray, start: int, end: int) -> np.ndarray:
-        for i in range(start, end):
-            x = self._block(i, x)
-        return x
-
-    def head(self, x: np.ndarray) -> np.ndarray:
-        out = self.weights.get("output.weight", self.weights["token_embd.weight"])
-        return rms_norm(x, self.weights["output_norm.weight"], self.norm_eps) @ out.T
-
-    def logits(self, tokens: list[int]) -> np.ndarray:
-        return self.head(self.run_blocks(self.embed(tokens), 0, self.n_layers))
-
-    def greedy(self, tokens: list[int], n: int) -> list[int]:
-        seq = list(tokens)
-        for _ in range(n):
-            seq.append(int(np.argmax(self.logits(seq)[-1])))
-        return seq[len(tokens):]
