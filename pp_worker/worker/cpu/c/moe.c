@@ -5,13 +5,7 @@
    tokens of a prefill chunk) has its rows decoded once for all of them, and an expert no slot names is never read.
    The ids come from a buffer written by the forward itself: the compiled graph is the same whatever the routing.
    Rows split over the threads (core_id) as in matmul.c; the type's files give DECODE32 and the one-row product. */
-#ifndef DECODE32
-#define DECODE32 decode32_generic
-#endif
-#if !defined(ROW_DOT) && defined(ROW_DOT_GENERIC)
-#define ROW_DOT row_dot_generic
-#define PREP_X prep_x_generic
-#endif
+#include "row.h"
 void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict ids,
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
@@ -25,28 +19,8 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
       if (ids[m] == e) slots[c++] = m;
     if (c == 0) continue;  /* not routed to: its bytes are not touched */
     const unsigned char* we = w + (long)e * N * NB * BB;
-    if (c == 1) {  /* one slot: the type's one-row product, as matmul.c's B = 1 */
-      const int m = slots[0];
-      const float* xr0 = x + (long)(m / XDIV) * K;
-      float* o = out + (long)m * N;
-#ifdef ROW_DOT
-      float xp[K] __attribute__((aligned(64))), xs[K / 16];
-      const float* xr = PREP_X(xr0, xp, xs, NB);
-      for (int n = n0; n < n1; n++) o[n] = ROW_DOT(we + (long)n * NB * BB, xr, xs, NB);
-#else
-      for (int n = n0; n < n1; n++) {
-        const unsigned char* row = we + (long)n * NB * BB;
-        f16v acc0 = 0, acc1 = 0;
-        for (int j = 0; j < NB; j++)
-          _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++) {
-            f16v v[2];
-            DECODE32(row + j * BB, g, v);
-            acc0 += v[0] * f_at(xr0 + j * QK + 32 * g);
-            acc1 += v[1] * f_at(xr0 + j * QK + 32 * g + 16);
-          }
-        o[n] = hsum(acc0 + acc1);
-      }
-#endif
+    if (c == 1) {  /* one slot: one row of x (row.h), as matmul.c's B = 1 */
+      row_products(out + (long)slots[0] * N, we, x + (long)(slots[0] / XDIV) * K, n0, n1);
       continue;
     }
     f16v wbuf[R][V];  /* several slots: R rows decoded once, each multiplied with every slot's input */
