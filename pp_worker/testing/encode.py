@@ -3,6 +3,10 @@ the file types (llama_ftype) a whole-file dtype names."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+from typing import Any
+
 import numpy as np
 
 FILE_TYPES = {"F32": 0, "F16": 1, "Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K": 11,
@@ -24,3 +28,14 @@ def encode_tensor(w: np.ndarray, type_name: str) -> tuple[np.ndarray, object | N
         return flat.reshape(*w.shape[:-1], -1), qtype
     # gguf.quants is documented bit-exact with ggml's reference quantizers (quantize_row_q8_0_ref...)
     return quants.quantize(w.astype(np.float32), qtype), qtype
+
+
+def finish(writer: Any, tmp: Path, path: Path) -> Path:
+    """Write a `gguf.GGUFWriter`'s file at ``tmp`` and move it to ``path`` (readers of a shared model folder never see
+    half a file)."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, path)
+    return path

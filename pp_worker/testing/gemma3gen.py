@@ -139,12 +139,7 @@ def write_gguf(path: str | Path, spec: GemmaSpec, weights: dict[str, np.ndarray]
                 kind = "F16"
         data, raw_dtype = encode.encode_tensor(a, kind)
         w.add_tensor(tname, data, raw_dtype=raw_dtype)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
-    return path
+    return encode.finish(w, tmp, path)
 
 
 def generate(path: str | Path, preset: str = "gemma3", seed: int = 0, dtype: str = "F16") -> Path:

@@ -23,7 +23,7 @@ import numpy as np
 
 # the tokenizers the generated models carry
 from pp_worker.testing.bpe import Vocab, build_vocab, builtin_text
-from pp_worker.testing.encode import FILE_TYPES, encode_tensor
+from pp_worker.testing.encode import FILE_TYPES, encode_tensor, finish
 from pp_worker.testing.rope_scaling import RopeScaling
 from pp_worker.testing.spm import SpmVocab, build_spm_vocab
 
@@ -277,12 +277,7 @@ def write_gguf(
             w = permute_rope_rows(w, spec.n_heads if "attn_q" in tname else spec.n_kv_heads)
         data, raw_dtype = encode_tensor(w, types[tname])
         writer.add_tensor(tname, data, raw_dtype=raw_dtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, path)
-    return path
+    return finish(writer, tmp, path)
 
 
 @functools.cache
