@@ -9,10 +9,12 @@
    nothing to them. Which thread runs a part does not change its result: replays are bit-identical to tinygrad's graph.
 
    Waiting spins for a few microseconds, then yields the CPU between looks (the stages of a pipeline share the cores);
-   between tables a helper sleeps in a futex, and the caller wakes them when a table starts. A job's row pointer and
-   part count are kept in one of two slots (by the job number's parity): a helper reads them before it claims, and
-   its claim succeeds only while that job is the current one, so what it read was that job's. Waits are Linux
-   syscalls by each arch's numbers and instruction (x86-64, aarch64); elsewhere `cpu.graph` keeps tinygrad's graph.
+   a helper that finds no part for a while sleeps in a futex, and the caller wakes it when a table or a job starts
+   (without the job's wake, a helper that slept in one gap of a table, such as another thread's longer part, left
+   the rest of the table to the caller). A job's row pointer and part count are kept in one of two slots (by the
+   job number's parity): a helper reads them before it claims, and its claim succeeds only while that job is the
+   current one, so what it read was that job's. Waits are Linux syscalls by each arch's numbers and instruction
+   (x86-64, aarch64); elsewhere `cpu.graph` keeps tinygrad's graph.
    The including unit defines MAX_ARGS, ROW (words per row), PARAMS/ARGS (the kernels' parameter and argument lists,
    MAX_ARGS longs) and which entry point it is: ENTRY_RUN, ENTRY_HELP or ENTRY_TICKS (tinygrad's CPU runtime calls a
    program at the start of its code, so each is a unit of its own, every helper before it always inlined). */
@@ -73,9 +75,14 @@ static INLINE int work(long* s) {
 }
 
 #if defined(ENTRY_RUN)
+static INLINE void wake(long* s) {  /* a new generation: helpers asleep in the futex on it get up */
+  put(&s[S_GEN], get(&s[S_GEN]) + 1);
+  syscall4(SYS_FUTEX, (long)&s[S_GEN], FUTEX_WAKE_PRIVATE, 1 << 30);
+}
+
 void pp_run(long* s) {  /* run the table in s[S_TABLE] (s[S_ROWS] rows) on this thread and the helpers */
   put(&s[S_GEN], get(&s[S_GEN]) + 1);
-  if (get(&s[S_SLEEPING])) syscall4(SYS_FUTEX, (long)&s[S_GEN], FUTEX_WAKE_PRIVATE, 1 << 30);
+  if (get(&s[S_SLEEPING])) wake(s);
   long* table = (long*)get(&s[S_TABLE]);
   long rows = get(&s[S_ROWS]), spin = get(&s[S_SPIN]) / 10;
   for (long r = 0; r < rows; r++) {
@@ -87,6 +94,7 @@ void pp_run(long* s) {  /* run the table in s[S_TABLE] (s[S_ROWS] rows) on this 
     put(&slot[SLOT_ROW], (long)row), put(&slot[SLOT_PARTS], parts), put(&slot[SLOT_DONE], 0);
     put(&s[S_JOBS], job);
     put(&s[S_JOB], job << 16);
+    if (get(&s[S_SLEEPING])) wake(s);  /* a helper fell asleep in a gap of this table (a part that ran long) */
     while (work(s)) {}
     for (long t0 = ticks(); get(&slot[SLOT_DONE]) != parts;) pause_after(t0, spin);
   }
