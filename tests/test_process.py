@@ -546,9 +546,9 @@ def test_huge_line_is_refused_in_bounded_memory(spawn: Spawn) -> None:
     assert w.wait() == 0
 
 
-def test_threads_default_to_this_host_s_share_of_the_cpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    """PP_THREADS wins; without it a stage takes the CPUs it may use shared by the stages on its host: what a local
-    pp-pipeline or pp-serve tells each stage it starts (a launcher's stages are on other hosts: none told)."""
+def test_threads_default_to_every_cpu_this_process_may_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PP_THREADS wins; without it a stage takes every CPU it may use, also where a local pp-pipeline or pp-serve
+    started the host's other stages (PP_HOST_STAGES sizes their memory share, not their threads)."""
     from pp_worker.driver.stage_proc import Launch
     from pp_worker.worker.cli import parse_config
 
@@ -556,8 +556,8 @@ def test_threads_default_to_this_host_s_share_of_the_cpus(monkeypatch: pytest.Mo
     monkeypatch.delenv("PP_HOST_STAGES", raising=False)
     env = {"STAGE": "0", "NUM_STAGES": "4"}
     assert parse_config([], env).threads == 16
-    assert parse_config([], env | Launch(4).worker_env(0)).threads == 4
-    assert parse_config([], env | Launch(3).worker_env(2)).threads == 5
-    assert parse_config([], env | Launch(32).worker_env(0)).threads == 1  # never none
-    assert parse_config([], env | Launch(4).worker_env(0) | {"PP_THREADS": "7"}).threads == 7
+    assert parse_config([], env | Launch(4).worker_env(0)).threads == 16
+    assert parse_config([], env | {"PP_THREADS": "7"}).threads == 7
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3, 5})  # a taskset: only the CPUs it may use
+    assert parse_config([], env | Launch(4).worker_env(0)).threads == 2
     assert "PP_HOST_STAGES" not in Launch(4, launcher="ssh host{stage} {python} -m pp_worker").worker_env(0)

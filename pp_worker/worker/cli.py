@@ -155,13 +155,13 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
 
 
 def default_threads(env: dict[str, str]) -> int:
-    """PP_THREADS, else the CPUs this process may use shared by the stages on its host (PP_HOST_STAGES, which
-    pp-pipeline and pp-serve set for the stages they start on theirs; default 1)."""
+    """PP_THREADS, else every CPU this process may use, even where other stages share them (PP_HOST_STAGES): a
+    single stream keeps one stage busy at a time, and the runner never waits for a helper that is not scheduled
+    (measured, docs/internals.md "Threads")."""
     threads = _env_int(env, "PP_THREADS", low=1)
     if threads is not None:
         return threads
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // (_env_int(env, "PP_HOST_STAGES", 1, low=1) or 1))
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def build_engine(cfg: Config, events: Events) -> Engine:
