@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
         changes["rounds"] = args.rounds
     if args.decode:
         changes["decode"] = args.decode
+    if unknown := (set(changes.get("dtypes", ())) | set(changes.get("avx2_dtypes", ()))) - {"F16", *FTYPES}:
+        ap.error(f"unknown file types: {', '.join(sorted(unknown))} (known: F16, {', '.join(FTYPES)})")
     plan = MemwallPlan(**{**plan.__dict__, **changes})
     print(json.dumps(measure(plan, avx2=not args.no_avx2), indent=1))
     return 0

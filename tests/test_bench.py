@@ -460,3 +460,11 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     rows = report.thread_rows(out)
     assert rows[-1].value == out["ratio"] > 0 and rows[-1].target == 1.6
     assert report.thread_rows(None)[0].value is None
+
+
+def test_memwall_refuses_an_unknown_file_type_before_it_builds_anything(capsys) -> None:
+    from bench import memwall
+
+    with pytest.raises(SystemExit) as e:
+        memwall.main(["--dtypes", "F16,none", "--avx2-dtypes", "Q4_K_M"])
+    assert e.value.code == 2 and "unknown file types: none" in capsys.readouterr().err
