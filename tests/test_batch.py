@@ -238,7 +238,9 @@ def test_stub_pipeline_batches_k_generations_and_gives_their_solo_tokens() -> No
         while len(got) < 3:
             p.pump()
     assert [g.tokens for g in together.generations] == alone
-    assert all(got[s]["batched_requests"] > 0 for s in range(3))
+    # which stages find steps queued together depends on how the processes are scheduled (a loaded CI machine left
+    # one stage without a batch): the pipeline batched, somewhere
+    assert sum(got[s]["batched_requests"] for s in range(3)) > 0
 
 
 def test_batched_steps_of_a_q8_stage_are_q8_as_its_single_steps() -> None:
