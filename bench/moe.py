@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import gemma3_peer, models, peer, pipe, solo
-from bench.quant import median_ratio, say
+from bench.quant import decode_rounds, median_ratio, say
 
 
 @dataclass(frozen=True)
@@ -83,12 +83,7 @@ def measure(plan: MoePlan) -> dict[str, Any]:
             pipe.run_traced(p, [warm], 8)
         if "moe" in peers:
             out["peer_check"] = _peer_check(pipes["moe"], peers["moe"], prompt, ids, plan.decode)
-        rounds = []
-        for r in range(plan.rounds):
-            say(f"moe: decode round {r + 1} of {plan.rounds}")
-            row = {f"pp{plan.stages} {name}": pipe.decode_rate(p, prompt, plan.decode).tps for name, p in pipes.items()}
-            row |= {f"llama.cpp {name}": pipe.Tokens(s.decode_times(ids, plan.decode)).tps for name, s in peers.items()}
-            rounds.append(row)
+        rounds = decode_rounds(pipes, peers, prompt, ids, plan.rounds, plan.decode, "moe", plan.stages)
         out["rounds"] = rounds
         out["peak_rss_mb"] = {name: pipe.peak_rss(p) for name, p in pipes.items()}
     key = f"pp{plan.stages}"

@@ -59,7 +59,8 @@ def measure(plan: QuantPlan, prompts: dict[str, list[str]], decode_ids: list[int
         for dt, p in pipes.items():
             say(f"quantized files: {dt}, 2 stages, warm-up generation")
             pipe.run_traced(p, prompts["warm"][:1], 8)
-        out["rounds"] = _decode_rounds(pipes, peers, prompts["decode"][0], decode_ids, plan)
+        out["rounds"] = decode_rounds(pipes, peers, prompts["decode"][0], decode_ids, plan.rounds, plan.decode,
+                                      "quantized files")
         out["prefill_s"] = {}
         for dt, p in pipes.items():
             say(f"quantized files: {dt}, a {prefill[0]}-token prompt's first token x {plan.prefill_reps}")
@@ -103,16 +104,17 @@ def _peers(stack: contextlib.ExitStack, files: dict[str, Path], plan: QuantPlan,
     return out
 
 
-def _decode_rounds(pipes: dict[str, Any], peers: dict[str, solo.Solo], prompt: str, ids: list[int],
-                   plan: QuantPlan) -> list[dict[str, float]]:
-    """Each round: every pipeline then every peer decodes ``plan.decode`` tokens; tokens/s of each."""
-    rounds = []
-    for r in range(plan.rounds):
-        say(f"quantized files: decode round {r + 1} of {plan.rounds}")
-        row = {f"pp2 {dt}": pipe.decode_rate(p, prompt, plan.decode).tps for dt, p in pipes.items()}
-        row |= {f"llama.cpp {dt}": pipe.Tokens(s.decode_times(ids, plan.decode)).tps for dt, s in peers.items()}
-        rounds.append(row)
-    return rounds
+def decode_rounds(pipes: dict[str, Any], peers: dict[str, solo.Solo], prompt: str, ids: list[int], rounds: int,
+                  decode: int, what: str, stages: int = 2) -> list[dict[str, float]]:
+    """Each round: every pipeline (keyed "pp<stages> <name>") then every peer ("llama.cpp <name>") decodes
+    ``decode`` tokens; tokens/s of each."""
+    out = []
+    for r in range(rounds):
+        say(f"{what}: decode round {r + 1} of {rounds}")
+        row = {f"pp{stages} {name}": pipe.decode_rate(p, prompt, decode).tps for name, p in pipes.items()}
+        row |= {f"llama.cpp {name}": pipe.Tokens(s.decode_times(ids, decode)).tps for name, s in peers.items()}
+        out.append(row)
+    return out
 
 
 def median_ratio(rounds: list[dict[str, float]], a: str, b: str) -> float | None:
