@@ -1,7 +1,7 @@
 """The C products' speed, one thread, outside tinygrad: G weights/s of builds of the same kernel side by side.
 
     python -m bench.kernel_speed [--types Q4_K,Q6_K] [--shapes 1536x512,5632x2048] [--batch 1,8] [--rounds 15]
-                                 [--variant LABEL=FILE[,FILE...]] [--dram] [--int8]
+                                 [--variant LABEL=FILE[,FILE...]] [--dram] [--int8] [--int8-base REV]
 
 Each build of a (type, shape) is compiled here with tinygrad's clang flags into a shared library whose loop calls
 the matmul kernel ``reps`` times on one thread (core 0 of 1), so no Python lies between calls. Builds are timed in
@@ -11,7 +11,8 @@ builds measured side by side compare). The default builds are ``generic`` (the t
 to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds the integer path (``matmul_int.c``,
 its products checked against the first build's within the int8 rounding only). ``CC`` picks the compiler (the
 AVX2 wrapper: ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
-(32000x2048) and prints GB/s of the weights' bytes too. Weights are random bytes with finite scales, as the tests'.
+(32000x2048) and prints GB/s of the weights' bytes too. ``--int8-base REV`` adds the integer path built from git
+revision REV's ``cpu/c/`` (``int8@REV``): a kernel change against its base in one run. Weights are random bytes with finite scales, as the tests'.
 """
 
 from __future__ import annotations
@@ -40,14 +41,15 @@ FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
-def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = False) -> ctypes.CDLL:
+def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = False,
+          c_dir: Path | None = None) -> ctypes.CDLL:
     """A shared library of the matmul kernel over ``files`` (the type's C files) for rows of ``k`` values; ``int8``:
-    the integer path's kernel."""
+    the integer path's kernel; ``c_dir``: the C sources from there instead of the package's."""
     t = BY_NAME[type_name]
     defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": kernels.ROWS, "BLOCK_VALUES": t.kernel_block,
                "BLOCK_BYTES": t.row_bytes(t.kernel_block), **({"PP_INT": 1} if int8 else {})}
     parts = ["common.h", "q8.h", *files, "matmul_int.c"] if int8 else ["common.h", *files, "matmul.c"]
-    src = kernels.unit(defines, parts) + LOOP
+    src = kernels.unit(defines, parts, c_dir or kernels.C_DIR) + LOOP
     so = workdir / f"{abs(hash(src))}.so"
     if not so.exists():
         flags = ["-O2", "-fPIC", "-shared", "-ffreestanding", "-fno-math-errno", "-nostdlib", "-Wno-psabi",
@@ -55,6 +57,14 @@ def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = 
         subprocess.run([os.environ.get("CC", "clang"), "-x", "c", *flags, "-", "-o", str(so)], input=src.encode(),
                        check=True)
     return ctypes.CDLL(str(so))
+
+
+def base_sources(rev: str, workdir: Path) -> Path:
+    """The kernels' C folder as it was at git revision ``rev``, unpacked under ``workdir``."""
+    rel = kernels.C_DIR.resolve().relative_to(Path(__file__).resolve().parents[1])
+    tar = subprocess.run(["git", "archive", rev, str(rel)], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(workdir)], input=tar, check=True)
+    return workdir / rel
 
 
 def weights(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -114,11 +124,13 @@ def main() -> None:
     ap.add_argument("--dram", action="store_true", help="also 32000x2048, bigger than the L3")
     ap.add_argument("--int8", action="store_true", help="add the integer path's build (int8)")
     ap.add_argument("--no-generic", action="store_true", help="leave out the generic build")
+    ap.add_argument("--int8-base", metavar="REV", help="add the integer path from git revision REV's C sources")
     a = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     batches = [int(v) for v in a.batch.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="kernel_speed_"))
     rng = np.random.default_rng(0)
+    base_dir = base_sources(a.int8_base, workdir) if a.int8_base else None
     print(f"G weights/s (and GB/s of weights for the DRAM shape), medians of {a.rounds} rounds, one thread; "
           "(median of the per-round speed ratios to the first build, best round's G/s)")
     for type_name in a.types.split(","):
@@ -135,6 +147,8 @@ def main() -> None:
         for n, k in shapes + ([(32000, 2048)] if a.dram else []):
             w = weights(type_name, n, k, rng)
             libs = {name: build(files, k, type_name, workdir, name == "int8") for name, files in builds.items()}
+            if base_dir is not None and t.int8:
+                libs[f"int8@{a.int8_base}"] = build(kernels.type_files(t), k, type_name, workdir, True, base_dir)
             for b in batches if (n, k) != (32000, 2048) else [1]:
                 med, best, ratio = measure(libs, w, n, k, b, a.rounds)
                 dram = (n, k) == (32000, 2048)

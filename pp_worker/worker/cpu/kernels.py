@@ -58,12 +58,12 @@ def _inlined(path: Path, seen: set[Path]) -> str:
     return _INCLUDE.sub(lambda m: _inlined((path.parent / m.group(1)).resolve(), seen), _file(path))
 
 
-def unit(defines: dict[str, Any], files: list[str]) -> str:
-    """One translation unit: ``#define``s, then ``files`` (relative to ``c/``) with their includes inlined, then
+def unit(defines: dict[str, Any], files: list[str], c_dir: Path = C_DIR) -> str:
+    """One translation unit: ``#define``s, then ``files`` (relative to ``c_dir``) with their includes inlined, then
     ``tail.h`` (helpers defined after the kernel: tinygrad calls a program at its first byte)."""
     seen: set[Path] = set()
     head = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-    return head + "".join(_inlined((C_DIR / f).resolve(), seen) for f in [*files, "tail.h"])
+    return head + "".join(_inlined((c_dir / f).resolve(), seen) for f in [*files, "tail.h"])
 
 
 def type_files(t: GGMLType) -> list[str]:

@@ -3,34 +3,44 @@
    dims = {N, B, threads}; rows of W split over the threads as in matmul.c. The type's generic file gives iq32 (a
    32-value group of a block as unsigned, or signed with IQ_SIGNED, bytes) and iscales: for 256-value blocks, per 16
    values an integer scale s and offset m, and the block's floats D and M: weight value = D s u - M m. So a block's
-   product with x's block is dx (D sum_j s_j (u . q)_j - M sum_j m_j bsums_j), the sums in int32 as ggml's. For
+   product with x's block is dx (D sum_j s_j (u . q)_j - M sum_j m_j bsums_j), the sums in int32 as ggml's (the
+   products in 16-bit pairs, then times the scales and summed in pairs into 32 bits, as ggml's AVX2 code). For
    32-value blocks, D (and M, with IQ_MIN: Q4_1, Q5_1's min, times the block's sum of q): dx D (w . q) - dx M sum q. */
 enum { BT = 8 };  /* rows of x quantized per pass: each weight row read once per BT rows (prefill, batched decode) */
+/* the weights INT_AHEAD bytes ahead asked for, a line at a time: a matrix from memory waits on its lines otherwise */
+#ifndef INT_AHEAD
+#define INT_AHEAD 8192
+#endif
+#define AHEAD(b) _Pragma("clang loop unroll(full)") \
+  for (int pf = 0; INT_AHEAD && pf < BLOCK_BYTES; pf += 64) __builtin_prefetch((b) + INT_AHEAD + pf)
 #if IQ_SIGNED
 #define IDOT dot32s
 #else
 #define IDOT dot32u
 #endif
-#if BLOCK_VALUES == 256  /* a scale and an offset per 16 values (iscales gives them as vectors) */
-static inline float block_dot(const unsigned char* restrict b, const unsigned char* restrict xb) {
-  i32x16 s, m; float D, M, dx;
-  iscales(b, &s, &m, &D, &M);
-  __builtin_memcpy(&dx, xb, 4);
-  i32x8 acc = 0;
-  _Pragma("clang loop unroll(full)") for (int g = 0; g < 8; g++) {
-    i32x8 sv = {s[2 * g], s[2 * g], s[2 * g], s[2 * g], s[2 * g + 1], s[2 * g + 1], s[2 * g + 1], s[2 * g + 1]};
-    acc += IDOT(iq32(b, g), i8x32_at(xb + 4 + 32 * g)) * sv;
-  }
-  i16x16 bs; __builtin_memcpy(&bs, xb + 4 + 256, 32);
-  i32x16 mb = m * __builtin_convertvector(bs, i32x16);
-  int imin = hsum_i8(__builtin_shufflevector(mb, mb, 0, 1, 2, 3, 4, 5, 6, 7)
-                     + __builtin_shufflevector(mb, mb, 8, 9, 10, 11, 12, 13, 14, 15));
-  return dx * (D * (float)hsum_i8(acc) - M * (float)imin);
-}
+#if BLOCK_VALUES == 256  /* a scale and an offset per 16 values (iscales gives them as 16-bit vectors) */
+#if IQ_SIGNED
+#define PAIRS pairs_s
+#else
+#define PAIRS pairs_u
+#endif
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
-  float acc = 0;
-  for (int j = 0; j < nb; j++) acc += block_dot(row + j * BLOCK_BYTES, xq + j * XB);
-  return acc;
+  f8v acc = 0;  /* each block's int32 sums scaled in 8 float lanes, summed once a row */
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
+    AHEAD(b);
+    i16x16 s, m, bs; float D, M, dx;
+    iscales(b, &s, &m, &D, &M);
+    __builtin_memcpy(&dx, xb, 4); __builtin_memcpy(&bs, xb + 4 + 256, 32);
+    i32x8 sum = 0;
+    _Pragma("clang loop unroll(full)") for (int g = 0; g < 8; g++) {  /* pairs 0-7 are values 0-15: scale 2g */
+      i16x16 lo = s[2 * g], hi = s[2 * g + 1];
+      i16x16 sv = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+      sum += madd16(PAIRS(iq32(b, g), i8x32_at(xb + 4 + 32 * g)), sv);
+    }
+    acc += __builtin_convertvector(sum, f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
+  }
+  return hsum_f8(acc);
 }
 #else  /* 32-value blocks, one scale each: the integer sums scaled and added in 8 float lanes, summed once a row */
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {

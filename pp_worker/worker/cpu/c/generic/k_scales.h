@@ -14,10 +14,10 @@ static inline f16v scale_min(const unsigned char* b) {
   return __builtin_convertvector(q, f16v) * __builtin_shufflevector(d, d, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1,
                                                                     1, 1); }
 #ifdef PP_INT  /* the integer path's (q8.h) scale and offset of each 16 values: sub-block j / 2's scale and min */
-static inline void k4_iscales(const unsigned char* b, i32x16* s, i32x16* m, float* D, float* M) {
+static inline void k4_iscales(const unsigned char* b, i16x16* s, i16x16* m, float* D, float* M) {
   u8x16 q = k4_fields(u8_at(b));
-  *s = __builtin_convertvector(__builtin_shufflevector(q, q, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), i32x16);
+  *s = __builtin_convertvector(__builtin_shufflevector(q, q, 0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7), i16x16);
   *m = __builtin_convertvector(__builtin_shufflevector(q, q, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15,
-                                                       15), i32x16);
+                                                       15), i16x16);
   *D = half_at(b); *M = half_at(b + 2); }
 #endif
