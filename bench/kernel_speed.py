@@ -12,7 +12,8 @@ to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds th
 its products checked against the first build's within the int8 rounding only). ``CC`` picks the compiler (the
 AVX2 wrapper: ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
 (32000x2048) and prints GB/s of the weights' bytes too. ``--int8-base REV`` adds the integer path built from git
-revision REV's ``cpu/c/`` (``int8@REV``): a kernel change against its base in one run. Weights are random bytes with finite scales, as the tests'.
+revision REV's ``cpu/c/`` (``int8@REV``): a kernel change against its base in one run. Weights are random bytes
+with finite scales, as the tests'.
 """
 
 from __future__ import annotations
