@@ -24,6 +24,10 @@ enum { BT = 8 };  /* rows of x quantized per pass: each weight row read once per
 #else
 #define PAIRS pairs_u
 #endif
+/* group g's pair products (pairs 0-7 are values 0-15) times its two scales: s[2g] on pairs 0-7, s[2g + 1] on 8-15,
+   from sl (the even scales in the low 128 bits, the odd in the high) by a shuffle within each half (vpshufb) */
+#define GROUP(g) madd16(PAIRS(iq32(b, g), i8x32_at(xb + 4 + 32 * (g))), __builtin_shufflevector(sl, sl, g, g, g, g, g, \
+  g, g, g, 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g)))
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   f8v acc = 0;  /* each block's int32 sums scaled in 8 float lanes, summed once a row */
   for (int j = 0; j < nb; j++) {
@@ -32,12 +36,8 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
     i16x16 s, m, bs; float D, M, dx;
     iscales(b, &s, &m, &D, &M);
     __builtin_memcpy(&dx, xb, 4); __builtin_memcpy(&bs, xb + 4 + 256, 32);
-    i32x8 sum = 0;
-    _Pragma("clang loop unroll(full)") for (int g = 0; g < 8; g++) {  /* pairs 0-7 are values 0-15: scale 2g */
-      i16x16 lo = s[2 * g], hi = s[2 * g + 1];
-      i16x16 sv = __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
-      sum += madd16(PAIRS(iq32(b, g), i8x32_at(xb + 4 + 32 * g)), sv);
-    }
+    i16x16 sl = __builtin_shufflevector(s, s, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+    i32x8 sum = GROUP(0) + GROUP(1) + GROUP(2) + GROUP(3) + GROUP(4) + GROUP(5) + GROUP(6) + GROUP(7);
     acc += __builtin_convertvector(sum, f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
   }
   return hsum_f8(acc);
