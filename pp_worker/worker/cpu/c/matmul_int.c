@@ -26,7 +26,7 @@ enum { BT = 8 };  /* rows of x quantized per pass: each weight row read once per
 #endif
 /* group g's pair products (pairs 0-7 are values 0-15) times its two scales: s[2g] on pairs 0-7, s[2g + 1] on 8-15,
    from sl (the even scales in the low 128 bits, the odd in the high) by a shuffle within each half (vpshufb) */
-#define GROUP(g) madd16(PAIRS(iq32(b, g), i8x32_at(xb + 4 + 32 * (g))), __builtin_shufflevector(sl, sl, g, g, g, g, g, \
+#define GROUP(g) madd16(PAIRS(iq32(b, g), i8x32_at(xb + 32 * (g))), __builtin_shufflevector(sl, sl, g, g, g, g, g, \
   g, g, g, 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g)))
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   f8v acc = 0;  /* each block's int32 sums scaled in 8 float lanes, summed once a row */
@@ -35,7 +35,7 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
     AHEAD(b);
     i16x16 s, m, bs; float D, M, dx;
     iscales(b, &s, &m, &D, &M);
-    __builtin_memcpy(&dx, xb, 4); __builtin_memcpy(&bs, xb + 4 + 256, 32);
+    __builtin_memcpy(&dx, xb + X_D, 4); __builtin_memcpy(&bs, xb + X_SUMS, 32);
     i16x16 sl = __builtin_shufflevector(s, s, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     i32x8 sum = GROUP(0) + GROUP(1) + GROUP(2) + GROUP(3) + GROUP(4) + GROUP(5) + GROUP(6) + GROUP(7);
     acc += __builtin_convertvector(sum, f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
@@ -47,10 +47,10 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
   f8v acc = 0; float off = 0;
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
-    float D, M, dx; iscales(b, &D, &M); __builtin_memcpy(&dx, xb, 4);
-    acc += __builtin_convertvector(IDOT(iq32(b, 0), i8x32_at(xb + 4)), f8v) * (dx * D);
+    float D, M, dx; iscales(b, &D, &M); __builtin_memcpy(&dx, xb + X_D, 4);
+    acc += __builtin_convertvector(IDOT(iq32(b, 0), i8x32_at(xb)), f8v) * (dx * D);
 #if IQ_MIN
-    short bs[2]; __builtin_memcpy(bs, xb + 36, 4);
+    short bs[2]; __builtin_memcpy(bs, xb + X_SUMS, 4);
     off += dx * M * (float)(bs[0] + bs[1]);
 #endif
   }

@@ -2,14 +2,17 @@
    integer dot products of 32 values (VNNI's vpdpbusd, AVX2's vpmaddubsw + vpmaddwd, or generic C any CPU compiles).
 
    A block of x matches the weight type's block (QK = BLOCK_VALUES): 256 values as ggml's Q8_K (the K-quants, IQ4_XS),
-   32 as ggml's Q8_0 (Q4_0, Q5_0, Q8_0, ...). Its bytes here: float d, int8 qs[QK], int16 bsums[QK / 16] (the sums of
-   each 16 qs: what a weight's per-sub-block offsets multiply), XB bytes in all. The ints are ggml's, exactly:
+   32 as ggml's Q8_0 (Q4_0, Q5_0, Q8_0, ...). Its bytes here: int8 qs[QK], int16 bsums[QK / 16] (the sums of each 16
+   qs: what a weight's per-sub-block offsets multiply), float d, XB bytes in all (a 256-value block padded to 320, so
+   that every 32 qs lie in one cache line). The ints are ggml's, exactly:
    - Q8_K (quantize_row_q8_K_ref): max the value of largest |x| (the first), iscale = -127 / max, q = nearest_int(
      iscale x) (ties to even) capped at 127, d = 1 / iscale; an all-zero block has d 0 and q 0.
    - Q8_0 (quantize_row_q8_0_ref): d = max|x| / 127, q = roundf(x / d) (ties away from zero, x times 1 / d), and d
      kept as ggml keeps it, rounded to fp16.
    testing/ggml_int8.py is the numpy model of the same. */
-#define XB (4 + BLOCK_VALUES + BLOCK_VALUES / 8)
+#define X_SUMS BLOCK_VALUES  /* the offsets of bsums and d in a block of x */
+#define X_D (BLOCK_VALUES + BLOCK_VALUES / 8)
+#define XB (BLOCK_VALUES == 256 ? 320 : X_D + 4)
 typedef int i32x8 __attribute__((ext_vector_type(8)));
 typedef short i16x32 __attribute__((ext_vector_type(32)));
 typedef short i16x8 __attribute__((ext_vector_type(8)));
@@ -30,7 +33,7 @@ static inline float fp16_round(float f) {  /* f >= 0 rounded to fp16 and back (t
 
 static void quantize_block(const float* restrict v, unsigned char* restrict out) {
   enum { QK = BLOCK_VALUES };
-  signed char* q = (signed char*)(out + 4); float d;  /* written in place: a copy of 256 bytes is a memcpy call */
+  signed char* q = (signed char*)out; float d;  /* written in place: a copy of 256 bytes is a memcpy call */
 #if BLOCK_VALUES == 256
   float amax = 0, max = 0;
   for (int i = 0; i < QK; i++) { float a = __builtin_fabsf(v[i]); if (a > amax) { amax = a; max = v[i]; } }
@@ -47,11 +50,11 @@ static void quantize_block(const float* restrict v, unsigned char* restrict out)
   for (int i = 0; i < QK; i++) q[i] = (signed char)round_away(v[i] * id);
   d = fp16_round(dd);
 #endif
-  __builtin_memcpy(out, &d, 4);
+  __builtin_memcpy(out + X_D, &d, 4);
   for (int j = 0; j < QK / 16; j++) {
     short s = 0;
     for (int i = 0; i < 16; i++) s += q[16 * j + i];
-    __builtin_memcpy(out + 4 + QK + 2 * j, &s, 2);
+    __builtin_memcpy(out + X_SUMS + 2 * j, &s, 2);
   }
 }
 
