@@ -172,3 +172,39 @@ def test_supported_needs_whole_blocks():
     assert not cpu_kernels.supported(12, 128) and not cpu_kernels.supported(8, 48)
     assert not cpu_kernels.supported(16, 256)  # IQ2_XXS: no kernel, dequantized at load
     assert TABLE[14].row_bytes(512) == 2 * 210 and TABLE[1].row_bytes(64) == 128
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 5632), (40, 1024)], ids=["decode", "chunk"])
+def test_silu_mul_is_silu_of_the_gate_times_up(shape):
+    """One thread for a decode call's width, every thread for a prefill chunk's (40960 values: 2 parts or more)."""
+    rng = np.random.default_rng(4)
+    g = (rng.standard_normal(shape) * 4).astype(np.float32)
+    g.reshape(-1)[:8] = [-200, -90, -20, 0, 20, 90, 200, -1e-30]  # past exp's range both ways, and zero
+    u = rng.standard_normal(shape).astype(np.float32)
+    got = cpu_kernels.silu_mul(Tensor(g), Tensor(u)).numpy()
+    g64 = g.astype(np.float64)
+    want = g64 / (1 + np.exp(-g64)) * u
+    assert got.shape == shape and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-30)
+
+
+def test_dense_cpu_stages_run_their_activation_as_the_c_kernel(tmp_path, monkeypatch):
+    from pp_worker.testing.chain import Chain
+    from pp_worker.testing.modelgen import generate
+    from pp_worker.testing.npref import RefModel
+
+    model = generate(tmp_path / "tiny.gguf", "tiny", seed=5)
+    calls: list[tuple[int, ...]] = []
+    silu_mul = cpu_kernels.silu_mul
+
+    def counted(g: Tensor, u: Tensor) -> Tensor:
+        calls.append(g.shape)
+        return silu_mul(g, u)
+
+    monkeypatch.setattr(cpu_kernels, "silu_mul", counted)
+    chain = Chain(model, 2, 64, every_size=False)
+    prompt = [5, 6, 7, 8]
+    tokens, logits = chain.generate(0, prompt, 4)
+    assert len(calls) >= sum(len(e._w.blocks) for e in chain.engines), "each block's feed-forward, traced"
+    want = RefModel.from_gguf(model).logits(prompt + tokens[:-1])[len(prompt) - 1:]
+    np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=3e-2)

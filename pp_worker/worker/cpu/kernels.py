@@ -40,6 +40,7 @@ from pp_worker.worker.gguf.types import SIMD_DIRS, TYPES, GGMLType, has_int8, ha
 from pp_worker.worker.hostio import filled
 
 C_DIR = Path(__file__).parent / "c"
+SILU_PART = 16384  # activations per thread of `silu_mul` at least: a decode call's (~6k) is one thread's ~1 us
 ROWS = 4  # weight rows decoded per step: each input vector loaded once serves ROWS products
 _INCLUDE = re.compile(r'^#include "([^"]+)"$', re.M)
 
@@ -141,6 +142,16 @@ def dims_values(buf: Any) -> tuple[int, ...] | None:
     return next((values for (_, values), t in _DIMS.items() if t.uop.base.buffer is buf), None)
 
 
+def _buffer(x: UOp) -> UOp:
+    """What a kernel gets for argument ``x``: another kernel's output (AFTER), reshaped or not, as it is (a reshape
+    of a contiguous buffer is the same bytes; a copy of it was a kernel of its own: 3-6 us a block of a decode
+    call); anything else made contiguous."""
+    base = x
+    while base.op is Ops.RESHAPE:
+        base = base.src[0]
+    return base if base.op is Ops.AFTER else x.contiguous()
+
+
 def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, ...], threads: int,
            bound: tuple[UOp, ...] = ()) -> Tensor:
     """The first of ``tensors`` (the output) after C function ``name`` of ``src`` ran on (*tensors, dims) on
@@ -164,7 +175,7 @@ def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, .
                                      UOp(Ops.SOURCE, arg=src), UOp(Ops.BINARY, arg=lib)), arg=info)
     # Tensor.custom_kernel's call, with the variables' bindings as arguments of the call too: what tells the schedule
     # their values when nothing else in it uses them
-    srcs = tuple(x.contiguous() if x.op is not Ops.AFTER else x for x in (*(t.uop for t in tensors), dims_t.uop))
+    srcs = tuple(_buffer(x) for x in (*(t.uop for t in tensors), dims_t.uop))
     call = fxn(*(UOp.placeholder_like(x, slot=i) for i, x in enumerate(srcs))).call(*srcs, *bound)
     return Tensor(srcs[0].after(call))
 
@@ -183,8 +194,24 @@ def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
     b = math.prod(lead)
     threads = max(1, min(CPU_COUNT.value, n // ROWS))
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
-    xs = x.reshape(b, k).cast(dtypes.float32).contiguous()
+    xs = x.reshape(b, k).cast(dtypes.float32)
     return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads).reshape(*lead, n)
+
+
+def silu_mul(g: Tensor, u: Tensor) -> Tensor:
+    """silu(g) * u, float32, as one C kernel (``c/silu_mul.c``): a feed-forward's activation in 16-wide vectors,
+    split over the threads where it is big enough to pay for their meeting (a prefill chunk; a decode call runs it
+    on one). The last dimension a multiple of 16 (`silu_mul_fits`)."""
+    n = math.prod(g.shape)
+    parts = max(1, min(CPU_COUNT.value, n // SILU_PART))
+    out = Tensor.empty(*g.shape, dtype=dtypes.float32, device=g.device)
+    ins = tuple(t if t.dtype == dtypes.float32 else t.cast(dtypes.float32) for t in (g, u))  # the products' as they are
+    return launch("silu_mul", unit({"NAME": "silu_mul"}, ["common.h", "silu_mul.c"]), (out, *ins), (n, parts), parts)
+
+
+def silu_mul_fits(width: int) -> bool:
+    """Whether `silu_mul` takes activations of this width (whole 16-float vectors)."""
+    return width % 16 == 0
 
 
 def gather(idx: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:

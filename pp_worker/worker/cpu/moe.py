@@ -19,7 +19,7 @@ def matmul(x: Tensor, ids: Tensor, raw: Tensor, ggml_type: int, n_experts: int, 
     m = ids.shape[0]
     threads = max(1, min(CPU_COUNT.value, n // ROWS))
     out = Tensor.empty(m, n, dtype=dtypes.float32, device=x.device)
-    xs = x.reshape(-1, k).cast(dtypes.float32).contiguous()
+    xs = x.reshape(-1, k).cast(dtypes.float32)
     name = f"{TYPES[ggml_type].name.lower()}_moe_{k}"
     return launch(name, source("moe", ggml_type, k, name), (out, raw, xs, ids.cast(dtypes.int32).contiguous()),
                   (n, m, xdiv, n_experts, threads), threads)

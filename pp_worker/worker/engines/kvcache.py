@@ -31,6 +31,7 @@ from tinygrad.llm.model import TransformerBlock, TransformerConfig, apply_rope
 from tinygrad.uop.ops import resolve
 
 from pp_worker.worker.cpu import attention as cpu_attention
+from pp_worker.worker.cpu import kernels
 from pp_worker.worker.device import device_kind
 
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
@@ -115,7 +116,8 @@ class CacheBlock(TransformerBlock):
     """
 
     kv_row = 0  # this block's row in a page (its index in the stage)
-    c_attention = False  # whether a session's attention runs as `cpu_attention`'s kernel (the CPU's C kernels)
+    c_attention = False  # whether a session's attention runs as `cpu_attention`'s kernel (the CPU's C kernels; the
+    # feed-forward's activation then runs as `kernels.silu_mul`)
     window = 0  # > 0: a sliding window, the query at q sees the keys at [q - window + 1, q] (Gemma 3's local blocks)
     kv: Slot  # set while a forward is traced
 
@@ -133,6 +135,13 @@ class CacheBlock(TransformerBlock):
             q, gate = qg[:, :, :, 0, :], qg[:, :, :, 1, :].reshape(B, T, c.n_heads * c.head_dim)
         attn = self._attend(*self._heads(q, k, v, start_pos), self.kv, start_pos)
         return self.attn_output(attn if gate is None else (attn * gate.sigmoid()))
+
+    def _feed_forward(self, x: Tensor) -> Tensor:
+        """tinygrad's; on the C kernels' CPU (where `c_attention` is set) with silu(gate) * up as one C kernel
+        (`kernels.silu_mul`)."""
+        if self.c_attention and not hasattr(self, "ffn_gate_exps") and kernels.silu_mul_fits(self.config.hidden_dim):
+            return self.ffn_down(kernels.silu_mul(self.ffn_gate(x), self.ffn_up(x)))
+        return super()._feed_forward(x)
 
     def step_batch(self, x: Tensor, slots: list[Slot], positions: list[UOp]) -> Tensor:
         """One token of each of B sessions: ``x`` (B, 1, D), session b's keys and values at ``slots[b]``, its
