@@ -1,7 +1,7 @@
 """The C products' speed, one thread, outside tinygrad: G weights/s of builds of the same kernel side by side.
 
     python -m bench.kernel_speed [--types Q4_K,Q6_K] [--shapes 1536x512,5632x2048] [--batch 1,8] [--rounds 15]
-                                 [--variant LABEL=FILE[,FILE...]] [--dram] [--int8] [--int8-base REV]
+                                 [--variant LABEL=FILE[,FILE...]] [--dram] [--int8] [--base REV]
 
 Each build of a (type, shape) is compiled here with tinygrad's clang flags into a shared library whose loop calls
 the matmul kernel ``reps`` times on one thread (core 0 of 1), so no Python lies between calls. Builds are timed in
@@ -11,9 +11,9 @@ builds measured side by side compare). The default builds are ``generic`` (the t
 to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds the integer path (``matmul_int.c``,
 its products checked against the first build's within the int8 rounding only). ``CC`` picks the compiler (the
 AVX2 wrapper: ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
-(32000x2048) and prints GB/s of the weights' bytes too. ``--int8-base REV`` adds the integer path built from git
-revision REV's ``cpu/c/`` (``int8@REV``): a kernel change against its base in one run. Weights are random bytes
-with finite scales, as the tests'.
+(32000x2048) and prints GB/s of the weights' bytes too. ``--base REV`` adds the native and integer builds made from
+git revision REV's ``cpu/c/`` (``native@REV``, ``int8@REV``): a kernel change against its base in one run. Weights
+are random bytes with finite scales, as the tests'.
 """
 
 from __future__ import annotations
@@ -125,13 +125,13 @@ def main() -> None:
     ap.add_argument("--dram", action="store_true", help="also 32000x2048, bigger than the L3")
     ap.add_argument("--int8", action="store_true", help="add the integer path's build (int8)")
     ap.add_argument("--no-generic", action="store_true", help="leave out the generic build")
-    ap.add_argument("--int8-base", metavar="REV", help="add the integer path from git revision REV's C sources")
+    ap.add_argument("--base", metavar="REV", help="add the builds from git revision REV's C sources")
     a = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     batches = [int(v) for v in a.batch.split(",")]
     workdir = Path(tempfile.mkdtemp(prefix="kernel_speed_"))
     rng = np.random.default_rng(0)
-    base_dir = base_sources(a.int8_base, workdir) if a.int8_base else None
+    base_dir = base_sources(a.base, workdir) if a.base else None
     print(f"G weights/s (and GB/s of weights for the DRAM shape), medians of {a.rounds} rounds, one thread; "
           "(median of the per-round speed ratios to the first build, best round's G/s)")
     for type_name in a.types.split(","):
@@ -148,8 +148,10 @@ def main() -> None:
         for n, k in shapes + ([(32000, 2048)] if a.dram else []):
             w = weights(type_name, n, k, rng)
             libs = {name: build(files, k, type_name, workdir, name == "int8") for name, files in builds.items()}
-            if base_dir is not None and t.int8:
-                libs[f"int8@{a.int8_base}"] = build(kernels.type_files(t), k, type_name, workdir, True, base_dir)
+            for name in ("native", "int8") if base_dir is not None else ():
+                if name in builds:
+                    libs[f"{name}@{a.base}"] = build(kernels.type_files(t), k, type_name, workdir, name == "int8",
+                                                     base_dir)
             for b in batches if (n, k) != (32000, 2048) else [1]:
                 med, best, ratio = measure(libs, w, n, k, b, a.rounds)
                 dram = (n, k) == (32000, 2048)
