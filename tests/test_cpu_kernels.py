@@ -208,3 +208,23 @@ def test_dense_cpu_stages_run_their_activation_as_the_c_kernel(tmp_path, monkeyp
     assert len(calls) >= sum(len(e._w.blocks) for e in chain.engines), "each block's feed-forward, traced"
     want = RefModel.from_gguf(model).logits(prompt + tokens[:-1])[len(prompt) - 1:]
     np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=3e-2)
+
+
+def test_an_f16_product_in_more_parts_than_threads_is_the_same_product():
+    """F16's products split into parts of ~PART_BYTES (up to PARTS_PER_THREAD a thread), claimed by the threads in
+    turn: every row computed once, whichever thread runs its part."""
+    n, k = 600, 512  # 600 KiB of fp16 weights: 4 parts
+    parts = cpu_kernels.matmul_parts(1, n, k)
+    assert parts == max(cpu_kernels.CPU_COUNT.value, min(8 * cpu_kernels.CPU_COUNT.value, 4))
+    assert cpu_kernels.matmul_parts(12, n, 2048) == cpu_kernels.CPU_COUNT.value  # Q4_K: one part a thread
+    raw, w = random_rows(1, n, k, seed=6)
+    weight = Tensor(raw).realize()
+    x = np.random.default_rng(7).standard_normal((1, k)).astype(np.float32)
+
+    @TinyJit
+    def product(xt: Tensor) -> Tensor:
+        return cpu_kernels.matmul(xt, weight, 1, n, k).realize()
+
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    for _ in range(3):  # tinygrad's runtime, then the capture, then the replay
+        np.testing.assert_allclose(product(Tensor(x)).numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -40,6 +40,7 @@ from pp_worker.worker.gguf.types import SIMD_DIRS, TYPES, GGMLType, has_int8, ha
 from pp_worker.worker.hostio import filled
 
 C_DIR = Path(__file__).parent / "c"
+PART_BYTES, PARTS_PER_THREAD = 128 << 10, 8  # an F16 product's parts: their weight bytes, at most per thread
 SILU_PART = 16384  # activations per thread of `silu_mul` at least: a decode call's (~6k) is one thread's ~1 us
 ROWS = 4  # weight rows decoded per step: each input vector loaded once serves ROWS products
 _INCLUDE = re.compile(r'^#include "([^"]+)"$', re.M)
@@ -188,11 +189,23 @@ def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, 
     return launch(name, source(kind, ggml_type, k, name), (out, w, x), shape, threads)
 
 
+def matmul_parts(ggml_type: int, n: int, k: int) -> int:
+    """The parts a product of an (n, k) weight splits into: one a thread, but F16's, which prepare nothing per part,
+    in parts of `PART_BYTES` (up to `PARTS_PER_THREAD` a thread: tinygrad's own runtime, which runs a JIT's first
+    call, starts a thread per part). The threads claim parts in turn, so whichever is ahead takes more: a 2-stage
+    decode of the 1.1B shape as F16 1.05-1.16x. The other types' products prepare or quantize x per part, and
+    more parts measured no faster there (bench/NOTES.md)."""
+    t, threads = TYPES[ggml_type], CPU_COUNT.value
+    if t.name != "F16":
+        return threads
+    return max(threads, min(PARTS_PER_THREAD * threads, n * t.row_bytes(k) // PART_BYTES))
+
+
 def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
     """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes)."""
     lead = x.shape[:-1]
     b = math.prod(lead)
-    threads = max(1, min(CPU_COUNT.value, n // ROWS))
+    threads = max(1, min(matmul_parts(ggml_type, n, k), n // ROWS))
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
     xs = x.reshape(b, k).cast(dtypes.float32)
     return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads).reshape(*lead, n)
