@@ -90,7 +90,8 @@ static inline i32x8 dot32s(i8x32 w, i8x32 x) {
   return dot32_generic(__builtin_convertvector(w, i16x32) * __builtin_convertvector(x, i16x32)); }
 #define INT_DOT "generic"
 #endif
-/* For the 256-value blocks, whose scales are per 16 values: the products summed in pairs, 16 lanes of 16 bits (lane l: values 2l, 2l + 1; u at most 63, |w| at most 127, so a pair fits),
+/* For the 256-value blocks, whose scales are per 16 values: the products summed in pairs, 16 lanes of 16 bits (lane
+   l: values 2l, 2l + 1; u at most 63, |w| at most 127, so a pair's sum fits 16 bits and vpmaddubsw never saturates),
    which a vector of 16-bit scales then multiplies and sums in pairs into 32 bits (madd16): ggml's AVX2 K-quant dot */
 #if defined(__AVX2__)
 static inline i32x8 madd16(i16x16 a, i16x16 b) {  /* vpmaddwd: a b in adjacent pairs, summed into 32 bits */
@@ -102,8 +103,7 @@ static inline i32x8 madd16(i16x16 a, i16x16 b) {
   i32x16 p = __builtin_convertvector(a, i32x16) * __builtin_convertvector(b, i32x16);
   return __builtin_shufflevector(p, p, 0, 2, 4, 6, 8, 10, 12, 14) + __builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11,
                                                                                               13, 15); }
-static inline i16x16 pairs_u(u8x32 u, i8x32 x) {  /* 255 x 127 fits 16 bits; a pair's sum wraps as u = 255 would, but
-  the types that use it keep u at most 63 */
+static inline i16x16 pairs_u(u8x32 u, i8x32 x) {  /* each product fits 16 bits; a pair's sum does for u <= 128 */
   i16x32 p = __builtin_convertvector(u, i16x32) * __builtin_convertvector(x, i16x32);
   return __builtin_shufflevector(p, p, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30)
        + __builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31); }
