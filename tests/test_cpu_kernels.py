@@ -203,6 +203,7 @@ def test_dense_cpu_stages_run_their_activation_as_the_c_kernel(tmp_path, monkeyp
 
     monkeypatch.setattr(cpu_kernels, "silu_mul", counted)
     chain = Chain(model, 2, 64, every_size=False)
+    assert all(b.c_kernels for e in chain.engines for b in e._w.blocks)
     prompt = [5, 6, 7, 8]
     tokens, logits = chain.generate(0, prompt, 4)
     assert len(calls) >= sum(len(e._w.blocks) for e in chain.engines), "each block's feed-forward, traced"

@@ -116,8 +116,8 @@ class CacheBlock(TransformerBlock):
     """
 
     kv_row = 0  # this block's row in a page (its index in the stage)
-    c_attention = False  # whether a session's attention runs as `cpu_attention`'s kernel (the CPU's C kernels; the
-    # feed-forward's activation then runs as `kernels.silu_mul`)
+    c_attention = False  # whether a session's attention runs as `cpu_attention`'s kernel (the CPU's C kernels)
+    c_kernels = False  # whether the stage runs the CPU's C kernels: its feed-forward's activation is `kernels.silu_mul`
     window = 0  # > 0: a sliding window, the query at q sees the keys at [q - window + 1, q] (Gemma 3's local blocks)
     kv: Slot  # set while a forward is traced
 
@@ -137,9 +137,8 @@ class CacheBlock(TransformerBlock):
         return self.attn_output(attn if gate is None else (attn * gate.sigmoid()))
 
     def _feed_forward(self, x: Tensor) -> Tensor:
-        """tinygrad's; on the C kernels' CPU (where `c_attention` is set) with silu(gate) * up as one C kernel
-        (`kernels.silu_mul`)."""
-        if self.c_attention and not hasattr(self, "ffn_gate_exps") and kernels.silu_mul_fits(self.config.hidden_dim):
+        """tinygrad's; with the C kernels (`c_kernels`), silu(gate) * up as one C kernel (`kernels.silu_mul`)."""
+        if self.c_kernels and not hasattr(self, "ffn_gate_exps") and kernels.silu_mul_fits(self.config.hidden_dim):
             return self.ffn_down(kernels.silu_mul(self.ffn_gate(x), self.ffn_up(x)))
         return super()._feed_forward(x)
 

@@ -137,7 +137,7 @@ class CompiledStage:
             rope = getattr(block, "rope", None) or w.rope  # Gemma 3's sliding blocks rope with their own base
             if rope not in tables:
                 tables[rope] = freqs_cis(rope, cfg.max_context)
-            block.freqs_cis, block.kv_row, block.c_attention = tables[rope], j, table
+            block.freqs_cis, block.kv_row, block.c_attention, block.c_kernels = tables[rope], j, table, w.kernels == "c"
 
     def _slot(self, kind: str, size: int) -> CacheSlot | None:
         return None if self.store is None else CacheSlot(self.store, jitcache.key(*self.ident, kind, size), self.named)
