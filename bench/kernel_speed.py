@@ -38,6 +38,16 @@ void bench_loop(float* out, const unsigned char* w, const float* x, const int* d
   for (int i = 0; i < reps; i++) NAME(out, w, x, dims, 0);
 }
 """
+# the integer path: x quantized (quantize.c, its own unit) then the product, each rep, as a stage runs them
+LOOP_INT8 = """
+void kern(float*, const unsigned char*, const unsigned char*, const int*, int);
+void kern_q(unsigned char*, const float*, const int*, int);
+static unsigned char xq[1 << 20];
+void bench_loop(float* out, const unsigned char* w, const float* x, const int* dims, int reps) {
+  int q[2] = {dims[1], 1};
+  for (int i = 0; i < reps; i++) { kern_q(xq, x, q, 0); kern(out, w, xq, dims, 0); }
+}
+"""
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
@@ -45,18 +55,30 @@ FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0
 def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = False,
           c_dir: Path | None = None) -> ctypes.CDLL:
     """A shared library of the matmul kernel over ``files`` (the type's C files) for rows of ``k`` values; ``int8``:
-    the integer path's kernel; ``c_dir``: the C sources from there instead of the package's."""
+    the integer path's kernel, with x's quantization ahead of it (a revision before ``quantize.c``: inside it);
+    ``c_dir``: the C sources from there instead of the package's."""
     t = BY_NAME[type_name]
+    c_dir = c_dir or kernels.C_DIR
     defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": kernels.ROWS, "BLOCK_VALUES": t.kernel_block,
                "BLOCK_BYTES": t.row_bytes(t.kernel_block), **({"PP_INT": 1} if int8 else {})}
     parts = ["common.h", "q8.h", *files, "matmul_int.c"] if int8 else ["common.h", *files, "matmul.c"]
-    src = kernels.unit(defines, parts, c_dir or kernels.C_DIR) + LOOP
-    so = workdir / f"{abs(hash(src))}.so"
+    units = [kernels.unit(defines, parts, c_dir)]
+    if int8 and (c_dir / "quantize.c").exists():
+        units.append(kernels.unit({"NAME": "kern_q", "PP_K": k, "BLOCK_VALUES": t.kernel_block, "PP_INT": 1},
+                                  ["common.h", "q8.h", "quantize.c"], c_dir))
+        units.append(LOOP_INT8)
+    else:
+        units[0] += LOOP
+    so = workdir / f"{abs(hash(tuple(units)))}.so"
     if not so.exists():
-        flags = ["-O2", "-fPIC", "-shared", "-ffreestanding", "-fno-math-errno", "-nostdlib", "-Wno-psabi",
-                 "-march=native"]
-        subprocess.run([os.environ.get("CC", "clang"), "-x", "c", *flags, "-", "-o", str(so)], input=src.encode(),
-                       check=True)
+        flags = ["-O2", "-fPIC", "-ffreestanding", "-fno-math-errno", "-nostdlib", "-Wno-psabi", "-march=native"]
+        objects = []
+        for i, src in enumerate(units):
+            obj = so.with_suffix(f".{i}.o")
+            subprocess.run([os.environ.get("CC", "clang"), "-c", "-x", "c", *flags, "-", "-o", str(obj)],
+                           input=src.encode(), check=True)
+            objects.append(str(obj))
+        subprocess.run([os.environ.get("CC", "clang"), "-shared", "-nostdlib", *objects, "-o", str(so)], check=True)
     return ctypes.CDLL(str(so))
 
 

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType, quants
 from tinygrad import Tensor, TinyJit
 from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 
+from pp_worker.testing import ggml_int8
 from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf.types import TYPES as TABLE
 from pp_worker.worker.gguf.types import type_name
@@ -211,21 +212,32 @@ def test_dense_cpu_stages_run_their_activation_as_the_c_kernel(tmp_path, monkeyp
     np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=3e-2)
 
 
-def test_an_f16_product_in_more_parts_than_threads_is_the_same_product():
-    """F16's products split into parts of ~PART_BYTES (up to PARTS_PER_THREAD a thread), claimed by the threads in
-    turn: every row computed once, whichever thread runs its part."""
-    n, k = 600, 512  # 600 KiB of fp16 weights: 4 parts
-    parts = cpu_kernels.matmul_parts(1, n, k)
-    assert parts == max(cpu_kernels.CPU_COUNT.value, min(8 * cpu_kernels.CPU_COUNT.value, 4))
-    assert cpu_kernels.matmul_parts(12, n, 2048) == cpu_kernels.CPU_COUNT.value  # Q4_K: one part a thread
-    raw, w = random_rows(1, n, k, seed=6)
+@pytest.mark.parametrize("ggml_type, n, k", [(1, 600, 512), (12, 600, 2048)], ids=["F16", "Q4_K"])
+def test_a_decode_product_in_more_parts_than_threads_is_the_same_product(ggml_type, n, k, monkeypatch):
+    """F16's products and the integer path's decode products split into parts of ~PART_BYTES (up to PARTS_PER_THREAD a
+    thread), claimed by the threads in turn: every row computed once, whichever thread runs its part. The integer
+    path's x is quantized once, by a kernel of its own ahead of the product's parts. (600 KiB of fp16 weights: 4
+    parts; 675 KiB of Q4_K: 5.)"""
+    threads = cpu_kernels.CPU_COUNT.value
+    if ggml_type != 1:  # the float path's product (which prepares x per part): a part a thread
+        assert cpu_kernels.matmul_parts(ggml_type, n, k) == threads  # the suite's PP_EXACT=1
+        monkeypatch.delenv("PP_EXACT")  # the integer path
+        assert cpu_kernels.matmul_parts(ggml_type, n, k, b=64) == threads  # a prefill chunk's: a part a thread
+    parts = cpu_kernels.matmul_parts(ggml_type, n, k)
+    assert parts == max(threads, min(8 * threads, n * TABLE[ggml_type].row_bytes(k) // cpu_kernels.PART_BYTES)) > 2
+    raw, w = random_rows(ggml_type, n, k, seed=6)
     weight = Tensor(raw).realize()
     x = np.random.default_rng(7).standard_normal((1, k)).astype(np.float32)
 
     @TinyJit
     def product(xt: Tensor) -> Tensor:
-        return cpu_kernels.matmul(xt, weight, 1, n, k).realize()
+        return cpu_kernels.matmul(xt, weight, ggml_type, n, k).realize()
 
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    want = x.astype(np.float64) @ w.T.astype(np.float64) if ggml_type == 1 else ggml_int8.product(x, w, 256)
     for _ in range(3):  # tinygrad's runtime, then the capture, then the replay
         np.testing.assert_allclose(product(Tensor(x)).numpy(), want, rtol=0, atol=1e-5 * np.abs(want).max())
+    launched = []
+    launch = cpu_kernels.launch
+    monkeypatch.setattr(cpu_kernels, "launch", lambda name, *a, **kw: launched.append(name) or launch(name, *a, **kw))
+    cpu_kernels.matmul(Tensor(x), weight, ggml_type, n, k).realize()
+    assert launched == ([f"f16_mm_{k}"] if ggml_type == 1 else [f"q8_256_{k}", f"q4_k_mm8_{k}"])

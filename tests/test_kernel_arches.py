@@ -10,9 +10,11 @@ values, within float32 rounding."""
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -183,13 +185,15 @@ def test_attention_and_the_runner_compile_for(target, tmp_path):
 
 @pytest.fixture(scope="module", params=["aarch64", "native"])
 def runner_program(request, tmp_path_factory) -> tuple[cross.Target, Path]:
-    """testing/c/runner_main.c with the runner and two kernels (Q8_0 and F16, K 64), built for the target."""
+    """testing/c/runner_main.c with the runner and two kernels (Q8_0 and F16, K 64), built for the target. Q8_0's
+    on the float path: it takes x as floats (the integer path takes x's int8 blocks from a kernel ahead of it)."""
     from pp_worker.worker.cpu.graph import runner_source
 
     target, tmp = cross.TARGETS[request.param], tmp_path_factory.mktemp(f"runner-{request.param}")
     sources = {f"pp_{e}": runner_source(e) for e in ("run", "help", "ticks")}
-    sources |= {"q8_0_mm": cpu_kernels.source("matmul", 8, 64, "q8_0_mm"),
-                "f16_mm": cpu_kernels.source("matmul", 1, 64, "f16_mm")}
+    with mock.patch.dict(os.environ, {"PP_EXACT": "1"}):
+        sources |= {"q8_0_mm": cpu_kernels.source("matmul", 8, 64, "q8_0_mm"),
+                    "f16_mm": cpu_kernels.source("matmul", 1, 64, "f16_mm")}
     objects = cross.compile_units(sources, target, tmp / "obj")
     return target, cross.link("runner_main.c", list(objects.values()), target, tmp / "runner")
 

@@ -136,7 +136,8 @@ Files = Callable[[GGMLType], list[str]]  # a type's C files in a build: cpu.kern
 def kernel_units(kernels: list[tuple[int, int]], files: Files, int8: bool = False) -> dict[str, str]:
     """The matmul and gather sources of each (type, K) in ``kernels``, of the type's C files that ``files`` picks
     (`cpu.kernels.type_files`: what tinygrad builds; or the generic file alone); ``int8``: the matmuls of the types
-    that have one on the integer path (``matmul_int.c``)."""
+    that have one on the integer path (``matmul_int.c``), with x's quantization ahead of them (``<pair>_q``,
+    ``quantize.c``)."""
     out = {}
     for ggml_type, k in kernels:
         t = TYPES[ggml_type]
@@ -147,6 +148,9 @@ def kernel_units(kernels: list[tuple[int, int]], files: Files, int8: bool = Fals
             if int8 and kind == "matmul" and t.int8:
                 parts = ["common.h", "q8.h", *files(t), "matmul_int.c"]
                 out[name] = cpu_kernels.unit({"NAME": name, **defines, "PP_INT": 1}, parts)
+                out[f"{pair(ggml_type, k)}_q"] = cpu_kernels.unit(
+                    {"NAME": f"{pair(ggml_type, k)}_q", "PP_K": k, "BLOCK_VALUES": t.kernel_block, "PP_INT": 1},
+                    ["common.h", "q8.h", "quantize.c"])
             else:
                 out[name] = cpu_kernels.unit({"NAME": name, **defines}, ["common.h", *files(t), f"{kind}.c"])
     return out
@@ -156,7 +160,9 @@ def kernels_program(kernels: list[tuple[int, int]], objects: list[Path], target:
     """``testing/c/kernels_main.c`` linked with ``objects``, which hold the kernel pairs of ``kernels`` (type, K),
     in folder ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    lines = "".join(f" X({pair(t, k)}, {k}, {TYPES[t].row_bytes(k)})" for t, k in kernels)
+    lines = "".join(f" X({pair(t, k)}, {k}, {TYPES[t].row_bytes(k)}, "
+                    f"{k // TYPES[t].kernel_block * cpu_kernels.x_block_bytes(TYPES[t].kernel_block)})"
+                    for t, k in kernels)
     (out / "kernels.h").write_text(f"#define KERNELS(X){lines}\n")
     return link("kernels_main.c", objects, target, out / "kernels", out)
 

@@ -1,12 +1,13 @@
-/* out (B, N) = x (B, K) @ W (N, K)^T on the integer path (PP_EXACT unset; q8.h): x quantized to int8 blocks once per
-   call in each thread (BT rows at a time, on the stack), then each weight row's integer products with those rows.
-   dims = {N, B, threads}; rows of W split over the threads as in matmul.c. The type's generic file gives iq32 (a
-   32-value group of a block as unsigned, or signed with IQ_SIGNED, bytes) and iscales: for 256-value blocks, per 16
-   values an integer scale s and offset m, and the block's floats D and M: weight value = D s u - M m. So a block's
-   product with x's block is dx (D sum_j s_j (u . q)_j - M sum_j m_j bsums_j), the sums in int32 as ggml's (the
-   products in 16-bit pairs, then times the scales and summed in pairs into 32 bits, as ggml's AVX2 code). For
-   32-value blocks, D (and M, with IQ_MIN: Q4_1, Q5_1's min, times the block's sum of q): dx D (w . q) - dx M sum q. */
-enum { BT = 8 };  /* rows of x quantized per pass: each weight row read once per BT rows (prefill, batched decode) */
+/* out (B, N) = x (B, K) @ W (N, K)^T on the integer path (PP_EXACT unset; q8.h), x given as its int8 blocks
+   (xq: B rows of K / BLOCK_VALUES blocks of XB bytes, quantize.c's), each weight row's integer products with BT rows
+   of them at a time. dims = {N, B, parts}; rows of W split over the parts as in matmul.c. The type's generic file
+   gives iq32 (a 32-value group of a block as unsigned, or signed with IQ_SIGNED, bytes) and iscales: for 256-value
+   blocks, per 16 values an integer scale s and offset m, and the block's floats D and M: weight value = D s u - M m.
+   So a block's product with x's block is dx (D sum_j s_j (u . q)_j - M sum_j m_j bsums_j), the sums in int32 as
+   ggml's (the products in 16-bit pairs, then times the scales and summed in pairs into 32 bits, as ggml's AVX2
+   code). For 32-value blocks, D (and M, with IQ_MIN: Q4_1, Q5_1's min, times the block's sum of q): dx D (w . q) -
+   dx M sum q. */
+enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (prefill, batched decode) */
 /* the weights INT_AHEAD bytes ahead asked for, a line at a time: a matrix from memory waits on its lines otherwise */
 #ifndef INT_AHEAD
 #define INT_AHEAD 8192
@@ -57,19 +58,17 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
   return hsum_f8(acc) - off;
 }
 #endif
-void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict dims,
-          int core_id) {
+void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
+          const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
   const int N = dims[0], B = dims[1], T = dims[2];
   int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
-  unsigned char xq[BT][NB * XB] __attribute__((aligned(64)));
   for (int b0 = 0; b0 < B; b0 += BT) {
     int nbt = B - b0 < BT ? B - b0 : BT;
-    for (int i = 0; i < nbt; i++)
-      for (int j = 0; j < NB; j++) quantize_block(x + (long)(b0 + i) * K + j * BLOCK_VALUES, xq[i] + j * XB);
+    const unsigned char* xb = xq + (long)b0 * NB * XB;
     for (int n = n0; n < n1; n++) {
       const unsigned char* row = w + (long)n * NB * BLOCK_BYTES;
-      for (int i = 0; i < nbt; i++) out[(long)(b0 + i) * N + n] = row_dot_q8(row, xq[i], NB);
+      for (int i = 0; i < nbt; i++) out[(long)(b0 + i) * N + n] = row_dot_q8(row, xb + i * NB * XB, NB);
     }
   }
 }

@@ -31,7 +31,9 @@ static inline float fp16_round(float f) {  /* f >= 0 rounded to fp16 and back (t
   u = (u + 0xFFFu + ((u >> 13) & 1)) & ~0x1FFFu;
   __builtin_memcpy(&f, &u, 4); return f; }
 
-static void quantize_block(const float* restrict v, unsigned char* restrict out) {
+/* one block of x (always inlined: quantize.c's kernel must be the first function of its unit) */
+static inline __attribute__((always_inline)) void quantize_block(const float* restrict v,
+                                                                 unsigned char* restrict out) {
   enum { QK = BLOCK_VALUES };
   signed char* q = (signed char*)out; float d;  /* written in place: a copy of 256 bytes is a memcpy call */
 #if BLOCK_VALUES == 256
