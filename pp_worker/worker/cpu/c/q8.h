@@ -31,33 +31,46 @@ static inline float fp16_round(float f) {  /* f >= 0 rounded to fp16 and back (t
   u = (u + 0xFFFu + ((u >> 13) & 1)) & ~0x1FFFu;
   __builtin_memcpy(&f, &u, 4); return f; }
 
+static inline int hsum_i8(i32x8 v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3); v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0,
+  1); return v[0] + v[1]; }
 /* one block of x (always inlined: quantize.c's kernel must be the first function of its unit) */
 static inline __attribute__((always_inline)) void quantize_block(const float* restrict v,
                                                                  unsigned char* restrict out) {
   enum { QK = BLOCK_VALUES };
   signed char* q = (signed char*)out; float d;  /* written in place: a copy of 256 bytes is a memcpy call */
 #if BLOCK_VALUES == 256
-  float amax = 0, max = 0;
-  for (int i = 0; i < QK; i++) { float a = __builtin_fabsf(v[i]); if (a > amax) { amax = a; max = v[i]; } }
-  if (amax == 0) { d = 0; for (int i = 0; i < QK; i++) q[i] = 0; }
-  else {
-    float iscale = -127.f / max;
-    for (int i = 0; i < QK; i++) { int n = nearest_int(iscale * v[i]); q[i] = (signed char)(n < 127 ? n : 127); }
-    d = 1 / iscale;
+  f16v top = 0;  /* the largest |x| in 16 lanes (NaN ignored, as ggml's a > amax ignores it), then its first x */
+  for (int c = 0; c < QK / 16; c++) top = __builtin_elementwise_max(top, __builtin_elementwise_abs(f_at(v + 16 * c)));
+  float amax = __builtin_reduce_max(top);
+  int at = 0;
+  while (amax != 0 && __builtin_fabsf(v[at]) != amax) at++;
+  float iscale = amax != 0 ? -127.f / v[at] : 0;  /* an all-zero block: d 0 and q 0 */
+  short sums[QK / 16];
+  for (int c = 0; c < QK / 16; c++) {  /* nearest_int 16 at a time (the same bits as one at a time), and their sum */
+    i32x16 n = __builtin_elementwise_min(((i32x16)(f_at(v + 16 * c) * iscale + 12582912.f) & 0x007fffff) - 0x00400000,
+                                         (i32x16)127);
+    i8x16 b = __builtin_convertvector(n, i8x16);
+    __builtin_memcpy(q + 16 * c, &b, 16);
+    i32x8 h = __builtin_shufflevector(n, n, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(n, n, 8, 9, 10, 11, 12,
+                                                                                        13, 14, 15);
+    sums[c] = (short)hsum_i8(h);
   }
+  __builtin_memcpy(out + X_SUMS, sums, sizeof sums);
+  d = amax != 0 ? 1 / iscale : 0;
 #else
   float amax = 0;
   for (int i = 0; i < QK; i++) { float a = __builtin_fabsf(v[i]); amax = a > amax ? a : amax; }
   float dd = amax / 127, id = dd != 0 ? 1 / dd : 0;
   for (int i = 0; i < QK; i++) q[i] = (signed char)round_away(v[i] * id);
   d = fp16_round(dd);
-#endif
-  __builtin_memcpy(out + X_D, &d, 4);
   for (int j = 0; j < QK / 16; j++) {
     short s = 0;
     for (int i = 0; i < 16; i++) s += q[16 * j + i];
     __builtin_memcpy(out + X_SUMS + 2 * j, &s, 2);
   }
+#endif
+  __builtin_memcpy(out + X_D, &d, 4);
 }
 
 static inline i8x32 abs_i8(i8x32 w) { return w < 0 ? -w : w; }  /* vpabsb */
@@ -111,9 +124,6 @@ static inline i16x16 pairs_u(u8x32 u, i8x32 x) {  /* each product fits 16 bits; 
        + __builtin_shufflevector(p, p, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31); }
 #endif
 static inline i16x16 pairs_s(i8x32 w, i8x32 x) { return pairs_u((u8x32)abs_i8(w), sign_i8(x, w)); }  /* |w| <= 127 */
-static inline int hsum_i8(i32x8 v) {
-  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3); v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 2, 3, 0,
-  1); return v[0] + v[1]; }
 static inline float hsum_f8(f8v v) {
   f4v b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   b += __builtin_shufflevector(b, b, 2, 3, 0, 1); return b[0] + b[1]; }
