@@ -213,8 +213,8 @@ def test_dense_cpu_stages_run_their_activation_as_the_c_kernel(tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("ggml_type, n, k", [(1, 600, 512), (12, 600, 2048)], ids=["F16", "Q4_K"])
-def test_a_decode_product_in_more_parts_than_threads_is_the_same_product(ggml_type, n, k, monkeypatch):
-    """F16's products and the integer path's decode products split into parts of ~PART_BYTES (up to PARTS_PER_THREAD a
+def test_a_product_in_more_parts_than_threads_is_the_same_product(ggml_type, n, k, monkeypatch):
+    """F16's products and the integer path's split into parts of ~PART_BYTES (up to PARTS_PER_THREAD a
     thread), claimed by the threads in turn: every row computed once, whichever thread runs its part. The integer
     path's x is quantized once, by a kernel of its own ahead of the product's parts. (600 KiB of fp16 weights: 4
     parts; 675 KiB of Q4_K: 5.)"""
@@ -222,7 +222,6 @@ def test_a_decode_product_in_more_parts_than_threads_is_the_same_product(ggml_ty
     if ggml_type != 1:  # the float path's product (which prepares x per part): a part a thread
         assert cpu_kernels.matmul_parts(ggml_type, n, k) == threads  # the suite's PP_EXACT=1
         monkeypatch.delenv("PP_EXACT")  # the integer path
-        assert cpu_kernels.matmul_parts(ggml_type, n, k, b=64) == threads  # a prefill chunk's: a part a thread
     parts = cpu_kernels.matmul_parts(ggml_type, n, k)
     assert parts == max(threads, min(8 * threads, n * TABLE[ggml_type].row_bytes(k) // cpu_kernels.PART_BYTES)) > 2
     raw, w = random_rows(ggml_type, n, k, seed=6)

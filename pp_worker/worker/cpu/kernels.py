@@ -40,8 +40,7 @@ from pp_worker.worker.gguf.types import SIMD_DIRS, TYPES, GGMLType, has_int8, ha
 from pp_worker.worker.hostio import filled
 
 C_DIR = Path(__file__).parent / "c"
-PART_BYTES, PARTS_PER_THREAD = 128 << 10, 8  # an F16 product's parts: their weight bytes, at most per thread
-INT_PARTS_ROWS = 8  # rows of x up to which the integer path's products split finer than a part a thread
+PART_BYTES, PARTS_PER_THREAD = 128 << 10, 8  # `matmul_parts`: a part's weight bytes, at most per thread
 QUANT_ROWS = 16  # rows of x per thread of `quantized` at least (a row of 2048 values: ~1 us)
 SILU_PART = 16384  # activations per thread of `silu_mul` at least: a decode call's (~6k) is one thread's ~1 us
 ROWS = 4  # weight rows decoded per step: each input vector loaded once serves ROWS products
@@ -191,15 +190,15 @@ def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, 
     return launch(name, source(kind, ggml_type, k, name), (out, w, x), shape, threads)
 
 
-def matmul_parts(ggml_type: int, n: int, k: int, b: int = 1) -> int:
-    """The parts a product of an (n, k) weight with ``b`` rows of x splits into: F16's, and the integer path's in
-    decode (b <= 8; its x is quantized once, ahead: `quantized`), which prepare nothing per part, in parts of
-    `PART_BYTES` (up to `PARTS_PER_THREAD` a thread: tinygrad's own runtime, which runs a JIT's first call and any
-    call outside one, starts a thread per part). The threads claim parts in turn, so whichever is ahead takes more:
-    a 2-stage decode of the 1.1B shape as F16 1.05-1.16x. The float path's other types prepare x per part, and the
-    integer path's prefill chunks measured slower in more parts (bench/NOTES.md): one part a thread."""
+def matmul_parts(ggml_type: int, n: int, k: int) -> int:
+    """The parts a product of an (n, k) weight splits into: F16's and the integer path's (whose x is quantized once,
+    ahead: `quantized`), which prepare nothing per part, in parts of `PART_BYTES` (up to `PARTS_PER_THREAD` a
+    thread: tinygrad's own runtime, which runs a JIT's first call, starts a thread per part). The threads claim
+    parts in turn, so whichever is ahead takes more: a 2-stage decode of the 1.1B shape as F16 1.05-1.16x; the
+    integer path's 0.99-1.02x, and 1.0-1.06x in prefill (bench/NOTES.md). The float path's other types prepare x
+    per part: one part a thread."""
     t, threads = TYPES[ggml_type], CPU_COUNT.value
-    if t.name != "F16" and not (uses_int8("matmul", ggml_type) and b <= INT_PARTS_ROWS):
+    if t.name != "F16" and not uses_int8("matmul", ggml_type):
         return threads
     return max(threads, min(PARTS_PER_THREAD * threads, n * t.row_bytes(k) // PART_BYTES))
 
@@ -226,7 +225,7 @@ def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
     """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes)."""
     lead = x.shape[:-1]
     b = math.prod(lead)
-    threads = max(1, min(matmul_parts(ggml_type, n, k, b), n // ROWS))
+    threads = max(1, min(matmul_parts(ggml_type, n, k), n // ROWS))
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
     xs = x.reshape(b, k).cast(dtypes.float32)
     if uses_int8("matmul", ggml_type):
