@@ -64,8 +64,7 @@ def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = 
     parts = ["common.h", "q8.h", *files, "matmul_int.c"] if int8 else ["common.h", *files, "matmul.c"]
     units = [kernels.unit(defines, parts, c_dir)]
     if int8 and (c_dir / "quantize.c").exists():
-        units.append(kernels.unit({"NAME": "kern_q", "PP_K": k, "BLOCK_VALUES": t.kernel_block, "PP_INT": 1},
-                                  ["common.h", "q8.h", "quantize.c"], c_dir))
+        units.append(kernels.quantize_source(t.kernel_block, k, "kern_q", c_dir))
         units.append(LOOP_INT8)
     else:
         units[0] += LOOP

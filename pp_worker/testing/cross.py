@@ -148,9 +148,8 @@ def kernel_units(kernels: list[tuple[int, int]], files: Files, int8: bool = Fals
             if int8 and kind == "matmul" and t.int8:
                 parts = ["common.h", "q8.h", *files(t), "matmul_int.c"]
                 out[name] = cpu_kernels.unit({"NAME": name, **defines, "PP_INT": 1}, parts)
-                out[f"{pair(ggml_type, k)}_q"] = cpu_kernels.unit(
-                    {"NAME": f"{pair(ggml_type, k)}_q", "PP_K": k, "BLOCK_VALUES": t.kernel_block, "PP_INT": 1},
-                    ["common.h", "q8.h", "quantize.c"])
+                q = f"{pair(ggml_type, k)}_q"
+                out[q] = cpu_kernels.quantize_source(t.kernel_block, k, q)
             else:
                 out[name] = cpu_kernels.unit({"NAME": name, **defines}, ["common.h", *files(t), f"{kind}.c"])
     return out
@@ -161,8 +160,7 @@ def kernels_program(kernels: list[tuple[int, int]], objects: list[Path], target:
     in folder ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     lines = "".join(f" X({pair(t, k)}, {k}, {TYPES[t].row_bytes(k)}, "
-                    f"{k // TYPES[t].kernel_block * cpu_kernels.x_block_bytes(TYPES[t].kernel_block)})"
-                    for t, k in kernels)
+                    f"{cpu_kernels.x_row_bytes(TYPES[t].kernel_block, k)})" for t, k in kernels)
     (out / "kernels.h").write_text(f"#define KERNELS(X){lines}\n")
     return link("kernels_main.c", objects, target, out / "kernels", out)
 

@@ -203,22 +203,26 @@ def matmul_parts(ggml_type: int, n: int, k: int) -> int:
     return max(threads, min(PARTS_PER_THREAD * threads, n * t.row_bytes(k) // PART_BYTES))
 
 
-def x_block_bytes(block: int) -> int:
-    """Bytes of one block of x on the integer path (``c/q8.h``'s XB): int8 values, 16-bit sums of 16, a float d;
-    a 256-value block padded to 320."""
-    return 320 if block == 256 else block + block // 8 + 4
+def x_row_bytes(block: int, k: int) -> int:
+    """Bytes of a row of k values of x on the integer path, in blocks of ``block`` values (``c/q8.h``'s XB each: int8
+    values, 16-bit sums of 16, a float d; a 256-value block padded to 320)."""
+    return k // block * (320 if block == 256 else block + block // 8 + 4)
+
+
+def quantize_source(block: int, k: int, name: str, c_dir: Path = C_DIR) -> str:
+    """C source of kernel ``name``: rows of k values of x quantized for the integer path (``c/quantize.c``)."""
+    return unit({"NAME": name, "PP_K": k, "BLOCK_VALUES": block}, ["common.h", "q8.h", "quantize.c"], c_dir)
 
 
 def quantized(x: Tensor, block: int, k: int) -> Tensor:
-    """x (B, k) float32 -> its int8 blocks for the integer path's products (B, k / block * `x_block_bytes`) uint8,
+    """x (B, k) float32 -> its int8 blocks for the integer path's products (B, `x_row_bytes`) uint8,
     as ggml quantizes (``c/quantize.c``): once per product, so its parts share them. Split over the threads by
     rows where there are enough of them to pay for their meeting (a prefill chunk; a decode call runs on one)."""
     b = x.shape[0]
     parts = max(1, min(CPU_COUNT.value, b // QUANT_ROWS))
-    out = Tensor.empty(b, k // block * x_block_bytes(block), dtype=dtypes.uint8, device=x.device)
+    out = Tensor.empty(b, x_row_bytes(block, k), dtype=dtypes.uint8, device=x.device)
     name = f"q8_{block}_{k}"
-    src = unit({"NAME": name, "PP_K": k, "BLOCK_VALUES": block, "PP_INT": 1}, ["common.h", "q8.h", "quantize.c"])
-    return launch(name, src, (out, x), (b, parts), parts)
+    return launch(name, quantize_source(block, k, name), (out, x), (b, parts), parts)
 
 
 def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
