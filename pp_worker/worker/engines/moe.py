@@ -149,4 +149,4 @@ def _router(source: TensorSource, name: str, shape: tuple[int, int]) -> Tensor |
 
     source.loaded[name] = info.nbytes
     source.held[name] = ("F32", info.nbytes)
-    return filled(shape, dtypes.float32, fill)
+    return filled(shape, dtypes.float32, fill, weight=True)

@@ -138,7 +138,7 @@ class TensorSource:
         if self.kernels == "c" and dtype == dtypes.float16:
             t = self._raw(nbytes, fill)
             return t if raw else self._view(t, info.shape)
-        return filled(info.shape, dtype, fill)
+        return filled(info.shape, dtype, fill, weight=True)
 
     def _filler(self, info: TensorInfo, heads: tuple[int, int] | None) -> Callable[[memoryview], None]:
         """Writes ``info``'s file bytes into a buffer, rows un-permuted in place when ``heads`` (whole rows move, so
@@ -193,7 +193,7 @@ class TensorSource:
         (`hostio.filled`; a numpy copy plus a device copy per tensor used to stay resident)."""
         from tinygrad import dtypes
 
-        return filled((nbytes,), dtypes.uint8, fill)
+        return filled((nbytes,), dtypes.uint8, fill, weight=True)
 
     @staticmethod
     def _view(t: Tensor, shape: tuple[int, ...]) -> Tensor:
