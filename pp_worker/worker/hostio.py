@@ -14,15 +14,13 @@ import ctypes
 import ctypes.util
 import functools
 import gc
-import math
-import mmap
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tinygrad import Device, Tensor
 
+from pp_worker.worker import hugemem
 from pp_worker.worker.device import device_kind
 
 if TYPE_CHECKING:
@@ -41,9 +39,8 @@ def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None
     """A new realized tensor whose bytes ``fill`` writes (zeros without one), with no kernel scheduled (a cold
     stage's first kernels cost it ~0.1-0.3 s; and none is recorded by a TinyJit capturing meanwhile): in place where
     the device memory is host memory (the CPU's), else through one staging copy, freed at once (writable: CUDA's
-    copyin takes the address of its source). A ``weight`` of HUGE_MIN bytes or more on the CPU is laid out for
-    huge pages (`_huge_pages`)."""
-    if weight and (huge := _huge_pages(shape, dtype, device)) is not None:
+    copyin takes the address of its source). A ``weight`` on the CPU goes to huge pages (`hugemem`)."""
+    if weight and (huge := hugemem.weight(shape, dtype, device)) is not None:
         t, mem = huge
         if fill is not None:  # else zeros: new anonymous memory
             fill(mem)
@@ -64,39 +61,6 @@ def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None
             fill(memoryview(staging))
         buf.copyin(memoryview(staging))
     return t
-
-
-HUGE_PAGE = 2 << 20  # a transparent huge page: x86-64's, and aarch64's with 4 KiB pages
-HUGE_MIN = HUGE_PAGE  # the CPU tensors from this size up go to `_huge_pages` (the tests lower it)
-
-
-def _huge_pages(shape: tuple[int, ...], dtype: Any, device: str | None) -> tuple[Tensor, memoryview] | None:
-    """A new realized CPU tensor of at least HUGE_MIN bytes in private memory from a huge page's boundary, its
-    whole huge pages advised MADV_HUGEPAGE, with a writable view of its bytes; None elsewhere (another device, a
-    smaller tensor, no MADV_HUGEPAGE: not Linux). tinygrad maps CPU buffers shared, which Linux backs with 4 KiB
-    pages only (shmem THP is ``never`` by default), so a weight streamed from DRAM crossed a page, a TLB miss and a
-    restart of the hardware prefetcher every 4 KiB: in huge pages a stage's decode call on the 1.1B Q4_K_M file
-    ran 1.10x (bench/NOTES.md). Huge pages are the kernel's to give (THP ``madvise`` or ``always``); the memory is
-    unmapped when the tensor's buffer is freed."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    name = Device.DEFAULT if device is None else Device.canonicalize(device)
-    if nbytes < HUGE_MIN or not hasattr(mmap, "MADV_HUGEPAGE") or device_kind(name) != "CPU":
-        return None
-    mem = mmap.mmap(-1, nbytes + HUGE_PAGE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    base = ctypes.addressof(ctypes.c_char.from_buffer(mem))
-    start = -base % HUGE_PAGE
-    if whole := nbytes // HUGE_PAGE * HUGE_PAGE:  # the tail stays in small pages
-        mem.madvise(mmap.MADV_HUGEPAGE, start, whole)
-    t = Tensor.from_blob(base + start, shape, dtype=dtype, device=name)
-    weakref.finalize(device_buffer(t), _unmap, mem)
-    return t, memoryview(mem)[start:start + nbytes]
-
-
-def _unmap(mem: mmap.mmap) -> None:
-    try:
-        mem.close()
-    except BufferError:  # a view of it still held somewhere: unmapped with the last one
-        pass
 
 
 _TIMELINES: dict[int, tuple[Any, Any]] = {}  # id(device) -> (its timeline signal, a view of its value or None)
