@@ -402,20 +402,23 @@ def cold_start(c: dict[str, Any] | None) -> list[Row]:
     ]
 
 
-def thread_rows(t: dict[str, Any] | None) -> list[Row]:
-    """Section 12 (issue 32): what every core buys a stage whose weights stream from memory."""
-    if not t:
+def thread_rows(files: dict[str, dict[str, Any]] | None) -> list[Row]:
+    """Section 12 (issue 32): what every core buys a stage whose weights stream from memory, a file at a time."""
+    if not files:
         return [Row(S12, "decode call", None, "x", note="not measured (section threads not run, or it failed)")]
-    one, most = (min(t["call_ms"], key=int), max(t["call_ms"], key=int))
-    rate = t["file_bytes"] / 2 / (statistics.median(t["call_ms"][most]) / 1000) / 1e9  # the stage reads ~half
-    return [
-        Row(S12, f"{t['model']}: stage 1 of 2, decode call on {one} thread", statistics.median(t["call_ms"][one]),
-            "ms"),
-        Row(S12, f"  the same on {most} threads", statistics.median(t["call_ms"][most]), "ms",
-            note=f"~{rate:.1f} GB/s of its share; {t['cpus']} CPUs here"),
-        Row(S12, f"  {most} threads / {one}: call rate, median of rounds in turn", t["ratio"], "x",
-            1.6 if int(most) == 2 else None, note=f"rounds {t['ratios']}"),
-    ]
+    rows = []
+    for t in files.values():
+        one, most = (min(t["call_ms"], key=int), max(t["call_ms"], key=int))
+        rate = t["file_bytes"] / 2 / (statistics.median(t["call_ms"][most]) / 1000) / 1e9  # the stage reads ~half
+        rows += [
+            Row(S12, f"{t['model']}: stage 1 of 2, decode call on {one} thread",
+                statistics.median(t["call_ms"][one]), "ms"),
+            Row(S12, f"  the same on {most} threads", statistics.median(t["call_ms"][most]), "ms",
+                note=f"~{rate:.1f} GB/s of its share; {t['cpus']} CPUs here"),
+            Row(S12, f"  {most} threads / {one}: call rate, median of rounds in turn", t["ratio"], "x",
+                1.6 if int(most) == 2 else None, note=f"rounds {t['ratios']}"),
+        ]
+    return rows
 
 
 def serve_memory(m: dict[str, Any] | None) -> list[Row]:

@@ -1,9 +1,12 @@
 """Section "threads": one stage's decode call on 1 thread against every core (PP_THREADS), timed inside the stage.
 
-The model is the DRAM-bound one (TinyLlama-1.1B's shape, 2.2 GB F16): a stage's share streams from memory at every
-token, so this measures what more threads buy where bandwidth, not L3, feeds the kernels. Each thread count runs in
-a process of its own (tinygrad's CPU_COUNT is process-wide and shapes the compiled kernels), both loaded side by side;
-the rounds alternate between them, so both see the same load, and each round's ratio is taken within the round.
+The model is the DRAM-bound one (TinyLlama-1.1B's shape), as its F16 file (2.2 GB) and as llama.cpp's Q4_K_M of it
+(`memwall.ensure_file`, the file people download): a stage's share streams from memory at every token, so this
+measures what more threads buy where bandwidth, not L3, feeds the kernels. One thread already streams F16 near what
+two can (its products do little per byte), so the F16 file shows the memory's limit and Q4_K_M what threads buy.
+Each thread count runs in a process of its own (tinygrad's CPU_COUNT is process-wide and shapes the compiled
+kernels), both loaded side by side; the rounds alternate between them, so both see the same load, and each round's
+ratio is taken within the round.
 
     python -m bench.threads          # the section alone
 """
@@ -17,16 +20,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from bench import models
+from bench import memwall
 from bench.quant import say
 
 
 @dataclass(frozen=True)
 class ThreadsPlan:
     preset: str = "tinyllama"
-    dtype: str = "F16"
+    dtypes: tuple[str, ...] = ("F16", "Q4_K_M")  # each file a row (memwall.ensure_file: llama.cpp's quantizer)
     counts: tuple[int, ...] = (1, 2)  # PP_THREADS; 2 is every core of this machine
     rounds: int = 7
     calls: int = 12  # decode calls timed per round and thread count
@@ -56,7 +60,10 @@ def child(model: str, stage: int, num_stages: int, threads: int) -> None:
 
 
 def measure(plan: ThreadsPlan) -> dict[str, Any]:
-    model = models.ensure_model(plan.preset, dtype=plan.dtype, isolated=True)
+    return {"threads": {dtype: measure_file(plan, memwall.ensure_file(plan.preset, dtype)[0]) for dtype in plan.dtypes}}
+
+
+def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
     say(f"threads: {model.name}, stage {plan.stage[0]} of {plan.stage[1]}, PP_THREADS {plan.counts}")
     procs = {n: subprocess.Popen([sys.executable, "-m", "bench.threads", "--child", str(model), *map(str, plan.stage),
                                   str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -74,10 +81,10 @@ def measure(plan: ThreadsPlan) -> dict[str, Any]:
             p.kill()
     one, most = plan.counts[0], plan.counts[-1]
     ratios = [a / b for a, b in zip(medians[one], medians[most], strict=True)]
-    return {"threads": {"model": model.name, "file_bytes": model.stat().st_size, "ready_threads": ready,
-                        "call_ms": {str(n): [round(x * 1000, 3) for x in v] for n, v in medians.items()},
-                        "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios],
-                        "cpus": len(os.sched_getaffinity(0))}}
+    return {"model": model.name, "file_bytes": model.stat().st_size, "ready_threads": ready,
+            "call_ms": {str(n): [round(x * 1000, 3) for x in v] for n, v in medians.items()},
+            "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios],
+            "cpus": len(os.sched_getaffinity(0))}
 
 
 if __name__ == "__main__":

@@ -454,11 +454,13 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     engine's threads), rounds timed in turn; the rows carry the ratio and name the target only for 1 vs 2."""
     from bench import threads
 
-    out = threads.measure(threads.ThreadsPlan(preset="tiny", rounds=2, calls=3))["threads"]
-    assert out["ready_threads"] == {1: 1, 2: 2}
+    files = threads.measure(threads.ThreadsPlan(preset="tiny", dtypes=("F16",), rounds=2, calls=3))["threads"]
+    out = files["F16"]
+    assert out["ready_threads"] == {1: 1, 2: 2} and out["model"].endswith("-F16.gguf")
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in out["call_ms"].values())
-    rows = report.thread_rows(out)
-    assert rows[-1].value == out["ratio"] > 0 and rows[-1].target == 1.6
+    rows = report.thread_rows({"F16": out, "Q4_K_M": {**out, "model": "q.gguf", "ratio": 1.7}})  # a row set a file
+    assert len(rows) == 6 and rows[2].value == out["ratio"] > 0 and rows[5].value == 1.7
+    assert rows[3].name.startswith("q.gguf") and rows[2].target == rows[5].target == 1.6
     assert report.thread_rows(None)[0].value is None
 
 

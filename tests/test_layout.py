@@ -10,7 +10,8 @@ import pp_worker
 
 ROOT = Path(pp_worker.__file__).parent
 # the worker's rooms, lowest first; the worker's own modules (cli, dispatch, loop, ...) stand above them all
-ROOMS = [("hostio", "cachedir", "device", "shard"), ("gguf",), ("text",), ("cpu",), ("compiled",), ("engines",)]
+ROOMS = [("hostio", "hugemem", "cachedir", "device", "shard"), ("gguf",), ("text",), ("cpu",), ("compiled",),
+         ("engines",)]
 
 
 def module_name(path: Path) -> str:
