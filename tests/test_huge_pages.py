@@ -80,6 +80,13 @@ def test_other_tensors_and_other_devices_memory_stay_tinygrads(weight: bool) -> 
     assert hostio.device_buffer(t).options is None and t.sum().item() == 0.0
 
 
+def test_an_arena_the_system_refuses_leaves_the_weight_in_tinygrads_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    hugemem._arena = None
+    monkeypatch.setattr(hugemem, "ARENA", 1 << 60)  # more than any address space: mmap fails (ENOMEM), as for a
+    t, values = _weight(1000, 3)  # reservation strict overcommit will not commit
+    assert hostio.device_buffer(t).options is None and np.array_equal(t.numpy(), values)
+
+
 def _stage_tensors(chain: Chain) -> list[Tensor]:
     """Every buffer-backed tensor the stages read from the file: their blocks', head's and embedding's (packed
     weights' bytes included; not the fp16 views of bytes, nor the rope table, which is computed)."""

@@ -51,7 +51,7 @@ _arena: _Arena | None = None  # where the next weight goes
 
 def weight(shape: tuple[int, ...], dtype: Any, device: str | None) -> tuple[Tensor, memoryview] | None:
     """A new realized tensor in an arena (zeros) and a writable view of its bytes, or None where this does not apply:
-    a device whose memory is not the host's, no MADV_HUGEPAGE (not Linux)."""
+    a device whose memory is not the host's, no MADV_HUGEPAGE (not Linux), an arena the system refuses to map."""
     global _arena
     name = Device.DEFAULT if device is None else Device.canonicalize(device)
     if device_kind(name) != "CPU" or not hasattr(Device[name].allocator, "_as_buffer") or \
@@ -62,7 +62,10 @@ def weight(shape: tuple[int, ...], dtype: Any, device: str | None) -> tuple[Tens
         return None
     with _lock:
         if _arena is None or _arena.used + nbytes > _arena.size:
-            _arena = _Arena(max(ARENA, -(-nbytes // HUGE_PAGE) * HUGE_PAGE))
+            try:
+                _arena = _Arena(max(ARENA, -(-nbytes // HUGE_PAGE) * HUGE_PAGE))
+            except OSError:  # no address space or commit for an arena (strict overcommit): tinygrad's memory
+                return None
         arena, at = _arena, _arena.used
         arena.used = -(-(at + nbytes) // ALIGN) * ALIGN
         arena.live += 1
