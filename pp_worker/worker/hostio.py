@@ -40,13 +40,14 @@ def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None
     stage's first kernels cost it ~0.1-0.3 s; and none is recorded by a TinyJit capturing meanwhile): in place where
     the device memory is host memory (the CPU's), else through one staging copy, freed at once (writable: CUDA's
     copyin takes the address of its source). A ``weight`` on the CPU goes to huge pages (`hugemem`)."""
-    if weight and (huge := hugemem.weight(shape, dtype, device)) is not None:
+    device = Device.canonicalize(device)
+    host = hasattr(Device[device].allocator, "_as_buffer")
+    if weight and host and (huge := hugemem.weight(shape, dtype, device)) is not None:
         t, mem = huge
         if fill is not None:  # else zeros: new anonymous memory
             fill(mem)
         return t
     t = Tensor.empty(*shape, dtype=dtype, device=device)
-    host = hasattr(Device[t.device].allocator, "_as_buffer")
     if fill is None and not host:
         return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()  # a device memset
     buf = t.uop.base.buffer.ensure_allocated()

@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Any
 
-from tinygrad import Device, Tensor
+from tinygrad import Tensor
 
 from pp_worker.worker.device import device_kind
 
@@ -49,13 +49,12 @@ _lock = threading.Lock()  # weights are freed by the garbage collector, on any t
 _arena: _Arena | None = None  # where the next weight goes
 
 
-def weight(shape: tuple[int, ...], dtype: Any, device: str | None) -> tuple[Tensor, memoryview] | None:
-    """A new realized tensor in an arena (zeros) and a writable view of its bytes, or None where this does not apply:
-    a device whose memory is not the host's, no MADV_HUGEPAGE (not Linux), an arena the system refuses to map."""
+def weight(shape: tuple[int, ...], dtype: Any, device: str) -> tuple[Tensor, memoryview] | None:
+    """A new realized tensor in an arena (zeros) and a writable view of its bytes, for ``device`` (a canonical name,
+    whose memory the caller knows to be the host's), or None where this does not apply: not the CPU, no
+    MADV_HUGEPAGE (not Linux), an arena the system refuses to map."""
     global _arena
-    name = Device.DEFAULT if device is None else Device.canonicalize(device)
-    if device_kind(name) != "CPU" or not hasattr(Device[name].allocator, "_as_buffer") or \
-            not hasattr(mmap, "MADV_HUGEPAGE"):
+    if device_kind(device) != "CPU" or not hasattr(mmap, "MADV_HUGEPAGE"):
         return None
     nbytes = math.prod(shape) * dtype.itemsize
     if not nbytes:
@@ -69,7 +68,7 @@ def weight(shape: tuple[int, ...], dtype: Any, device: str | None) -> tuple[Tens
         arena, at = _arena, _arena.used
         arena.used = -(-(at + nbytes) // ALIGN) * ALIGN
         arena.live += 1
-    t = Tensor.from_blob(arena.address + at, shape, dtype=dtype, device=name)
+    t = Tensor.from_blob(arena.address + at, shape, dtype=dtype, device=device)
     weakref.finalize(t.uop.base.realized, _freed, arena)
     return t, memoryview(arena.mem)[arena.start + at:arena.start + at + nbytes]
 
