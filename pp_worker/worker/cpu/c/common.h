@@ -16,6 +16,7 @@ typedef unsigned int u32x16 __attribute__((ext_vector_type(16)));
 typedef unsigned int u32x8 __attribute__((ext_vector_type(8)));
 typedef int i32x16 __attribute__((ext_vector_type(16)));
 typedef unsigned short u16x16 __attribute__((ext_vector_type(16)));
+typedef unsigned short u16x8 __attribute__((ext_vector_type(8)));
 typedef __fp16 h16x16 __attribute__((ext_vector_type(16)));
 typedef __fp16 h16x8 __attribute__((ext_vector_type(8)));
 static inline float half_at(const unsigned char* p) { unsigned short h; __builtin_memcpy(&h, p, 2);

@@ -19,14 +19,16 @@ enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (
 #else
 #define IDOT dot32u
 #endif
-#if BLOCK_VALUES == 256  /* a scale and an offset per 16 values (iscales gives them as 16-bit vectors) */
+#if BLOCK_VALUES == 256  /* a scale and an offset per 16 values (iscales gives them as 16-bit vectors: the scales in
+   the groups' order, sl below; the offsets in the values' order, as x's bsums) */
 #if IQ_SIGNED
 #define PAIRS pairs_s
 #else
 #define PAIRS pairs_u
 #endif
-/* group g's pair products (pairs 0-7 are values 0-15) times its two scales: s[2g] on pairs 0-7, s[2g + 1] on 8-15,
-   from sl (the even scales in the low 128 bits, the odd in the high) by a shuffle within each half (vpshufb) */
+/* group g's pair products (pairs 0-7 are values 0-15) times its two scales: sl[g] on pairs 0-7, sl[8 + g] on 8-15
+   (the first 16 values' scales in the low 128 bits, the second 16s' in the high), by a shuffle within each half
+   (vpshufb) */
 #define GROUP(g) madd16(PAIRS(iq32(b, g), i8x32_at(xb + 32 * (g))), __builtin_shufflevector(sl, sl, g, g, g, g, g, \
   g, g, g, 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g)))
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
@@ -34,10 +36,9 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
   for (int j = 0; j < nb; j++) {
     const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
     AHEAD(b);
-    i16x16 s, m, bs; float D, M, dx;
-    iscales(b, &s, &m, &D, &M);
+    i16x16 sl, m, bs; float D, M, dx;
+    iscales(b, &sl, &m, &D, &M);
     __builtin_memcpy(&dx, xb + X_D, 4); __builtin_memcpy(&bs, xb + X_SUMS, 32);
-    i16x16 sl = __builtin_shufflevector(s, s, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
     i32x8 sum = GROUP(0) + GROUP(1) + GROUP(2) + GROUP(3) + GROUP(4) + GROUP(5) + GROUP(6) + GROUP(7);
     acc += __builtin_convertvector(sum, f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
   }

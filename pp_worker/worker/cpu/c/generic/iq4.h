@@ -29,16 +29,15 @@ static inline i8x32 iq32(const unsigned char* b, int g) {
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
                                  22, 23, 24, 25, 26, 27, 28, 29, 30, 31); }
 #if IQ4_XS
-static inline void iscales(const unsigned char* b, i16x16* s, i16x16* m, float* D, float* M) {
-  /* sub-block g's 6 bits: nibble g of scales_l[4] (bytes 4-7), bits 2g.. of scales_h (bytes 2-3); each twice */
+static inline void iscales(const unsigned char* b, i16x16* sl, i16x16* m, float* D, float* M) {
+  /* sub-block g's 6 bits: nibble g of scales_l[4] (bytes 4-7), bits 2g.. of scales_h (bytes 2-3); both halves of
+     group g take it */
   u8x16 v = u8_at(b);
-  u32x16 l = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7),
-                                     u32x16);
-  u32x16 h = __builtin_convertvector(__builtin_shufflevector(v, v, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3),
-                                     u32x16);
-  const u32x16 lsh = {0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4, 0, 0, 4, 4}, hsh = {0, 0, 2, 2, 4, 4, 6, 6, 0, 0, 2, 2, 4, 4,
-                                                                              6, 6};
-  *s = __builtin_convertvector((i32x16)(((l >> lsh) & 15) | (((h >> hsh) & 3) << 4)) - 32, i16x16);
+  u32x8 l = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 4, 5, 5, 6, 6, 7, 7), u32x8);
+  u32x8 h = __builtin_convertvector(__builtin_shufflevector(v, v, 2, 2, 2, 2, 3, 3, 3, 3), u32x8);
+  const u32x8 lsh = {0, 4, 0, 4, 0, 4, 0, 4}, hsh = {0, 2, 4, 6, 0, 2, 4, 6};
+  i16x8 s = __builtin_convertvector((i32x8)(((l >> lsh) & 15) | (((h >> hsh) & 3) << 4)) - 32, i16x8);
+  *sl = __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3, 4, 5, 6, 7);
   *m = 0; *D = half_at(b); *M = 0; }
 #else
 static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = 0; }

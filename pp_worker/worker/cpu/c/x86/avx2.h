@@ -7,7 +7,6 @@
    load, where clang would shuffle it out of a register with two instructions. */
 typedef int i32x8 __attribute__((ext_vector_type(8)));
 typedef unsigned int u32x2 __attribute__((ext_vector_type(2)));
-typedef unsigned short u16x8 __attribute__((ext_vector_type(8)));
 static inline f8v f8_at(const float* p) { f8v v; __builtin_memcpy(&v, p, 32); return v; }
 static inline f4v f4_at(const float* p) { f4v v; __builtin_memcpy(&v, p, 16); return v; }
 static inline u32x8 u32x8_at(const unsigned char* p) { u32x8 v; __builtin_memcpy(&v, p, 32); return v; }
