@@ -34,6 +34,12 @@ static inline float hsum(f16v v) {  /* halves added pairwise: 4 adds deep (a row
   f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   b += __builtin_shufflevector(b, b, 2, 3, 0, 1);
   return b[0] + b[1]; }
+/* bits [from, from + n) of each byte moved to [to, to + n), the rest 0: one shift of 16-bit lanes and a mask (x86 has
+   no byte shift; the bits a lane's other byte shifts in fall outside the mask). from, to and n are constants. */
+static inline u8x32 field8(u8x32 v, int from, int to, int n) {
+  u16x16 w = (u16x16)v;
+  w = to >= from ? w << (to - from) : w >> (from - to);
+  return (u8x32)w & (u8x32)(unsigned char)(((1 << n) - 1) << to); }
 static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
 static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};

@@ -10,6 +10,6 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 #define IQ_SIGNED 0
 static inline u8x32 iq32(const unsigned char* b, int g) {
   u8x32 v = u8x32_at(b + 48 + 32 * (g >> 1)), h = u8x32_at(b + 16);
-  return (g & 1 ? v >> 4 : v & 15) | (((h >> g) & 1) << 4); }
+  return field8(v, 4 * (g & 1), 0, 4) | field8(h, g, 4, 1); }
 #define iscales k4_iscales
 #endif

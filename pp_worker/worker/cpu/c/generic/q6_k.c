@@ -15,7 +15,7 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 static inline u8x32 iq32(const unsigned char* b, int g) {
   int half = g >> 2, quarter = g & 3;
   u8x32 l = u8x32_at(b + 64 * half + 32 * (quarter & 1)), e = u8x32_at(b + 128 + 32 * half);
-  return (quarter >> 1 ? l >> 4 : l & 15) | (((e >> (2 * quarter)) & 3) << 4); }
+  return field8(l, 4 * (quarter >> 1), 0, 4) | field8(e, 2 * quarter, 4, 2); }
 static inline void iscales(const unsigned char* b, i16x16* sl, i16x16* m, float* D, float* M) {
   i8x16 sc; __builtin_memcpy(&sc, b + 192, 16);  /* group g's halves: scales 2g and 2g + 1 */
   *sl = __builtin_convertvector(__builtin_shufflevector(sc, sc, 0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
