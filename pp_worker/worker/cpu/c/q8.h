@@ -73,8 +73,15 @@ static inline __attribute__((always_inline)) void quantize_block(const float* re
   __builtin_memcpy(out + X_D, &d, 4);
 }
 
-static inline i8x32 abs_i8(i8x32 w) { return w < 0 ? -w : w; }  /* vpabsb */
-static inline i8x32 sign_i8(i8x32 x, i8x32 w) { return w < 0 ? -x : (w == 0 ? (i8x32)0 : x); }  /* vpsignb */
+static inline i8x32 abs_i8(i8x32 w) { return __builtin_elementwise_abs(w); }  /* vpabsb (-128 stays, 128 unsigned) */
+static inline i8x32 sign_i8(i8x32 x, i8x32 w) {  /* x with w's sign, 0 where w is */
+#if defined(__AVX2__)  /* vpsignb: clang writes the select below as five instructions */
+  typedef char v32qi_t __attribute__((vector_size(32)));
+  return (i8x32)__builtin_ia32_psignb256((v32qi_t)x, (v32qi_t)w);
+#else
+  return w < 0 ? -x : (w == 0 ? (i8x32)0 : x);
+#endif
+}
 /* 32 products summed in 8 lanes, lane l holding values 4l..4l+3: u unsigned (at most 127 where AVX2 adds pairs in
    16 bits), w signed; x in [-127, 127] */
 #if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
