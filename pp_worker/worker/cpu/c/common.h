@@ -40,6 +40,16 @@ static inline u8x32 field8(u8x32 v, int from, int to, int n) {
   u16x16 w = (u16x16)v;
   w = to >= from ? w << (to - from) : w >> (from - to);
   return (u8x32)w & (u8x32)(unsigned char)(((1 << n) - 1) << to); }
+/* the 32 bits at p as bytes, 0xFF where bit i is set (ggml's bytes_from_bits_32): the word in every lane, byte i / 8
+   of it put in byte i by one shuffle within each 128-bit half, then compared with its bit */
+static inline u8x32 bit_bytes(const unsigned char* p) {
+  unsigned int h; __builtin_memcpy(&h, p, 4);
+  u8x32 v = (u8x32)(u32x8)h;
+  v = __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 18, 18, 18, 18, 18, 18, 18, 18, 19,
+                              19, 19, 19, 19, 19, 19, 19);
+  const u8x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8,
+                     16, 32, 64, 128};
+  return (u8x32)((v & bit) == bit); }
 static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
 static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
