@@ -78,3 +78,25 @@ def test_every_arch_builds_integer_path_is_ggmls_scheme(runs, target, ggml_type)
     assert np.abs(scheme - exact).max() > 1e-4 * scale  # int8 rounding: 1e-5 tells the schemes apart
     np.testing.assert_allclose(one, scheme[0], rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(many, scheme, rtol=0, atol=1e-5 * scale)
+
+
+SIGNED = [t for t in INT8 if TABLE[t].name in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS")]  # IQ_SIGNED 1: w's sign
+# instructions clang writes where it emulates a byte operation x86 lacks: u8 shifts (a multiply and a pack), the sign
+# of one byte vector put on another (compares and masks), 32-bit lanes narrowed to bytes (packs)
+EMULATED = ("vpmullw", "vpackuswb", "vpackusdw", "vpcmpgtb", "vpmovb2m")
+
+
+@pytest.mark.parametrize("target", ["avx2", "avx512"])
+def test_integer_products_use_the_byte_instructions(tmp_path, target):
+    """The integer matmuls' assembly for an AVX2 CPU and an AVX-512 one: the signed types' sign trick is vpabsb and
+    vpsignb, and no byte work is emulated (each emulation cost 1.2-1.6x a kernel's time, bench/NOTES.md)."""
+    t = cross.TARGETS[target]
+    units = {n: s for n, s in cross.kernel_units(KERNELS, cpu_kernels.type_files, int8=True).items()
+             if n.endswith("_mm")}
+    for name, source in units.items():
+        out = tmp_path / f"{name}.s"
+        cross.clang("-S", "-x", "c", *t.kernel_flags(), "-", "-o", str(out), source=source)
+        ops = {line.split()[0] for line in out.read_text().splitlines() if line.startswith("\t") and line.split()}
+        assert not ops & set(EMULATED), (name, sorted(ops & set(EMULATED)))
+        if any(name.startswith(cross.pair(g, k)) for g, k in KERNELS if g in SIGNED):
+            assert {"vpabsb", "vpsignb"} <= ops, name
