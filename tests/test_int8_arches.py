@@ -78,6 +78,7 @@ def test_every_arch_builds_integer_path_is_ggmls_scheme(runs, target, ggml_type)
     assert np.abs(scheme - exact).max() > 1e-4 * scale  # int8 rounding: 1e-5 tells the schemes apart
     np.testing.assert_allclose(one, scheme[0], rtol=0, atol=1e-5 * scale)
     np.testing.assert_allclose(many, scheme, rtol=0, atol=1e-5 * scale)
+    np.testing.assert_array_equal(many[0], one)  # several rows at once (weights unpacked once for all): the same floats
 
 
 SIGNED = [t for t in INT8 if TABLE[t].name in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL", "IQ4_XS")]  # IQ_SIGNED 1: w's sign

@@ -44,6 +44,34 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
   }
   return hsum_f8(acc);
 }
+/* one weight row's products with nbt (at most BT) rows of x: each group of weights unpacked once for all of them
+   (and its scales shuffled once), each row's floats in row_dot_q8's order, so the same results */
+#define GROUP_ROWS(g) { \
+  __auto_type w = iq32(b, g); i16x16 sc = __builtin_shufflevector(sl, sl, g, g, g, g, g, g, g, g, 8 + (g), 8 + (g), \
+                                                                  8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g)); \
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) \
+    if (i < nbt) sum[i] += madd16(PAIRS(w, i8x32_at(xq + ((long)i * nb + j) * XB + 32 * (g))), sc); }
+static inline void rows_dot_q8(float* restrict out, long stride, const unsigned char* restrict row,
+                               const unsigned char* restrict xq, int nb, int nbt) {
+  f8v acc[BT];
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) acc[i] = 0;
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + j * BLOCK_BYTES;
+    AHEAD(b);
+    i16x16 sl, m; float D, M;
+    iscales(b, &sl, &m, &D, &M);
+    i32x8 sum[BT];
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) sum[i] = 0;
+    GROUP_ROWS(0) GROUP_ROWS(1) GROUP_ROWS(2) GROUP_ROWS(3) GROUP_ROWS(4) GROUP_ROWS(5) GROUP_ROWS(6) GROUP_ROWS(7)
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) if (i < nbt) {
+      const unsigned char* xb = xq + ((long)i * nb + j) * XB; i16x16 bs; float dx;
+      __builtin_memcpy(&dx, xb + X_D, 4); __builtin_memcpy(&bs, xb + X_SUMS, 32);
+      acc[i] += __builtin_convertvector(sum[i], f8v) * (dx * D)
+              - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
+    }
+  }
+  for (int i = 0; i < nbt; i++) out[i * stride] = hsum_f8(acc[i]);
+}
 #else  /* 32-value blocks, one scale each: the integer sums scaled and added in 8 float lanes, summed once a row */
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   f8v acc = 0; float off = 0;
@@ -58,6 +86,27 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
   }
   return hsum_f8(acc) - off;
 }
+/* one weight row's products with nbt (at most BT) rows of x: each block's weights unpacked once for all of them,
+   each row's floats in row_dot_q8's order, so the same results */
+static inline void rows_dot_q8(float* restrict out, long stride, const unsigned char* restrict row,
+                               const unsigned char* restrict xq, int nb, int nbt) {
+  f8v acc[BT]; float off[BT];
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) { acc[i] = 0; off[i] = 0; }
+  for (int j = 0; j < nb; j++) {
+    const unsigned char* b = row + j * BLOCK_BYTES;
+    float D, M; iscales(b, &D, &M);
+    __auto_type w = iq32(b, 0);
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) if (i < nbt) {
+      const unsigned char* xb = xq + ((long)i * nb + j) * XB; float dx; __builtin_memcpy(&dx, xb + X_D, 4);
+      acc[i] += __builtin_convertvector(IDOT(w, i8x32_at(xb)), f8v) * (dx * D);
+#if IQ_MIN
+      short bs[2]; __builtin_memcpy(bs, xb + X_SUMS, 4);
+      off[i] += dx * M * (float)(bs[0] + bs[1]);
+#endif
+    }
+  }
+  for (int i = 0; i < nbt; i++) out[i * stride] = hsum_f8(acc[i]) - off[i];
+}
 #endif
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
@@ -69,7 +118,8 @@ void NAME(float* restrict out, const unsigned char* restrict w, const unsigned c
     const unsigned char* xb = xq + (long)b0 * NB * XB;
     for (int n = n0; n < n1; n++) {
       const unsigned char* row = w + (long)n * NB * BLOCK_BYTES;
-      for (int i = 0; i < nbt; i++) out[(long)(b0 + i) * N + n] = row_dot_q8(row, xb + i * NB * XB, NB);
+      if (nbt == 1) out[(long)b0 * N + n] = row_dot_q8(row, xb, NB);
+      else rows_dot_q8(out + (long)b0 * N + n, N, row, xb, NB, nbt);
     }
   }
 }
