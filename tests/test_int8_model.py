@@ -47,9 +47,9 @@ class Int8Matrix:
 
 def int8_reference(path: Path) -> RefModel:
     """The float64 reference with ggml's int8 scheme in every product with a matrix of a type the integer path takes
-    (`cpu.kernels.uses_int8`: by default Q8_0 and the K-quants; MIXED's others stay float), and the stages' fp16 norm
-    gains: the int8 rounding turns a difference at fp16's scale in a product's input into whole steps of
-    its int8 blocks, so the casts the engine makes are made here too (with `wire_logits`' fp16 wire)."""
+    (`cpu.kernels.uses_int8`: by default every type with integer code but Q4_1 and Q5_1, which stay float), and the
+    stages' fp16 norm gains: the int8 rounding turns a difference at fp16's scale in a product's input into whole
+    steps of its int8 blocks, so the casts the engine makes are made here too (with `wire_logits`' fp16 wire)."""
     ref = RefModel.from_gguf(path)
     for t in GGUFReader(str(path)).tensors:
         typ = TYPES[int(t.tensor_type)]
