@@ -40,6 +40,11 @@ static inline u8x32 field8(u8x32 v, int from, int to, int n) {
   u16x16 w = (u16x16)v;
   w = to >= from ? w << (to - from) : w >> (from - to);
   return (u8x32)w & (u8x32)(unsigned char)(((1 << n) - 1) << to); }
+/* the 16 bytes at p as 32 nibbles, one a byte: the low nibbles, then the high (the shift in 16-bit lanes, masked) */
+static inline u8x32 nibbles32(const unsigned char* p) {
+  u8x16 q = u8_at(p);
+  return __builtin_shufflevector(q & 15, (u8x16)((u16x8)q >> 4) & 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31); }
 /* the 32 bits at p as bytes, 0xFF where bit i is set (ggml's bytes_from_bits_32): the word in every lane, byte i / 8
    of it put in byte i by one shuffle within each 128-bit half, then compared with its bit */
 static inline u8x32 bit_bytes(const unsigned char* p) {

@@ -29,8 +29,9 @@ enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (
 /* group g's pair products (pairs 0-7 are values 0-15) times its two scales: sl[g] on pairs 0-7, sl[8 + g] on 8-15
    (the first 16 values' scales in the low 128 bits, the second 16s' in the high), by a shuffle within each half
    (vpshufb) */
-#define GROUP(g) madd16(PAIRS(iq32(b, g), i8x32_at(xb + 32 * (g))), __builtin_shufflevector(sl, sl, g, g, g, g, g, \
-  g, g, g, 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g)))
+#define GROUP_SCALES(g) __builtin_shufflevector(sl, sl, g, g, g, g, g, g, g, g, 8 + (g), 8 + (g), 8 + (g), 8 + (g), \
+                                              8 + (g), 8 + (g), 8 + (g), 8 + (g))
+#define GROUP(g) madd16(PAIRS(iq32(b, g), i8x32_at(xb + 32 * (g))), GROUP_SCALES(g))
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   f8v acc = 0;  /* each block's int32 sums scaled in 8 float lanes, summed once a row */
   for (int j = 0; j < nb; j++) {
@@ -47,8 +48,7 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
 /* one weight row's products with nbt (at most BT) rows of x: each group of weights unpacked once for all of them
    (and its scales shuffled once), each row's floats in row_dot_q8's order, so the same results */
 #define GROUP_ROWS(g) { \
-  __auto_type w = iq32(b, g); i16x16 sc = __builtin_shufflevector(sl, sl, g, g, g, g, g, g, g, g, 8 + (g), 8 + (g), \
-                                                                  8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g), 8 + (g)); \
+  __auto_type w = iq32(b, g); i16x16 sc = GROUP_SCALES(g); \
   _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) \
     if (i < nbt) sum[i] += madd16(PAIRS(w, i8x32_at(xq + ((long)i * nb + j) * XB + 32 * (g))), sc); }
 static inline void rows_dot_q8(float* restrict out, long stride, const unsigned char* restrict row,

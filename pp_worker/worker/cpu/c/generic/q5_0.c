@@ -7,10 +7,6 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 #ifdef PP_INT  /* the integer path (q8.h): q - 16 as signed bytes */
 #define IQ_SIGNED 1
 static inline i8x32 iq32(const unsigned char* b, int g) {  /* value i's fifth bit: bit i of qh */
-  u8x16 q = u8_at(b + 6);
-  u8x32 v = __builtin_shufflevector(q & 15, (u8x16)((u16x8)q >> 4) & 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                    13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-  v |= bit_bytes(b + 2) & 16;
-  return (i8x32)v - 16; }
+  return (i8x32)(nibbles32(b + 6) | (bit_bytes(b + 2) & 16)) - 16; }
 static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = 0; }
 #endif

@@ -7,11 +7,7 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 #ifdef PP_INT  /* the integer path (q8.h): unsigned 5-bit values; the block's min m through the offsets */
 #define IQ_SIGNED 0
 static inline u8x32 iq32(const unsigned char* b, int g) {  /* value i's fifth bit: bit i of qh */
-  u8x16 q = u8_at(b + 8);
-  u8x32 v = __builtin_shufflevector(q & 15, (u8x16)((u16x8)q >> 4) & 15, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
-                                    13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-  v |= bit_bytes(b + 4) & 16;
-  return v; }
+  return nibbles32(b + 8) | (bit_bytes(b + 4) & 16); }
 #define IQ_MIN 1  /* the min: M times the sum of x's block */
 static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = -half_at(b + 2); }
 #endif
