@@ -115,23 +115,24 @@ def hop_parts(plan: Plan, out: dict[str, Any]) -> None:
     from tinygrad import Device, Tensor, dtypes
 
     from pp_worker.wire import encode_payload, parse_json, to_line
+    from pp_worker.worker import q8
     from pp_worker.worker.hostio import HostBuffer, InputBuffer, pinned_allocator
     from pp_worker.worker.protocol import decode_hidden
 
     kv = models.read_header(models.ensure_model(plan.preset, isolated=True)).kv
     dim = kv[f"{kv['general.architecture']}.embedding_length"]
-    say(f"per-hop parts on {Device.DEFAULT}, one {dim}-wide fp16 row")
+    say(f"per-hop parts on {Device.DEFAULT}, one {dim}-wide row (float32 in the stage, float16 on the wire)")
     row = np.random.default_rng(0).standard_normal(dim).astype(np.float16)
-    host = HostBuffer(dim * 2, pinned_allocator(Device.DEFAULT))
-    output = Tensor(row.reshape(1, 1, dim), dtype=dtypes.float16).contiguous().realize()  # a stage's output
+    host = HostBuffer(dim * 4, pinned_allocator(Device.DEFAULT))
+    output = Tensor(row.astype(np.float32).reshape(1, 1, dim)).contiguous().realize()  # a stage's output
     out_buf = output.uop.base.realized
-    inp = InputBuffer((1, 1, dim), dtypes.float16)  # a stage's input
+    inp = InputBuffer((1, 1, dim), dtypes.float32)  # a stage's input
     request_line = to_line(wire.hop(1, dim) | {"position": 7})
     n = plan.hop_reps
     out["hidden_dim"] = dim
-    out["d2h_ms"] = timed(lambda: out_buf.copyout(host.view(dim * 2)), n)
-    out["encode_ms"] = timed(lambda: to_line({"request_id": 1, "hidden_b64": encode_payload(host.view(dim * 2)),
-                                              "seq_len": 1}), n)
+    out["d2h_ms"] = timed(lambda: out_buf.copyout(host.view(dim * 4)), n)
+    out["encode_ms"] = timed(lambda: to_line({"request_id": 1, "hidden_b64": encode_payload(
+        q8.emit(host.view(dim * 4), "f32", "f16", dim)[0]), "seq_len": 1}), n)
     stub = wire.RawWorker.stub(1, 3)
     try:
         out["loop_ms"] = 1000 / wire.sequential_rate(stub, n)

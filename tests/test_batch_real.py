@@ -15,7 +15,7 @@ import pytest
 from pp_worker.driver.generation import Call, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
-from pp_worker.testing.chain import Chain
+from pp_worker.testing.chain import Chain, wire_rows
 from pp_worker.testing.modelgen import generate
 
 MAX_CONTEXT = 64
@@ -33,15 +33,14 @@ def test_a_batched_step_is_each_sessions_own_step(model: Path) -> None:
     # the logits by up to ~1e-3, the pages' own rounding (bench/NOTES.md)
     chain = Chain(model, 3, MAX_CONTEXT, max_sessions=4, max_batch=4, kv_dtype="float32")
     first, middle, last = chain.engines
-    row = first.info.hidden_dim * 2
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15]]  # different lengths: different positions per row
     alone = [chain.generate(100 + i, p, 5) for i, p in enumerate(prompts)]
     got = [[int(chain.step(i, p, 0).argmax())] for i, p in enumerate(prompts)]
     for ids in ([0, 1, 2, 3], [0, 1, 2], [3, 1], [0, 1, 2, 3]):  # batch sizes 4, 3 (= 2 + 1 on the ladder), 2
         at = [len(prompts[i]) + len(got[i]) - 1 for i in ids]
         hidden = first.step_batch(ids, at, [got[i][-1] for i in ids])
-        hidden = middle.step_batch(ids, at, [bytes(hidden[b * row:(b + 1) * row]) for b in range(len(ids))])
-        logits = last.step_batch(ids, at, [bytes(hidden[b * row:(b + 1) * row]) for b in range(len(ids))]).copy()
+        hidden = middle.step_batch(ids, at, wire_rows(first, hidden))
+        logits = last.step_batch(ids, at, wire_rows(middle, hidden)).copy()
         for b, i in enumerate(ids):
             np.testing.assert_allclose(logits[b], alone[i][1][len(got[i])], rtol=0, atol=LOGIT_ATOL)
             got[i].append(int(logits[b].argmax()))

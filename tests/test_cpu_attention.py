@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 
-from pp_worker.testing.chain import Chain
+from pp_worker.testing.chain import Chain, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.cpu import attention as cpu_attention
@@ -119,8 +119,7 @@ def test_cpu_stages_decode_through_the_kernel(model, monkeypatch):
     first, last = chain.engines
     at = [len(prompt) + len(tokens) - 1, len(prompt)]
     hidden = first.step_batch([0, 1], at, [tokens[-1], tokens[0]])
-    row = first.info.hidden_dim * 2
-    batched = last.step_batch([0, 1], at, [bytes(hidden[:row]), bytes(hidden[row:2 * row])]).copy()
+    batched = last.step_batch([0, 1], at, wire_rows(first, hidden)).copy()
     assert sorted(calls) == sorted(j for n in blocks for j in range(n) for _ in range(2))
     ref = RefModel.from_gguf(model)
     np.testing.assert_allclose(batched[0], ref.logits(prompt + tokens)[-1], rtol=0, atol=3e-2)

@@ -14,7 +14,7 @@ import pytest
 from gguf import GGUFReader
 
 from pp_worker.testing import ggml_int8
-from pp_worker.testing.chain import Chain
+from pp_worker.testing.chain import Chain, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.cpu import kernels as cpu_kernels
@@ -107,14 +107,13 @@ def test_on_the_integer_path_a_batched_step_is_each_sessions_own_step(int8_env, 
     chain = Chain(model, 2, MAX_CONTEXT, max_sessions=3, max_batch=4, kv_dtype="float32")
     first, last = chain.engines
     assert [e.describe()["numerics"] for e in chain.engines] == ["int8", "int8"]
-    row = first.info.hidden_dim * 2
     prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
     alone = [chain.generate(100 + i, p, 5) for i, p in enumerate(prompts)]
     got = [[int(chain.step(i, p, 0).argmax())] for i, p in enumerate(prompts)]
     for ids in ([0, 1, 2], [2, 0], [0, 1, 2], [1, 2]):
         at = [len(prompts[i]) + len(got[i]) - 1 for i in ids]
         hidden = first.step_batch(ids, at, [got[i][-1] for i in ids])
-        logits = last.step_batch(ids, at, [bytes(hidden[b * row:(b + 1) * row]) for b in range(len(ids))]).copy()
+        logits = last.step_batch(ids, at, wire_rows(first, hidden)).copy()
         for b, i in enumerate(ids):
             np.testing.assert_allclose(logits[b], alone[i][1][len(got[i])], rtol=0, atol=LOGIT_ATOL_FP64)
             got[i].append(int(logits[b].argmax()))

@@ -16,7 +16,7 @@ from conftest import clean_env
 
 from pp_worker.driver.pipeline import Pipeline, Sampling, make_generations
 from pp_worker.driver.stage_proc import Launch
-from pp_worker.testing.chain import Chain
+from pp_worker.testing.chain import Chain, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.worker.compiled import jitcache
 from pp_worker.worker.cpu import graph as cpu_graph
@@ -40,14 +40,8 @@ def _run(model: Path) -> tuple[Chain, list[list[int]], list[np.ndarray]]:
         logits += lg
     first, last = c.engines
     h = first.step_batch([0, 1], [len(p) + 4 for p in PROMPTS], [t[-1] for t in tokens])
-    logits.append(np.array(last.step_batch([0, 1], [len(p) + 4 for p in PROMPTS], [bytes(r) for r in
-                                                                                     _rows(h, first)])))
+    logits.append(np.array(last.step_batch([0, 1], [len(p) + 4 for p in PROMPTS], wire_rows(first, h))))
     return c, tokens, logits
-
-
-def _rows(h: memoryview, engine) -> list[memoryview]:
-    width = engine.info.hidden_dim * 2
-    return [h[i * width:(i + 1) * width] for i in range(len(h) // width)]
 
 
 def _jits(c: Chain) -> list:

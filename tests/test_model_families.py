@@ -20,6 +20,7 @@ from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing import rope_scaling as rs
+from pp_worker.testing.chain import on_wire
 from pp_worker.testing.modelgen import SPM, generate
 from pp_worker.testing.npref import RefModel, RopeScaling
 from pp_worker.worker.engines.rope import RopeParams, rope_table
@@ -45,9 +46,9 @@ def chain(path: Path, num_stages: int = 2) -> list[TinygradEngine]:
 
 
 def step(engines: list[TinygradEngine], rid: int, tokens: list[int], position: int) -> np.ndarray:
-    h = engines[0].embed_and_forward(rid, tokens, position)
+    h = on_wire(engines[0], engines[0].embed_and_forward(rid, tokens, position))  # as the worker sends it
     for e in engines[1:-1]:
-        h = e.forward_range(rid, h, position, len(tokens))
+        h = on_wire(e, e.forward_range(rid, h, position, len(tokens)))
     return engines[-1].forward_logits(rid, h, position, len(tokens)).copy()  # a view of the engine's host buffer
 
 

@@ -158,7 +158,7 @@ def test_q8_size_mismatch() -> None:
 
 @pytest.mark.parametrize("dtype", ["Q8", "int8", "fp16", "", None, 8, ["q8"]])
 def test_unknown_dtype_is_named(dtype: Any) -> None:
-    with pytest.raises(ProtocolError, match=r"'hidden_dtype' must be one of 'f16', 'q8', got"):
+    with pytest.raises(ProtocolError, match=r"'hidden_dtype' must be one of 'f16', 'q8', 'f32', got"):
         decode_hidden({"hidden_b64": q8_b64(1), "hidden_dtype": dtype}, 1, D)
 
 
@@ -210,13 +210,14 @@ def test_an_f16_stage_reads_q8_and_the_errors_are_replies() -> None:
     assert replies[2]["request_id"] == 4 and "'hidden_dtype' must be one of" in replies[2]["error"]
 
 
-def test_a_non_finite_engine_output_becomes_an_error_reply() -> None:
+@pytest.mark.parametrize("wire", q8.WIRE_DTYPES)
+def test_a_non_finite_engine_output_becomes_an_error_reply(wire: str) -> None:
     engine = StubEngine(0, 2)
     engine.embed_and_forward = lambda session, tokens, position: np.full(len(tokens) * D, np.inf, "<f2").tobytes()
-    w = Worker(engine, Clock(), "stub", wire_dtype="q8")
+    w = Worker(engine, Clock(), "stub", wire_dtype=wire)
     reply = serve_one(w, {"op": "embed_and_forward", "request_id": 9, "tokens": [1], "position": 0})
-    assert reply == {"request_id": 9, "error": "hidden state has inf or NaN in 1 row(s) (first: row 0); "
-                                               "q8 cannot carry them"}
+    assert reply == {"request_id": 9, "error": "hidden state has inf or NaN (first: row 0): nothing after it "
+                                               "could be computed"}
 
 
 def test_status_reports_the_wire_dtype() -> None:

@@ -10,7 +10,7 @@ from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.worker.engines.pool import parse_bytes
 
-WIRE_DTYPES = ("f16", "q8")  # worker.q8.WIRE_DTYPES; the driver imports nothing of the worker
+WIRE_DTYPES = ("f16", "auto", "f32", "q8")  # worker.q8.WIRE_DTYPES; the driver imports nothing of the worker
 MAX_LOGIT_BIAS = 100.0  # worker.protocol.MAX_LOGIT_BIAS, as OpenAI
 
 
@@ -27,8 +27,10 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     help="extra variable for every worker; {stage} in V is the stage's index "
                     "(e.g. CUDA_VISIBLE_DEVICES={stage}: one GPU per stage)")
     ap.add_argument("--wire-dtype", choices=WIRE_DTYPES,
-                    help="hidden states between stages: f16 (the default, exact) or q8 (int8 with a scale per token: "
-                    "about half the bytes, not bit-exact); sets PP_WIRE_DTYPE for the workers")
+                    help="hidden states between stages: auto (the default: float16, and float32 for a state past "
+                    "float16's range), f16 (float16 only: such a state is an error), f32 (float32 always: twice the "
+                    "bytes, no rounding between stages) or q8 (int8 with a scale per token: about half the bytes, not "
+                    "bit-exact); sets PP_WIRE_DTYPE for the workers")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
     ap.add_argument("--kv-memory", metavar="BYTES", help="each stage's KV pool cap, e.g. 512M or 2G (PP_KV_BYTES; "
                     "default: a share of the memory free once the stage's weights are in)")

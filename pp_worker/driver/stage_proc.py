@@ -50,8 +50,12 @@ class Launch:
         """The variables a worker needs, beyond what it inherits. ``PP_EXIT_ON_EOF``: the driver closes a worker's
         stdin only to stop it, and through ssh or a Ray actor the end of stdin is all that reaches a worker whose
         driver died, so it must end an op or a load in progress (worker.watchdog). ``PP_HOST_STAGES``: started here,
-        every stage shares this host's memory with the others (each sizes its KV pool to its share)."""
+        every stage shares this host's memory with the others (each sizes its KV pool to its share).
+        ``PP_WIRE_DTYPE=auto``: the driver hands each reply's ``hidden_dtype`` on, so a stage may send a hidden state
+        past float16's range as float32 (unless told otherwise, here or in the driver's environment)."""
         env = {"STAGE": str(stage), "NUM_STAGES": str(self.num_stages), "PP_EXIT_ON_EOF": "1"}
+        if "PP_WIRE_DTYPE" not in os.environ:
+            env["PP_WIRE_DTYPE"] = "auto"
         if not self.launcher and "PP_HOST_STAGES" not in os.environ:
             env["PP_HOST_STAGES"] = str(self.num_stages)
         if self.model:

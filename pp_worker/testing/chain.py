@@ -1,5 +1,6 @@
-"""N stage engines in one process, hidden states passed along as fp16 bytes as the real pipeline does: the harness
-of the exactness tests and of `bench.gpu` (greedy generation, logits of every step)."""
+"""N stage engines in one process, hidden states passed along as the real pipeline's workers send them (float16
+where it holds them, `q8.emit`): the harness of the exactness tests and of `bench.gpu` (greedy generation, logits of
+every step)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,32 @@ from typing import Any
 
 import numpy as np
 
+from pp_worker.worker import q8
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
+
+
+def on_wire(engine: TinygradEngine, hidden: bytes | memoryview, wire: str = "f16") -> bytes:
+    """``engine``'s hidden-state output as the next stage reads it from a worker whose ``PP_WIRE_DTYPE`` is
+    ``wire``: float16 bytes (float32 past float16's range), float32 bytes, or q8 decoded to float16."""
+    dim = engine.info.hidden_dim
+    payload, dtype = q8.emit(hidden, engine.hidden_dtype, wire, dim)
+    return q8.decode(bytes(payload), len(payload) // (dim + q8.SCALE_BYTES), dim) if dtype == "q8" else bytes(payload)
+
+
+def wire_rows(engine: TinygradEngine, hidden: bytes | memoryview, wire: str = "f16") -> list[bytes]:
+    """A batched step's (B, D) output as B rows, each `on_wire`."""
+    width = engine.info.hidden_dim * (4 if engine.hidden_dtype == "f32" else 2)
+    return [on_wire(engine, hidden[i * width:(i + 1) * width], wire) for i in range(len(hidden) // width)]
 
 
 class Chain:
     """``num_stages`` engines on one GGUF; ``kw`` goes to every engine (prefill_chunk, kv_dtype...). Its engines
-    compile every prefill size a prompt needs (``every_size``) unless told otherwise: the tests cover each size."""
+    compile every prefill size a prompt needs (``every_size``) unless told otherwise: the tests cover each size.
+    ``wire``: the workers' PP_WIRE_DTYPE (`on_wire`)."""
 
-    def __init__(self, path: Path | str, num_stages: int, max_context: int, **kw: Any):
+    def __init__(self, path: Path | str, num_stages: int, max_context: int, wire: str = "f16", **kw: Any):
         kw.setdefault("every_size", True)
+        self.wire = wire
         self.engines = [TinygradEngine(str(path), s, num_stages, max_context=max_context, **kw)
                         for s in range(num_stages)]
 
@@ -27,10 +45,10 @@ class Chain:
 
     def step(self, rid: int, tokens: list[int], position: int) -> np.ndarray:
         """(V,) float32 logits of the last of ``tokens``, run at ``position`` of session ``rid``."""
-        h = self.engines[0].embed_and_forward(rid, tokens, position)
+        h = on_wire(self.engines[0], self.engines[0].embed_and_forward(rid, tokens, position), self.wire)
         for e in self.engines[1:-1]:
-            h = e.forward_range(rid, bytes(h), position, len(tokens))
-        return self.engines[-1].forward_logits(rid, bytes(h), position, len(tokens)).copy()  # engines reuse buffers
+            h = on_wire(e, e.forward_range(rid, h, position, len(tokens)), self.wire)
+        return self.engines[-1].forward_logits(rid, h, position, len(tokens)).copy()  # engines reuse buffers
 
     def release(self, rid: int) -> None:
         for e in self.engines:

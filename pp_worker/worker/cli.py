@@ -55,7 +55,7 @@ class Config:
     max_batch: int = 8  # sessions one batched decode step advances at most
     prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
-    wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts either
+    wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts any
     beam: int = 0  # PP_BEAM: tinygrad BEAM search width for the decode JIT; 0: off
     exit_on_eof: bool = False  # PP_EXIT_ON_EOF: the end of stdin ends an op or a load in progress (worker.watchdog)
     # None: the device's default, as for prefill_chunk and kv_dtype (engines.weights, .hostio)
@@ -326,7 +326,8 @@ def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, 
     worker = Worker(engine, clock, cfg.model if not cfg.stub else "stub", cfg.wire_dtype)
     child = start_background(engine, cfg) if cfg.warmup == "background" else None
     info = engine.info
-    cap = cfg.max_line_bytes or b64_len(info.max_context * info.hidden_dim * 2) + _LINE_HEADROOM
+    # a whole context's hidden state in one request, as float32 (the widest dtype a stage accepts)
+    cap = cfg.max_line_bytes or b64_len(info.max_context * info.hidden_dim * 4) + _LINE_HEADROOM
     out.write(ready_line(engine, cfg, clock))
     events.emit("ready", pid=os.getpid(), stage=cfg.stage, uptime_ms=clock.uptime_ms(), rss_mb=rss_mb())
     events.emit("pp_worker_ready", pid=os.getpid(), uptime_ms=clock.uptime_ms())

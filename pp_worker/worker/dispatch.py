@@ -150,15 +150,15 @@ def _forward_range(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) 
 
 
 def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
-    """The engine's float16 (1, T, D) in the stage's wire dtype; f16 replies are the contract's, byte for byte
-    (no ``hidden_dtype`` field), so a caller that never asks for q8 never sees a difference."""
-    if w.wire_dtype == "f16":
-        return {"hidden_b64": encode_payload(hidden), "seq_len": seq_len}
+    """The engine's (1, T, D) on the stage's wire (`q8.emit`). f16 replies are the contract's, byte for byte (no
+    ``hidden_dtype`` field), so a caller that never asks for another dtype sees a difference only where float16
+    would have carried inf: there the reply is float32 and says so."""
     try:
-        payload = q8.encode(hidden, w.limits.hidden_dim)
+        payload, dtype = q8.emit(hidden, w.engine.hidden_dtype, w.wire_dtype, w.limits.hidden_dim)
     except q8.Q8Error as e:
         raise EngineError(str(e)) from None
-    return {"hidden_b64": encode_payload(payload), "seq_len": seq_len, "hidden_dtype": "q8"}
+    reply = {"hidden_b64": encode_payload(payload), "seq_len": seq_len}
+    return reply if dtype == "f16" else reply | {"hidden_dtype": dtype}
 
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -220,8 +220,16 @@ def _step_batch(w: Worker, run: list[Request]) -> list[Reply]:
     if w.shard.is_last:
         return [{"request_id": r.rid, "token_id": sample(out[b], r.fields["sampling"], step_key=positions[b] + 1)}
                 for b, r in enumerate(run)]
-    row = w.engine.info.hidden_dim * 2
-    return [{"request_id": r.rid, **_hidden_reply(w, out[b * row:(b + 1) * row], 1)} for b, r in enumerate(run)]
+    row = len(out) // len(run)
+    return [_row_reply(w, r.rid, out[b * row:(b + 1) * row]) for b, r in enumerate(run)]
+
+
+def _row_reply(w: Worker, rid: int, hidden: bytes | memoryview) -> Reply:
+    """One batched session's hidden row, or its own error (the others' rows are still good)."""
+    try:
+        return {"request_id": rid, **_hidden_reply(w, hidden, 1)}
+    except EngineError as e:
+        return _error(rid, str(e))
 
 
 Handler = Callable[[Worker, int, dict[str, Any], dict[str, Any]], Reply]

@@ -89,16 +89,18 @@ def flag(req: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def hidden_dtype(req: dict[str, Any]) -> str:
-    """The payload's dtype: ``hidden_dtype`` when present ("f16" or "q8"), else float16 as the contract has it."""
+    """The payload's dtype: ``hidden_dtype`` when present ("f16", "q8" or "f32"), else float16 as the contract has
+    it."""
     value = req.get("hidden_dtype", "f16")
-    if not isinstance(value, str) or value not in q8.WIRE_DTYPES:
-        raise ProtocolError(f"'hidden_dtype' must be one of {', '.join(map(repr, q8.WIRE_DTYPES))}, got {_show(value)}")
+    if not isinstance(value, str) or value not in q8.DTYPES:
+        raise ProtocolError(f"'hidden_dtype' must be one of {', '.join(map(repr, q8.DTYPES))}, got {_show(value)}")
     return value
 
 
 def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
-    """float16 bytes of (1, seq_len, hidden_dim) from strict base64 of exactly the size ``hidden_dtype`` implies
-    (seq_len * hidden_dim * 2 for f16, seq_len * (hidden_dim + 4) for q8, decoded here). The length is checked
+    """float16 (f16, q8) or float32 (f32) bytes of (1, seq_len, hidden_dim) from strict base64 of exactly the size
+    ``hidden_dtype`` implies (seq_len * hidden_dim * 2 for f16, seq_len * (hidden_dim + 4) for q8 (decoded here),
+    seq_len * hidden_dim * 4 for f32). The length is checked
     on the text first, so an oversized payload is refused without decoding it."""
     dtype = hidden_dtype(req)
     text = req.get("hidden_b64")
@@ -118,7 +120,7 @@ def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
         raise ProtocolError(f"invalid base64 in hidden_b64: {e}") from None
     if len(data) != expected:
         raise ProtocolError(f"hidden length {len(data)} does not match {_SIZE[dtype][0]} = {expected}")
-    if dtype == "f16":
+    if dtype != "q8":
         return data
     try:
         return q8.decode(data, seq_len, hidden_dim)
@@ -126,15 +128,16 @@ def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
         raise ProtocolError(f"invalid q8 hidden_b64: {e}") from None
 
 
-_SIZE = {"f16": ("seq_len*hidden_dim*2", "{}*{}*2"), "q8": ("seq_len*(hidden_dim+4)", "{}*({}+4)")}
+_SIZE = {"f16": ("seq_len*hidden_dim*2", "{}*{}*2"), "q8": ("seq_len*(hidden_dim+4)", "{}*({}+4)"),
+         "f32": ("seq_len*hidden_dim*4", "{}*{}*4")}
 
 
 def _other_dtype_hint(dtype: str, b64_chars: int, seq_len: int, hidden_dim: int) -> str:
-    """A payload of the other dtype's size was almost surely sent without (or with the wrong) ``hidden_dtype``."""
-    other = "q8" if dtype == "f16" else "f16"
-    if b64_chars != b64_len(q8.payload_bytes(other, seq_len, hidden_dim)):
-        return ""
-    return f" (the size of a {other} payload: send 'hidden_dtype': '{other}' with it)"
+    """A payload of another dtype's size was almost surely sent without (or with the wrong) ``hidden_dtype``."""
+    for other in q8.DTYPES:
+        if other != dtype and b64_chars == b64_len(q8.payload_bytes(other, seq_len, hidden_dim)):
+            return f" (the size of a {other} payload: send 'hidden_dtype': '{other}' with it)"
+    return ""
 
 
 def request_id_of(obj: Any) -> int | None:

@@ -1,4 +1,12 @@
-"""Hidden states as Q8 on the wire (``PP_WIRE_DTYPE=q8``): about half the bytes of float16, at a small error.
+"""Hidden states on the wire: float16 (the contract's), float32, and Q8.
+
+`emit` puts an engine's output on a stage's wire (``PP_WIRE_DTYPE``). A value past float16's range would arrive as
+inf and make NaN of everything after it (Gemma 3's residual stream passes 65504 on real models). ``f16``, the
+default, is the contract's float16 only: such a state is an error naming the other wires. ``auto`` (the drivers'
+default: they hand ``hidden_dtype`` on) sends it as float32 and says so, and float16 otherwise. ``f32`` sends float32
+always: exactly what the engine computed.
+
+Q8 (``PP_WIRE_DTYPE=q8``): about half the bytes of float16, at a small error.
 
 Layout of a (1, T, D) payload, little-endian, T * (D + 4) bytes:
     T float32 scales (row t's at byte 4t), then T * D int8 values, row-major.
@@ -6,26 +14,56 @@ Row t decodes to ``q[t] * scale[t]``. Symmetric absmax quantization per row (per
 q = round-to-nearest-even(x / scale) in [-127, 127], so every element comes back within scale / 2 of its float16 value;
 an all-zero row has scale 0. The scale is float32 so that it is exact enough at both ends of float16's range (a
 float16 scale would lose bits below 6e-5 and break the bound). The size differs from float16's T * D * 2 for every
-D but 4, where the worker refuses to emit q8. Decoding gives float16 bytes: engines never see q8.
+D but 4, where the worker refuses to emit q8. Decoding gives float16 bytes: engines never see q8. A row q8 cannot
+carry (inf, NaN, past float16's range) is an error.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-WIRE_DTYPES = ("f16", "q8")  # "f16": the contract's float16 payload, the default
+DTYPES = ("f16", "q8", "f32")  # of a payload (a request's hidden_dtype); "f16": the contract's float16
+WIRE_DTYPES = ("f16", "auto", "f32", "q8")  # PP_WIRE_DTYPE: what a stage emits; "auto": f16, or f32 past its range
+VALUE_BYTES = {"f16": 2, "f32": 4}  # the plain dtypes' bytes per value
 SCALE_BYTES = 4
 QMAX = 127  # symmetric: -128 is never emitted, and refused on input (it would decode past float16's range)
 MAX_SCALE = np.float32(65504.0) / np.float32(QMAX)  # a row holding float16's largest value; 127 * it rounds to 65504
 
 
 class Q8Error(ValueError):
-    """A hidden state q8 cannot carry (non-finite values), or a q8 payload that is not one; the message says why."""
+    """A hidden state the wire cannot carry (inf or NaN), or a q8 payload that is not one; the message says why."""
 
 
 def payload_bytes(dtype: str, seq_len: int, hidden_dim: int) -> int:
     """Bytes of a (1, seq_len, hidden_dim) hidden state on the wire in ``dtype``."""
-    return seq_len * hidden_dim * 2 if dtype == "f16" else seq_len * (hidden_dim + SCALE_BYTES)
+    if dtype == "q8":
+        return seq_len * (hidden_dim + SCALE_BYTES)
+    return seq_len * hidden_dim * VALUE_BYTES[dtype]
+
+
+def emit(hidden: bytes | memoryview, source: str, wire: str, hidden_dim: int) -> tuple[bytes | memoryview, str]:
+    """An engine's (1, T, D) output (float16 or float32 bytes: ``source``) on a stage whose ``PP_WIRE_DTYPE`` is
+    ``wire`` -> (payload, its dtype). f16 gives float16; auto float16, or float32 when a value lies past float16's
+    range; f32 float32; q8 q8. A Q8Error for inf or NaN (the next stage could only compute NaN from them), and for
+    f16 and q8 past float16's range."""
+    x = np.frombuffer(hidden, dtype="<f4" if source == "f32" else "<f2").reshape(-1, hidden_dim)
+    with np.errstate(over="ignore"):  # past float16's range becomes inf, and is found below
+        half = x.astype("<f2", copy=False)
+    bad = (half.view("<u2") & 0x7C00) == 0x7C00  # an all-ones exponent: inf or NaN in float16
+    if bad.any():
+        rows = np.flatnonzero(bad.any(axis=1))
+        if not np.isfinite(x[rows]).all():
+            raise Q8Error(f"hidden state has inf or NaN (first: row {rows[0]}): nothing after it could be computed")
+        if wire in ("f16", "q8"):
+            raise Q8Error(f"hidden state exceeds float16's range in {len(rows)} row(s) (first: row {rows[0]}); "
+                          f"{wire} cannot carry it: start the stages with PP_WIRE_DTYPE=auto (float32 where float16 "
+                          "cannot hold a state) or f32, and forward each reply's hidden_dtype with its hidden_b64")
+        wire = "f32"  # in float16 it would be inf
+    if wire == "f32":
+        return (hidden if source == "f32" else x.astype("<f4").tobytes()), "f32"
+    if wire == "q8":
+        return encode(half, hidden_dim), "q8"
+    return (hidden if source == "f16" else half.tobytes()), "f16"  # f16, or auto in float16's range
 
 
 def encode(hidden: bytes | memoryview, hidden_dim: int) -> bytes:

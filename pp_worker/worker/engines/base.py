@@ -1,7 +1,8 @@
 """The engine interface: what a stage can compute, independent of how.
 
-Hidden states cross this boundary as raw little-endian float16 bytes of shape (1, seq_len, hidden_dim),
-already length-checked by the protocol layer. Outputs may be any buffer (bytes, memoryview) so the
+Hidden states cross this boundary as raw little-endian float16 or float32 bytes (their length says which) of
+shape (1, seq_len, hidden_dim), already length-checked by the protocol layer; an engine emits them in its
+``hidden_dtype``. Outputs may be any buffer (bytes, memoryview) so the
 tinygrad engine can hand its reusable host buffer to base64 without a copy: an output is valid until the
 engine's next call.
 """
@@ -46,6 +47,7 @@ class Engine(Protocol):
     shard: Shard
     max_sessions: int  # KV sessions held at once (PP_MAX_SESSIONS)
     max_batch: int  # sessions one batched step advances at most (PP_MAX_BATCH, at most max_sessions)
+    hidden_dtype: str  # of the hidden states it emits, "f16" or "f32" (the worker puts them on the wire, `q8.emit`)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """Token ids of ``text``, with the BOS first when the model asks for it and ``add_special`` is true."""
@@ -56,10 +58,11 @@ class Engine(Protocol):
         """For streaming: (text of every id but the last n, n), the last n ending in an unfinished character."""
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes | memoryview:
-        """First stage: embed ``tokens`` at ``position`` and run this stage's blocks. (1, T, D) fp16."""
+        """First stage: embed ``tokens`` at ``position`` and run this stage's blocks. (1, T, D) in ``hidden_dtype``."""
 
     def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> bytes | memoryview:
-        """Middle stage: run this stage's blocks over ``hidden``. (1, T, D) fp16 in and out."""
+        """Middle stage: run this stage's blocks over ``hidden``. (1, T, D), float16 or float32 in, ``hidden_dtype``
+        out."""
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray | Sequence[float]:
         """Last stage: blocks, output norm and head; float32 logits (vocab,) of the last position."""
@@ -70,7 +73,8 @@ class Engine(Protocol):
     def step_batch(self, sessions: list[int], positions: list[int],
                    inputs: list[int] | list[bytes]) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
         """One token for each of several distinct sessions (each `can_batch`) in one forward: inputs are token ids
-        (first stage) or one fp16 row each; the output is the B rows (B, D) fp16, or (B, V) logits on the last
+        (first stage) or one float16 or float32 row each; the output is the B rows (B, D) in ``hidden_dtype``, or
+        (B, V) logits on the last
         stage. Each session's result is its single op's (up to float rounding of the batched matmuls)."""
 
     def release(self, session: int) -> bool:

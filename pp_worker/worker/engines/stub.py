@@ -51,6 +51,7 @@ class StubEngine:
         self.busy_file = busy_file
         self.max_sessions = max_sessions  # reported (ready line, status) like a real stage's; the stub evicts none
         self.max_batch = max(1, min(max_batch, max_sessions))
+        self.hidden_dtype = "f16"  # its outputs (the worker widens them for a float32 wire)
         self.batches: list[int] = []  # the size of every batched step, for tests of who batches what
         self.shard = Shard.of(stage, num_stages, STUB_BLOCKS)
         self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,

@@ -1,9 +1,10 @@
 """The tinygrad engine: one pipeline stage's blocks, compiled with TinyJit, one KV cache per generation.
 
-Compute per stage (fp16 on the wire between stages):
-  first:  x = token_embd(tokens).float()   -> blocks -> x.half()
-  middle: x = hidden.float()               -> blocks -> x.half()
-  last:   x = hidden.float()               -> blocks -> output(output_norm(x[last position])).float()
+Compute per stage, in float32 (the worker puts hidden states on the wire as float16 where they fit, `q8.emit`):
+  first:  x = token_embd(tokens).float()   -> blocks -> x
+  middle: x = hidden                       -> blocks -> x
+  last:   x = hidden                       -> blocks -> output(output_norm(x[last position])).float()
+Hidden states come in as float16 or float32 bytes (their length says which) and enter the JITs as float32.
 
 One TinyJit per token count on a ladder: the largest prefill chunk (PP_PREFILL_CHUNK), the powers of two below
 it, and 1 (decode). A request of n tokens runs as n's greedy split over the ladder (37 = 32 + 4 + 1). Token counts
@@ -112,7 +113,7 @@ class CompiledStage:
         self.start_pos = UOp.variable("start_pos", 0, cfg.max_context - 1)
         self.page, self.off = UOp.variable("page", 0, pool.n_pages - 1), UOp.variable("off", 0, pool.page - 1)
         self.rungs = ladder(min(max_chunk, cfg.max_context, pool.page))
-        dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float16, (cfg.dim,))
+        dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float32, (cfg.dim,))
         self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
         self.jits = {n: Replay(self._forward, lean, self._slot("prefill", n)) for n in self.rungs}
         # batched decode: B sessions one token each, B on a ladder of its own (7 = 4 + 2 + 1; 1 is the decode JIT)
@@ -211,7 +212,7 @@ class CompiledStage:
 
     def _forward(self, inp: Tensor, pool: Tensor, start_pos: UOp, page: UOp, off: UOp) -> Tensor:
         w = self.w
-        x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (1, T, D)
+        x = w.token_embd(inp).float() if w.token_embd is not None else inp  # (1, T, D)
         (slot,) = self._slots(pool, 1, [page], [off])
         for block in w.blocks:
             block.kv = slot  # what is stored and read where: variables and buffers the JIT holds
@@ -219,19 +220,19 @@ class CompiledStage:
         for block in w.blocks:
             del block.kv
         if w.output is None:
-            return x.half()  # (1, T, D)
+            return x.contiguous()  # (1, T, D) float32
         return w.output(w.output_norm(x[:, -1:, :]))[:, 0, :].float()  # (1, V): T is fixed per JIT, so is -1
 
     def _forward_batch(self, inp: Tensor, pool: Tensor, *bound: UOp) -> Tensor:
         w = self.w
         b = inp.shape[0]
         positions, pages, offs = list(bound[:b]), list(bound[b:2 * b]), list(bound[2 * b:])
-        x = w.token_embd(inp).float() if w.token_embd is not None else inp.float()  # (B, 1, D)
+        x = w.token_embd(inp).float() if w.token_embd is not None else inp  # (B, 1, D)
         slots = self._slots(pool, b, pages, offs)
         for block in w.blocks:
             x = block.step_batch(x, slots, positions)
         if w.output is None:
-            return x.half()  # (B, 1, D)
+            return x.contiguous()  # (B, 1, D) float32
         return w.output(w.output_norm(x))[:, 0, :].float()  # (B, V)
 
     def _write_tables(self, size: int, tables: list[list[int]]) -> None:
@@ -257,7 +258,7 @@ class CompiledStage:
         return jit(inp, self.pool.tensor, *(v.bind(n) for v, n in zip(variables, numbers, strict=True)))
 
     def run(self, values: np.ndarray, position: int, where: tuple[int, int], table: list[int]) -> Tensor:
-        """One call on ``values`` (n token ids, or (n, D) fp16 rows; n a ladder size) at ``position``, written at
+        """One call on ``values`` (n token ids, or (n, D) float32 rows; n a ladder size) at ``position``, written at
         (page, offset) ``where`` (a call never crosses a page), the session's pages ``table``."""
         n = len(values)
         self.inputs[n].write(values)
@@ -325,7 +326,8 @@ class TinygradEngine:
                                     table)
         self._stage.every_size = every_size
         self._sessions = SessionTable(max_sessions, cfg.max_context, self.kv_pool, emit)
-        self._row_bytes = cfg.dim * 2  # one fp16 hidden row
+        self.hidden_dtype = "f32"  # of the hidden states it emits
+        self._row_bytes = cfg.dim * 4  # one hidden row out
         out_bytes = cfg.vocab_size * 4 if self.shard.is_last else self._stage.rungs[0] * self._row_bytes
         self._host = HostBuffer(out_bytes, pinned_allocator(self.device, pinned_host))
         self._outputs = Outputs()
@@ -438,13 +440,14 @@ class TinygradEngine:
     def step_batch(self, sessions: list[int], positions: list[int],
                    inputs: list[int] | list[bytes]) -> memoryview | np.ndarray:
         """One token for each session, in as few forwards as the batch ladder allows. Inputs: token ids on the first
-        stage, one fp16 row each elsewhere. Output: (B, D) fp16 rows, or (B, V) float32 logits on the last stage."""
+        stage, one float16 or float32 row each elsewhere. Output: (B, D) rows (`hidden_dtype`), or (B, V) float32
+        logits on the last stage."""
         assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions))
         n, cfg = len(sessions), self._w.config
         if self.shard.is_first:
             values = np.asarray(inputs, dtype=np.int32)
         else:
-            values = np.frombuffer(b"".join(inputs), dtype="<f2").reshape(n, cfg.dim)  # type: ignore[arg-type]
+            values = np.concatenate([self._hidden(row, 1) for row in inputs])  # type: ignore[arg-type]
         # a session crossing into a new page may evict another to find it, never one of this batch
         held = [self._sessions.begin(rid, position, 1, keep=sessions)
                 for rid, position in zip(sessions, positions, strict=True)]
@@ -482,7 +485,7 @@ class TinygradEngine:
         cfg, first = self._w.config, self.shard.is_first
 
         def fake(n: int) -> np.ndarray:
-            return np.zeros(n, np.int32) if first else np.zeros((n, cfg.dim), np.float16)
+            return np.zeros(n, np.int32) if first else np.zeros((n, cfg.dim), np.float32)
 
         def ignore(out: Tensor, start: int, n: int) -> None:
             pass
@@ -509,11 +512,14 @@ class TinygradEngine:
     # ---- internals
 
     def _hidden(self, hidden: bytes, seq_len: int) -> np.ndarray:
-        assert len(hidden) == seq_len * self.info.hidden_dim * 2, "the protocol layer checks the payload size"
-        return np.frombuffer(hidden, dtype="<f2").reshape(seq_len, self.info.hidden_dim)  # (T, D)
+        """float16 or float32 bytes of (1, T, D) -> (T, D) float32 (float16 widens exactly)."""
+        values = seq_len * self.info.hidden_dim
+        assert len(hidden) in (2 * values, 4 * values), "the protocol layer checks the payload size"
+        dtype = "<f4" if len(hidden) == 4 * values else "<f2"
+        return np.frombuffer(hidden, dtype=dtype).reshape(seq_len, -1).astype(np.float32, copy=False)  # (T, D)
 
     def _hidden_rows(self, rid: int, values: np.ndarray, position: int) -> memoryview:
-        """Run ``values`` and gather every call's (1, n, D) fp16 output rows in the host buffer."""
+        """Run ``values`` and gather every call's (1, n, D) output rows in the host buffer."""
         rows = self._host.view(len(values) * self._row_bytes)
         row = self._row_bytes
 
