@@ -181,7 +181,7 @@ class Generation:
 def _hop(reply: Reply, position: int, seq_len: int) -> dict[str, Any]:
     """The next stage's fields for a stage's hidden-state reply."""
     hop = {"hidden_b64": B64.checked(reply["hidden_b64"]), "position": position, "seq_len": seq_len}
-    if "hidden_dtype" in reply:  # a q8 stage (PP_WIRE_DTYPE): the next one must know how to read it
+    if "hidden_dtype" in reply:  # q8 or float32 (PP_WIRE_DTYPE): the next stage must know how to read it
         hop["hidden_dtype"] = reply["hidden_dtype"]
     return hop
 
