@@ -151,8 +151,7 @@ def _forward_range(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) 
 
 def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
     """The engine's (1, T, D) on the stage's wire (`q8.emit`). f16 replies are the contract's, byte for byte (no
-    ``hidden_dtype`` field), so a caller that never asks for another dtype sees a difference only where float16
-    would have carried inf: there the reply is float32 and says so."""
+    ``hidden_dtype`` field); a state float16 cannot hold is an error reply there (and on q8), float32 on auto."""
     try:
         payload, dtype = q8.emit(hidden, w.engine.hidden_dtype, w.wire_dtype, w.limits.hidden_dim)
     except q8.Q8Error as e:

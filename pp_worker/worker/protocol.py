@@ -100,8 +100,8 @@ def hidden_dtype(req: dict[str, Any]) -> str:
 def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
     """float16 (f16, q8) or float32 (f32) bytes of (1, seq_len, hidden_dim) from strict base64 of exactly the size
     ``hidden_dtype`` implies (seq_len * hidden_dim * 2 for f16, seq_len * (hidden_dim + 4) for q8 (decoded here),
-    seq_len * hidden_dim * 4 for f32). The length is checked
-    on the text first, so an oversized payload is refused without decoding it."""
+    seq_len * hidden_dim * 4 for f32). The length is checked on the text first, so an oversized payload is refused
+    without decoding it."""
     dtype = hidden_dtype(req)
     text = req.get("hidden_b64")
     if isinstance(text, B64):  # what parse_json cut out of a long line, already checked

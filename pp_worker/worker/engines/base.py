@@ -74,8 +74,8 @@ class Engine(Protocol):
                    inputs: list[int] | list[bytes]) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
         """One token for each of several distinct sessions (each `can_batch`) in one forward: inputs are token ids
         (first stage) or one float16 or float32 row each; the output is the B rows (B, D) in ``hidden_dtype``, or
-        (B, V) logits on the last
-        stage. Each session's result is its single op's (up to float rounding of the batched matmuls)."""
+        (B, V) logits on the last stage. Each session's result is its single op's (up to float rounding of the
+        batched matmuls)."""
 
     def release(self, session: int) -> bool:
         """Drop a session's KV cache; False when it held none."""
