@@ -196,6 +196,19 @@ def test_lockstep_holds_the_next_tokens_until_no_generation_is_mid_token() -> No
     assert sent(p, 0)[2:] == [("batch", [1, 2, 3, 4, 9])] and p._stepping == {1, 2, 3, 4, 9}
 
 
+def test_overlap_starts_each_token_as_soon_as_it_can() -> None:
+    """The same calls as above without lock-step: the steps go while generation 9 is mid-token."""
+    p = bare_pipeline(2, in_flight=5)
+    step = {"token_id": 1, "position": 5}
+    hop = Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1})
+    p._send(9, Call(0, "decode_step", step), lambda reply: hop)
+    p._flush()
+    for rid in (1, 2, 3, 4):
+        p._send(rid, Call(0, "decode_step", step), None)
+    p._flush()
+    assert sent(p, 0) == [("decode_step", [9]), ("batch", [1, 2, 3, 4])]
+
+
 def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:
     p = bare_pipeline(3, in_flight=6, max_batch=1)
     for rid in (1, 2):

@@ -139,7 +139,9 @@ def stage0_decode_groups(trace: list) -> list[list[int]]:
     return groups
 
 
-def test_lockstep_passes_one_batch_of_k_around_and_overlap_lets_them_drift(pipeline: Pipeline) -> None:
+def test_lockstep_passes_one_batch_of_k_around_and_overlap_gives_the_same_tokens(pipeline: Pipeline) -> None:
+    """Real stages in both schedules. How far overlap's generations drift apart depends on when each prefill ends
+    (they rejoin once they meet in a batch), so that is held in test_batch with scripted replies, not here."""
     assert pipeline.lockstep, "auto: local stages on the CPU share its cores, so they run in lock-step"
     n = 8
     alone = [pipeline.run(make_generations(pipeline, [prompt], n, Sampling())).generations[0].tokens
@@ -157,5 +159,3 @@ def test_lockstep_passes_one_batch_of_k_around_and_overlap_lets_them_drift(pipel
     assert sum(map(len, groups[True])) == sum(map(len, groups[False])) == steps
     # lock-step: one write per token of all four (after a ramp while the prefills finish one after the other)
     assert max(map(len, groups[True])) == 4 and len(groups[True]) <= (n - 1) + 3, groups[True]
-    # overlap: each generation goes on as its token comes back, in smaller groups spread over the stages
-    assert len(groups[False]) > len(groups[True]), groups
