@@ -2,9 +2,11 @@
 back at the same block boundaries as an N-stage chain (what crossing the wire does).
 
 It uses tinygrad's own whole-file loader (`Transformer.from_gguf`) and its blocks with their own KV caches:
-nothing of pp_worker's engine. Prefill is eager with a concrete length; decode is a TinyJit with a symbolic
-position. With ``kv_dtype`` the blocks get caches of that dtype, which tinygrad's own attention stores into
-uncast (on the CPU, C converts each value as a cast would).
+nothing of pp_worker's engine. That loader casts every tensor to fp16; the engine keeps the 1-D ones (norm gains)
+in float32, as ggml does, so they are put back here as the `gguf` package reads them from the file. Prefill is
+eager with a concrete length; decode is a TinyJit with a symbolic position. With ``kv_dtype`` the blocks get
+caches of that dtype, which tinygrad's own attention stores into uncast (on the CPU, C converts each value as a
+cast would).
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from gguf import GGUFReader
 from tinygrad import Tensor, TinyJit, UOp
 from tinygrad.dtype import DType
 from tinygrad.llm.model import Transformer, precompute_freqs_cis
+from tinygrad.nn.state import get_state_dict, load_state_dict
 
 
 class SameCastReference:
@@ -22,6 +26,10 @@ class SameCastReference:
 
     def __init__(self, path: Path, max_context: int, kv_dtype: DType | None = None):
         self.model, _ = Transformer.from_gguf(str(path), max_context, realize=True)
+        names = get_state_dict(self.model).keys()
+        gains = {t.name: Tensor(np.array(t.data, np.float32)) for t in GGUFReader(path).tensors
+                 if len(t.shape) == 1 and t.name in names}
+        load_state_dict(self.model, gains, strict=False, verbose=False)
         if kv_dtype is not None:  # what _init_state makes, but in kv_dtype
             c = self.model.blk[0].config
             freqs = precompute_freqs_cis(c.rope_dim, max_context, c.rope_theta).realize()

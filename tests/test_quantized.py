@@ -52,10 +52,10 @@ def test_every_type_kept_packed_gives_the_tokens_of_dequantize_at_load(chains, p
     packed, loaded = chains("MIXED", num_stages), chains("MIXED", num_stages, keep_quantized=False)
     for stage in packed.engines:  # every stage holds every type, as the file's bytes
         held = stage.describe()
-        assert set(held["weights"]) == {"F16", *QUANT_TYPES} and held["weights_converted"] == {}
+        assert set(held["weights"]) == {"F16", "F32", *QUANT_TYPES} and held["weights_converted"] == {}
     for stage in loaded.engines:
         held = stage.describe()
-        assert set(held["weights"]) == {"F16"} and set(held["weights_converted"]) == set(QUANT_TYPES)
+        assert set(held["weights"]) == {"F16", "F32"} and set(held["weights_converted"]) == set(QUANT_TYPES)
     for rid, prompt in enumerate(prompts):
         got, got_logits = packed.generate(rid, prompt, N_TOKENS)
         want, want_logits = loaded.generate(rid, prompt, N_TOKENS)
@@ -82,22 +82,22 @@ def matches_the_reference(c: Chain, model: Path, prompt: list[int], rid: int) ->
 @pytest.mark.parametrize("dtype, num_stages, types", [("Q4_K_M", 3, {"Q4_K", "Q6_K"}),
                                                       ("Q3_K_M", 2, {"Q3_K", "Q4_K", "Q5_K", "Q6_K"})])
 def test_mixes_stages_hold_their_share_of_the_file(chains, models, dtype, num_stages, types):
-    """Each stage holds its tensors' bytes of the file (norm gains, F32 there, as fp16) and nothing expanded."""
+    """Each stage holds its tensors' bytes of the file (norm gains F32, as there) and nothing expanded."""
     from pp_worker.worker.gguf.header import read_header
 
     header = read_header(models[dtype])
     c = chains(dtype, num_stages)
     for stage in c.engines:
         held = stage.describe()
-        assert set(held["weights"]) <= {*types, "F16"} and held["weights_converted"] == {}
+        assert set(held["weights"]) <= {*types, "F16", "F32"} and held["weights_converted"] == {}
         infos = [header.tensors[n] for n in stage.loaded_tensors]
-        assert held["weight_bytes"] == sum(i.nbytes if len(i.shape) == 2 else 2 * i.n_elements for i in infos)
+        assert held["weight_bytes"] == sum(i.nbytes for i in infos)
     assert sum(len(s.loaded_tensors) for s in c.engines) == len(header.tensors)  # each tensor on one stage
 
 
 @pytest.mark.parametrize("dtype, kernels, converted, kept", [
-    ("Q3_K_M", "tinygrad", "Q3_K", {"Q4_K", "Q5_K", "Q6_K", "F16"}),  # tinygrad's expressions: none for Q3_K
-    ("TQ2_0", "c", "TQ2_0", {"F16"}),  # no C kernel, no tinygrad expression
+    ("Q3_K_M", "tinygrad", "Q3_K", {"Q4_K", "Q5_K", "Q6_K", "F16", "F32"}),  # tinygrad's expressions: none for Q3_K
+    ("TQ2_0", "c", "TQ2_0", {"F16", "F32"}),  # no C kernel, no tinygrad expression
 ])
 def test_types_nothing_reads_packed_are_dequantized_at_load_and_named(chains, models, prompts, dtype, kernels,
                                                                       converted, kept):

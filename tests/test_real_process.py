@@ -114,13 +114,15 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
                                     ("CPU", 16, "float32", kv_bytes * 4, "c")]
         assert [(r["threads"], r["graph"]) for r in ready] == [(len(os.sched_getaffinity(0)), "native"), (3, "native")]
         assert [r["numerics"] for r in ready] == ["float", "int8"]  # the suite's PP_EXACT=1; PP_EXACT=0
-        # what each stage holds: its share of the file (an F16 file: F16 matrices as they are, F32 gains as fp16)
+        # what each stage holds: its share of the file (an F16 file: F16 matrices and F32 gains, each as it is)
         for r, (start, end) in zip(ready, [compute_layer_range(s, 2, blocks) for s in (0, 1)], strict=True):
             names = [n for n in header.tensors if n.startswith(tuple(f"blk.{i}." for i in range(start, end)))]
             names += ["token_embd.weight"] if start == 0 else ["output_norm.weight", "output.weight"]
             infos = [header.tensors[n] for n in names]
-            assert r["weights"] == {"F16": len(names)} and r["weights_converted"] == {}
-            assert r["weight_bytes"] == sum(i.nbytes if i.ggml_type == 1 else 2 * i.n_elements for i in infos)
+            gains = sum(len(i.shape) == 1 for i in infos)
+            assert gains and all(i.ggml_type == 0 for i in infos if len(i.shape) == 1)  # the file's are F32
+            assert r["weights"] == {"F16": len(names) - gains, "F32": gains} and r["weights_converted"] == {}
+            assert r["weight_bytes"] == sum(i.nbytes for i in infos)
         assert [r["jits_compiled"] for r in ready] == [1, 1]  # no PP_WARMUP: decode only, before the ready line
         tokens = first.request({"op": "tokenize", "request_id": 5, "prompt": "Flat is better than nested."})["tokens"]
         hidden = first.request({"op": "embed_and_forward", "request_id": 5, "tokens": tokens, "position": 0})

@@ -104,9 +104,9 @@ def test_cpu_matrices_are_the_files_bytes_read_by_the_jit(models, dtype, stage):
         assert name == "token_embd.weight" or buf.buffer in read, f"the decode JIT does not read {name}'s buffer"
     held = w.describe()
     assert held["kernels"] == "c" and held["weights_converted"] == {}
-    gains = [header.tensors[name] for name in w.loaded if len(header.tensors[name].shape) == 1]  # F32 norms, held F16
-    want = sum(header.tensors[n].nbytes for n in matrices) + sum(2 * g.n_elements for g in gains)
-    assert held["weight_bytes"] == want
+    gains = [header.tensors[name] for name in w.loaded if len(header.tensors[name].shape) == 1]  # F32 norms, as held
+    assert gains and all(g.ggml_type == 0 for g in gains)
+    assert held["weight_bytes"] == sum(header.tensors[n].nbytes for n in matrices) + sum(g.nbytes for g in gains)
 
 
 @pytest.mark.parametrize("dtype", ["F16", "Q4_1"])

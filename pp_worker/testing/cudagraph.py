@@ -142,7 +142,7 @@ def run_engines(model: str, prefill_chunk: int) -> list[str]:
     done = []
     with device_memory():
         first, last = (TinygradEngine(model, s, 2, max_context=160, prefill_chunk=prefill_chunk) for s in (0, 1))
-        held = sorted({kind for e in (first, last) for kind in e.describe()["weights"] if kind != "F16"})
+        held = sorted({kind for e in (first, last) for kind in e.describe()["weights"] if kind not in ("F16", "F32")})
         done.append(f"packed weights: {', '.join(held) or 'none'}")
         first.warmup()
         last.warmup()

@@ -6,7 +6,7 @@ realized buffer, one tensor at a time, in its final layout, llama's Q/K rows un-
 `from_gguf` does (a packed row's blocks move whole). A matrix whose type has a CPU kernel (`types.has_kernel`) stays
 as the file's bytes (`PackedWeight`): on the CPU F16 too, since the C kernels read every type; elsewhere F16 is a
 native fp16 buffer. Any other type (and every tensor when ``keep_quantized`` is off, the reference path of the tests)
-is dequantized once, here, and cast to fp16 (`HALF=1`, tinygrad's default); norm gains are always fp16 values. A
+is dequantized once, here, and cast to fp16 (`HALF=1`, tinygrad's default); norm gains and biases are float32. A
 model given by URL is read the same way from a sparse cache file that `fetch` fills with the header and this stage's
 tensors only. tinygrad is imported inside the functions that need it.
 """
@@ -116,15 +116,17 @@ class TensorSource:
         return self._view(raw, shape)
 
     def tensor(self, name: str, heads: tuple[int, int] | None = None, raw: bool = False) -> Tensor:
-        """(GGUF dims reversed) tensor, fp16 when ``half``, realized. ``heads=(n_heads, keep)``: GGUF's
-        interleaved-rope Q/K rows un-permuted (`unpermute_rows`). F16 data is read straight into its final
-        buffer; other types are dequantized by tinygrad once, here. ``raw``: an fp16 tensor held in a uint8
-        buffer (see the class) is returned as that uint8 buffer."""
+        """(GGUF dims reversed) tensor, realized: a matrix in fp16 when ``half``, a 1-D tensor in float32.
+        ``heads=(n_heads, keep)``: GGUF's interleaved-rope Q/K rows un-permuted (`unpermute_rows`). F16 data is
+        read straight into its final buffer; other types are dequantized by tinygrad once, here. ``raw``: an fp16
+        tensor held in a uint8 buffer (see the class) is returned as that uint8 buffer."""
         from tinygrad import dtypes
 
         info = self._info(name)
         self.loaded[name] = info.nbytes
-        dtype = dtypes.float16 if self.half else dtypes.float32
+        # 1-D tensors (norm gains, biases) stay float32, as ggml keeps them: a few KiB a block, and their fp16
+        # rounding was, after an fp16 KV cache, the largest error against the float64 reference (bench/NOTES.md)
+        dtype = dtypes.float16 if self.half and len(info.shape) > 1 else dtypes.float32
         if dtype == dtypes.float16 and info.ggml_type == F16:  # already what we keep: no staging copy, no cast
             fill = self._filler(info, heads)
         else:
