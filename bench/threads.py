@@ -9,10 +9,12 @@ kernels), both loaded side by side; the rounds alternate between them, so both s
 ratio is taken within the round.
 
     python -m bench.threads          # the section alone
+    python -m bench.threads --counts 1,2,4,8,16 --rounds 5 --calls 8   # a many-core machine's table
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
@@ -81,14 +83,28 @@ def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
             p.kill()
     one, most = plan.counts[0], plan.counts[-1]
     ratios = [a / b for a, b in zip(medians[one], medians[most], strict=True)]
+    gains = {str(n): round(statistics.median(a / b for a, b in zip(medians[one], v, strict=True)), 3)
+             for n, v in medians.items()}  # each count against the first, within each round
     return {"model": model.name, "file_bytes": model.stat().st_size, "ready_threads": ready,
             "call_ms": {str(n): [round(x * 1000, 3) for x in v] for n, v in medians.items()},
-            "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios],
+            "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios], "gains": gains,
             "cpus": len(os.sched_getaffinity(0))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--counts", default="1,2", help="PP_THREADS values, the first the baseline (default 1,2)")
+    ap.add_argument("--dtypes", default="F16,Q4_K_M", help="the files, as memwall names them")
+    ap.add_argument("--rounds", type=int, default=ThreadsPlan.rounds)
+    ap.add_argument("--calls", type=int, default=ThreadsPlan.calls)
+    args = ap.parse_args(argv)
+    plan = ThreadsPlan(dtypes=tuple(args.dtypes.split(",")), counts=tuple(int(c) for c in args.counts.split(",")),
+                       rounds=args.rounds, calls=args.calls)
+    print(json.dumps(measure(plan), indent=1))
 
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
         child(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
     else:
-        print(json.dumps(measure(ThreadsPlan()), indent=1))
+        main()

@@ -457,6 +457,7 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     files = threads.measure(threads.ThreadsPlan(preset="tiny", dtypes=("F16",), rounds=2, calls=3))["threads"]
     out = files["F16"]
     assert out["ready_threads"] == {1: 1, 2: 2} and out["model"].endswith("-F16.gguf")
+    assert out["gains"]["1"] == 1.0 and out["gains"]["2"] > 0
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in out["call_ms"].values())
     rows = report.thread_rows({"F16": out, "Q4_K_M": {**out, "model": "q.gguf", "ratio": 1.7}})  # a row set a file
     assert len(rows) == 6 and rows[2].value == out["ratio"] > 0 and rows[5].value == 1.7
