@@ -82,12 +82,12 @@ def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
         for p in procs.values():
             p.kill()
     one, most = plan.counts[0], plan.counts[-1]
-    ratios = [a / b for a, b in zip(medians[one], medians[most], strict=True)]
-    gains = {str(n): round(statistics.median(a / b for a, b in zip(medians[one], v, strict=True)), 3)
-             for n, v in medians.items()}  # each count against the first, within each round
+    # each count against the first, within each round; the last count's are the section's ratio
+    ratios = {n: [a / b for a, b in zip(medians[one], v, strict=True)] for n, v in medians.items()}
     return {"model": model.name, "file_bytes": model.stat().st_size, "ready_threads": ready,
             "call_ms": {str(n): [round(x * 1000, 3) for x in v] for n, v in medians.items()},
-            "ratio": statistics.median(ratios), "ratios": [round(r, 3) for r in ratios], "gains": gains,
+            "ratio": statistics.median(ratios[most]), "ratios": [round(r, 3) for r in ratios[most]],
+            "gains": {str(n): round(statistics.median(r), 3) for n, r in ratios.items()},
             "cpus": len(os.sched_getaffinity(0))}
 
 
