@@ -244,7 +244,8 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
 
 def _rope_freqs(source: TensorSource) -> np.ndarray | None:
     """rope_freqs.weight (Llama 3.1+'s per-frequency RoPE factors) as float32, on every stage: every block ropes.
-    Not through ``tensor()``: its fp16 cast would round the factors."""
+    Read into numpy, not through ``tensor()`` (a device buffer): `RopeParams` builds the RoPE table from it on the
+    host."""
     info = source.header.tensors.get("rope_freqs.weight")
     if info is None:
         return None
