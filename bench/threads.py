@@ -50,7 +50,8 @@ def child(model: str, stage: int, num_stages: int, threads: int) -> None:
     assert engine.shard.is_last, "the section times the last stage's decode call (forward_logits)"
     engine.warmup(full=False)
     hidden = np.random.default_rng(0).standard_normal(engine.info.hidden_dim).astype(np.float16).tobytes()
-    print(json.dumps({"ready": engine.describe()["threads"]}), flush=True)
+    about = engine.describe()
+    print(json.dumps({"ready": about["threads"], "weight_bytes": about["weight_bytes"]}), flush=True)
     for line in sys.stdin:
         times = []
         for pos in range(int(line)):
@@ -71,7 +72,7 @@ def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
                                   str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                  env={**os.environ, "PP_CACHE": "0"}) for n in plan.counts}
     try:
-        ready = {n: json.loads(p.stdout.readline())["ready"] for n, p in procs.items()}  # type: ignore[union-attr]
+        lines = {n: json.loads(p.stdout.readline()) for n, p in procs.items()}  # type: ignore[union-attr]
         medians: dict[int, list[float]] = {n: [] for n in plan.counts}
         for _ in range(plan.rounds):
             for n, p in procs.items():
@@ -84,8 +85,11 @@ def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
     one, most = plan.counts[0], plan.counts[-1]
     # each count against the first, within each round; the last count's are the section's ratio
     ratios = {n: [a / b for a, b in zip(medians[one], v, strict=True)] for n, v in medians.items()}
-    return {"model": model.name, "file_bytes": model.stat().st_size, "ready_threads": ready,
+    held = lines[one]["weight_bytes"]  # the stage's weights, every one of which a decode call reads
+    return {"model": model.name, "file_bytes": model.stat().st_size, "weight_bytes": held,
+            "ready_threads": {n: line["ready"] for n, line in lines.items()},
             "call_ms": {str(n): [round(x * 1000, 3) for x in v] for n, v in medians.items()},
+            "gb_per_s": {str(n): round(held / statistics.median(v) / 1e9, 2) for n, v in medians.items()},
             "ratio": statistics.median(ratios[most]), "ratios": [round(r, 3) for r in ratios[most]],
             "gains": {str(n): round(statistics.median(r), 3) for n, r in ratios.items()},
             "cpus": len(os.sched_getaffinity(0))}

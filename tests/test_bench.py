@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,8 @@ import pytest
 from bench import gpu, models, pipe, report, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
+from pp_worker.driver.pipeline import Pipeline
+from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate, tensor_types
 from pp_worker.wire import to_line
 
@@ -459,6 +462,10 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     assert out["ready_threads"] == {1: 1, 2: 2} and out["model"].endswith("-F16.gguf")
     assert out["gains"]["1"] == 1.0 and out["gains"]["2"] > 0
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in out["call_ms"].values())
+    # the stage's held weights over each count's median call: the bandwidth a decode call reads them at
+    assert out["weight_bytes"] > 0 and set(out["gb_per_s"]) == {"1", "2"}
+    rate = out["weight_bytes"] / statistics.median(out["call_ms"]["1"]) / 1e6
+    assert out["gb_per_s"]["1"] == pytest.approx(rate, rel=1e-3, abs=0.005)
     rows = report.thread_rows({"F16": out, "Q4_K_M": {**out, "model": "q.gguf", "ratio": 1.7}})  # a row set a file
     assert len(rows) == 6 and rows[2].value == out["ratio"] > 0 and rows[5].value == 1.7
     assert rows[3].name.startswith("q.gguf") and rows[2].target == rows[5].target == 1.6
@@ -471,3 +478,23 @@ def test_memwall_refuses_an_unknown_file_type_before_it_builds_anything(capsys) 
     with pytest.raises(SystemExit) as e:
         memwall.main(["--dtypes", "F16,none", "--avx2-dtypes", "Q4_K_M"])
     assert e.value.code == 2 and "unknown file types: none" in capsys.readouterr().err
+
+
+def test_manycore_row_takes_each_rounds_ratio_against_llama_bench(tmp_path: Path) -> None:
+    """bench.manycore's rounds: a stub pipeline against a stand-in llama-bench that records its command line and
+    answers a fixed rate in llama-bench's JSON: the rounds alternate, each ratio is the pipeline's rate over that
+    round's."""
+    from bench import manycore
+
+    calls = tmp_path / "calls"
+    fake = tmp_path / "llama-bench"
+    fake.write_text(f"#!{sys.executable}\nimport json, sys\nopen({str(calls)!r}, 'a').write(' '.join(sys.argv[1:]) + "
+                    "'\\n')\nprint(json.dumps([{'avg_ts': 25.0, 'n_gen': 4}]))\n")
+    fake.chmod(0o755)
+    with Pipeline(Launch(2, stub=True), load_timeout=60.0, step_timeout=60.0, log=None) as p:  # its tokens are real
+        row = manycore.measure_row(p, tmp_path / "m.gguf", fake, 3, rounds=2, decode=4, prompt="one two three")
+    lines = calls.read_text().splitlines()
+    assert len(lines) == 2 and all(f"-m {tmp_path / 'm.gguf'} -p 0 -n 4 -t 3 -r 1 -o json" == line for line in lines)
+    assert row["peer_tps"] == [25.0, 25.0] and len(row["pp2_tps"]) == 2 and all(t > 0 for t in row["pp2_tps"])
+    assert row["ratios"] == pytest.approx([t / 25.0 for t in row["pp2_tps"]], rel=1e-3)
+    assert row["ratio"] == statistics.median(row["ratios"]) and len(row["ready_threads"]) == 2
