@@ -57,6 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--decode", type=int, default=32)
     args = ap.parse_args(argv)
+    if not os.access(args.llama_bench, os.X_OK):  # before any file is made or pipeline started
+        ap.error(f"no llama-bench to run at {args.llama_bench} (bench/NOTES.md: how to build it)")
     f16 = models.ensure_model("tinyllama", dtype="F16", isolated=True)
     prompt = models.fixed_length_prompts(f16, 16, 1)[0]
     rows = {}

@@ -499,3 +499,11 @@ def test_manycore_row_takes_each_rounds_ratio_against_llama_bench(tmp_path: Path
     assert row["peer_tps"] == [25.0, 25.0] and len(row["pp2_tps"]) == 2 and all(t > 0 for t in row["pp2_tps"])
     assert row["ratios"] == pytest.approx([t / 25.0 for t in row["pp2_tps"]], rel=1e-3)
     assert row["ratio"] == statistics.median(row["ratios"]) and len(row["ready_threads"]) == 2
+
+
+def test_manycore_refuses_a_missing_llama_bench_before_it_builds_anything(tmp_path: Path, capsys) -> None:
+    from bench import manycore
+
+    with pytest.raises(SystemExit) as e:
+        manycore.main(["--llama-bench", str(tmp_path / "llama-bench")])
+    assert e.value.code == 2 and "no llama-bench to run at" in capsys.readouterr().err
