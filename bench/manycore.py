@@ -59,11 +59,12 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     if not os.access(args.llama_bench, os.X_OK):  # before any file is made or pipeline started
         ap.error(f"no llama-bench to run at {args.llama_bench} (bench/NOTES.md: how to build it)")
-    f16 = models.ensure_model("tinyllama", dtype="F16", isolated=True)
-    prompt = models.fixed_length_prompts(f16, 16, 1)[0]
+    plan = memwall.MemwallPlan()  # memwall's model and prompt length: its rows and these compare
+    f16 = models.ensure_model(plan.preset, dtype="F16", isolated=True)
+    prompt = models.fixed_length_prompts(f16, plan.prompt_tokens, 1)[0]
     rows = {}
     for dtype in args.dtypes.split(","):
-        path, maker = memwall.ensure_file("tinyllama", dtype)
+        path, maker = memwall.ensure_file(plan.preset, dtype)
         with pipe.start(path, 2) as p:
             row = measure_row(p, path, args.llama_bench, args.threads, args.rounds, args.decode, prompt)
         rows[dtype] = row | {"quantizer": maker}
