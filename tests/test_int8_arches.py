@@ -85,19 +85,28 @@ SIGNED = [t for t in INT8 if TABLE[t].name in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL",
 # instructions clang writes where it emulates a byte operation x86 lacks: u8 shifts (a multiply and a pack), the sign
 # of one byte vector put on another (compares and masks), 32-bit lanes narrowed to bytes (packs)
 EMULATED = ("vpmullw", "vpackuswb", "vpackusdw", "vpcmpgtb", "vpmovb2m")
+# AVX-512 has no 512-bit vpsignb: there the sign trick is w's sign bits as a mask (vpmovb2m) and x negated under it
+SIGN_512 = ("vpmovb2m", "%zmm")
 
 
 @pytest.mark.parametrize("target", ["avx2", "avx512"])
 def test_integer_products_use_the_byte_instructions(tmp_path, target):
     """The integer matmuls' assembly for an AVX2 CPU and an AVX-512 one: the signed types' sign trick is vpabsb and
-    vpsignb, and no byte work is emulated (each emulation cost 1.2-1.6x a kernel's time, bench/NOTES.md)."""
+    vpsignb (or, on 512-bit vectors, vpabsb and a sign mask), no byte work is emulated (each emulation cost 1.2-1.6x
+    a kernel's time, bench/NOTES.md), and on AVX-512 the 256-value blocks' products are 512 bits wide."""
     t = cross.TARGETS[target]
     units = {n: s for n, s in cross.kernel_units(KERNELS, cpu_kernels.type_files, int8=True).items()
              if n.endswith("_mm")}
     for name, source in units.items():
         out = tmp_path / f"{name}.s"
         cross.clang("-S", "-x", "c", *t.kernel_flags(), "-", "-o", str(out), source=source)
-        ops = {line.split()[0] for line in out.read_text().splitlines() if line.startswith("\t") and line.split()}
+        lines = [line.split() for line in out.read_text().splitlines() if line.startswith("\t") and line.split()]
+        masks = any(op[0] == SIGN_512[0] and op[1].startswith(SIGN_512[1]) for op in lines)
+        ops = {op[0] for op in lines if not (op[0] == SIGN_512[0] and op[1].startswith(SIGN_512[1]))}
         assert not ops & set(EMULATED), (name, sorted(ops & set(EMULATED)))
         if any(name.startswith(cross.pair(g, k)) for g, k in KERNELS if g in SIGNED):
-            assert {"vpabsb", "vpsignb"} <= ops, name
+            assert "vpabsb" in ops and ("vpsignb" in ops or masks), name
+        wide = any(op[0] == "vpmaddubsw" and "%zmm" in op[-1] for op in lines)
+        if target == "avx512" and any(name.startswith(cross.pair(g, k)) for g, k in KERNELS
+                                      if TABLE[g].kernel_block == 256):
+            assert wide, name  # the 256-value blocks take two groups a step in 512 bits

@@ -21,17 +21,43 @@ enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (
 #endif
 #if BLOCK_VALUES == 256  /* a scale and an offset per 16 values (iscales gives them as 16-bit vectors: the scales in
    the groups' order, sl below; the offsets in the values' order, as x's bsums) */
-#if IQ_SIGNED
-#define PAIRS pairs_s
+#if defined(__AVX512BW__)  /* a step is two groups in 512 bits (2c, 2c + 1 side by side: 1.1-1.3x one group a step,
+   bench/NOTES.md); their pair products times their four scales spread over the 16-bit lanes (vpermw) */
+typedef i32x16 isum;
+#define STEPS(F) F(0) F(1) F(2) F(3)
+#define STEP_BYTES 64
+#ifdef IQ64  /* the type's own two groups at once (its x86 file) */
+#define STEP_W(c) iq64(b, c)
 #else
-#define PAIRS pairs_u
+#define STEP_W(c) CAT64(iq32(b, 2 * (c)), iq32(b, 2 * (c) + 1))
 #endif
-/* group g's pair products (pairs 0-7 are values 0-15) times its two scales: sl[g] on pairs 0-7, sl[8 + g] on 8-15
-   (the first 16 values' scales in the low 128 bits, the second 16s' in the high), by a shuffle within each half
-   (vpshufb) */
-#define GROUP_SCALES(g) __builtin_shufflevector(sl, sl, g, g, g, g, g, g, g, g, 8 + (g), 8 + (g), 8 + (g), 8 + (g), \
-                                              8 + (g), 8 + (g), 8 + (g), 8 + (g))
-#define GROUP(g) madd16(PAIRS(iq32(b, g), i8x32_at(xb + 32 * (g))), GROUP_SCALES(g))
+#define STEP_SCALES(c) __builtin_shufflevector(sl, sl, S8(2 * (c)), S8(8 + 2 * (c)), S8(2 * (c) + 1), S8(9 + 2 * (c)))
+#define STEP_X i8x64_at
+#define STEP_ACC madd32_acc
+#define PAIRS_U pairs64_u
+#define PAIRS_S pairs64_s
+static inline i32x8 fold(i32x16 s) {
+  return __builtin_shufflevector(s, s, 0, 1, 2, 3, 4, 5, 6, 7) + __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13,
+                                                                                       14, 15); }
+#else  /* a step is one group: its pair products (pairs 0-7 are values 0-15) times its two scales, sl[g] on pairs
+   0-7 and sl[8 + g] on 8-15 (the first 16 values' in the low 128 bits, the second 16s' in the high: vpshufb) */
+typedef i32x8 isum;
+#define STEPS(F) F(0) F(1) F(2) F(3) F(4) F(5) F(6) F(7)
+#define STEP_BYTES 32
+#define STEP_W(g) iq32(b, g)
+#define STEP_SCALES(g) __builtin_shufflevector(sl, sl, S8(g), S8(8 + (g)))
+#define STEP_X i8x32_at
+#define STEP_ACC madd16_acc
+#define PAIRS_U pairs_u
+#define PAIRS_S pairs_s
+static inline i32x8 fold(i32x8 s) { return s; }
+#endif
+#if IQ_SIGNED
+#define PAIRS PAIRS_S
+#else
+#define PAIRS PAIRS_U
+#endif
+#define ROW_STEP(c) s = STEP_ACC(s, PAIRS(STEP_W(c), STEP_X(xb + STEP_BYTES * (c))), STEP_SCALES(c));
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   f8v acc = 0;  /* each block's int32 sums scaled in 8 float lanes, summed once a row */
   for (int j = 0; j < nb; j++) {
@@ -40,17 +66,18 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
     i16x16 sl, m, bs; float D, M, dx;
     iscales(b, &sl, &m, &D, &M);
     __builtin_memcpy(&dx, xb + X_D, 4); __builtin_memcpy(&bs, xb + X_SUMS, 32);
-    i32x8 sum = GROUP(0) + GROUP(1) + GROUP(2) + GROUP(3) + GROUP(4) + GROUP(5) + GROUP(6) + GROUP(7);
-    acc += __builtin_convertvector(sum, f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
+    isum s = 0;
+    STEPS(ROW_STEP)
+    acc += __builtin_convertvector(fold(s), f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
   }
   return hsum_f8(acc);
 }
-/* one weight row's products with nbt (at most BT) rows of x: each group of weights unpacked once for all of them
-   (and its scales shuffled once), each row's floats in row_dot_q8's order, so the same results */
-#define GROUP_ROWS(g) { \
-  __auto_type w = iq32(b, g); i16x16 sc = GROUP_SCALES(g); \
+/* one weight row's products with nbt (at most BT) rows of x: each step's weights unpacked once for all of them (and
+   its scales shuffled once), each row's floats in row_dot_q8's order, so the same results */
+#define ROWS_STEP(c) { \
+  __auto_type w = STEP_W(c); __auto_type sc = STEP_SCALES(c); \
   _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) \
-    if (i < nbt) sum[i] += madd16(PAIRS(w, i8x32_at(xq + ((long)i * nb + j) * XB + 32 * (g))), sc); }
+    if (i < nbt) sum[i] = STEP_ACC(sum[i], PAIRS(w, STEP_X(xq + ((long)i * nb + j) * XB + STEP_BYTES * (c))), sc); }
 static inline void rows_dot_q8(float* restrict out, long stride, const unsigned char* restrict row,
                                const unsigned char* restrict xq, int nb, int nbt) {
   f8v acc[BT];
@@ -60,13 +87,13 @@ static inline void rows_dot_q8(float* restrict out, long stride, const unsigned 
     AHEAD(b);
     i16x16 sl, m; float D, M;
     iscales(b, &sl, &m, &D, &M);
-    i32x8 sum[BT];
+    isum sum[BT];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) sum[i] = 0;
-    GROUP_ROWS(0) GROUP_ROWS(1) GROUP_ROWS(2) GROUP_ROWS(3) GROUP_ROWS(4) GROUP_ROWS(5) GROUP_ROWS(6) GROUP_ROWS(7)
+    STEPS(ROWS_STEP)
     _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) if (i < nbt) {
       const unsigned char* xb = xq + ((long)i * nb + j) * XB; i16x16 bs; float dx;
       __builtin_memcpy(&dx, xb + X_D, 4); __builtin_memcpy(&bs, xb + X_SUMS, 32);
-      acc[i] += __builtin_convertvector(sum[i], f8v) * (dx * D)
+      acc[i] += __builtin_convertvector(fold(sum[i]), f8v) * (dx * D)
               - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
     }
   }

@@ -74,3 +74,15 @@ static inline float row_dot_avx2(const unsigned char* restrict row, const float*
 #define ROW_DOT row_dot_avx2
 #define PREP_X prep_x_avx2
 #endif
+#if defined(PP_INT) && defined(__AVX512BW__)  /* the integer path's 512-bit step (matmul_int.c): groups 2c and 2c + 1
+   from their 32 bytes, each 16 put in two 128-bit lanes, the second shifted down a nibble (vpsrlvw), and all 64
+   levels looked up at once (vpshufb in each lane) */
+#define IQ64
+static inline i8x64 iq64(const unsigned char* b, int c) {
+  u8x32 q = u8x32_at(b + 8 + 32 * c);
+  u8x64 t = __builtin_shufflevector(q, q, S16(0), S16(0), S16(16), S16(16));
+  const u16x32 at = {S8(0), S8(4), S8(0), S8(4)};
+  u8x64 n = (u8x64)((u16x32)t >> at) & 15;
+  i8x64 levels = __builtin_shufflevector(KV4_INT, KV4_INT, S16(0), S16(0), S16(0), S16(0));
+  return (i8x64)__builtin_ia32_pshufb512((v64qi_t)levels, (v64qi_t)n); }
+#endif
