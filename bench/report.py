@@ -418,6 +418,9 @@ def thread_rows(files: dict[str, dict[str, Any]] | None) -> list[Row]:
             Row(S12, f"  {most} threads / {one}: call rate, median of rounds in turn", t["ratio"], "x",
                 1.6 if int(most) == 2 else None, note=f"rounds {t['ratios']}"),
         ]
+        if "read_ratio" in t:  # the memory's own ratio, in the same rounds: the most a streaming stage can gain
+            rows.append(Row(S12, f"  a bare read of memory, {most} threads / {one}", t["read_ratio"], "x",
+                            note=f"{t['read_gb_per_s'][most]} GB/s on {most}, {t['read_gb_per_s'][one]} on {one}"))
     return rows
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import memwall
+from bench.bare_read import BareRead
 from bench.quant import say
 
 
@@ -63,10 +64,14 @@ def child(model: str, stage: int, num_stages: int, threads: int) -> None:
 
 
 def measure(plan: ThreadsPlan) -> dict[str, Any]:
-    return {"threads": {dtype: measure_file(plan, memwall.ensure_file(plan.preset, dtype)[0]) for dtype in plan.dtypes}}
+    bare = BareRead()
+    return {"threads": {dtype: measure_file(plan, memwall.ensure_file(plan.preset, dtype)[0], bare)
+                        for dtype in plan.dtypes}}
 
 
-def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
+def measure_file(plan: ThreadsPlan, model: Path, bare: BareRead) -> dict[str, Any]:
+    """The stage's median call per count and round, and in the same rounds a bare read of memory by each count
+    (`bare_read`: the most a stage streaming its weights can gain from more threads on this machine)."""
     say(f"threads: {model.name}, stage {plan.stage[0]} of {plan.stage[1]}, PP_THREADS {plan.counts}")
     procs = {n: subprocess.Popen([sys.executable, "-m", "bench.threads", "--child", str(model), *map(str, plan.stage),
                                   str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
@@ -74,11 +79,13 @@ def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
     try:
         lines = {n: json.loads(p.stdout.readline()) for n, p in procs.items()}  # type: ignore[union-attr]
         medians: dict[int, list[float]] = {n: [] for n in plan.counts}
+        reads: dict[int, list[float]] = {n: [] for n in plan.counts}
         for _ in range(plan.rounds):
             for n, p in procs.items():
                 p.stdin.write(f"{plan.calls}\n")  # type: ignore[union-attr]
                 p.stdin.flush()  # type: ignore[union-attr]
                 medians[n].append(statistics.median(json.loads(p.stdout.readline())))  # type: ignore[union-attr]
+                reads[n].append(statistics.median(bare.gb_per_s(n) for _ in range(3)))
     finally:
         for p in procs.values():
             p.kill()
@@ -92,6 +99,8 @@ def measure_file(plan: ThreadsPlan, model: Path) -> dict[str, Any]:
             "gb_per_s": {str(n): round(held / statistics.median(v) / 1e9, 2) for n, v in medians.items()},
             "ratio": statistics.median(ratios[most]), "ratios": [round(r, 3) for r in ratios[most]],
             "gains": {str(n): round(statistics.median(r), 3) for n, r in ratios.items()},
+            "read_gb_per_s": {str(n): round(statistics.median(v), 2) for n, v in reads.items()},
+            "read_ratio": round(statistics.median(b / a for a, b in zip(reads[one], reads[most], strict=True)), 3),
             "cpus": len(os.sched_getaffinity(0))}
 
 

@@ -467,9 +467,13 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     ms = statistics.median(out["call_ms"]["1"])  # rounded to 1 us: the rate within that rounding and its own
     rate = out["weight_bytes"] / ms / 1e6
     assert abs(out["gb_per_s"]["1"] - rate) <= rate * 0.0006 / ms + 0.005
+    # a bare read of memory by each count in the same rounds: what the machine's memory gives more threads
+    assert set(out["read_gb_per_s"]) == {"1", "2"} and all(v > 0 for v in out["read_gb_per_s"].values())
+    assert out["read_ratio"] > 0
     rows = report.thread_rows({"F16": out, "Q4_K_M": {**out, "model": "q.gguf", "ratio": 1.7}})  # a row set a file
-    assert len(rows) == 6 and rows[2].value == out["ratio"] > 0 and rows[5].value == 1.7
-    assert rows[3].name.startswith("q.gguf") and rows[2].target == rows[5].target == 1.6
+    assert len(rows) == 8 and rows[2].value == out["ratio"] > 0 and rows[6].value == 1.7
+    assert rows[3].value == out["read_ratio"] and rows[3].target is None and "bare read" in rows[3].name
+    assert rows[4].name.startswith("q.gguf") and rows[2].target == rows[6].target == 1.6
     assert report.thread_rows(None)[0].value is None
 
 
