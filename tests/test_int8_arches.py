@@ -93,7 +93,7 @@ SIGN_512 = ("vpmovb2m", "%zmm")
 def test_integer_products_use_the_byte_instructions(tmp_path, target):
     """The integer matmuls' assembly for an AVX2 CPU and an AVX-512 one: the signed types' sign trick is vpabsb and
     vpsignb (or, on 512-bit vectors, vpabsb and a sign mask), no byte work is emulated (each emulation cost 1.2-1.6x
-    a kernel's time, bench/NOTES.md), and on AVX-512 the 256-value blocks' products are 512 bits wide."""
+    a kernel's time, bench/NOTES.md), and on AVX-512 the products are 512 bits wide."""
     t = cross.TARGETS[target]
     units = {n: s for n, s in cross.kernel_units(KERNELS, cpu_kernels.type_files, int8=True).items()
              if n.endswith("_mm")}
@@ -106,7 +106,7 @@ def test_integer_products_use_the_byte_instructions(tmp_path, target):
         assert not ops & set(EMULATED), (name, sorted(ops & set(EMULATED)))
         if any(name.startswith(cross.pair(g, k)) for g, k in KERNELS if g in SIGNED):
             assert "vpabsb" in ops and ("vpsignb" in ops or masks), name
-        wide = any(op[0] == "vpmaddubsw" and "%zmm" in op[-1] for op in lines)
-        if target == "avx512" and any(name.startswith(cross.pair(g, k)) for g, k in KERNELS
-                                      if TABLE[g].kernel_block == 256):
-            assert wide, name  # the 256-value blocks take two groups a step in 512 bits
+        if target == "avx512":  # two groups (256-value blocks) or two blocks (32-value) a step, in 512 bits
+            block = next(TABLE[g].kernel_block for g, k in KERNELS if name.startswith(cross.pair(g, k)))
+            wide = "vpmaddubsw" if block == 256 else "vpdpbusd"
+            assert any(op[0] == wide and "%zmm" in op[-1] for op in lines), name

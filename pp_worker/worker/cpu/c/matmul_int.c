@@ -12,8 +12,9 @@ enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (
 #ifndef INT_AHEAD
 #define INT_AHEAD 8192
 #endif
-#define AHEAD(b) _Pragma("clang loop unroll(full)") \
-  for (int pf = 0; INT_AHEAD && pf < BLOCK_BYTES; pf += 64) __builtin_prefetch((b) + INT_AHEAD + pf)
+#define AHEAD_N(b, n) _Pragma("clang loop unroll(full)") \
+  for (int pf = 0; INT_AHEAD && pf < (n); pf += 64) __builtin_prefetch((b) + INT_AHEAD + pf)
+#define AHEAD(b) AHEAD_N(b, BLOCK_BYTES)
 #if IQ_SIGNED
 #define IDOT dot32s
 #else
@@ -99,40 +100,80 @@ static inline void rows_dot_q8(float* restrict out, long stride, const unsigned 
   }
   for (int i = 0; i < nbt; i++) out[i * stride] = hsum_f8(acc[i]);
 }
-#else  /* 32-value blocks, one scale each: the integer sums scaled and added in 8 float lanes, summed once a row */
-static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
-  f8v acc = 0; float off = 0;
-  for (int j = 0; j < nb; j++) {
-    const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
-    float D, M, dx; iscales(b, &D, &M); __builtin_memcpy(&dx, xb + X_D, 4);
-    acc += __builtin_convertvector(IDOT(iq32(b, 0), i8x32_at(xb)), f8v) * (dx * D);
-#if IQ_MIN
-    short bs[2]; __builtin_memcpy(bs, xb + X_SUMS, 4);
-    off += dx * M * (float)(bs[0] + bs[1]);
+#else  /* 32-value blocks, one scale each: the integer sums scaled in float lanes, the lanes and the rows' offsets summed
+   once a row. With AVX-512 a step is two blocks in 16 lanes (one 512-bit vector: one chain of adds waits on its
+   previous add a block at a time); else one block in 8 */
+#if defined(__AVX512F__)
+typedef f16v facc;
+enum { BPS = 2 };  /* blocks a step */
+#define STEP_DOT(w, xb) (IQ_SIGNED ? dot64s((i8x64)(w), i8x64_pair(xb)) : dot64u((u8x64)(w), i8x64_pair(xb)))
+#define STEP_W(b) CAT64(iq32(b, 0), iq32((b) + BLOCK_BYTES, 0))
+#define STEP_SCALES(s) CAT16((f8v)(s)[0], (f8v)(s)[1])
+#define LAST(v) CAT16(v, (f8v)0)  /* an odd block last: lanes 0-7 */
+static inline i8x64 i8x64_pair(const unsigned char* xb) { return CAT64(i8x32_at(xb), i8x32_at(xb + XB)); }
+static inline float fold_acc(f16v a) { return hsum_f8(LO8(a) + HI8(a)); }
+#else
+typedef f8v facc;
+enum { BPS = 1 };
+#define STEP_DOT(w, xb) IDOT(w, i8x32_at(xb))
+#define STEP_W(b) iq32(b, 0)
+#define STEP_SCALES(s) ((f8v)(s)[0])
+#define LAST(v) (v)
+static inline float fold_acc(f8v a) { return hsum_f8(a); }
 #endif
+/* a step's blocks' scales against x's (dx D each), and their offsets (dx M sum q, IQ_MIN) added to off */
+static inline void step_scales(const unsigned char* b, const unsigned char* xb, int n, float* s, float* off) {
+  for (int k = 0; k < n; k++) {
+    float D, M, dx; iscales(b + k * BLOCK_BYTES, &D, &M); __builtin_memcpy(&dx, xb + k * XB + X_D, 4);
+#if IQ_MIN
+    short bs[2]; __builtin_memcpy(bs, xb + k * XB + X_SUMS, 4);
+    *off += dx * M * (float)(bs[0] + bs[1]);
+#endif
+    s[k] = dx * D;
+  } }
+static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
+  facc acc = 0; float off = 0, s[BPS];
+  int j = 0;
+  for (; j + BPS <= nb; j += BPS) {
+    const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
+    AHEAD_N(b, BPS * BLOCK_BYTES);
+    step_scales(b, xb, BPS, s, &off);
+    acc += __builtin_convertvector(STEP_DOT(STEP_W(b), xb), facc) * STEP_SCALES(s);
   }
-  return hsum_f8(acc) - off;
+  for (; j < nb; j++) {
+    const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
+    step_scales(b, xb, 1, s, &off);
+    acc += LAST(__builtin_convertvector(IDOT(iq32(b, 0), i8x32_at(xb)), f8v) * s[0]);
+  }
+  return fold_acc(acc) - off;
 }
-/* one weight row's products with nbt (at most BT) rows of x: each block's weights unpacked once for all of them,
-   each row's floats in row_dot_q8's order, so the same results */
+/* one weight row's products with nbt (at most BT) rows of x: each step's weights unpacked once for all of them, each
+   row's floats in row_dot_q8's order, so the same results */
 static inline void rows_dot_q8(float* restrict out, long stride, const unsigned char* restrict row,
                                const unsigned char* restrict xq, int nb, int nbt) {
-  f8v acc[BT]; float off[BT];
+  facc acc[BT]; float off[BT], s[BPS];
   _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) { acc[i] = 0; off[i] = 0; }
-  for (int j = 0; j < nb; j++) {
+  int j = 0;
+  for (; j + BPS <= nb; j += BPS) {
     const unsigned char* b = row + j * BLOCK_BYTES;
-    float D, M; iscales(b, &D, &M);
-    __auto_type w = iq32(b, 0);
+    AHEAD_N(b, BPS * BLOCK_BYTES);
+    __auto_type w = STEP_W(b);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) if (i < nbt) {
-      const unsigned char* xb = xq + ((long)i * nb + j) * XB; float dx; __builtin_memcpy(&dx, xb + X_D, 4);
-      acc[i] += __builtin_convertvector(IDOT(w, i8x32_at(xb)), f8v) * (dx * D);
-#if IQ_MIN
-      short bs[2]; __builtin_memcpy(bs, xb + X_SUMS, 4);
-      off[i] += dx * M * (float)(bs[0] + bs[1]);
-#endif
+      const unsigned char* xb = xq + ((long)i * nb + j) * XB;
+      step_scales(b, xb, BPS, s, &off[i]);
+      acc[i] += __builtin_convertvector(STEP_DOT(w, xb), facc) * STEP_SCALES(s);
     }
   }
-  for (int i = 0; i < nbt; i++) out[i * stride] = hsum_f8(acc[i]) - off[i];
+  for (; j < nb; j++) {
+    const unsigned char* b = row + j * BLOCK_BYTES;
+    __auto_type w = iq32(b, 0);
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) if (i < nbt) {
+      const unsigned char* xb = xq + ((long)i * nb + j) * XB;
+      step_scales(b, xb, 1, s, &off[i]);
+      acc[i] += LAST(__builtin_convertvector(IDOT(w, i8x32_at(xb)), f8v) * s[0]);
+    }
+  }
+  for (int i = 0; i < nbt; i++) out[i * stride] = fold_acc(acc[i]) - off[i];
 }
 #endif
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,

@@ -142,14 +142,20 @@ static inline i16x16 pairs_s(i8x32 w, i8x32 x) { return pairs_u((u8x32)abs_i8(w)
 #define S8(i) i, i, i, i, i, i, i, i
 #define S16(i) i, i + 1, i + 2, i + 3, i + 4, i + 5, i + 6, i + 7, i + 8, i + 9, i + 10, i + 11, i + 12, i + 13, i + 14, \
   i + 15
-#if defined(__AVX512BW__)  /* the same in 512 bits: 64 values (two groups) a step */
+/* 64 bytes: two groups or two 32-value blocks a step (512-bit vectors with AVX-512, a pair of 256-bit ones else) */
 typedef unsigned char u8x64 __attribute__((ext_vector_type(64)));
 typedef signed char i8x64 __attribute__((ext_vector_type(64)));
-typedef char v64qi_t __attribute__((vector_size(64)));
 typedef unsigned short u16x32 __attribute__((ext_vector_type(32)));
 #define CAT64(a, b) __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, \
   20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, \
   49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
+#define LO32(v) __builtin_shufflevector(v, v, S16(0), S16(16))
+#define HI32(v) __builtin_shufflevector(v, v, S16(32), S16(48))
+#define CAT16(a, b) __builtin_shufflevector(a, b, S16(0))
+#define LO8(v) __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
+#define HI8(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+#if defined(__AVX512BW__)
+typedef char v64qi_t __attribute__((vector_size(64)));
 static inline i16x32 pairs64_u(u8x64 u, i8x64 x) { return (i16x32)__builtin_ia32_pmaddubsw512((v64qi_t)u, (v64qi_t)x); }
 static inline i16x32 pairs64_s(i8x64 w, i8x64 x) {  /* |w| <= 127 times x with w's sign (0 where w is, by |w|) */
   return pairs64_u((u8x64)__builtin_elementwise_abs(w), w < 0 ? -x : x); }
@@ -160,8 +166,16 @@ static inline i32x16 madd32_acc(i32x16 acc, i16x32 a, i16x32 b) {
   return acc + (i32x16)__builtin_ia32_pmaddwd512(a, b);
 #endif
 }
-static inline i8x64 i8x64_at(const unsigned char* p) { i8x64 v; __builtin_memcpy(&v, p, 64); return v; }
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)  /* dot32's 32-value sums, two at once: lanes 0-7 and 8-15 */
+static inline i32x16 dot64u(u8x64 u, i8x64 x) { return (i32x16)__builtin_ia32_vpdpbusd512((i32x16)0, (i32x16)u, (i32x16)x); }
+static inline i32x16 dot64s(i8x64 w, i8x64 x) {
+  return dot64u((u8x64)__builtin_elementwise_abs(w), w < 0 ? -x : x); }
+#else
+static inline i32x16 dot64u(u8x64 u, i8x64 x) { return CAT16(dot32u(LO32(u), LO32(x)), dot32u(HI32(u), HI32(x))); }
+static inline i32x16 dot64s(i8x64 w, i8x64 x) { return CAT16(dot32s(LO32(w), LO32(x)), dot32s(HI32(w), HI32(x))); }
+#endif
+static inline i8x64 i8x64_at(const unsigned char* p) { i8x64 v; __builtin_memcpy(&v, p, 64); return v; }
 static inline float hsum_f8(f8v v) {
   f4v b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
   b += __builtin_shufflevector(b, b, 2, 3, 0, 1); return b[0] + b[1]; }
