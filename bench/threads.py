@@ -4,9 +4,11 @@ The model is the DRAM-bound one (TinyLlama-1.1B's shape), as its F16 file (2.2 G
 (`memwall.ensure_file`, the file people download): a stage's share streams from memory at every token, so this
 measures what more threads buy where bandwidth, not L3, feeds the kernels. One thread already streams F16 near what
 two can (its products do little per byte), so the F16 file shows the memory's limit and Q4_K_M what threads buy.
-Each thread count runs in a process of its own (tinygrad's CPU_COUNT is process-wide and shapes the compiled
-kernels), both loaded side by side; the rounds alternate between them, so both see the same load, and each round's
-ratio is taken within the round.
+Each file and thread count runs in a process of its own (tinygrad's CPU_COUNT is process-wide and shapes the
+compiled kernels), all loaded side by side; the rounds go through all of them, so all see the same load, and each
+round's ratios are taken within the round: a count's against the first count, a file's bytes/s against the first
+file's (``vs_first``: F16's is the memory's rate, so this says where each type's time goes). A bare read of memory
+by each count (`bare_read`) runs in the same rounds: a stage that streams its weights gains no more from threads.
 
     python -m bench.threads          # the section alone
     python -m bench.threads --counts 1,2,4,8,16 --rounds 5 --calls 8   # a many-core machine's table
@@ -64,31 +66,44 @@ def child(model: str, stage: int, num_stages: int, threads: int) -> None:
 
 
 def measure(plan: ThreadsPlan) -> dict[str, Any]:
+    """Every file's stage on every count at once, each in a process of its own, and a bare read of memory by each
+    count (`bare_read`: the most a stage streaming its weights can gain from more threads here), all timed in the same
+    rounds, so the files' rates compare (this VM's memory changes speed between phases)."""
     bare = BareRead()
-    return {"threads": {dtype: measure_file(plan, memwall.ensure_file(plan.preset, dtype)[0], bare)
-                        for dtype in plan.dtypes}}
-
-
-def measure_file(plan: ThreadsPlan, model: Path, bare: BareRead) -> dict[str, Any]:
-    """The stage's median call per count and round, and in the same rounds a bare read of memory by each count
-    (`bare_read`: the most a stage streaming its weights can gain from more threads on this machine)."""
-    say(f"threads: {model.name}, stage {plan.stage[0]} of {plan.stage[1]}, PP_THREADS {plan.counts}")
-    procs = {n: subprocess.Popen([sys.executable, "-m", "bench.threads", "--child", str(model), *map(str, plan.stage),
-                                  str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env={**os.environ, "PP_CACHE": "0"}) for n in plan.counts}
+    models = {dtype: memwall.ensure_file(plan.preset, dtype)[0] for dtype in plan.dtypes}
+    say(f"threads: {', '.join(m.name for m in models.values())}, stage {plan.stage[0]} of {plan.stage[1]}, "
+        f"PP_THREADS {plan.counts}")
+    procs = {(d, n): subprocess.Popen([sys.executable, "-m", "bench.threads", "--child", str(m), *map(str, plan.stage),
+                                       str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                      env={**os.environ, "PP_CACHE": "0"})
+             for d, m in models.items() for n in plan.counts}
     try:
-        lines = {n: json.loads(p.stdout.readline()) for n, p in procs.items()}  # type: ignore[union-attr]
-        medians: dict[int, list[float]] = {n: [] for n in plan.counts}
+        lines = {key: json.loads(p.stdout.readline()) for key, p in procs.items()}  # type: ignore[union-attr]
+        medians: dict[tuple[str, int], list[float]] = {key: [] for key in procs}
         reads: dict[int, list[float]] = {n: [] for n in plan.counts}
         for _ in range(plan.rounds):
-            for n, p in procs.items():
+            for key, p in procs.items():
                 p.stdin.write(f"{plan.calls}\n")  # type: ignore[union-attr]
                 p.stdin.flush()  # type: ignore[union-attr]
-                medians[n].append(statistics.median(json.loads(p.stdout.readline())))  # type: ignore[union-attr]
+                medians[key].append(statistics.median(json.loads(p.stdout.readline())))  # type: ignore[union-attr]
+            for n in plan.counts:
                 reads[n].append(statistics.median(bare.gb_per_s(n) for _ in range(3)))
     finally:
         for p in procs.values():
             p.kill()
+    files = {d: summary(plan, m, {n: lines[d, n] for n in plan.counts}, {n: medians[d, n] for n in plan.counts},
+                        reads) for d, m in models.items()}
+    first = plan.dtypes[0]
+    for d in plan.dtypes[1:]:  # each file's bytes/s over the first's (F16: the memory's rate), round by round
+        files[d]["vs_first"] = {str(n): round(statistics.median(
+            (files[d]["weight_bytes"] / a) / (files[first]["weight_bytes"] / b)
+            for a, b in zip(medians[d, n], medians[first, n], strict=True)), 3) for n in plan.counts}
+    return {"threads": files}
+
+
+def summary(plan: ThreadsPlan, model: Path, lines: dict[int, dict[str, Any]], medians: dict[int, list[float]],
+            reads: dict[int, list[float]]) -> dict[str, Any]:
+    """One file's row: its calls' medians per count and round, and the bare reads of the same rounds."""
     one, most = plan.counts[0], plan.counts[-1]
     # each count against the first, within each round; the last count's are the section's ratio
     ratios = {n: [a / b for a, b in zip(medians[one], v, strict=True)] for n, v in medians.items()}

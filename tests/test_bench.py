@@ -457,8 +457,12 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     engine's threads), rounds timed in turn; the rows carry the ratio and name the target only for 1 vs 2."""
     from bench import threads
 
-    files = threads.measure(threads.ThreadsPlan(preset="tiny", dtypes=("F16",), rounds=2, calls=3))["threads"]
+    files = threads.measure(threads.ThreadsPlan(preset="tiny", dtypes=("F16", "Q8_0"), rounds=2, calls=3))["threads"]
     out = files["F16"]
+    # the files in the same rounds: the second's bytes/s against the first's, per count (the reads are the rounds')
+    assert "vs_first" not in out and set(files["Q8_0"]["vs_first"]) == {"1", "2"}
+    assert all(v > 0 for v in files["Q8_0"]["vs_first"].values())
+    assert files["Q8_0"]["read_gb_per_s"] == out["read_gb_per_s"] and files["Q8_0"]["weight_bytes"] < out["weight_bytes"]
     assert out["ready_threads"] == {1: 1, 2: 2} and out["model"].endswith("-F16.gguf")
     assert out["gains"]["1"] == 1.0 and out["gains"]["2"] > 0
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in out["call_ms"].values())
@@ -470,7 +474,9 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     # a bare read of memory by each count in the same rounds: what the machine's memory gives more threads
     assert set(out["read_gb_per_s"]) == {"1", "2"} and all(v > 0 for v in out["read_gb_per_s"].values())
     assert out["read_ratio"] > 0
-    rows = report.thread_rows({"F16": out, "Q4_K_M": {**out, "model": "q.gguf", "ratio": 1.7}})  # a row set a file
+    rows = report.thread_rows({"F16": out, "Q4_K_M": {**out, "model": "q.gguf", "ratio": 1.7,
+                                                      "vs_first": {"1": 0.9, "2": 0.8}}})  # a row set a file
+    assert "0.8x the first file's bytes/s" in rows[5].note and "first file" not in rows[1].note
     assert len(rows) == 8 and rows[2].value == out["ratio"] > 0 and rows[6].value == 1.7
     assert rows[3].value == out["read_ratio"] and rows[3].target is None and "bare read" in rows[3].name
     assert rows[4].name.startswith("q.gguf") and rows[2].target == rows[6].target == 1.6
