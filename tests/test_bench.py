@@ -462,7 +462,8 @@ def test_threads_section_times_each_count_in_its_own_stage() -> None:
     # the files in the same rounds: the second's bytes/s against the first's, per count (the reads are the rounds')
     assert "vs_first" not in out and set(files["Q8_0"]["vs_first"]) == {"1", "2"}
     assert all(v > 0 for v in files["Q8_0"]["vs_first"].values())
-    assert files["Q8_0"]["read_gb_per_s"] == out["read_gb_per_s"] and files["Q8_0"]["weight_bytes"] < out["weight_bytes"]
+    assert files["Q8_0"]["read_gb_per_s"] == out["read_gb_per_s"]
+    assert files["Q8_0"]["weight_bytes"] < out["weight_bytes"]
     assert out["ready_threads"] == {1: 1, 2: 2} and out["model"].endswith("-F16.gguf")
     assert out["gains"]["1"] == 1.0 and out["gains"]["2"] > 0
     assert all(len(v) == 2 and all(ms > 0 for ms in v) for v in out["call_ms"].values())
