@@ -85,8 +85,12 @@ SIGNED = [t for t in INT8 if TABLE[t].name in ("Q4_0", "Q5_0", "Q8_0", "IQ4_NL",
 # instructions clang writes where it emulates a byte operation x86 lacks: u8 shifts (a multiply and a pack), the sign
 # of one byte vector put on another (compares and masks), 32-bit lanes narrowed to bytes (packs)
 EMULATED = ("vpmullw", "vpackuswb", "vpackusdw", "vpcmpgtb", "vpmovb2m")
-# AVX-512 has no 512-bit vpsignb: there the sign trick is w's sign bits as a mask (vpmovb2m) and x negated under it
-SIGN_512 = ("vpmovb2m", "%zmm")
+
+
+def sign_mask(op: list[str]) -> bool:
+    """AVX-512 has no 512-bit vpsignb: there the sign trick is w's sign bits as a mask (vpmovb2m from a zmm) and x
+    negated under it."""
+    return op[0] == "vpmovb2m" and op[1].startswith("%zmm")
 
 
 @pytest.mark.parametrize("target", ["avx2", "avx512"])
@@ -101,8 +105,8 @@ def test_integer_products_use_the_byte_instructions(tmp_path, target):
         out = tmp_path / f"{name}.s"
         cross.clang("-S", "-x", "c", *t.kernel_flags(), "-", "-o", str(out), source=source)
         lines = [line.split() for line in out.read_text().splitlines() if line.startswith("\t") and line.split()]
-        masks = any(op[0] == SIGN_512[0] and op[1].startswith(SIGN_512[1]) for op in lines)
-        ops = {op[0] for op in lines if not (op[0] == SIGN_512[0] and op[1].startswith(SIGN_512[1]))}
+        masks = any(sign_mask(op) for op in lines)
+        ops = {op[0] for op in lines if not sign_mask(op)}
         assert not ops & set(EMULATED), (name, sorted(ops & set(EMULATED)))
         if any(name.startswith(cross.pair(g, k)) for g, k in KERNELS if g in SIGNED):
             assert "vpabsb" in ops and ("vpsignb" in ops or masks), name

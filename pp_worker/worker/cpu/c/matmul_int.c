@@ -17,8 +17,10 @@ enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (
 #define AHEAD(b) AHEAD_N(b, BLOCK_BYTES)
 #if IQ_SIGNED
 #define IDOT dot32s
+#define IDOT64 dot64s
 #else
 #define IDOT dot32u
+#define IDOT64 dot64u
 #endif
 #if BLOCK_VALUES == 256  /* a scale and an offset per 16 values (iscales gives them as 16-bit vectors: the scales in
    the groups' order, sl below; the offsets in the values' order, as x's bsums) */
@@ -106,7 +108,7 @@ static inline void rows_dot_q8(float* restrict out, long stride, const unsigned 
 #if defined(__AVX512F__)
 typedef f16v facc;
 enum { BPS = 2 };  /* blocks a step */
-#define STEP_DOT(w, xb) (IQ_SIGNED ? dot64s((i8x64)(w), i8x64_pair(xb)) : dot64u((u8x64)(w), i8x64_pair(xb)))
+#define STEP_DOT(w, xb) IDOT64(w, i8x64_pair(xb))
 #define STEP_W(b) CAT64(iq32(b, 0), iq32((b) + BLOCK_BYTES, 0))
 #define STEP_SCALES(s) CAT16((f8v)(s)[0], (f8v)(s)[1])
 #define LAST(v) CAT16(v, (f8v)0)  /* an odd block last: lanes 0-7 */
@@ -121,28 +123,31 @@ enum { BPS = 1 };
 #define LAST(v) (v)
 static inline float fold_acc(f8v a) { return hsum_f8(a); }
 #endif
-/* a step's blocks' scales against x's (dx D each), and their offsets (dx M sum q, IQ_MIN) added to off */
-static inline void step_scales(const unsigned char* b, const unsigned char* xb, int n, float* s, float* off) {
+/* a step's n blocks' D and M (read once for every row of x), then against a row of x's: s = dx D each, and the
+   offsets (dx M sum q, IQ_MIN) added to off */
+static inline void w_scales(const unsigned char* b, int n, float* D, float* M) {
+  for (int k = 0; k < n; k++) iscales(b + k * BLOCK_BYTES, &D[k], &M[k]); }
+static inline void x_scales(const unsigned char* xb, int n, const float* D, const float* M, float* s, float* off) {
   for (int k = 0; k < n; k++) {
-    float D, M, dx; iscales(b + k * BLOCK_BYTES, &D, &M); __builtin_memcpy(&dx, xb + k * XB + X_D, 4);
+    float dx; __builtin_memcpy(&dx, xb + k * XB + X_D, 4);
 #if IQ_MIN
     short bs[2]; __builtin_memcpy(bs, xb + k * XB + X_SUMS, 4);
-    *off += dx * M * (float)(bs[0] + bs[1]);
+    *off += dx * M[k] * (float)(bs[0] + bs[1]);
 #endif
-    s[k] = dx * D;
+    s[k] = dx * D[k];
   } }
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
-  facc acc = 0; float off = 0, s[BPS];
+  facc acc = 0; float off = 0, s[BPS], D[BPS], M[BPS];
   int j = 0;
   for (; j + BPS <= nb; j += BPS) {
     const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
     AHEAD_N(b, BPS * BLOCK_BYTES);
-    step_scales(b, xb, BPS, s, &off);
+    w_scales(b, BPS, D, M); x_scales(xb, BPS, D, M, s, &off);
     acc += __builtin_convertvector(STEP_DOT(STEP_W(b), xb), facc) * STEP_SCALES(s);
   }
   for (; j < nb; j++) {
     const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
-    step_scales(b, xb, 1, s, &off);
+    w_scales(b, 1, D, M); x_scales(xb, 1, D, M, s, &off);
     acc += LAST(__builtin_convertvector(IDOT(iq32(b, 0), i8x32_at(xb)), f8v) * s[0]);
   }
   return fold_acc(acc) - off;
@@ -151,25 +156,27 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
    row's floats in row_dot_q8's order, so the same results */
 static inline void rows_dot_q8(float* restrict out, long stride, const unsigned char* restrict row,
                                const unsigned char* restrict xq, int nb, int nbt) {
-  facc acc[BT]; float off[BT], s[BPS];
+  facc acc[BT]; float off[BT], s[BPS], D[BPS], M[BPS];
   _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) { acc[i] = 0; off[i] = 0; }
   int j = 0;
   for (; j + BPS <= nb; j += BPS) {
     const unsigned char* b = row + j * BLOCK_BYTES;
     AHEAD_N(b, BPS * BLOCK_BYTES);
     __auto_type w = STEP_W(b);
+    w_scales(b, BPS, D, M);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) if (i < nbt) {
       const unsigned char* xb = xq + ((long)i * nb + j) * XB;
-      step_scales(b, xb, BPS, s, &off[i]);
+      x_scales(xb, BPS, D, M, s, &off[i]);
       acc[i] += __builtin_convertvector(STEP_DOT(w, xb), facc) * STEP_SCALES(s);
     }
   }
   for (; j < nb; j++) {
     const unsigned char* b = row + j * BLOCK_BYTES;
     __auto_type w = iq32(b, 0);
+    w_scales(b, 1, D, M);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < BT; i++) if (i < nbt) {
       const unsigned char* xb = xq + ((long)i * nb + j) * XB;
-      step_scales(b, xb, 1, s, &off[i]);
+      x_scales(xb, 1, D, M, s, &off[i]);
       acc[i] += LAST(__builtin_convertvector(IDOT(w, i8x32_at(xb)), f8v) * s[0]);
     }
   }

@@ -154,11 +154,14 @@ typedef unsigned short u16x32 __attribute__((ext_vector_type(32)));
 #define CAT16(a, b) __builtin_shufflevector(a, b, S16(0))
 #define LO8(v) __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7)
 #define HI8(v) __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15)
+/* ggml's sign trick on 64 bytes: |w|, and x with w's sign (a mask where 512 bits have no vpsignb; x where w is 0
+   goes with |w| = 0) */
+static inline u8x64 abs64(i8x64 w) { return (u8x64)__builtin_elementwise_abs(w); }
+static inline i8x64 sign64(i8x64 x, i8x64 w) { return w < 0 ? -x : x; }
 #if defined(__AVX512BW__)
 typedef char v64qi_t __attribute__((vector_size(64)));
 static inline i16x32 pairs64_u(u8x64 u, i8x64 x) { return (i16x32)__builtin_ia32_pmaddubsw512((v64qi_t)u, (v64qi_t)x); }
-static inline i16x32 pairs64_s(i8x64 w, i8x64 x) {  /* |w| <= 127 times x with w's sign (0 where w is, by |w|) */
-  return pairs64_u((u8x64)__builtin_elementwise_abs(w), w < 0 ? -x : x); }
+static inline i16x32 pairs64_s(i8x64 w, i8x64 x) { return pairs64_u(abs64(w), sign64(x, w)); }  /* |w| <= 127 */
 static inline i32x16 madd32_acc(i32x16 acc, i16x32 a, i16x32 b) {
 #if defined(__AVX512VNNI__)
   return (i32x16)__builtin_ia32_vpdpwssd512((i32x16)acc, (i32x16)a, (i32x16)b);
@@ -169,8 +172,7 @@ static inline i32x16 madd32_acc(i32x16 acc, i16x32 a, i16x32 b) {
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)  /* dot32's 32-value sums, two at once: lanes 0-7 and 8-15 */
 static inline i32x16 dot64u(u8x64 u, i8x64 x) { return (i32x16)__builtin_ia32_vpdpbusd512((i32x16)0, (i32x16)u, (i32x16)x); }
-static inline i32x16 dot64s(i8x64 w, i8x64 x) {
-  return dot64u((u8x64)__builtin_elementwise_abs(w), w < 0 ? -x : x); }
+static inline i32x16 dot64s(i8x64 w, i8x64 x) { return dot64u(abs64(w), sign64(x, w)); }
 #else
 static inline i32x16 dot64u(u8x64 u, i8x64 x) { return CAT16(dot32u(LO32(u), LO32(x)), dot32u(HI32(u), HI32(x))); }
 static inline i32x16 dot64s(i8x64 w, i8x64 x) { return CAT16(dot32s(LO32(w), LO32(x)), dot32s(HI32(w), HI32(x))); }
