@@ -222,7 +222,8 @@ def test_the_chat_page_and_props_are_served(server: Server) -> None:
     assert status == 200 and headers["content-type"].startswith("text/html")
     assert headers["content-security-policy"].startswith("default-src 'self'")
     scripts = re.findall(rb'(?:src|href)="([^"]+)"', html)
-    assert sorted(scripts) == [b"/static/chat.css", b"/static/chat.js", b"data:,"], scripts
+    assert sorted(scripts) == [b"/static/chat.css", b"/static/chat.js", b"/static/marked.umd.js",
+                               b"/static/purify.min.js", b"data:,"], scripts
     for name in ("chat.js", "chat.css"):
         status, _, text = server.fetch(f"/static/{name}")
         assert status == 200 and b"://" not in text, name  # nothing fetched from anywhere else

@@ -1,6 +1,7 @@
 """The chat page at ``GET /`` (as llama-server's): one HTML file with its script and style under ``/static/``, all
-shipped in the package (``static/``), nothing fetched from anywhere else; and ``GET /props``, what the page reads of
-the server (llama-server's endpoint of that name, a subset of its fields).
+shipped in the package (``static/``, with the two libraries it uses vendored there: ``static/VENDORED.md``), nothing
+fetched from anywhere else; and ``GET /props``, what the page reads of the server (llama-server's endpoint of that
+name, a subset of its fields).
 
 The page's own Content-Security-Policy allows nothing but this server, so a change that pulled in an outside
 resource would fail in the browser test rather than pass unnoticed.
@@ -8,12 +9,14 @@ resource would fail in the browser test rather than pass unnoticed.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import Scope
 
 from pp_worker.driver.service import PipelineService
 from pp_worker.serve.api import Defaults
@@ -35,7 +38,17 @@ def page_routes(service: PipelineService, defaults: Defaults) -> list[BaseRoute]
     async def props(request: Request) -> Response:
         return JSONResponse(server_props(service, defaults))
 
-    return [Route("/", index), Route("/props", props), Mount("/static", StaticFiles(directory=STATIC), name="static")]
+    return [Route("/", index), Route("/props", props), Mount("/static", PageFiles(directory=STATIC), name="static")]
+
+
+class PageFiles(StaticFiles):
+    """The page's files, with its headers: nosniff (a script is run only when served as one) and no-cache."""
+
+    def file_response(self, full_path: str | os.PathLike[str], stat_result: os.stat_result, scope: Scope,
+                      status_code: int = 200) -> Response:
+        response = super().file_response(full_path, stat_result, scope, status_code)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 def server_props(service: PipelineService, defaults: Defaults) -> dict[str, object]:

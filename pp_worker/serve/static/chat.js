@@ -1,16 +1,47 @@
-// The chat page of pp-serve: a conversation streamed from /v1/chat/completions (SSE read from fetch, since
-// EventSource cannot POST). It reads the model and its context from /props, and asks for the API key when the
-// server answers 401, keeping it for this tab (sessionStorage) so it is asked for once.
+// The chat page of pp-serve: conversations streamed from /v1/chat/completions (SSE read from fetch, since
+// EventSource cannot POST) and kept in this browser's localStorage; answers rendered as markdown (marked), sanitized
+// (DOMPurify) since a model's output is untrusted HTML. It reads the model and its context from /props, and asks for
+// the API key when the server answers 401, keeping it for this tab (sessionStorage) so it is asked for once.
 "use strict";
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = "pp-serve-api-key";
+const CONVERSATIONS_STORE = "pp-serve-conversations";
+const CURRENT_STORE = "pp-serve-current";
+const SETTINGS_STORE = "pp-serve-settings";
+// The settings sent with each request: [input id, request field, /props default_generation_settings.params name]
+const SAMPLING = [
+  ["temperature", "temperature", "temperature"], ["top-k", "top_k", "top_k"], ["top-p", "top_p", "top_p"],
+  ["min-p", "min_p", "min_p"], ["repeat-penalty", "repetition_penalty", null],
+  ["max-tokens", "max_tokens", "n_predict"], ["seed", "seed", "seed"],
+];
+const SETTING_IDS = ["system", ...SAMPLING.map(([id]) => id)];
+
 const state = {
   key: sessionStorage.getItem(KEY_STORE) || "",
   props: null,
-  history: [],        // the turns sent with the next request: {role, content}
-  controller: null,   // the answer in progress (AbortController), null when idle
+  conversations: readJson(localStorage, CONVERSATIONS_STORE, []),  // {id, title, updated, messages}, newest first
+  current: localStorage.getItem(CURRENT_STORE),  // the id of the one shown; null: a new one, not saved yet
+  controller: null,  // the answer in progress (AbortController), null when idle
 };
+
+function readJson(storage, name, fallback) {
+  try {
+    return JSON.parse(storage.getItem(name)) ?? fallback;
+  } catch {
+    return fallback;  // not ours, or damaged: start over rather than fail to load
+  }
+}
+
+function save() {
+  try {
+    localStorage.setItem(CONVERSATIONS_STORE, JSON.stringify(state.conversations));
+    if (state.current) localStorage.setItem(CURRENT_STORE, state.current);
+    else localStorage.removeItem(CURRENT_STORE);
+  } catch (e) {  // the browser's quota: the page still works, the conversations are not kept
+    banner(`Cannot keep the conversations in this browser (${e.message}); delete some old ones.`);
+  }
+}
 
 function headers() {
   const h = { "Content-Type": "application/json" };
@@ -32,6 +63,13 @@ function banner(text) {
   $("banner").hidden = !text;
 }
 
+function element(tag, className, text) {
+  const node = document.createElement(tag);
+  if (className) node.className = className;
+  if (text !== undefined) node.textContent = text;
+  return node;
+}
+
 // --- the server ---------------------------------------------------------------------------------------------------
 async function load() {
   let response;
@@ -46,7 +84,7 @@ async function load() {
     askKey(state.key ? "That key was refused; try another." : "This server needs an API key.");
     return;
   }
-  if (response.status === 503) {  // warming up, or the stages restarting: it will answer soon
+  if (response.status === 503) {  // the stages restarting: it will answer soon
     banner(`The server is not ready: ${await errorText(response)}; retrying…`);
     setTimeout(load, 3000);
     return;
@@ -65,8 +103,10 @@ function showProps(props) {
   $("ctx").textContent = props.n_ctx ? `ctx ${props.n_ctx}` : "";
   $("ctx").hidden = !props.n_ctx;
   const params = (props.default_generation_settings || {}).params || {};
-  $("temperature").placeholder = `server default (${params.temperature ?? "0: greedy"})`;
-  $("max-tokens").placeholder = `server default (${params.n_predict ?? "?"})`;
+  for (const [id, , param] of SAMPLING) {
+    const value = param ? params[param] : null;
+    $(id).placeholder = `server default (${value ?? (id === "temperature" ? "0: greedy" : "unset")})`;
+  }
   setBusy(false);
   $("prompt").focus();
 }
@@ -86,18 +126,170 @@ $("key-form").addEventListener("submit", (event) => {
   load();
 });
 
-// --- the conversation ---------------------------------------------------------------------------------------------
-function addMessage(role, text) {
-  $("empty").hidden = true;
-  const box = document.createElement("article");
-  box.className = `message ${role}`;
-  const body = document.createElement("div");
-  body.className = "text";
-  body.textContent = text;  // text, never HTML: a model's answer is not trusted markup
-  box.append(body);
-  $("conversation").append(box);
+// --- markdown -----------------------------------------------------------------------------------------------------
+const MARKDOWN = window.marked && window.DOMPurify;
+if (MARKDOWN) {
+  // a link in an answer opens elsewhere and tells that site nothing of this page
+  DOMPurify.addHook("afterSanitizeAttributes", (node) => {
+    if (node.tagName === "A") {
+      node.setAttribute("target", "_blank");
+      node.setAttribute("rel", "noopener noreferrer");
+    }
+  });
+}
+
+// An answer's text as HTML: markdown rendered (a line break kept as one: models write verse and lists so), then
+// sanitized (no script, no event handler, no javascript: URL, no style that could cover the page's own controls);
+// as plain text if the libraries did not load.
+function showAnswer(box, text) {
+  if (!MARKDOWN) {
+    box.textContent = text;
+    return;
+  }
+  box.innerHTML = DOMPurify.sanitize(marked.parse(text, { gfm: true, breaks: true }).trim(),
+    { FORBID_TAGS: ["style", "form"], FORBID_ATTR: ["style"] });
+  for (const pre of box.querySelectorAll("pre")) {
+    const code = pre.textContent;
+    const button = element("button", "copy-code", "Copy");
+    button.type = "button";
+    button.addEventListener("click", () => copy(code, button));
+    pre.prepend(button);
+  }
+}
+
+async function copy(text, button) {
+  try {
+    await navigator.clipboard.writeText(text);  // only in a secure context (https, or localhost)
+  } catch {
+    const area = element("textarea");
+    area.value = text;
+    document.body.append(area);
+    area.select();
+    document.execCommand("copy");
+    area.remove();
+  }
+  const label = button.textContent;
+  button.textContent = "Copied";
+  setTimeout(() => { button.textContent = label; }, 1200);
+}
+
+// --- the conversations --------------------------------------------------------------------------------------------
+function current() {
+  return state.conversations.find((c) => c.id === state.current) || null;
+}
+
+function newId() {
+  return Date.now().toString(36) + Math.random().toString(36).slice(2, 8);  // randomUUID needs a secure context
+}
+
+function showList() {
+  const list = $("conversations");
+  list.replaceChildren();
+  for (const conversation of state.conversations) {
+    const item = element("li", conversation.id === state.current ? "active" : "");
+    const open = element("button", "open", conversation.title);
+    open.type = "button";
+    open.title = conversation.title;
+    open.addEventListener("click", () => switchTo(conversation.id));
+    const remove = element("button", "delete", "×");
+    remove.type = "button";
+    remove.title = `Delete “${conversation.title}”`;
+    remove.setAttribute("aria-label", remove.title);
+    remove.addEventListener("click", () => deleteConversation(conversation.id));
+    item.append(open, remove);
+    list.append(item);
+  }
+}
+
+function switchTo(id) {
+  stop();
+  state.current = id;
+  save();
+  show();
+}
+
+function deleteConversation(id) {
+  if (id === state.current) stop();
+  state.conversations = state.conversations.filter((c) => c.id !== id);
+  if (id === state.current) state.current = null;
+  save();
+  show();
+}
+
+// The current conversation, drawn again from its messages; and the list beside it.
+function show() {
+  showList();
+  for (const box of $("conversation").querySelectorAll(".message")) box.remove();
+  const conversation = current();
+  const messages = conversation ? conversation.messages : [];
+  $("empty").hidden = messages.length > 0;
+  messages.forEach((message, i) => $("conversation").append(messageView(conversation, i)));
+  setBusy(Boolean(state.controller));
   scrollDown();
+}
+
+function messageView(conversation, i) {
+  const message = conversation.messages[i];
+  const box = element("article", `message ${message.role}`);
+  const text = element("div", "text");
+  if (message.role === "assistant") showAnswer(text, message.content);
+  else text.textContent = message.content;  // what the user typed, as typed
+  box.append(text);
+  if (message.stats) box.append(element("div", "stats", statsText(message.stats)));
+  if (message.error) box.append(element("div", "error", message.error));
+  const tools = element("div", "tools");
+  tools.append(tool("Copy", "copy", (button) => copy(message.content, button)),
+    tool("Edit", "edit changes", () => edit(conversation, i, box)));
+  if (message.role === "assistant") tools.append(tool("Regenerate", "regenerate changes", () => regenerate(conversation, i)));
+  box.append(tools);
   return box;
+}
+
+function tool(label, className, action) {
+  const button = element("button", className, label);
+  button.type = "button";
+  button.addEventListener("click", () => action(button));
+  return button;
+}
+
+// A message's text in an editor, in place: a user's message saved is sent again (what came after it goes), an
+// answer saved is kept as written (the next turns send it so).
+function edit(conversation, i, box) {
+  const message = conversation.messages[i];
+  const area = element("textarea", "editor");
+  area.value = message.content;
+  area.rows = Math.min(12, message.content.split("\n").length + 1);
+  const saveButton = tool(message.role === "user" ? "Save and send" : "Save", "primary", () => {
+    const text = area.value.trim();
+    if (!text || state.controller) return;
+    message.content = text;
+    if (message.role === "user") {
+      conversation.messages.splice(i + 1);
+      answer(conversation);
+    } else {
+      delete message.stats;  // they were the model's answer's, not this text's
+      touch(conversation);
+      show();
+    }
+  });
+  const editing = element("div", "editing");
+  editing.append(area, element("div", "tools"));
+  editing.lastChild.append(saveButton, tool("Cancel", "", show));
+  box.replaceChildren(editing);
+  area.focus();
+}
+
+function regenerate(conversation, i) {
+  if (state.controller) return;
+  conversation.messages.splice(i);
+  answer(conversation);
+}
+
+function touch(conversation) {
+  if (!state.conversations.includes(conversation)) return;  // deleted while its answer was coming
+  conversation.updated = Date.now();
+  state.conversations = [conversation, ...state.conversations.filter((c) => c !== conversation)];
+  save();
 }
 
 function scrollDown() {
@@ -105,21 +297,15 @@ function scrollDown() {
   view.scrollTop = view.scrollHeight;
 }
 
-function note(box, text, kind = "stats") {
-  const line = document.createElement("div");
-  line.className = kind;
-  line.textContent = text;
-  box.append(line);
-  scrollDown();
-}
-
 function setBusy(busy) {
   $("send").hidden = busy;
   $("stop").hidden = !busy;
   $("send").disabled = busy || !state.props;
   $("prompt").disabled = !state.props;
+  for (const button of document.querySelectorAll(".tools .changes")) button.disabled = busy;
 }
 
+// --- answering ----------------------------------------------------------------------------------------------------
 // The SSE events of a streamed answer, parsed: pp-serve's chunks, then [DONE] (or the end of the body).
 async function* events(body) {
   const reader = body.getReader();
@@ -140,31 +326,48 @@ async function* events(body) {
   }
 }
 
-function request(messages) {
+// The request for the conversation's next answer: its turns (an answer that failed left out), after the system
+// prompt, with the settings that are set; the rest take the server's defaults.
+function request(conversation) {
+  const system = $("system").value.trim();
+  const turns = conversation.messages.filter((m) => !m.error).map(({ role, content }) => ({ role, content }));
+  const messages = [...(system ? [{ role: "system", content: system }] : []), ...turns];
   const body = { model: state.props.model, messages, stream: true, stream_options: { include_usage: true } };
-  if ($("temperature").value !== "") body.temperature = Number($("temperature").value);
-  if ($("max-tokens").value !== "") body.max_tokens = Number($("max-tokens").value);
+  for (const [id, field] of SAMPLING) {
+    if ($(id).value !== "") body[field] = Number($(id).value);
+  }
   return body;
 }
 
-// One answer: streamed into its bubble; under it the tokens, tokens/s and time to first token, measured here (what
-// the reader waited), the decode rate over the tokens after the first.
-async function send(text) {
-  const user = { role: "user", content: text };
-  const system = $("system").value.trim();
-  const messages = [...(system ? [{ role: "system", content: system }] : []), ...state.history, user];
-  addMessage("user", text);
-  const box = addMessage("assistant", "");
-  box.classList.add("streaming");
-  const shown = box.querySelector(".text");
-  const t0 = performance.now();
-  let first = 0, answer = "", usage = null, finish = "", failed = "";
+function send(text) {
+  let conversation = current();
+  if (!conversation) {
+    const title = text.split("\n")[0].slice(0, 60);
+    conversation = { id: newId(), title, updated: Date.now(), messages: [] };
+    state.conversations.unshift(conversation);
+    state.current = conversation.id;
+  }
+  conversation.messages.push({ role: "user", content: text });
+  answer(conversation);
+}
+
+// The conversation's next answer: streamed into its bubble; under it the tokens, tokens/s and time to first token,
+// measured here (what the reader waited), the decode rate over the tokens after the first.
+async function answer(conversation) {
+  const body = request(conversation);
+  const message = { role: "assistant", content: "" };
+  conversation.messages.push(message);
+  touch(conversation);
   state.controller = new AbortController();
-  setBusy(true);
+  show();
+  const shown = $("conversation").lastElementChild.querySelector(".text");
+  shown.parentElement.classList.add("streaming");
+  const t0 = performance.now();
+  let first = 0, pieces = 0, raw = "", usage = null, finish = "";
   try {
     const response = await fetch("/v1/chat/completions", { method: "POST", headers: headers(),
-      body: JSON.stringify(request(messages)), signal: state.controller.signal });
-    if (response.status === 401) askKey("The server refused the key; enter it again, then resend.");
+      body: JSON.stringify(body), signal: state.controller.signal });
+    if (response.status === 401) askKey("The server refused the key; enter it again, then regenerate.");
     if (!response.ok) throw new Error(await errorText(response));
     for await (const event of events(response.body)) {
       if (event.error) throw new Error(event.error.message);
@@ -173,37 +376,41 @@ async function send(text) {
       const piece = choice && choice.delta && choice.delta.content;
       if (piece) {
         first = first || performance.now();
-        answer += piece;
-        shown.textContent = answer.trimStart();  // a model's answer often starts with the space of its first word
+        pieces += 1;
+        raw += piece;
+        message.content = raw.trimStart();  // a model's answer often starts with the space of its first word
+        showAnswer(shown, message.content);
         scrollDown();
       }
       finish = (choice && choice.finish_reason) || finish;
     }
   } catch (e) {
     if (e.name === "AbortError") finish = "stopped";
-    else failed = e.message;
+    else message.error = e.message;  // kept in view, left out of the next requests; Regenerate tries again
   } finally {
     state.controller = null;
-    box.classList.remove("streaming");
-    setBusy(false);
   }
-  if (failed) {
-    note(box, failed, "error");
-    return;  // the turn stays out of the history: the next request does not carry it
-  }
-  state.history.push(user, { role: "assistant", content: answer });
-  note(box, stats(t0, first, performance.now(), usage, finish));
+  if (!message.error) message.stats = stats(t0, first, performance.now(), usage, finish, pieces);
+  touch(conversation);
+  show();  // this conversation's final view, or the controls of the one switched to set idle
 }
 
-function stats(t0, first, end, usage, finish) {
-  const parts = [];
-  const n = usage && usage.completion_tokens;
-  if (n) parts.push(`${n} token${n === 1 ? "" : "s"}`);
-  if (n > 1 && end > first) parts.push(`${((n - 1) / ((end - first) / 1000)).toFixed(1)} tok/s`);
-  if (first) parts.push(`TTFT ${Math.round(first - t0)} ms`);
-  if (usage && state.props.n_ctx) parts.push(`context ${usage.total_tokens}/${state.props.n_ctx}`);
-  if (finish === "length") parts.push("cut at max tokens");
-  if (finish === "stopped") parts.push("stopped");
+// A stopped answer has no usage (it comes at the end of the stream): its tokens are then counted as the pieces of
+// text that came, one per token but where a piece was held back (a possible stop string), so marked approximate.
+function stats(t0, first, end, usage, finish, pieces) {
+  const tokens = usage ? usage.completion_tokens : pieces;
+  return { tokens, approximate: !usage, ttft_ms: first ? Math.round(first - t0) : null,
+    tokens_per_s: tokens > 1 && end > first ? (tokens - 1) / ((end - first) / 1000) : null,
+    context: usage && state.props.n_ctx ? `${usage.total_tokens}/${state.props.n_ctx}` : null, finish };
+}
+
+function statsText(s) {
+  const parts = [`${s.approximate ? "~" : ""}${s.tokens} token${s.tokens === 1 ? "" : "s"}`];
+  if (s.tokens_per_s !== null) parts.push(`${s.tokens_per_s.toFixed(1)} tok/s`);
+  if (s.ttft_ms !== null) parts.push(`TTFT ${s.ttft_ms} ms`);
+  if (s.context) parts.push(`context ${s.context}`);
+  if (s.finish === "length") parts.push("cut at max tokens");
+  if (s.finish === "stopped") parts.push("stopped");
   return parts.join(" · ");
 }
 
@@ -211,12 +418,15 @@ function stop() {
   if (state.controller) state.controller.abort();  // the server cancels the generation when the stream closes
 }
 
-function clear() {
-  stop();
-  state.history = [];
-  for (const box of $("conversation").querySelectorAll(".message")) box.remove();
-  $("empty").hidden = false;
-  $("prompt").focus();
+// --- the settings, kept in this browser ---------------------------------------------------------------------------
+function loadSettings() {
+  const saved = readJson(localStorage, SETTINGS_STORE, {});
+  for (const id of SETTING_IDS) $(id).value = saved[id] ?? "";
+}
+
+function saveSettings() {
+  const values = Object.fromEntries(SETTING_IDS.map((id) => [id, $(id).value]).filter(([, v]) => v !== ""));
+  localStorage.setItem(SETTINGS_STORE, JSON.stringify(values));
 }
 
 // --- the controls -------------------------------------------------------------------------------------------------
@@ -240,11 +450,21 @@ document.addEventListener("keydown", (event) => {
 });
 
 $("stop").addEventListener("click", stop);
-$("clear").addEventListener("click", clear);
+$("new-chat").addEventListener("click", () => {
+  switchTo(null);
+  $("prompt").focus();
+});
 $("settings-toggle").addEventListener("click", () => {
   const open = $("settings").hidden;
   $("settings").hidden = !open;
   $("settings-toggle").setAttribute("aria-expanded", String(open));
 });
+for (const id of SETTING_IDS) $(id).addEventListener("input", saveSettings);
+$("reset-settings").addEventListener("click", () => {
+  for (const id of SETTING_IDS) $(id).value = "";
+  saveSettings();
+});
 
+loadSettings();
+show();
 load();
