@@ -105,7 +105,7 @@ function showProps(props) {
   const params = (props.default_generation_settings || {}).params || {};
   for (const [id, , param] of SAMPLING) {
     const value = param ? params[param] : null;
-    $(id).placeholder = `server default (${value ?? (id === "temperature" ? "0: greedy" : "unset")})`;
+    $(id).placeholder = `default (${value ?? (id === "temperature" ? "0: greedy" : "unset")})`;
   }
   setBusy(false);
   $("prompt").focus();
@@ -209,11 +209,13 @@ function switchTo(id) {
 }
 
 function deleteConversation(id) {
-  if (id === state.current) stop();
   state.conversations = state.conversations.filter((c) => c.id !== id);
-  if (id === state.current) state.current = null;
-  save();
-  show();
+  if (id !== state.current) {
+    save();
+    showList();  // the conversation shown stays as it is (an answer may be streaming into it)
+    return;
+  }
+  switchTo(null);
 }
 
 // The current conversation, drawn again from its messages; and the list beside it.
