@@ -314,14 +314,27 @@ def test_conversations_are_kept_across_reloads(server: Server, browser: WebDrive
     second = say(d, "four five")
     open_page(d, server, keep=True)
     titles = [e.text for e in d.find_elements(By.CSS_SELECTOR, "#conversations .open")]
-    assert titles == ["four five", "one two three"]  # newest first; the current one shown
+    assert titles == ["four five", "one two three"]  # the last used first; the current one shown
     assert answers(d) == second and d.find_element(By.CSS_SELECTOR, "#conversations .active .open").text == "four five"
     assert d.find_element(By.ID, "max-tokens").get_attribute("value") == "5"  # the settings are kept too
     d.find_elements(By.CSS_SELECTOR, "#conversations .open")[1].click()
     assert answers(d) == first and len(wait_stats(d, 1)) == 1
     assert [e.text for e in d.find_elements(By.CSS_SELECTOR, ".user .text")] == ["one two three"]
-    d.find_elements(By.CSS_SELECTOR, "#conversations .delete")[0].click()  # "four five", not the one shown
-    assert answers(d) == first
+    # a long answer streaming into the one shown: deleting the other leaves it streaming there; a new chat stops it
+    settings(d, max_tokens="4000")
+    tool(d, 1, "Regenerate")
+    text = d.find_element(By.CSS_SELECTOR, ".assistant .text")
+    WebDriverWait(d, 30).until(lambda _: len(text.get_attribute("textContent").split()) > 2)
+    d.find_element(By.XPATH, "//li[button[text()='four five']]/button[@class='delete']").click()
+    assert [e.text for e in d.find_elements(By.CSS_SELECTOR, "#conversations .open")] == ["one two three"]
+    words = len(d.find_element(By.CSS_SELECTOR, ".assistant .text").get_attribute("textContent").split())
+    WebDriverWait(d, 30).until(lambda _: len(d.find_element(By.CSS_SELECTOR, ".assistant .text").get_attribute(
+        "textContent").split()) > words + 2)
+    d.find_element(By.ID, "new-chat").click()
+    server.wait_for("the answer's sessions released", lambda: server.sessions() == [{}] * STAGES)
+    d.find_element(By.CSS_SELECTOR, "#conversations .open").click()
+    assert wait_stats(d, 1)[0].endswith(" · stopped")
+    first = answers(d)
     open_page(d, server, keep=True)
     assert [e.text for e in d.find_elements(By.CSS_SELECTOR, "#conversations .open")] == ["one two three"]
     assert answers(d) == first
@@ -329,6 +342,12 @@ def test_conversations_are_kept_across_reloads(server: Server, browser: WebDrive
     assert d.find_elements(By.CSS_SELECTOR, ".message, #conversations li") == []
     open_page(d, server, keep=True)
     assert d.find_elements(By.CSS_SELECTOR, ".message, #conversations li") == []
+    # what another page of this origin left under that name is not taken for conversations (nor breaks the page)
+    d.execute_script("localStorage.setItem('pp-serve-conversations', '{\"not\": \"a list\"}')")
+    open_page(d, server, keep=True)
+    assert d.find_elements(By.CSS_SELECTOR, ".message, #conversations li") == []
+    settings(d, max_tokens="3")
+    say(d, "still works")
 
 
 def test_regenerate_edit_and_copy(server: Server, browser: WebDriver) -> None:

@@ -20,7 +20,7 @@ const SETTING_IDS = ["system", ...SAMPLING.map(([id]) => id)];
 const state = {
   key: sessionStorage.getItem(KEY_STORE) || "",
   props: null,
-  conversations: readJson(localStorage, CONVERSATIONS_STORE, []),  // {id, title, updated, messages}, newest first
+  conversations: conversationsKept(),  // {id, title, updated, messages}, the last used first
   current: localStorage.getItem(CURRENT_STORE),  // the id of the one shown; null: a new one, not saved yet
   controller: null,  // the answer in progress (AbortController), null when idle
 };
@@ -31,6 +31,11 @@ function readJson(storage, name, fallback) {
   } catch {
     return fallback;  // not ours, or damaged: start over rather than fail to load
   }
+}
+
+function conversationsKept() {
+  const kept = readJson(localStorage, CONVERSATIONS_STORE, []);
+  return Array.isArray(kept) ? kept.filter((c) => c && Array.isArray(c.messages)) : [];
 }
 
 function save() {
