@@ -507,3 +507,19 @@ def test_a_browser_gets_a_loading_page_while_the_stages_warm_up(browser: WebDriv
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
+
+
+def test_a_failed_answer_shows_its_error_and_can_be_regenerated(server: Server, browser: WebDriver) -> None:
+    """A value the server refuses (top_p 0: a 400): the answer shows the server's message, the next turn is sent
+    without it, and Regenerate with the value fixed answers."""
+    d = browser
+    open_page(d, server)
+    settings(d, top_p="0", max_tokens="4")
+    d.find_element(By.ID, "prompt").send_keys("eta theta" + Keys.ENTER)
+    error = WebDriverWait(d, 30).until(lambda _: d.find_elements(By.CSS_SELECTOR, ".assistant .error"))[0].text
+    assert "top_p" in error and d.find_elements(By.CSS_SELECTOR, ".assistant .stats") == []
+    settings(d, top_p="1")
+    assert say(d, "iota")[1] == expected_answer([("user", "eta theta"), ("user", "iota")], 4)
+    tool(d, 1, "Regenerate")
+    wait_stats(d, 1)
+    assert answers(d) == [expected_answer([("user", "eta theta")], 4)]

@@ -247,7 +247,9 @@ function messageView(conversation, i) {
   const tools = element("div", "tools");
   tools.append(tool("Copy", "copy", (button) => copy(message.content, button)),
     tool("Edit", "edit changes", () => edit(conversation, i, box)));
-  if (message.role === "assistant") tools.append(tool("Regenerate", "regenerate changes", () => regenerate(conversation, i)));
+  if (message.role === "assistant") {
+    tools.append(tool("Regenerate", "regenerate changes", () => regenerate(conversation, i)));
+  }
   box.append(tools);
   return box;
 }
@@ -275,6 +277,7 @@ function edit(conversation, i, box) {
       answer(conversation);
     } else {
       delete message.stats;  // they were the model's answer's, not this text's
+      delete message.error;  // an answer written by hand did not fail: later turns send it
       touch(conversation);
       show();
     }
