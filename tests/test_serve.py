@@ -29,7 +29,7 @@ from conftest import REPO, gone, group_gone, group_members
 from serving import Server, request_id
 
 from pp_worker.driver.chat import chat_format
-from pp_worker.driver.generation import Sampling
+from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
@@ -240,6 +240,84 @@ def test_without_cors_origins_no_page_elsewhere_may_call(server: Server) -> None
     assert status == 405 and "access-control-allow-origin" not in headers
 
 
+CHAT = [{"role": "user", "content": "hello there pipeline"}]
+
+
+def driver_generation(prompt: str, max_tokens: int, sampling: Sampling) -> Generation:
+    return run_pipeline([prompt], stages=STAGES, stub=True, max_tokens=max_tokens, sampling=sampling).generations[0]
+
+
+def test_chat_logprobs_streamed_or_not_are_the_last_stages(server: Server) -> None:
+    g = driver_generation(chat_format(None).render([("user", CHAT[0]["content"])]), 6, Sampling(logprobs=3))
+    want = [(e["text"], e["logprob"], [(t["text"], t["logprob"]) for t in e["top"]]) for e in g.logprobs]
+    assert len(want) == 6 and all(len(top) == 3 for _, _, top in want)
+    client = server.client()
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in content] == want
+    assert "".join(c.token for c in content) == r.choices[0].message.content == g.text
+    assert all(c.bytes == list(c.token.encode()) and c.token == c.top_logprobs[0].token for c in content)  # argmax
+    stream = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, logprobs=True,
+                                                 top_logprobs=3, stream=True))
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in streamed] == want
+    plain = client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, logprobs=True)
+    assert [c.top_logprobs for c in plain.choices[0].logprobs.content] == [[]] * 6
+    assert client.chat.completions.create(model="m", messages=CHAT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_take_the_legacy_shape(server: Server) -> None:
+    g = driver_generation(PROMPTS[3], 8, Sampling(logprobs=2))
+    client = server.client()
+    for stream in (False, True):
+        r = client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=8, logprobs=2, stream=stream)
+        parts = [c.choices[0].logprobs for c in r if c.choices and c.choices[0].logprobs] if stream \
+            else [r.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        assert tokens == [e["text"] for e in g.logprobs] and "".join(tokens) == g.text
+        assert [x for p in parts for x in p.token_logprobs] == [e["logprob"] for e in g.logprobs]
+        assert [x for p in parts for x in p.top_logprobs] == [{t["text"]: t["logprob"] for t in e["top"]}
+                                                            for e in g.logprobs]
+        offsets = [x for p in parts for x in p.text_offset]
+        assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+def test_presence_and_frequency_penalties_reach_the_last_stage(server: Server) -> None:
+    greedy, _, _ = driver_text(PROMPTS[2], 24)
+    penalised, _, _ = driver_text(PROMPTS[2], 24, Sampling(presence_penalty=1.5, frequency_penalty=2.0))
+    assert penalised != greedy  # otherwise this test could not tell
+    r = server.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, presence_penalty=1.5,
+                                           frequency_penalty=2)
+    assert r.choices[0].text == penalised
+
+
+def test_seed_minus_one_draws_a_random_seed(server: Server) -> None:
+    texts = {server.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, temperature=2.0,
+                                                seed=-1).choices[0].text for _ in range(3)}
+    assert len(texts) > 1  # three equal draws of 24 tokens at temperature 2 would be a one-in-billions chance
+
+
+def test_chat_stream_chunks_end_on_token_boundaries(server: Server) -> None:
+    """The chat format's stop string ("\nUser:") holds back only text that could begin it: the stub's text never
+    can, so every chunk is whole tokens (" 3 14"), never a word cut where the hold-back happened to end."""
+    stream = server.client().chat.completions.create(model="m", messages=CHAT, max_tokens=24, stream=True)
+    chunks = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(chunks) > 1 and all(re.fullmatch(r"( \d+)+", c) for c in chunks), chunks
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({"presence_penalty": -2.1}, "presence_penalty"),
+    ({"n": 3}, "n"),
+])
+def test_bad_chat_values_get_400_naming_the_field(server: Server, fields: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model="m", messages=CHAT, max_tokens=2, **fields)
+    assert e.value.status_code == 400 and e.value.param == param
+    assert server.client().chat.completions.create(model="m", messages=CHAT, max_tokens=2).choices[0].message
+
+
 def _stream_text(server: Server, prompt: str) -> str:
     stream = server.client().completions.create(model="m", prompt=prompt, max_tokens=16, stream=True)
     return "".join(c.choices[0].text for c in stream)
@@ -285,7 +363,8 @@ def test_waiting_client_that_disconnects_releases_its_sessions(server: Server) -
 
 @pytest.mark.parametrize("fields, param", [
     ({"n": 2}, "n"), ({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 3}, "logprobs"), ({"seed": -1}, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 21}, "logprobs"), ({"seed": -2}, "seed"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x" * 70000}, "prompt"),
     ({"logit_bias": {"32": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),

@@ -29,6 +29,7 @@ from pp_worker.serve.access import RequireKey, cors
 from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
 from pp_worker.serve.feed import Feed, Update
 from pp_worker.serve.fields import ApiError, read_body, unavailable
+from pp_worker.serve.logprobs import Entry, chat_logprobs, completion_logprobs
 from pp_worker.serve.metrics import CountRequests, Metrics, metrics_route
 from pp_worker.serve.page import page_routes
 from pp_worker.serve.stages import stage_routes
@@ -114,7 +115,8 @@ async def _generate(api: Api, request: Request, ask: Ask) -> Response:
             updates.append(await feed.next())
             _raise_for(updates[-1])
             done = updates[-1].finish_reason is not None
-        return JSONResponse(_completion(api, ask, rid, "".join(u.text for u in updates), updates[-1]))
+        logprobs = [e for u in updates for e in u.logprobs]
+        return JSONResponse(_completion(api, ask, rid, "".join(u.text for u in updates), updates[-1], logprobs))
     finally:
         if watch is not None:
             _stop(service, rid, watch, done)
@@ -123,7 +125,7 @@ async def _generate(api: Api, request: Request, ask: Ask) -> Response:
 async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed,
                   watch: asyncio.Task[None]) -> AsyncIterator[str]:
     """The SSE stream: text chunks, the finish reason, the usage if asked for, [DONE]. Cancelled on disconnect."""
-    update, done = first, False
+    update, done, offset = first, False, 0  # offset: characters of the tokens' texts sent (completions' text_offset)
     try:
         if ask.chat:
             yield _sse(_chunk(api, ask, rid, {"role": "assistant", "content": ""}, None))
@@ -132,8 +134,10 @@ async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed,
                 yield _sse(_error(update).body())
                 yield "data: [DONE]\n\n"
                 return
-            if update.text:
-                yield _sse(_chunk(api, ask, rid, {"content": update.text} if ask.chat else update.text, None))
+            if update.text or update.logprobs:
+                yield _sse(_chunk(api, ask, rid, {"content": update.text} if ask.chat else update.text, None,
+                                  _logprobs(ask, update.logprobs, offset)))
+                offset += sum(len(e["text"]) for e in update.logprobs)
             if update.finish_reason is not None:
                 done = True
                 yield _sse(_chunk(api, ask, rid, {} if ask.chat else "", update.finish_reason))
@@ -171,8 +175,9 @@ def _error(update: Update) -> ApiError:
 
 
 # --- response shapes --------------------------------------------------------------------------------------------
-def _completion(api: Api, ask: Ask, rid: int, text: str, last: Update) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+def _completion(api: Api, ask: Ask, rid: int, text: str, last: Update, logprobs: list[Entry]) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
+                              "logprobs": _logprobs(ask, logprobs, 0)}
     if ask.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -181,10 +186,17 @@ def _completion(api: Api, ask: Ask, rid: int, text: str, last: Update) -> dict[s
             "usage": last.usage}
 
 
-def _chunk(api: Api, ask: Ask, rid: int, content: dict[str, str] | str, finish: str | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+def _chunk(api: Api, ask: Ask, rid: int, content: dict[str, str] | str, finish: str | None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     choice["delta" if ask.chat else "text"] = content
     return {**_head(api, ask, rid, "chat.completion.chunk" if ask.chat else "text_completion"), "choices": [choice]}
+
+
+def _logprobs(ask: Ask, entries: list[Entry] | tuple[Entry, ...], offset: int) -> dict[str, Any] | None:
+    if ask.logprobs is None:
+        return None
+    return chat_logprobs(entries) if ask.chat else completion_logprobs(entries, offset)
 
 
 def _head(api: Api, ask: Ask, rid: int, kind: str) -> dict[str, Any]:
