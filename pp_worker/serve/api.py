@@ -63,17 +63,22 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
     return _ask(body, prompt_text(prompt), defaults, chat=False, max_tokens_field="max_tokens")
 
 
-def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: Format) -> Ask:
-    """POST /v1/chat/completions: the messages rendered with the model's chat format."""
+def render_messages(body: dict[str, Any], fmt: Format) -> str:
+    """The request's ``messages`` rendered with the model's chat format, ready for the assistant's answer."""
     messages = required(body, "messages")
     if not isinstance(messages, list):
         raise ApiError(422, "messages: expected an array", "messages", "invalid_type")
     if not messages:
         raise ApiError(400, "messages: at least one message is needed", "messages")
-    turns = [_turn(m, i) for i, m in enumerate(messages)]
+    return prompt_text(fmt.render([_turn(m, i) for i, m in enumerate(messages)]))
+
+
+def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: Format) -> Ask:
+    """POST /v1/chat/completions: the messages rendered with the model's chat format."""
+    prompt = render_messages(body, fmt)
     _unsupported(body, tools=None, functions=None, response_format={"type": "text"}, tool_choice="none")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    ask = _ask(body, prompt_text(fmt.render(turns)), defaults, chat=True, max_tokens_field=field)
+    ask = _ask(body, prompt, defaults, chat=True, max_tokens_field=field)
     ask = replace(ask, sampling=replace(ask.sampling, logprobs=_chat_logprobs(body)))
     return replace(ask, stop=tuple(dict.fromkeys(ask.stop + fmt.stop)))  # the format's end-of-turn text ends it
 
@@ -97,14 +102,17 @@ def _ask(body: dict[str, Any], prompt: str, defaults: Defaults, *, chat: bool, m
     options = typed(body, "stream_options", dict)
     include_usage = bool(stream and options and options.get("include_usage") is True)
     max_tokens = integer(body, max_tokens_field, 1, 1 << 30)
-    sampling = _sampling(body, defaults)
+    sampling = sampling_fields(body, defaults)
     if not chat:  # the legacy completions' logprobs: how many alternatives (chat's is a boolean)
         sampling = replace(sampling, logprobs=integer(body, "logprobs", 0, MAX_LOGPROBS))
-    return Ask(prompt, max_tokens or defaults.max_tokens, sampling, _stop(body), stream, include_usage, chat)
+    return Ask(prompt, max_tokens or defaults.max_tokens, sampling, stop_strings(body), stream, include_usage, chat)
 
 
-def _sampling(body: dict[str, Any], defaults: Defaults) -> Sampling:
-    """The request's sampling fields over the server's defaults; ranges as the workers check them."""
+def sampling_fields(body: dict[str, Any], defaults: Defaults, repetition_penalty: str = "repetition_penalty",
+                    logit_bias: Any = None) -> Sampling:
+    """The request's sampling fields over the server's defaults; ranges as the workers check them.
+    ``repetition_penalty``: the field's name in this API; ``logit_bias``: the field's value when this API spells it
+    otherwise (already in OpenAI's shape)."""
     seed = integer(body, "seed", -1, SEED_LIMIT - 1)
     sampling = replace(defaults.sampling, seed=None) if seed == -1 else defaults.sampling  # -1: a random seed
     return replace(sampling, **{k: v for k, v in {
@@ -112,11 +120,11 @@ def _sampling(body: dict[str, Any], defaults: Defaults) -> Sampling:
         "top_p": number(body, "top_p", 0.0, 1.0, low_open=True),
         "top_k": integer(body, "top_k", 0, 1 << 30),
         "min_p": number(body, "min_p", 0.0, 1.0, high_open=True),
-        "repetition_penalty": number(body, "repetition_penalty", 0.0, 100.0, low_open=True),
+        "repetition_penalty": number(body, repetition_penalty, 0.0, 100.0, low_open=True),
         "presence_penalty": number(body, "presence_penalty", -2.0, 2.0),
         "frequency_penalty": number(body, "frequency_penalty", -2.0, 2.0),
         "seed": None if seed == -1 else seed,
-        "logit_bias": _logit_bias(body, defaults.vocab_size),
+        "logit_bias": _logit_bias(body if logit_bias is None else {"logit_bias": logit_bias}, defaults.vocab_size),
     }.items() if v is not None})
 
 
@@ -139,7 +147,7 @@ def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int
     return tuple(biases)
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+def stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()
