@@ -280,10 +280,10 @@ def test_logprobs_come_with_the_token_alone_or_batched() -> None:
         ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
         got = reply["logprobs"]
         assert (got["token_id"], got["text"]) == (reply["token_id"], f" {reply['token_id']}")  # the stub's text
-        assert got["logprob"] == pytest.approx(ref[reply["token_id"]], abs=1e-12)
+        assert got["logprob"] == pytest.approx(ref[reply["token_id"]], abs=1e-7)
         best = sorted(range(len(ref)), key=lambda i: (-ref[i], i))[:3]
         assert [t["token_id"] for t in got["top"]] == best
-        assert [t["logprob"] for t in got["top"]] == pytest.approx(ref[best].tolist(), abs=1e-12)
+        assert [t["logprob"] for t in got["top"]] == pytest.approx(ref[best].tolist(), abs=1e-7)
         assert [t["text"] for t in got["top"]] == [f" {i}" for i in best]
     assert all("logprobs" not in r for r in replies[:3])  # not asked for, not sent
 

@@ -87,7 +87,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (how many alternatives; needs ``logprobs``)."""
     top = integer(body, "top_logprobs", 0, MAX_LOGPROBS)
     if not boolean(body, "logprobs"):
-        if top is not None:
+        if top:
             raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
         return None
     return top or 0

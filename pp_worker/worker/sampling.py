@@ -164,18 +164,29 @@ LOGPROB_FLOOR = -9999.0  # a token the model gives no chance (a -inf or NaN logi
 
 def token_logprobs(logits: Sequence[float] | np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
     """(log-probability of ``token``, the ``top`` most probable ids with theirs, most probable first, ties: the lower
-    id first) under the softmax of the raw logits in float64. NaN counts as -inf; at least ``LOGPROB_FLOOR``."""
+    id first) under the softmax of the raw logits (within ~1e-7). NaN counts as -inf; at least ``LOGPROB_FLOOR``."""
     x = _as_logits(logits)
     x[np.isnan(x)] = -np.inf
     m = x.max()
     if not np.isfinite(m):
         raise ValueError("no logit is finite; no log-probabilities")
-    lse = m + math.log(float(np.exp(x - m).sum()))
-    lp = np.maximum(x - lse, LOGPROB_FLOOR)
-    if top == 0:
-        return float(lp[token]), []
-    ids = np.arange(lp.size)
-    if top < lp.size:  # pre-select in O(vocab): only ~top ids get sorted
-        ids = ids[lp >= np.partition(lp, lp.size - top)[lp.size - top]]
-    ids = ids[np.argsort(-lp[ids], kind="stable")][:top]
-    return float(lp[token]), [(int(i), float(lp[i])) for i in ids]
+    # exp in float32 (numpy vectorises it, ~15x float64's at a 150K vocabulary), summed in float64: within ~1e-7
+    lse = m + math.log(float(np.exp((x - m).astype(np.float32)).sum(dtype=np.float64)))
+
+    def logprob(i: int) -> float:
+        return max(float(x[i]) - lse, LOGPROB_FLOOR)
+
+    return logprob(token), [(int(i), logprob(i)) for i in _highest(x, top)]
+
+
+def _highest(x: np.ndarray, k: int) -> np.ndarray:
+    """Ids of the k highest values, highest first (ties: the lower id first). The k-th highest of the maxima of
+    k or more blocks is a bound no lower than the k-th highest value (k blocks each hold a value that high), so
+    only the ids at or above it get sorted: at a 150K vocabulary ~10x faster than a partition of all of it."""
+    if k == 0:
+        return np.zeros(0, dtype=np.int64)
+    ids, width = np.arange(x.size), max(1, x.size // 1024)
+    if x.size // width > k:
+        maxima = x[:x.size // width * width].reshape(-1, width).max(axis=1)
+        ids = np.flatnonzero(x >= np.partition(maxima, maxima.size - k)[maxima.size - k])
+    return ids[np.argsort(-x[ids], kind="stable")][:k]
