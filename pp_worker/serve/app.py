@@ -134,7 +134,7 @@ async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed, watch
     update, done, stream = first, False, shape.stream(api.service.model, ask, rid)
     try:
         while True:
-            if update.error:  # a stream always ends in [DONE], an error too: clients wait for it
+            if update.error:  # an OpenAI stream ends in [DONE] after an error too: clients wait for it
                 yield _sse(_error(update).body())
                 break
             for event in stream.events(update):
