@@ -264,3 +264,30 @@ def test_batched_steps_of_a_q8_stage_are_q8_as_its_single_steps() -> None:
     want = [Worker(StubEngine(1, 3), Clock(), "stub", wire_dtype="q8").handle_line(request_line(r)) for r in requests]
     assert batched.engine.batches == [3]  # type: ignore[attr-defined]
     assert got == want and all(r["hidden_dtype"] == "q8" for r in got)
+
+
+def test_logprobs_come_with_the_token_alone_or_batched() -> None:
+    """The last stage's log-probabilities are the stub's raw logits' log-softmax, the same in a batched step."""
+    rids = [3, 5, 8]
+    requests = [prefill(1, 2, rid, 2) for rid in rids]
+    requests += [{**step(1, 2, rid, 2), "logprobs": 3, "temperature": 0.8, "seed": rid} for rid in rids]
+    worker = make_worker(1, 2)
+    replies = served(worker, requests)
+    assert replies == alone(1, 2, requests) and worker.engine.batches == [3]  # type: ignore[attr-defined]
+    for r, reply in zip(requests[3:], replies[3:], strict=True):
+        hidden = base64.b64decode(r["hidden_b64"])
+        logits = np.array(StubEngine(1, 2).forward_logits(0, hidden, r["position"], 1), dtype=np.float64)
+        ref = logits - logits.max() - np.log(np.exp(logits - logits.max()).sum())
+        got = reply["logprobs"]
+        assert (got["token_id"], got["text"]) == (reply["token_id"], f" {reply['token_id']}")  # the stub's text
+        assert got["logprob"] == pytest.approx(ref[reply["token_id"]], abs=1e-7)
+        best = sorted(range(len(ref)), key=lambda i: (-ref[i], i))[:3]
+        assert [t["token_id"] for t in got["top"]] == best
+        assert [t["logprob"] for t in got["top"]] == pytest.approx(ref[best].tolist(), abs=1e-7)
+        assert [t["text"] for t in got["top"]] == [f" {i}" for i in best]
+    assert all("logprobs" not in r for r in replies[:3])  # not asked for, not sent
+
+
+def test_a_bad_logprobs_count_is_an_error_reply_and_the_stage_goes_on() -> None:
+    replies = run_requests(1, 2, [{**prefill(1, 2, 1, 2), "logprobs": 21}, prefill(1, 2, 2, 2)])
+    assert "'logprobs'" in replies[0]["error"] and "token_id" in replies[1]

@@ -8,6 +8,7 @@ do not use the feature under test (a fresh session instead of a kept one, one ge
 from __future__ import annotations
 
 import io
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -196,3 +197,21 @@ def test_the_summary_says_why_each_generation_stopped():
     assert f"[1] prompt {n[0]} tokens, generated {24 - n[0] + 1} (stopped: length)" in err, err[-2000:]
     assert f"[2] error: prompt of {n[1]} tokens exceeds max_context 24" in err
     assert f"[3] prompt {n[2]} tokens, generated {24 - n[2] + 1} (stopped: length)" in err
+
+
+def test_logprobs_of_a_real_model_describe_its_choices_alone_or_batched(pipeline):
+    """The real last stage's log-probabilities: asking changes no token, the greedy token is the most probable one,
+    the alternatives come most probable first with at most all the mass, and two generations side by side (their
+    steps batched where the stage can) report what each does alone (up to the batched matmuls' rounding)."""
+    greedy = solo(pipeline, PROMPTS[0], 6)
+    g = solo(pipeline, PROMPTS[0], 6, Sampling(logprobs=5))
+    assert g.tokens == greedy.tokens and len(g.logprobs) == len(g.tokens)
+    for token, e in zip(g.tokens, g.logprobs, strict=True):
+        top = [t["logprob"] for t in e["top"]]
+        assert e["token_id"] == token == e["top"][0]["token_id"] and e["logprob"] == top[0] <= 0
+        assert top == sorted(top, reverse=True) and len(top) == 5 and sum(math.exp(lp) for lp in top) <= 1 + 1e-9
+    both = pipeline.run(make_generations(pipeline, PROMPTS[:2], 6, Sampling(logprobs=5)), concurrency=2).generations
+    alone = [g, solo(pipeline, PROMPTS[1], 6, Sampling(logprobs=5))]
+    for b, a in zip(both, alone, strict=True):
+        assert b.tokens == a.tokens
+        assert [e["logprob"] for e in b.logprobs] == pytest.approx([e["logprob"] for e in a.logprobs], abs=1e-3)

@@ -17,6 +17,7 @@ from pp_worker.worker.protocol import (
     Limits,
     ProtocolError,
     decode_hidden,
+    logprobs_count,
     parse_envelope,
     parse_fields,
     parse_sampling,
@@ -296,7 +297,7 @@ def test_any_single_field_gives_params_with_defaults_elsewhere(req: dict) -> Non
 @pytest.mark.parametrize(
     "field, value",
     [("temperature", 100), ("temperature", 0.0), ("top_p", 1e-9), ("min_p", 0.999), ("repetition_penalty", 100),
-     ("repetition_penalty", 1e-6), ("top_k", 10**6), ("seed", 0),
+     ("repetition_penalty", 1e-6), ("top_k", 10**6), ("seed", 0), ("presence_penalty", -2), ("frequency_penalty", 2.0),
      ("recent_tokens", [SAMPLING_VOCAB - 1] * MAX_RECENT_TOKENS)],
 )
 def test_values_on_the_edge_of_the_bounds_are_accepted(field: str, value: object) -> None:
@@ -310,6 +311,8 @@ NUMBER_REJECTS = [
     ("min_p", "[0, 1)", [1, 1.0, -0.01, True, math.nan, None]),
     ("repetition_penalty", "(0, 100]", [0, -1.0, 100.01, True, math.inf, "1.1"]),
     ("seed", "[0, 2**63)", [True, -1, 2**63, 1.0, "42", None]),
+    ("presence_penalty", "[-2, 2]", [2.01, -2.5, True, math.nan, "1", None]),
+    ("frequency_penalty", "[-2, 2]", [3, -2.01, False, math.inf, None]),
 ]
 
 
@@ -365,3 +368,17 @@ def test_bad_logit_bias_is_rejected(value: object, fragment: str) -> None:
     with pytest.raises(ProtocolError, match="must be") as err:
         parse_sampling({"logit_bias": value}, SAMPLING_VOCAB)
     assert fragment in str(err.value)
+
+
+# --- logprobs (forward_and_sample) --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, 20, None])
+def test_logprobs_counts_up_to_20_are_accepted(value: int | None) -> None:
+    assert logprobs_count({} if value is None else {"logprobs": value}) == value
+
+
+@pytest.mark.parametrize("value", [21, -1, True, 1.0, "3", [1]], ids=repr)
+def test_bad_logprobs_counts_are_refused_naming_the_field(value: object) -> None:
+    with pytest.raises(ProtocolError, match=r"^'logprobs' must be an int in \[0, 20\]"):
+        logprobs_count({"logprobs": value})

@@ -307,3 +307,72 @@ def test_sampled_token_always_passes_every_filter(case: tuple[np.ndarray, Sampli
     assert q[tok] >= params.min_p * q.max() * (1 - 1e-9)
     ids, p = distribution(logits, params)
     assert tok in ids and len(set(ids.tolist())) == ids.size and p.sum() == pytest.approx(1.0)
+
+
+# --- presence and frequency penalties -------------------------------------------------------------------------------
+
+
+def test_frequency_and_presence_penalties_subtract_per_count_and_once() -> None:
+    params = SamplingParams(temperature=1.0, recent_tokens=(1, 1, 2), frequency_penalty=0.5, presence_penalty=0.25)
+    # id 1 seen twice: 0 - 2 * 0.5 - 0.25; id 2 once: 0 - 0.5 - 0.25; ids 0 and 3 unseen
+    weights = {0: 1.0, 1: math.exp(-1.25), 2: math.exp(-0.75), 3: 1.0}
+    total = sum(weights.values())
+    assert_probs(probs_of([0.0] * 4, params), {i: w / total for i, w in weights.items()})
+
+
+def test_penalties_change_a_greedy_choice_and_a_negative_one_favours_repeats() -> None:
+    assert sample(np.array([1.0, 1.2]), SamplingParams(recent_tokens=(1,), frequency_penalty=0.5)) == 0
+    assert sample(np.array([1.0, 1.2]), SamplingParams(recent_tokens=(1,), presence_penalty=0.3)) == 0
+    assert sample(np.array([1.2, 1.0]), SamplingParams(recent_tokens=(1,), presence_penalty=-0.3)) == 1
+    assert sample(np.array([1.0, 1.2]), SamplingParams(frequency_penalty=2.0)) == 1  # nothing seen: no change
+
+
+def test_the_repetition_penalty_runs_before_the_frequency_penalty() -> None:
+    params = SamplingParams(temperature=1.0, repetition_penalty=2.0, frequency_penalty=1.0, recent_tokens=(0,))
+    # 4 / 2 - 1 = 1 (the other order would give (4 - 1) / 2 = 1.5)
+    assert_probs(probs_of([4.0, 0.0], params), {0: math.e / (math.e + 1), 1: 1 / (math.e + 1)})
+
+
+# --- log-probabilities ----------------------------------------------------------------------------------------------
+
+
+def test_logprobs_are_the_raw_log_softmax_with_the_most_probable_first() -> None:
+    logits = [1.0, 3.0, 2.0, math.nan, -math.inf, 3.0]
+    lse = math.log(math.exp(1) + 2 * math.exp(3) + math.exp(2))
+    logprob, top = sampling.token_logprobs(np.array(logits), 2, 3)
+    assert logprob == pytest.approx(2 - lse, abs=1e-7)
+    assert [i for i, _ in top] == [1, 5, 2]  # a tie goes to the lower id first
+    assert [lp for _, lp in top] == pytest.approx([3 - lse, 3 - lse, 2 - lse], abs=1e-7)
+    assert sampling.token_logprobs(logits, 3, 0) == (sampling.LOGPROB_FLOOR, [])  # NaN: no chance, no -inf
+    assert sampling.token_logprobs(logits, 4, 0)[0] == sampling.LOGPROB_FLOOR
+
+
+def test_top_logprobs_of_a_large_vocabulary_equal_a_full_sort() -> None:
+    logits = np.random.default_rng(3).normal(size=150_000).astype(np.float32)
+    logits[[10, 20, 30]] = logits.max()  # ties at the top
+    _, top = sampling.token_logprobs(logits, 0, 20)
+    full = np.argsort(-logits.astype(np.float64), kind="stable")[:20]
+    assert [i for i, _ in top] == full.tolist()
+    ref = logits.astype(np.float64)
+    ref -= ref.max() + np.log(np.exp(ref - ref.max()).sum())
+    assert [lp for _, lp in top] == pytest.approx(ref[full].tolist(), abs=1e-7)
+
+
+def test_logprobs_ignore_the_sampling_filters() -> None:
+    """The model's distribution: what a biased, penalised, hot request reports equals a plain one's."""
+    logits = np.array([0.5, 1.5, -1.0])
+    params = SamplingParams(temperature=0.3, top_k=1, logit_bias=((0, 5.0),), recent_tokens=(1,),
+                            frequency_penalty=2.0)
+    token = sample(logits, params)
+    assert token == 0
+    assert sampling.token_logprobs(logits, token, 2) == sampling.token_logprobs(logits.tolist(), 0, 2)
+    assert sampling.token_logprobs(logits, token, 2)[0] < sampling.token_logprobs(logits, 1, 0)[0]
+
+
+@pytest.mark.parametrize("size", [1, 5, 21, 1023, 1025, 4097, 70_000])
+@pytest.mark.parametrize("k", [1, 3, 20])
+def test_top_logprobs_with_many_ties_equal_a_full_sort(size: int, k: int) -> None:
+    logits = np.random.default_rng(size + k).integers(-3, 4, size).astype(np.float32)  # 7 values: ties everywhere
+    logits[1::7] = -np.inf
+    _, top = sampling.token_logprobs(logits, 0, k)
+    assert [i for i, _ in top] == np.argsort(-logits.astype(np.float64), kind="stable")[:k].tolist()

@@ -29,7 +29,7 @@ from conftest import REPO, gone, group_gone, group_members
 from serving import Server, request_id
 
 from pp_worker.driver.chat import chat_format
-from pp_worker.driver.generation import Sampling
+from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
@@ -241,6 +241,191 @@ def test_without_cors_origins_no_page_elsewhere_may_call(server: Server) -> None
     assert status == 405 and "access-control-allow-origin" not in headers
 
 
+CHAT = [{"role": "user", "content": "hello there pipeline"}]
+
+
+def driver_generation(prompt: str, max_tokens: int, sampling: Sampling) -> Generation:
+    return run_pipeline([prompt], stages=STAGES, stub=True, max_tokens=max_tokens, sampling=sampling).generations[0]
+
+
+def test_chat_logprobs_streamed_or_not_are_the_last_stages(server: Server) -> None:
+    g = driver_generation(chat_format(None).render([("user", CHAT[0]["content"])]), 6, Sampling(logprobs=3))
+    want = [(e["text"], e["logprob"], [(t["text"], t["logprob"]) for t in e["top"]]) for e in g.logprobs]
+    assert len(want) == 6 and all(len(top) == 3 for _, _, top in want)
+    client = server.client()
+    r = client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in content] == want
+    assert "".join(c.token for c in content) == r.choices[0].message.content == g.text
+    assert all(c.bytes == list(c.token.encode()) and c.token == c.top_logprobs[0].token for c in content)  # argmax
+    stream = list(client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, logprobs=True,
+                                                 top_logprobs=3, stream=True))
+    streamed = [c for chunk in stream if chunk.choices and chunk.choices[0].logprobs
+                for c in chunk.choices[0].logprobs.content]
+    assert [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in streamed] == want
+    plain = client.chat.completions.create(model="m", messages=CHAT, max_tokens=6, logprobs=True)
+    assert [c.top_logprobs for c in plain.choices[0].logprobs.content] == [[]] * 6
+    assert client.chat.completions.create(model="m", messages=CHAT, max_tokens=2).choices[0].logprobs is None
+
+
+def test_completion_logprobs_take_the_legacy_shape(server: Server) -> None:
+    g = driver_generation(PROMPTS[3], 8, Sampling(logprobs=2))
+    client = server.client()
+    for stream in (False, True):
+        r = client.completions.create(model="m", prompt=PROMPTS[3], max_tokens=8, logprobs=2, stream=stream)
+        parts = [c.choices[0].logprobs for c in r if c.choices and c.choices[0].logprobs] if stream \
+            else [r.choices[0].logprobs]
+        tokens = [t for p in parts for t in p.tokens]
+        assert tokens == [e["text"] for e in g.logprobs] and "".join(tokens) == g.text
+        assert [x for p in parts for x in p.token_logprobs] == [e["logprob"] for e in g.logprobs]
+        assert [x for p in parts for x in p.top_logprobs] == [{t["text"]: t["logprob"] for t in e["top"]}
+                                                            for e in g.logprobs]
+        offsets = [x for p in parts for x in p.text_offset]
+        assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+def test_presence_and_frequency_penalties_reach_the_last_stage(server: Server) -> None:
+    greedy, _, _ = driver_text(PROMPTS[2], 24)
+    penalised, _, _ = driver_text(PROMPTS[2], 24, Sampling(presence_penalty=1.5, frequency_penalty=2.0))
+    assert penalised != greedy  # otherwise this test could not tell
+    r = server.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, presence_penalty=1.5,
+                                           frequency_penalty=2)
+    assert r.choices[0].text == penalised
+
+
+def test_seed_minus_one_draws_a_random_seed(server: Server) -> None:
+    texts = {server.client().completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, temperature=2.0,
+                                                seed=-1).choices[0].text for _ in range(3)}
+    assert len(texts) > 1  # three equal draws of 24 tokens at temperature 2 would be a one-in-billions chance
+
+
+def test_chat_stream_chunks_end_on_token_boundaries(server: Server) -> None:
+    """The chat format's stop string ("\nUser:") holds back only text that could begin it: the stub's text never
+    can, so every chunk is whole tokens (" 3 14"), never a word cut where the hold-back happened to end."""
+    stream = server.client().chat.completions.create(model="m", messages=CHAT, max_tokens=24, stream=True)
+    chunks = [c.choices[0].delta.content for c in stream if c.choices and c.choices[0].delta.content]
+    assert len(chunks) > 1 and all(re.fullmatch(r"( \d+)+", c) for c in chunks), chunks
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({"presence_penalty": -2.1}, "presence_penalty"),
+    ({"n": 3}, "n"),
+])
+def test_bad_chat_values_get_400_naming_the_field(server: Server, fields: dict, param: str) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        server.client().chat.completions.create(model="m", messages=CHAT, max_tokens=2, **fields)
+    assert e.value.status_code == 400 and e.value.param == param
+    assert server.client().chat.completions.create(model="m", messages=CHAT, max_tokens=2).choices[0].message
+
+
+# --- llama-server's own endpoints ---------------------------------------------------------------------------------
+
+
+def post(server: Server, path: str, body: dict) -> tuple[int, dict]:
+    return server.request(path, json.dumps(body).encode())
+
+
+def test_completion_endpoint_takes_llama_server_fields_and_shape(server: Server) -> None:
+    g = driver_generation(PROMPTS[3], 8, Sampling(logprobs=2))
+    status, r = post(server, "/completion", {"prompt": PROMPTS[3], "n_predict": 8, "return_tokens": True,
+                                             "n_probs": 2, "cache_prompt": True})
+    assert status == 200 and r["content"] == g.text and r["tokens"] == g.tokens and r["stop"] is True
+    assert (r["tokens_predicted"], r["tokens_evaluated"], r["stop_type"], r["stopping_word"]) == \
+        (8, len(g.prompt_tokens), "limit", "")
+    assert (r["model"], r["prompt"], r["generation_settings"]["n_predict"]) == ("stub", PROMPTS[3], 8)
+    t = r["timings"]
+    assert (t["prompt_n"], t["predicted_n"]) == (len(g.prompt_tokens), 8) and t["prompt_ms"] > 0 < t["predicted_ms"]
+    probs = r["completion_probabilities"]
+    assert [p["id"] for p in probs] == g.tokens and [p["logprob"] for p in probs] == [e["logprob"] for e in g.logprobs]
+    assert [[t["id"] for t in p["top_logprobs"]] for p in probs] == [[t["token_id"] for t in e["top"]]
+                                                                     for e in g.logprobs]
+    assert post(server, "/completions", {"prompt": PROMPTS[3], "n_predict": 8})[1]["content"] == g.text  # its alias
+
+
+def test_completion_endpoint_sampling_fields_and_stop_words(server: Server) -> None:
+    sampling = Sampling(temperature=0.9, top_p=0.95, seed=11, repetition_penalty=1.3, presence_penalty=0.5)
+    text, _, _ = driver_text(PROMPTS[2], 10, sampling)
+    body = {"prompt": PROMPTS[2], "n_predict": 10, "temperature": 0.9, "top_p": 0.95, "seed": 11,
+            "repeat_penalty": 1.3, "presence_penalty": 0.5}
+    assert post(server, "/completion", body)[1]["content"] == text
+    full, _, _ = driver_text(PROMPTS[5], 40)
+    word = full.split()[6]
+    status, r = post(server, "/completion", {"prompt": PROMPTS[5], "n_predict": 40, "stop": [word]})
+    assert (r["content"], r["stop_type"], r["stopping_word"]) == (full[:full.find(word)], "word", word)
+    greedy, _, _ = driver_text(PROMPTS[2], 6)
+    first = int(greedy.split()[0])
+    banned = post(server, "/completion", {"prompt": PROMPTS[2], "n_predict": 6, "logit_bias": [[first, False]]})
+    assert banned[1]["content"] == driver_text(PROMPTS[2], 6, Sampling(logit_bias=((first, -100.0),)))[0]
+
+
+def test_completion_endpoint_streams_as_llama_server(server: Server) -> None:
+    g = driver_generation(PROMPTS[4], 12, Sampling())
+    status, headers, raw = server.fetch("/completion", json.dumps({"prompt": PROMPTS[4], "n_predict": 12,
+                                                                    "stream": True}).encode())
+    lines = [line for line in raw.decode().split("\n\n") if line]
+    assert status == 200 and headers["content-type"].startswith("text/event-stream")
+    assert all(line.startswith("data: {") for line in lines), lines[-1]  # no [DONE], as llama-server
+    events = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert len(events) > 2 and all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+    assert "".join(e["content"] for e in events) == g.text
+    assert [t for e in events[:-1] for t in e["tokens"]] == g.tokens
+    assert (events[-1]["stop_type"], events[-1]["tokens_predicted"]) == ("limit", 12)
+
+
+def test_apply_template_and_the_unprefixed_aliases(server: Server) -> None:
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    status, r = post(server, "/apply-template", {"messages": messages})
+    assert (status, r) == (200, {"prompt": chat_format(None).render([("system", "be brief"), ("user", "hi")])})
+    assert server.request("/models") == server.request("/v1/models")
+    bare = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)  # no /v1, as llama-server allows
+    answer = bare.chat.completions.create(model="m", messages=CHAT, max_tokens=5).choices[0].message.content
+    assert answer == server.client().chat.completions.create(model="m", messages=CHAT,
+                                                             max_tokens=5).choices[0].message.content
+
+
+def test_embeddings_are_a_501_that_says_why(server: Server) -> None:
+    with pytest.raises(openai.APIStatusError) as e:
+        server.client().embeddings.create(model="m", input="hello")
+    assert e.value.status_code == 501 and "last stage" in e.value.message
+    assert server.get("/health")["status"] == "ok"
+
+
+def test_props_report_llama_servers_fields_and_metrics_its_names(server: Server) -> None:
+    props = server.get("/props")
+    params = props["default_generation_settings"]["params"]
+    assert (params["repeat_penalty"], params["presence_penalty"], params["n_probs"], params["stop"]) == \
+        (1.0, 0.0, 0, [])
+    assert props["build_info"].startswith("pp_worker") and props["model_alias"] == "stub"
+    server.client().completions.create(model="m", prompt=PROMPTS[1], max_tokens=3)
+    m = server.metrics()
+    assert m[("llamacpp:prompt_tokens_total", ())] == m[("pp_serve_prompt_tokens_total", ())] > 0
+    assert m[("llamacpp:tokens_predicted_total", ())] == m[("pp_serve_generation_tokens_total", ())] > 0
+    assert m[("llamacpp:requests_processing", ())] == m[("llamacpp:requests_deferred", ())] == 0
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"n_predict": 0}, "n_predict"), ({"n_predict": -2}, "n_predict"), ({"repeat_penalty": 0}, "repeat_penalty"),
+    ({"n_probs": 21}, "n_probs"), ({"logit_bias": [["hello", 1]]}, "logit_bias"), ({"prompt": [1, 2]}, "prompt"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"seed": -7}, "seed"),
+])
+def test_bad_completion_endpoint_values_get_400_naming_the_field(server: Server, fields: dict, param: str) -> None:
+    status, r = post(server, "/completion", {"prompt": "a b", "n_predict": 2, **fields})
+    assert (status, r["error"]["param"]) == (400, param), r
+    assert post(server, "/completion", {"prompt": "a b", "n_predict": 2})[0] == 200
+
+
+def test_alias_names_the_model_everywhere() -> None:
+    s = Server(["--stub", "--stages", "2", "--alias", "my-model"])
+    try:
+        client = s.client()
+        assert [m.id for m in client.models.list().data] == ["my-model"] and client.models.retrieve("my-model")
+        assert client.completions.create(model="x", prompt="a b", max_tokens=2).model == "my-model"
+        assert s.get("/props")["model"] == "my-model"
+    finally:
+        s.stop()
+
+
 def _stream_text(server: Server, prompt: str) -> str:
     stream = server.client().completions.create(model="m", prompt=prompt, max_tokens=16, stream=True)
     return "".join(c.choices[0].text for c in stream)
@@ -286,7 +471,8 @@ def test_waiting_client_that_disconnects_releases_its_sessions(server: Server) -
 
 @pytest.mark.parametrize("fields, param", [
     ({"n": 2}, "n"), ({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
-    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 3}, "logprobs"), ({"seed": -1}, "seed"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 21}, "logprobs"), ({"seed": -2}, "seed"),
+    ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x" * 70000}, "prompt"),
     ({"logit_bias": {"32": 1}}, "logit_bias"), ({"logit_bias": {"1": 101}}, "logit_bias"),
     ({"logit_bias": {"x": 1}}, "logit_bias"),

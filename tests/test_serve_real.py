@@ -90,3 +90,21 @@ def test_disconnect_releases_the_kv_sessions(server: Server) -> None:
     assert all(rid in s for s in server.sessions())
     stream.close()
     server.wait_for("sessions released after the disconnect", lambda: server.sessions() == [{}, {}])
+
+
+def test_logprobs_of_the_real_model_add_up_to_its_text(server: Server) -> None:
+    """Each token's text, as the last stage gives it with its log-probability, adds up to the answer, streamed or
+    not; greedy, so each token is its own most probable alternative."""
+    messages = [{"role": "user", "content": "Beautiful is better than"}]
+    client = server.client()
+    r = client.chat.completions.create(model="zen", messages=messages, max_tokens=8, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert "".join(c.token for c in content) == r.choices[0].message.content and content
+    assert all(c.token == c.top_logprobs[0].token and c.logprob == c.top_logprobs[0].logprob <= 0 for c in content)
+    stream = client.chat.completions.create(model="zen", messages=messages, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert [(e.token, e.logprob) for c in chunks if c.logprobs for e in c.logprobs.content] == \
+        [(e.token, e.logprob) for e in content]
+    assert "".join(c.delta.content or "" for c in chunks) == r.choices[0].message.content

@@ -28,10 +28,13 @@ class Sampling:
     repetition_penalty: float | None = None
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit), as OpenAI's logit_bias
+    presence_penalty: float | None = None  # OpenAI's, over the same window as the repetition penalty (llama.cpp's)
+    frequency_penalty: float | None = None
+    logprobs: int | None = None  # set: each token comes with its log-probability and this many alternatives
 
     def fields(self, context: list[int]) -> dict[str, Any]:
         out = {f.name: v for f in fields(self) if f.name != "logit_bias" and (v := getattr(self, f.name)) is not None}
-        if self.repetition_penalty is not None:
+        if any(p is not None for p in (self.repetition_penalty, self.presence_penalty, self.frequency_penalty)):
             out["recent_tokens"] = context[-RECENT_TOKENS:]
         if self.logit_bias:
             out["logit_bias"] = {str(token): bias for token, bias in self.logit_bias}  # JSON keys are strings
@@ -68,6 +71,8 @@ class Generation:
     keep_session: bool = False  # a chat's turn: its KV session stays on the stages for the next turn
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
+    # with ``sampling.logprobs``: each token's ``logprobs`` from the last stage ({token_id, logprob, text, top})
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""
     # "eos", "max_tokens", "length" (max_context reached), "stop" (asked to stop, e.g. a chat stop string) or
     # "error" (this generation could not run; ``error`` says why, the others go on)
@@ -83,6 +88,11 @@ class Generation:
     t_start: float = 0.0
     t_first: float = 0.0
     t_end: float = 0.0
+
+    @property
+    def streamed_tokens(self) -> int:
+        """How many tokens the text streamed so far (``on_text``) covers."""
+        return self._covered
 
     @property
     def ttft_s(self) -> float:
@@ -141,6 +151,8 @@ class Generation:
             else:
                 context = self.prompt_tokens + self.tokens
                 reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context))
+        if "logprobs" in reply:
+            self.logprobs.append(reply["logprobs"])
         return reply["token_id"]
 
     def _pipelined_prefill(self, start: int, chunk: int, n: int) -> Generator[Call, Reply | None, int]:

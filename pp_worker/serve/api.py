@@ -1,6 +1,7 @@
 """The edge of the completions API: a request body -> a validated ``Ask``, or an ``ApiError`` in OpenAI's error shape
 (``fields``): 422 when the body does not fit the schema, 400 when a value cannot be served (out of range, a token id
-outside the vocabulary, a feature not supported such as ``n`` > 1). ``logit_bias`` goes to the last stage's sampler.
+outside the vocabulary, a feature not supported such as ``n`` > 1). ``logit_bias``, the penalties and the
+log-probabilities asked for go to the last stage's sampler; ``seed`` -1 means a fresh random seed (llama-server's).
 Fields the API defines that change nothing here (``user``, ``n`` = 1, ``response_format`` ``{"type": "text"}``,
 ``tool_choice`` ``"none"``) are accepted; unknown fields are ignored, as OpenAI-compatible servers commonly do.
 """
@@ -17,6 +18,7 @@ from pp_worker.serve.fields import ApiError, boolean, integer, number, prompt_te
 MAX_STOPS = 4  # as OpenAI
 MAX_LOGIT_BIAS = 100.0  # as OpenAI (and the workers)
 SEED_LIMIT = 1 << 63  # the workers' seed range
+MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs (and the workers)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
@@ -31,6 +33,11 @@ class Ask:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     chat: bool
+
+    @property
+    def logprobs(self) -> int | None:
+        """Alternatives per token to report with its log-probability; None: no log-probabilities."""
+        return self.sampling.logprobs
 
 
 @dataclass(frozen=True)
@@ -56,44 +63,68 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
     return _ask(body, prompt_text(prompt), defaults, chat=False, max_tokens_field="max_tokens")
 
 
-def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: Format) -> Ask:
-    """POST /v1/chat/completions: the messages rendered with the model's chat format."""
+def render_messages(body: dict[str, Any], fmt: Format) -> str:
+    """The request's ``messages`` rendered with the model's chat format, ready for the assistant's answer."""
     messages = required(body, "messages")
     if not isinstance(messages, list):
         raise ApiError(422, "messages: expected an array", "messages", "invalid_type")
     if not messages:
         raise ApiError(400, "messages: at least one message is needed", "messages")
-    turns = [_turn(m, i) for i, m in enumerate(messages)]
-    _unsupported(body, tools=None, functions=None, top_logprobs=None, response_format={"type": "text"},
-                 tool_choice="none")
+    return prompt_text(fmt.render([_turn(m, i) for i, m in enumerate(messages)]))
+
+
+def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: Format) -> Ask:
+    """POST /v1/chat/completions: the messages rendered with the model's chat format."""
+    prompt = render_messages(body, fmt)
+    _unsupported(body, tools=None, functions=None, response_format={"type": "text"}, tool_choice="none")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    ask = _ask(body, prompt_text(fmt.render(turns)), defaults, chat=True, max_tokens_field=field)
+    ask = _ask(body, prompt, defaults, chat=True, max_tokens_field=field)
+    ask = replace(ask, sampling=replace(ask.sampling, logprobs=_chat_logprobs(body)))
     return replace(ask, stop=tuple(dict.fromkeys(ask.stop + fmt.stop)))  # the format's end-of-turn text ends it
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (how many alternatives; needs ``logprobs``)."""
+    top = integer(body, "top_logprobs", 0, MAX_LOGPROBS)
+    if not boolean(body, "logprobs"):
+        if top:
+            raise ApiError(400, "top_logprobs: needs logprobs set to true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _ask(body: dict[str, Any], prompt: str, defaults: Defaults, *, chat: bool, max_tokens_field: str) -> Ask:
     n = integer(body, "n", 1, 1 << 30)
-    if n not in (None, 1):
-        raise ApiError(400, "n: only 1 choice per request is supported", "n")
-    _unsupported(body, logprobs=None, presence_penalty=0, frequency_penalty=0)
+    if n not in (None, 1):  # n choices would each decode from the prompt's KV: one session forked n ways
+        raise ApiError(400, "n: only 1 choice per request is supported (the stages cannot yet fork a KV session "
+                       "to share the prompt; send n requests instead)", "n")
     stream = boolean(body, "stream") or False
     options = typed(body, "stream_options", dict)
     include_usage = bool(stream and options and options.get("include_usage") is True)
     max_tokens = integer(body, max_tokens_field, 1, 1 << 30)
-    return Ask(prompt, max_tokens or defaults.max_tokens, _sampling(body, defaults), _stop(body), stream,
-               include_usage, chat)
+    sampling = sampling_fields(body, defaults)
+    if not chat:  # the legacy completions' logprobs: how many alternatives (chat's is a boolean)
+        sampling = replace(sampling, logprobs=integer(body, "logprobs", 0, MAX_LOGPROBS))
+    return Ask(prompt, max_tokens or defaults.max_tokens, sampling, stop_strings(body), stream, include_usage, chat)
 
 
-def _sampling(body: dict[str, Any], defaults: Defaults) -> Sampling:
-    """The request's sampling fields over the server's defaults; ranges as the workers check them."""
-    return replace(defaults.sampling, **{k: v for k, v in {
+def sampling_fields(body: dict[str, Any], defaults: Defaults, repetition_penalty: str = "repetition_penalty",
+                    logit_bias: Any = None) -> Sampling:
+    """The request's sampling fields over the server's defaults; ranges as the workers check them.
+    ``repetition_penalty``: the field's name in this API; ``logit_bias``: the field's value when this API spells it
+    otherwise (already in OpenAI's shape)."""
+    seed = integer(body, "seed", -1, SEED_LIMIT - 1)
+    sampling = replace(defaults.sampling, seed=None) if seed == -1 else defaults.sampling  # -1: a random seed
+    return replace(sampling, **{k: v for k, v in {
         "temperature": number(body, "temperature", 0.0, 2.0),
         "top_p": number(body, "top_p", 0.0, 1.0, low_open=True),
         "top_k": integer(body, "top_k", 0, 1 << 30),
         "min_p": number(body, "min_p", 0.0, 1.0, high_open=True),
-        "repetition_penalty": number(body, "repetition_penalty", 0.0, 100.0, low_open=True),
-        "seed": integer(body, "seed", 0, SEED_LIMIT - 1),
-        "logit_bias": _logit_bias(body, defaults.vocab_size),
+        "repetition_penalty": number(body, repetition_penalty, 0.0, 100.0, low_open=True),
+        "presence_penalty": number(body, "presence_penalty", -2.0, 2.0),
+        "frequency_penalty": number(body, "frequency_penalty", -2.0, 2.0),
+        "seed": None if seed == -1 else seed,
+        "logit_bias": _logit_bias(body if logit_bias is None else {"logit_bias": logit_bias}, defaults.vocab_size),
     }.items() if v is not None})
 
 
@@ -116,7 +147,7 @@ def _logit_bias(body: dict[str, Any], vocab_size: int | None) -> tuple[tuple[int
     return tuple(biases)
 
 
-def _stop(body: dict[str, Any]) -> tuple[str, ...]:
+def stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     stop = body.get("stop")
     if stop is None:
         return ()

@@ -1,6 +1,7 @@
 """The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
 the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``), ``page`` (the
-chat page, ``/props``) and ``metrics`` (``/metrics``), behind the middleware of ``access`` (API keys, CORS).
+chat page, ``/props``), ``metrics`` (``/metrics``) and ``llamacpp`` (llama-server's ``/completion``,
+``/apply-template``...), behind the middleware of ``access`` (API keys, CORS).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
@@ -12,7 +13,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +28,10 @@ from pp_worker.driver.chat import Format
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
 from pp_worker.serve.access import RequireKey, cors
 from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
-from pp_worker.serve.feed import Feed, Update
+from pp_worker.serve.feed import Feed, Shape, Update
 from pp_worker.serve.fields import ApiError, read_body, unavailable
+from pp_worker.serve.llamacpp import llamacpp_routes
+from pp_worker.serve.logprobs import Entry, chat_logprobs, completion_logprobs
 from pp_worker.serve.metrics import CountRequests, Metrics, metrics_route
 from pp_worker.serve.page import page_routes
 from pp_worker.serve.stages import stage_routes
@@ -72,6 +75,8 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults,
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
+        Route("/models", models), Route("/chat/completions", chat_completions, methods=["POST"]),  # llama-server's
+        *llamacpp_routes(defaults, chat_format, lambda request, ask, shape: _generate(api, request, ask, shape)),
         *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service),
         *page_routes(service, defaults)]
     # outermost first: every request is counted, 401s and preflights included; CORS headers go on the 401s too
@@ -83,7 +88,9 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults,
 
 
 # --- generating -----------------------------------------------------------------------------------------------
-async def _generate(api: Api, request: Request, ask: Ask) -> Response:
+async def _generate(api: Api, request: Request, ask: Ask, shape: Shape | None = None) -> Response:
+    """Run ``ask``; the reply in ``shape`` (OpenAI's by default): one JSON body, or an SSE stream."""
+    shape = shape or OPENAI
     service, feed, timing = api.service, Feed(asyncio.get_running_loop(), ask.stop), api.metrics.timing()
     rid = service.new_request_id()
     # per-token text only where it is needed: to stream it, or to find a stop string while generating
@@ -106,7 +113,7 @@ async def _generate(api: Api, request: Request, ask: Ask) -> Response:
         _raise_for(first)
         done = first.finish_reason is not None
         if ask.stream:
-            body = _events(api, ask, rid, first, feed, watch)
+            body = _events(api, ask, rid, first, feed, watch, shape)
             watch = None  # the stream owns it now
             return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         updates = [first]
@@ -114,34 +121,30 @@ async def _generate(api: Api, request: Request, ask: Ask) -> Response:
             updates.append(await feed.next())
             _raise_for(updates[-1])
             done = updates[-1].finish_reason is not None
-        return JSONResponse(_completion(api, ask, rid, "".join(u.text for u in updates), updates[-1]))
+        return JSONResponse(shape.whole(api.service.model, ask, rid, updates))
     finally:
         if watch is not None:
             _stop(service, rid, watch, done)
 
 
-async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed,
-                  watch: asyncio.Task[None]) -> AsyncIterator[str]:
-    """The SSE stream: text chunks, the finish reason, the usage if asked for, [DONE]. Cancelled on disconnect."""
-    update, done = first, False
+async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed, watch: asyncio.Task[None],
+                  shape: Shape) -> AsyncIterator[str]:
+    """The SSE stream: the shape's events for each update, then [DONE] where the shape has it, an error too.
+    Cancelled on disconnect."""
+    update, done, stream = first, False, shape.stream(api.service.model, ask, rid)
     try:
-        if ask.chat:
-            yield _sse(_chunk(api, ask, rid, {"role": "assistant", "content": ""}, None))
         while True:
-            if update.error:  # a stream always ends in [DONE], an error too: clients wait for it
+            if update.error:  # an OpenAI stream ends in [DONE] after an error too: clients wait for it
                 yield _sse(_error(update).body())
-                yield "data: [DONE]\n\n"
-                return
-            if update.text:
-                yield _sse(_chunk(api, ask, rid, {"content": update.text} if ask.chat else update.text, None))
+                break
+            for event in stream.events(update):
+                yield _sse(event)
             if update.finish_reason is not None:
                 done = True
-                yield _sse(_chunk(api, ask, rid, {} if ask.chat else "", update.finish_reason))
-                if ask.include_usage:
-                    yield _sse({**_chunk(api, ask, rid, "", None), "choices": [], "usage": update.usage})
-                yield "data: [DONE]\n\n"
-                return
+                break
             update = await feed.next()
+        if shape.done_line:
+            yield "data: [DONE]\n\n"
     finally:
         _stop(api.service, rid, watch, done)
 
@@ -171,25 +174,62 @@ def _error(update: Update) -> ApiError:
 
 
 # --- response shapes --------------------------------------------------------------------------------------------
-def _completion(api: Api, ask: Ask, rid: int, text: str, last: Update) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
+class OpenAIStream:
+    """OpenAI's chunks: chat's opening role chunk, text chunks (with their tokens' log-probabilities if asked), the
+    finish reason, the usage if asked for."""
+
+    def __init__(self, model: str, ask: Ask, rid: int):
+        self.model, self.ask, self.rid = model, ask, rid
+        self.offset = 0  # characters of the tokens' texts sent so far (completions' text_offset)
+        self.opened = not ask.chat
+
+    def events(self, update: Update) -> Iterator[dict[str, Any]]:
+        model, ask, rid = self.model, self.ask, self.rid
+        if not self.opened:
+            self.opened = True
+            yield _chunk(model, ask, rid, {"role": "assistant", "content": ""}, None)
+        if update.text or update.logprobs:
+            yield _chunk(model, ask, rid, {"content": update.text} if ask.chat else update.text, None,
+                         _logprobs(ask, update.logprobs, self.offset))
+            self.offset += sum(len(e["text"]) for e in update.logprobs)
+        if update.finish_reason is not None:
+            yield _chunk(model, ask, rid, {} if ask.chat else "", update.finish_reason)
+            if ask.include_usage:
+                yield {**_chunk(model, ask, rid, "", None), "choices": [], "usage": update.usage}
+
+
+def _completion(model: str, ask: Ask, rid: int, updates: list[Update]) -> dict[str, Any]:
+    text, last = "".join(u.text for u in updates), updates[-1]
+    logprobs = [e for u in updates for e in u.logprobs]
+    choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason,
+                              "logprobs": _logprobs(ask, logprobs, 0)}
     if ask.chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    return {**_head(api, ask, rid, "chat.completion" if ask.chat else "text_completion"), "choices": [choice],
+    return {**_head(model, ask, rid, "chat.completion" if ask.chat else "text_completion"), "choices": [choice],
             "usage": last.usage}
 
 
-def _chunk(api: Api, ask: Ask, rid: int, content: dict[str, str] | str, finish: str | None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+OPENAI = Shape(_completion, OpenAIStream)
+
+
+def _chunk(model: str, ask: Ask, rid: int, content: dict[str, str] | str, finish: str | None,
+           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     choice["delta" if ask.chat else "text"] = content
-    return {**_head(api, ask, rid, "chat.completion.chunk" if ask.chat else "text_completion"), "choices": [choice]}
+    return {**_head(model, ask, rid, "chat.completion.chunk" if ask.chat else "text_completion"), "choices": [choice]}
 
 
-def _head(api: Api, ask: Ask, rid: int, kind: str) -> dict[str, Any]:
+def _logprobs(ask: Ask, entries: list[Entry] | tuple[Entry, ...], offset: int) -> dict[str, Any] | None:
+    if ask.logprobs is None:
+        return None
+    return chat_logprobs(entries) if ask.chat else completion_logprobs(entries, offset)
+
+
+def _head(model: str, ask: Ask, rid: int, kind: str) -> dict[str, Any]:
     return {"id": f"{'chatcmpl' if ask.chat else 'cmpl'}-{rid}-{_RUN}", "object": kind, "created": int(time.time()),
-            "model": api.service.model}
+            "model": model}
 
 
 _RUN = uuid.uuid4().hex[:12]  # ids stay unique across restarts of the server, not only within one run

@@ -13,9 +13,9 @@ argmax, 64 tokens).
 A stage that dies or freezes is replaced (``--restarts``); a signal drains the requests in flight first
 (``--drain-timeout``, serve.drain). ``--api-key`` (or ``PP_API_KEY``, ``--api-key-file``) makes every request but
 ``/health`` and the chat page's files need the key; ``--cors-origin`` lets pages from those origins call it
-(serve.access). Exit status: 0 after a clean stop; 1 when the stages cannot start, or cannot be
-restarted; 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after a signal, once the stages are shut down; 2 for a
---logit-bias token the vocabulary lacks.
+(serve.access); ``--alias`` names the model in the API. Exit status: 0 after a clean stop; 1 when the stages
+cannot start, or cannot be restarted; 128 + the signal (130 for Ctrl-C, 143 for SIGTERM) after a signal, once the
+stages are shut down; 2 for a --logit-bias token the vocabulary lacks.
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                     help="let pages from ORIGIN (scheme://host[:port], or * for any) call the API from a browser: "
                     "CORS headers and OPTIONS preflight (repeatable; default: none)")
+    ap.add_argument("--alias", metavar="NAME", help="the model id the API reports and accepts (/v1/models, replies, "
+                    "/props), as llama-server's (default: the GGUF's general.name)")
     add_pipeline_flags(ap, concurrency=DEFAULT_CONCURRENCY,
                        max_tokens_help="max_tokens of a request that does not say (default 64)")
     args = ap.parse_args(argv)
@@ -81,6 +83,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--port must be in [0, 65535]")
     if min(args.drain_timeout, args.restarts, args.restart_backoff) < 0:
         ap.error("--drain-timeout, --restarts and --restart-backoff must be >= 0")
+    if args.alias is not None and not args.alias.strip():
+        ap.error("--alias: an empty name")
     if problem := next(filter(None, map(check_origin, args.cors_origin)), None):
         ap.error(problem)
     args.keys = _keys(ap, args)
@@ -146,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    service.model = args.alias or service.model
     try:
         fmt = pipeline_chat_format(service.pipeline, log=lambda msg: print(f"pp-serve: {msg}", file=sys.stderr))
         sampling, vocab_size = sampling_from(args), service.pipeline.vocab_size

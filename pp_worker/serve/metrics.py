@@ -176,6 +176,16 @@ def render(metrics: Metrics, service: PipelineService, stages: list[Reply] | Non
     yield from _family("pp_serve_pipeline_up", "gauge", "1 while the stages run (status ok or draining)",
                        [("", int(service.status in ("ok", "draining")))])
     yield from _stage_lines(metrics, service, stages)
+    yield from _llamacpp_lines(tokens, running, waiting)
+
+
+def _llamacpp_lines(tokens: tuple[int, int], running: int, waiting: int) -> Iterator[str]:
+    """llama-server's names for the series that mean the same here, so its dashboards read pp-serve too (the others
+    have no counterpart: docs/serve.md maps them)."""
+    yield from _family("llamacpp:prompt_tokens_total", "counter", "prompt tokens processed", [("", tokens[0])])
+    yield from _family("llamacpp:tokens_predicted_total", "counter", "tokens generated", [("", tokens[1])])
+    yield from _family("llamacpp:requests_processing", "gauge", "requests processing", [("", running)])
+    yield from _family("llamacpp:requests_deferred", "gauge", "requests waiting for a place", [("", waiting)])
 
 
 def _stage_lines(metrics: Metrics, service: PipelineService, stages: list[Reply] | None) -> Iterator[str]:

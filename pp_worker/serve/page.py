@@ -18,8 +18,10 @@ from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import Scope
 
+from pp_worker import __version__
 from pp_worker.driver.service import PipelineService
-from pp_worker.serve.api import Defaults
+from pp_worker.serve.api import Ask, Defaults
+from pp_worker.serve.llamacpp import generation_settings
 
 STATIC = Path(__file__).resolve().parent / "static"
 PAGE_HEADERS = {
@@ -53,12 +55,20 @@ class PageFiles(StaticFiles):
 
 def server_props(service: PipelineService, defaults: Defaults) -> dict[str, object]:
     """llama-server's ``/props`` shape where it applies: ``n_ctx`` (positions a KV session holds, the context),
-    ``total_slots`` (generations at once), the defaults a request leaves out (``params``; null: greedy), plus
-    ``model`` (the served model's id, as ``/v1/models`` names it)."""
+    ``total_slots`` (generations at once), the defaults a request leaves out (``params``, in ``/completion``'s
+    names; temperature, top_k, top_p, min_p and seed null where the server has no default: greedy, off, random),
+    the BOS and EOS texts, ``modalities``, ``build_info``, plus ``model`` (the served model's id, as ``/v1/models``
+    names it) and ``stages``."""
     sampling = defaults.sampling
-    params = {"n_predict": defaults.max_tokens, "temperature": sampling.temperature, "top_k": sampling.top_k,
-              "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed}
+    unset = Ask("", defaults.max_tokens, sampling, (), stream=False, include_usage=False, chat=False)
+    params = {**generation_settings(unset), "n_predict": defaults.max_tokens, "temperature": sampling.temperature,
+              "top_k": sampling.top_k, "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed}
     pipeline = service.pipeline
-    return {"model": service.model, "n_ctx": pipeline.max_context,
+    ready = pipeline.stages[-1].ready or {}
+    return {"model": service.model, "n_ctx": pipeline.max_context, "model_alias": service.model,
             "total_slots": service.concurrency, "stages": len(pipeline.stages), "chat_template": pipeline.chat_template,
-            "default_generation_settings": {"n_ctx": pipeline.max_context, "params": params}}
+            "bos_token": ready.get("bos_token"), "eos_token": ready.get("eos_token"),
+            "modalities": {"vision": False, "audio": False}, "build_info": f"pp_worker {__version__}",
+            "is_sleeping": False,
+            "default_generation_settings": {"id": 0, "id_task": -1, "n_ctx": pipeline.max_context,
+                                            "speculative": False, "is_processing": False, "params": params}}

@@ -17,7 +17,7 @@ from pp_worker.worker import protocol, q8
 from pp_worker.worker.engines.base import Engine, EngineError
 from pp_worker.worker.events import Clock, rss_mb
 from pp_worker.worker.protocol import ProtocolError
-from pp_worker.worker.sampling import sample
+from pp_worker.worker.sampling import sample, token_logprobs
 from pp_worker.worker.shard import Role
 
 Reply = dict[str, Any]
@@ -162,7 +162,21 @@ def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
     logits = w.engine.forward_logits(rid, f["hidden"], f["position"], f["seq_len"])
-    return {"token_id": sample(logits, f["sampling"], step_key=f["position"] + f["seq_len"])}
+    return _sampled(w, logits, f, f["position"] + f["seq_len"])
+
+
+def _sampled(w: Worker, logits: Any, f: dict[str, Any], step_key: int) -> Reply:
+    """The token sampled from ``logits`` and, when asked (``logprobs``), its log-probability and the most probable
+    alternatives', each with its text (the last stage holds the vocabulary; the driver does not)."""
+    token = sample(logits, f["sampling"], step_key=step_key)
+    if f.get("logprobs") is None:
+        return {"token_id": token}
+    logprob, top = token_logprobs(logits, token, f["logprobs"])
+    return {"token_id": token, "logprobs": {**_piece(w, token, logprob), "top": [_piece(w, *t) for t in top]}}
+
+
+def _piece(w: Worker, token: int, logprob: float) -> Reply:
+    return {"token_id": token, "logprob": logprob, "text": w.engine.detokenize([token])}
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -217,8 +231,7 @@ def _step_batch(w: Worker, run: list[Request]) -> list[Reply]:
     out = w.engine.step_batch([r.rid for r in run], positions, inputs)
     w.batched += len(run)
     if w.shard.is_last:
-        return [{"request_id": r.rid, "token_id": sample(out[b], r.fields["sampling"], step_key=positions[b] + 1)}
-                for b, r in enumerate(run)]
+        return [{"request_id": r.rid, **_sampled(w, out[b], r.fields, positions[b] + 1)} for b, r in enumerate(run)]
     row = len(out) // len(run)
     return [_row_reply(w, r.rid, out[b * row:(b + 1) * row]) for b, r in enumerate(run)]
 

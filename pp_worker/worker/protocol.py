@@ -21,6 +21,7 @@ from pp_worker.worker.sampling import SamplingParams
 MAX_INT = 2**53  # ints beyond this are not portable JSON numbers; nothing legal needs them
 MAX_RECENT_TOKENS = 4096
 MAX_LOGIT_BIAS = 100.0  # |bias| at most, as OpenAI
+MAX_LOGPROBS = 20  # alternatives a forward_and_sample reports at most, as OpenAI's top_logprobs
 
 
 class ProtocolError(Exception):
@@ -187,6 +188,8 @@ _SAMPLING_NUMBERS: dict[str, tuple[type, str, Callable[[float], bool]]] = {
     "min_p": (float, "a number in [0, 1)", lambda v: 0 <= v < 1),
     "repetition_penalty": (float, "a number in (0, 100]", lambda v: 0 < v <= 100),
     "seed": (int, "an integer in [0, 2**63)", lambda v: 0 <= v < 2**63),
+    "presence_penalty": (float, "a number in [-2, 2]", lambda v: -2 <= v <= 2),
+    "frequency_penalty": (float, "a number in [-2, 2]", lambda v: -2 <= v <= 2),
 }
 
 
@@ -236,6 +239,15 @@ def parse_sampling(req: dict[str, Any], vocab_size: int) -> SamplingParams | Non
     return SamplingParams(**fields)
 
 
+def logprobs_count(req: dict[str, Any]) -> int | None:
+    """``logprobs``: how many most probable alternatives to report with the sampled token's log-probability (None:
+    no log-probabilities)."""
+    value = req.get("logprobs")
+    if value is not None and (not is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+        raise ProtocolError(f"'logprobs' must be an int in [0, {MAX_LOGPROBS}], got {_show(value)}")
+    return value
+
+
 # --- each op's own fields -----------------------------------------------------------------------------------------
 
 def _positions(obj: dict[str, Any]) -> dict[str, Any]:
@@ -282,7 +294,8 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
                                          "position": nonneg_int(o, "position", default=0)},
     "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},
     "forward_range": _hidden_fields,
-    "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size)},
+    "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size),
+                                          "logprobs": logprobs_count(o)},
     "batch": _requests,
 }
 
