@@ -129,6 +129,8 @@ def test_without_a_vocabulary_a_grammar_is_accepted_and_not_applied() -> None:
     ({"type": "json_schema", "schema": {"type": "strin"}}, "does not compile"),
     ({"type": "json_schema", "schema": {"$ref": "#/nowhere"}}, "does not compile"),
     ({"type": "json_schema", "schema": [1]}, "'grammar.schema' must be"),
+    ({"type": "json_schema", "schema": {"not": {"type": "string"}}}, "Unimplemented keys"),
+    ({"type": "json_schema", "schema": {}, "strict": 1}, "'grammar.strict' must be"),
     ({"type": "regex", "text": "(unclosed"}, "does not compile"),
     ({"type": "lark", "text": ""}, "'grammar.text' must be"),
     ({"type": "lark", "text": "start: undefined_rule"}, "does not compile"),
@@ -136,6 +138,10 @@ def test_without_a_vocabulary_a_grammar_is_accepted_and_not_applied() -> None:
 def test_a_bad_grammar_is_refused_naming_the_field(value: Any, message: str) -> None:
     with pytest.raises(ProtocolError, match=message):
         parse_grammar({"grammar": value})
+
+
+def test_a_schema_not_strict_ignores_what_the_library_lacks() -> None:
+    assert Grammar.parse({"type": "json_schema", "schema": {"not": {"type": "string"}}, "strict": False})
 
 
 def test_vocabulary_from_gguf_marks_control_tokens_special() -> None:

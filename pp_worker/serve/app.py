@@ -25,6 +25,7 @@ from starlette.routing import BaseRoute, Route
 
 from pp_worker.driver.chat import Format
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
+from pp_worker.serve import tools
 from pp_worker.serve.access import RequireKey, cors
 from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
 from pp_worker.serve.feed import Feed, Update
@@ -94,7 +95,7 @@ async def _generate(api: Api, request: Request, ask: Ask) -> Response:
         feed.on_end(g)
 
     g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=on_end,
-                         on_token=timing.on_token)
+                         on_token=timing.on_token, grammar=ask.grammar)
     try:
         service.submit(g)
     except Unavailable as e:
@@ -123,7 +124,8 @@ async def _generate(api: Api, request: Request, ask: Ask) -> Response:
 async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed,
                   watch: asyncio.Task[None]) -> AsyncIterator[str]:
     """The SSE stream: text chunks, the finish reason, the usage if asked for, [DONE]. Cancelled on disconnect."""
-    update, done = first, False
+    update, done, held = first, False, ""
+    calls = ask.tools is not None and ask.tools.parses  # the text may be a call: held back until the end
     try:
         if ask.chat:
             yield _sse(_chunk(api, ask, rid, {"role": "assistant", "content": ""}, None))
@@ -132,11 +134,18 @@ async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed,
                 yield _sse(_error(update).body())
                 yield "data: [DONE]\n\n"
                 return
-            if update.text:
+            if calls:
+                held += update.text
+            elif update.text:
                 yield _sse(_chunk(api, ask, rid, {"content": update.text} if ask.chat else update.text, None))
             if update.finish_reason is not None:
                 done = True
-                yield _sse(_chunk(api, ask, rid, {} if ask.chat else "", update.finish_reason))
+                finish = update.finish_reason
+                if calls:
+                    deltas, finish = _held_deltas(ask, held, finish)
+                    for delta in deltas:
+                        yield _sse(_chunk(api, ask, rid, delta, None))
+                yield _sse(_chunk(api, ask, rid, {} if ask.chat else "", finish))
                 if ask.include_usage:
                     yield _sse({**_chunk(api, ask, rid, "", None), "choices": [], "usage": update.usage})
                 yield "data: [DONE]\n\n"
@@ -175,13 +184,28 @@ def _completion(api: Api, ask: Ask, rid: int, text: str, last: Update) -> dict[s
     choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None}
     if ask.chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if ask.tools is not None and ask.tools.parses:
+            content, calls = tools.result(text, ask.tools)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
     else:
         choice["text"] = text
     return {**_head(api, ask, rid, "chat.completion" if ask.chat else "text_completion"), "choices": [choice],
             "usage": last.usage}
 
 
-def _chunk(api: Api, ask: Ask, rid: int, content: dict[str, str] | str, finish: str | None) -> dict[str, Any]:
+def _held_deltas(ask: Ask, text: str, finish: str) -> tuple[list[dict[str, Any]], str]:
+    """A held-back text's deltas at the end of a stream with tools: its calls as OpenAI streams them (and the
+    reason "tool_calls"), else its content."""
+    assert ask.tools is not None
+    content, calls = tools.result(text, ask.tools)
+    if not calls:
+        return ([{"content": text}] if text else []), finish
+    return ([{"content": content}] if content else []) + tools.stream_deltas(calls), "tool_calls"
+
+
+def _chunk(api: Api, ask: Ask, rid: int, content: dict[str, Any] | str, finish: str | None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
     choice["delta" if ask.chat else "text"] = content
     return {**_head(api, ask, rid, "chat.completion.chunk" if ask.chat else "text_completion"), "choices": [choice]}

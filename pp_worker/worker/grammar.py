@@ -44,19 +44,24 @@ class Grammar:
 
     @staticmethod
     def parse(value: Any) -> Grammar:
-        """``{"type": "json_schema", "schema": {...}}``, ``{"type": "json_object"}`` or ``{"type": "lark" | "gbnf" |
-        "regex", "text": "..."}`` -> a Grammar, checked by compiling it (no vocabulary needed); GrammarError naming
-        the field otherwise."""
+        """``{"type": "json_schema", "schema": {...}, "strict": true}``, ``{"type": "json_object"}`` or
+        ``{"type": "lark" | "gbnf" | "regex", "text": "..."}`` -> a Grammar, checked by compiling it (no vocabulary
+        needed); GrammarError naming the field otherwise. ``strict`` false: schema keywords llguidance does not
+        implement are ignored instead of refused."""
         if not isinstance(value, dict) or value.get("type") not in KINDS:
             got = value.get("type") if isinstance(value, dict) else type(value).__name__
             raise GrammarError(f"'grammar.type' must be one of {', '.join(KINDS)}, got {str(got)[:40]!r}")
         kind = value["type"]
         if kind in ("json_schema", "json_object"):
             schema = value.get("schema", {}) if kind == "json_schema" else {"type": "object"}
+            strict = value.get("strict", True)
             if not isinstance(schema, dict | bool):
                 raise GrammarError("'grammar.schema' must be a JSON schema (an object)")
+            if not isinstance(strict, bool):
+                raise GrammarError("'grammar.strict' must be true or false")
+            options = {**JSON_STYLE, "lenient": not strict}  # not strict: keywords llguidance lacks are ignored
             return Grammar(kind, _compile(kind, lambda lg: lg.LLMatcher.grammar_from_json_schema(
-                json.dumps(schema), defaults=JSON_STYLE)))
+                json.dumps(schema), defaults=options)))
         text = value.get("text")
         if not isinstance(text, str) or not text:
             raise GrammarError(f"'grammar.text' must be the {kind} grammar as a non-empty string")
