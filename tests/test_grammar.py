@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from conftest import request_line, serve_bytes
 
+from pp_worker.driver.generation import Generation
 from pp_worker.worker.dispatch import Worker
 from pp_worker.worker.engines.stub import STUB_HIDDEN_DIM, StubEngine
 from pp_worker.worker.events import Clock
@@ -204,3 +205,37 @@ def test_a_bad_grammar_is_an_error_reply_and_the_stage_goes_on() -> None:
 
 def test_grammar_error_is_a_value_error() -> None:
     assert issubclass(GrammarError, ValueError)
+
+
+# --- the driver: the field on a generation's first step ----------------------------------------------------------
+
+
+def _last_stage_fields(g: Generation) -> list[dict[str, Any]]:
+    """The fields of every forward_and_sample a 2-stage generation sends (fake replies: 2 tokens, then EOS)."""
+    steps, sent, reply = g.steps(2, frozenset({9})), [], None
+    while True:
+        try:
+            call = steps.send(reply)
+        except StopIteration:
+            return sent
+        if call.op == "tokenize":
+            reply = {"tokens": [1, 2, 3]}
+        elif call.op == "forward_and_sample":
+            sent.append(call.fields)
+            reply = {"token_id": 9 if len(sent) == 3 else 5}
+        elif call.op == "detokenize":
+            reply = {"text": "x"}
+        else:
+            reply = {"hidden_b64": "AAAA"}
+
+
+@pytest.mark.parametrize(("grammar", "cached", "first"), [
+    ({"type": "json_object"}, [], {"grammar": {"type": "json_object"}}),
+    (None, [1, 2], {"grammar": None}),  # a kept session: an earlier turn's matcher must not constrain this one
+    (None, [], {}),  # a fresh session holds none: the field is left out (the contract's requests, unchanged)
+])
+def test_the_driver_sends_the_grammar_on_the_first_step_only(grammar: Any, cached: list[int], first: Any) -> None:
+    sent = _last_stage_fields(Generation(0, "p", 7, max_tokens=8, grammar=grammar, cached=cached))
+    assert len(sent) == 3
+    assert {k: v for k, v in sent[0].items() if k == "grammar"} == first
+    assert all("grammar" not in f for f in sent[1:])
