@@ -11,7 +11,7 @@ import jsonschema
 import pytest
 
 from pp_worker.driver.chat import PLAIN_CHAT, chat_format
-from pp_worker.serve import tools
+from pp_worker.serve import structured, tools
 from pp_worker.serve.fields import ApiError
 from pp_worker.worker.grammar import Grammar
 
@@ -165,3 +165,34 @@ def test_stream_deltas_are_openais() -> None:
     assert head == {"tool_calls": [{"index": 0, "id": calls[0]["id"], "type": "function",
                                     "function": {"name": "add", "arguments": ""}}]}
     assert args == {"tool_calls": [{"index": 0, "function": {"arguments": calls[0]["function"]["arguments"]}}]}
+
+
+def test_response_format_maps_to_the_grammar_field() -> None:
+    assert structured.response_format({}) is None
+    assert structured.response_format({"response_format": {"type": "text"}}) is None
+    assert structured.response_format({"response_format": {"type": "json_object"}}) == {"type": "json_object"}
+    loose = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {"type": "string"}}}}
+    assert structured.response_format({"response_format": loose})["strict"] is False  # OpenAI's default: lenient
+    with pytest.raises(ApiError) as e:  # strict: what the library lacks is refused
+        structured.response_format({"response_format": {**loose, "json_schema": {**loose["json_schema"],
+                                                                                  "strict": True}}})
+    assert (e.value.status, e.value.param) == (400, "response_format") and "Unimplemented" in e.value.message
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"json_schema": {"type": "objec"}}, "json_schema"),
+    ({"grammar": "root ::= foo"}, "grammar"),
+    ({"grammar": 'root ::= "a"', "json_schema": {}}, "grammar"),
+])
+def test_llama_server_fields_are_checked_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        structured.llama_grammar(body)
+    assert e.value.param == param
+
+
+def test_llama_server_fields_map_to_the_grammar_field() -> None:
+    assert structured.llama_grammar({"json_schema": {"type": "integer"}}) == {"type": "json_schema",
+                                                                                "schema": {"type": "integer"}}
+    assert structured.llama_grammar({"grammar": 'root ::= "a"'}) == {"type": "gbnf", "text": 'root ::= "a"'}
+    assert structured.llama_grammar({"response_format": {"type": "json_object"}}) == {"type": "json_object"}
+    assert structured.llama_grammar({"grammar": "", "response_format": {"type": "text"}}) is None

@@ -24,8 +24,9 @@ def checked(grammar: dict[str, Any], param: str) -> dict[str, Any]:
 
 
 def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
-    """OpenAI's ``response_format``: None for text (or absent), else the grammar it asks for. ``strict`` false lets
-    the schema use keywords the grammar library does not implement (ignored); true (or absent) refuses them."""
+    """OpenAI's ``response_format``: None for text (or absent), else the grammar it asks for. ``strict`` false (or
+    absent, as OpenAI's) lets the schema use keywords the grammar library does not implement (ignored); true refuses
+    them."""
     value = typed(body, "response_format", dict)
     if value is None or value.get("type") == "text":
         return None
@@ -43,7 +44,7 @@ def response_format(body: dict[str, Any]) -> dict[str, Any] | None:
     if strict is not None and not isinstance(strict, bool):
         raise ApiError(422, "response_format.json_schema.strict: expected a boolean", "response_format",
                        "invalid_type")
-    grammar = {"type": "json_schema", "schema": spec.get("schema", {}), "strict": strict is not False}
+    grammar = {"type": "json_schema", "schema": spec.get("schema", {}), "strict": strict is True}
     return checked(grammar, "response_format")
 
 
