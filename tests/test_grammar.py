@@ -239,3 +239,13 @@ def test_the_driver_sends_the_grammar_on_the_first_step_only(grammar: Any, cache
     assert len(sent) == 3
     assert {k: v for k, v in sent[0].items() if k == "grammar"} == first
     assert all("grammar" not in f for f in sent[1:])
+
+
+def test_the_stub_accepts_a_grammar_and_applies_nothing() -> None:
+    worker = Worker(StubEngine(1, 2), Clock(), "stub")
+    plain = worker.handle_line(request_line(_step(3, 0, 2)))
+    worker.engine.release(3)
+    constrained = worker.handle_line(request_line(_step(3, 0, 2, grammar={"type": "regex", "text": "x"})))
+    assert constrained == plain and "token_id" in plain
+    bad = worker.handle_line(request_line(_step(3, 2, 1, grammar={"type": "regex", "text": "("})))
+    assert "does not compile" in bad["error"]  # validated all the same
