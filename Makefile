@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
-	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, tokenizers, jinja2, starlette, uvicorn, openai, ray, selenium, prometheus_client"
+	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, tokenizers, jinja2, llguidance, jsonschema, starlette, uvicorn, openai, ray, selenium, prometheus_client"
 	touch $(STAMP)
 
 # What the system needs, checked at every install (quick) and installed with apt where missing.

@@ -195,7 +195,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 16)}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 17)}
     assert by_name["MoE / dense decode"].verdict == "PASS" and "dense / MoE 5.0x" in by_name["MoE / dense decode"].note
     assert by_name["last stage's decode call, dense / MoE, in one process"].value == pytest.approx(5.1)
     no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
@@ -263,6 +263,24 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     back = json.loads(paths[1].read_text())
     assert back["summary"] == summary(rows) and len(back["rows"]) == len(rows)
     assert set(back["rows"][0]) >= {"section", "name", "value", "unit", "target", "target_text", "verdict", "note"}
+
+
+def test_grammar_rows_bound_the_masks_share_of_a_step() -> None:
+    from bench import grammar
+
+    m = {"vocab": 151_936, "step_s": [0.001, 0.002, 0.003], "first_s": [2.5, 0.004, 0.006], "head_s": 0.04}
+    rows = {r.name.strip(): r for r in grammar.rows(m)}
+    share = rows["mask / head"]  # the mean step against the head's read
+    assert share.value == pytest.approx(0.05) and share.verdict == "PASS" and share.at_most
+    assert rows["an answer's first step (a new matcher)"].value == pytest.approx(5.0)  # the tokenizer's build apart
+    assert grammar.rows(None)[0].value is None
+
+
+def test_grammar_bench_vocabulary_is_distinct_tokens_and_an_eos() -> None:
+    from bench import grammar
+
+    v = grammar.vocabulary(1000)
+    assert len(v.tokens) == len(set(v.tokens)) == 1000 and v.eos == [999] and v.tokens[999].startswith(b"\xff")
 
 
 def fake_rss(tiny_model: Path) -> dict:

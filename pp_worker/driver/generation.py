@@ -69,6 +69,8 @@ class Generation:
     on_text: TextSink | None = None  # set: stream the text (partial detokenize of the new ids, off the critical path)
     on_token: Callable[[Generation], None] | None = None  # after each token is appended (its time is ``t_end``)
     keep_session: bool = False  # a chat's turn: its KV session stays on the stages for the next turn
+    # the last stage's ``grammar`` field (worker.grammar): the output is constrained to it; None: not constrained
+    grammar: dict[str, Any] | None = None
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     # with ``sampling.logprobs``: each token's ``logprobs`` from the last stage ({token_id, logprob, text, top})
@@ -150,10 +152,16 @@ class Generation:
                 reply = yield Call(s, "forward_range", hop)
             else:
                 context = self.prompt_tokens + self.tokens
-                reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context))
+                reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context) | self._grammar(op))
         if "logprobs" in reply:
             self.logprobs.append(reply["logprobs"])
         return reply["token_id"]
+
+    def _grammar(self, op: str) -> dict[str, Any]:
+        """The first step starts the generation's grammar on the last stage; with none, a session kept from an
+        earlier turn is told so (null), so that turn's matcher cannot constrain this one."""
+        first = op == "embed_and_forward"
+        return {"grammar": self.grammar} if first and (self.grammar is not None or self.cached) else {}
 
     def _pipelined_prefill(self, start: int, chunk: int, n: int) -> Generator[Call, Reply | None, int]:
         """Send every chunk of the prompt but the last without waiting: each stage's reply sends that chunk on to

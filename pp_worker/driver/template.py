@@ -57,16 +57,18 @@ class ChatTemplate:
 
     def __init__(self, source: str, bos_token: str | None = None, eos_token: str | None = None,
                  add_bos: bool = False):
-        self.template = _environment().from_string(source)
+        self.source, self.template = source, _environment().from_string(source)
         self.bos_token, self.eos_token, self.add_bos = bos_token or "", eos_token or "", add_bos
 
-    def render(self, messages: list[Message], add_generation_prompt: bool = True) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=None,
+    def render(self, messages: list[Message], add_generation_prompt: bool = True,
+               tools: list[dict[str, Any]] | None = None) -> str:
+        """``tools``: OpenAI's tool objects ({"type": "function", "function": {...}}), as transformers passes them."""
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
                                     documents=None, bos_token=self.bos_token, eos_token=self.eos_token)
 
-    def prompt(self, messages: list[Message]) -> str:
+    def prompt(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> str:
         """The text to tokenize for the assistant's next turn (without the BOS tokenizing adds)."""
-        text = self.render(messages)
+        text = self.render(messages, tools=tools)
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text

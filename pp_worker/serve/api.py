@@ -11,15 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from pp_worker.driver.chat import Format
+from pp_worker.driver.chat import Format, TemplateFormat
 from pp_worker.driver.generation import Sampling
+from pp_worker.serve import structured, tools
 from pp_worker.serve.fields import ApiError, boolean, integer, number, prompt_text, required, typed
 
 MAX_STOPS = 4  # as OpenAI
 MAX_LOGIT_BIAS = 100.0  # as OpenAI (and the workers)
 SEED_LIMIT = 1 << 63  # the workers' seed range
 MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs (and the workers)
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class Ask:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     chat: bool
+    grammar: dict[str, Any] | None = None  # the last stage's grammar field (structured output, a forced tool call)
+    tools: tools.ToolUse | None = None  # the chat's tools: its output is parsed for calls (`tools.result`)
 
     @property
     def logprobs(self) -> int | None:
@@ -60,27 +63,48 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
     if not isinstance(prompt, str):
         raise ApiError(422, "prompt: expected a string", "prompt", "invalid_type")
     _unsupported(body, echo=False, suffix=None, best_of=1)
-    return _ask(body, prompt_text(prompt), defaults, chat=False, max_tokens_field="max_tokens")
+    ask = _ask(body, prompt_text(prompt), defaults, chat=False, max_tokens_field="max_tokens")
+    return replace(ask, grammar=structured.llama_grammar(body))
 
 
 def render_messages(body: dict[str, Any], fmt: Format) -> str:
     """The request's ``messages`` rendered with the model's chat format, ready for the assistant's answer."""
+    return _chat_prompt(body, fmt)[0]
+
+
+def _messages(body: dict[str, Any]) -> list[Any]:
     messages = required(body, "messages")
     if not isinstance(messages, list):
         raise ApiError(422, "messages: expected an array", "messages", "invalid_type")
     if not messages:
         raise ApiError(400, "messages: at least one message is needed", "messages")
-    return prompt_text(fmt.render([_turn(m, i) for i, m in enumerate(messages)]))
+    return messages
+
+
+def _chat_prompt(body: dict[str, Any], fmt: Format) -> tuple[str, tools.ToolUse | None, dict[str, Any] | None]:
+    """The rendered prompt (tools passed to the template), the chat's tool use and the grammar its output follows."""
+    turns = [_turn(m, i) for i, m in enumerate(_messages(body))]
+    template = fmt.template.source if isinstance(fmt, TemplateFormat) else None
+    use, grammar = tools.tool_use(body, tools.style_of(template)), structured.response_format(body)
+    if use is not None and use.forced:
+        if grammar is not None:
+            raise ApiError(400, "response_format: a json format cannot go with a tool_choice that forces a call",
+                           "response_format")
+        grammar = tools.forced_grammar(use)
+    prompt = tools.render(fmt, turns, use) + (use.style.opening if use is not None and use.forced else "")
+    return prompt_text(prompt), use, grammar
 
 
 def chat_ask(body: dict[str, Any], defaults: Defaults, fmt: Format) -> Ask:
-    """POST /v1/chat/completions: the messages rendered with the model's chat format."""
-    prompt = render_messages(body, fmt)
-    _unsupported(body, tools=None, functions=None, response_format={"type": "text"}, tool_choice="none")
+    """POST /v1/chat/completions: the messages rendered with the model's chat format (and its tools)."""
+    _messages(body)  # the messages' own checks come first
+    _unsupported(body, functions=None)
+    prompt, use, grammar = _chat_prompt(body, fmt)
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     ask = _ask(body, prompt, defaults, chat=True, max_tokens_field=field)
     ask = replace(ask, sampling=replace(ask.sampling, logprobs=_chat_logprobs(body)))
-    return replace(ask, stop=tuple(dict.fromkeys(ask.stop + fmt.stop)))  # the format's end-of-turn text ends it
+    # the format's end-of-turn text ends it
+    return replace(ask, stop=tuple(dict.fromkeys(ask.stop + fmt.stop)), grammar=grammar, tools=use)
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
@@ -159,7 +183,7 @@ def stop_strings(body: dict[str, Any]) -> tuple[str, ...]:
     return tuple(stops)
 
 
-def _turn(message: Any, i: int) -> tuple[str, str]:
+def _turn(message: Any, i: int) -> dict[str, Any]:
     param = f"messages[{i}]"
     if not isinstance(message, dict):
         raise ApiError(422, f"{param}: expected an object", param, "invalid_type")
@@ -172,9 +196,18 @@ def _turn(message: Any, i: int) -> tuple[str, str]:
                    for p in content):
             raise ApiError(400, f"{param}.content: only text parts are supported", f"{param}.content")
         content = "".join(p["text"] for p in content)
+    calls = message.get("tool_calls") if role == "assistant" else None
+    if content is None and calls:  # an assistant turn that only called tools
+        content = ""
     if not isinstance(content, str):
         raise ApiError(422, f"{param}.content: expected a string or text parts", f"{param}.content", "invalid_type")
-    return ROLES[role], content
+    turn = {**message, "role": ROLES[role], "content": content}
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict)
+            and isinstance(c["function"].get("name"), str) for c in calls)):
+        raise ApiError(422, f"{param}.tool_calls: expected calls {{'function': {{'name', 'arguments'}}}}",
+                       f"{param}.tool_calls", "invalid_type")
+    return turn
 
 
 def _unsupported(body: dict[str, Any], **harmless: Any) -> None:

@@ -26,6 +26,7 @@ from starlette.routing import BaseRoute, Route
 
 from pp_worker.driver.chat import Format
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
+from pp_worker.serve import tools
 from pp_worker.serve.access import RequireKey, cors
 from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
 from pp_worker.serve.feed import Feed, Shape, Update
@@ -101,7 +102,7 @@ async def _generate(api: Api, request: Request, ask: Ask, shape: Shape | None = 
         feed.on_end(g)
 
     g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=on_end,
-                         on_token=timing.on_token)
+                         on_token=timing.on_token, grammar=ask.grammar)
     try:
         service.submit(g)
     except Unavailable as e:
@@ -182,18 +183,27 @@ class OpenAIStream:
         self.model, self.ask, self.rid = model, ask, rid
         self.offset = 0  # characters of the tokens' texts sent so far (completions' text_offset)
         self.opened = not ask.chat
+        self.calls = ask.tools is not None and ask.tools.parses  # the text may be a call: held back until the end
+        self.held = ""
 
     def events(self, update: Update) -> Iterator[dict[str, Any]]:
         model, ask, rid = self.model, self.ask, self.rid
         if not self.opened:
             self.opened = True
             yield _chunk(model, ask, rid, {"role": "assistant", "content": ""}, None)
-        if update.text or update.logprobs:
+        if self.calls:
+            self.held += update.text
+        elif update.text or update.logprobs:
             yield _chunk(model, ask, rid, {"content": update.text} if ask.chat else update.text, None,
                          _logprobs(ask, update.logprobs, self.offset))
             self.offset += sum(len(e["text"]) for e in update.logprobs)
         if update.finish_reason is not None:
-            yield _chunk(model, ask, rid, {} if ask.chat else "", update.finish_reason)
+            finish = update.finish_reason
+            if self.calls:
+                deltas, finish = _held_deltas(ask, self.held, finish)
+                for delta in deltas:
+                    yield _chunk(model, ask, rid, delta, None)
+            yield _chunk(model, ask, rid, {} if ask.chat else "", finish)
             if ask.include_usage:
                 yield {**_chunk(model, ask, rid, "", None), "choices": [], "usage": update.usage}
 
@@ -205,6 +215,11 @@ def _completion(model: str, ask: Ask, rid: int, updates: list[Update]) -> dict[s
                               "logprobs": _logprobs(ask, logprobs, 0)}
     if ask.chat:
         choice["message"] = {"role": "assistant", "content": text}
+        if ask.tools is not None and ask.tools.parses:
+            content, calls = tools.result(text, ask.tools)
+            if calls:
+                choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                choice["finish_reason"] = "tool_calls"
     else:
         choice["text"] = text
     return {**_head(model, ask, rid, "chat.completion" if ask.chat else "text_completion"), "choices": [choice],
@@ -214,7 +229,17 @@ def _completion(model: str, ask: Ask, rid: int, updates: list[Update]) -> dict[s
 OPENAI = Shape(_completion, OpenAIStream)
 
 
-def _chunk(model: str, ask: Ask, rid: int, content: dict[str, str] | str, finish: str | None,
+def _held_deltas(ask: Ask, text: str, finish: str) -> tuple[list[dict[str, Any]], str]:
+    """A held-back text's deltas at the end of a stream with tools: its calls as OpenAI streams them (and the
+    reason "tool_calls"), else its content."""
+    assert ask.tools is not None
+    content, calls = tools.result(text, ask.tools)
+    if not calls:
+        return ([{"content": text}] if text else []), finish
+    return ([{"content": content}] if content else []) + tools.stream_deltas(calls), "tool_calls"
+
+
+def _chunk(model: str, ask: Ask, rid: int, content: dict[str, Any] | str, finish: str | None,
            logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
     choice["delta" if ask.chat else "text"] = content

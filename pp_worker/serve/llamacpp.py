@@ -20,6 +20,7 @@ from starlette.routing import BaseRoute, Route
 
 from pp_worker.driver.chat import Format
 from pp_worker.driver.service import ServedGeneration
+from pp_worker.serve import structured
 from pp_worker.serve.api import (
     MAX_LOGPROBS,
     Ask,
@@ -75,7 +76,7 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
                                logit_bias=_logit_bias(body.get("logit_bias")))
     max_tokens = UNLIMITED if n_predict == -1 else n_predict or defaults.max_tokens
     return Ask(prompt_text(prompt), max_tokens, replace(sampling, logprobs=n_probs or None), stop_strings(body),
-               bool(boolean(body, "stream")), False, False)
+               bool(boolean(body, "stream")), False, False, grammar=structured.llama_grammar(body))
 
 
 def _logit_bias(value: Any) -> Any:

@@ -16,6 +16,7 @@ from pp_worker.wire import B64, WireError, encode_payload, parse_json
 from pp_worker.worker import protocol, q8
 from pp_worker.worker.engines.base import Engine, EngineError
 from pp_worker.worker.events import Clock, rss_mb
+from pp_worker.worker.grammar import Constraints, GrammarError
 from pp_worker.worker.protocol import ProtocolError
 from pp_worker.worker.sampling import sample, token_logprobs
 from pp_worker.worker.shard import Role
@@ -35,6 +36,7 @@ class Worker:
         self.limits = protocol.Limits(info.hidden_dim, info.vocab_size, info.check_token_ids)
         self.shutdown_requested = False
         self.batched = 0  # requests served as part of a batched forward (status: batched_requests)
+        self.constraints = Constraints(engine.vocabulary, info.vocab_size)  # grammars' matchers, last stage
 
     def handle_line(self, line: bytes) -> Reply:
         return self.handle_lines([line])[0]
@@ -102,7 +104,7 @@ class Worker:
         """``work()``'s replies, or an error reply for each request of ``run`` when it fails."""
         try:
             return work()
-        except EngineError as e:
+        except (EngineError, GrammarError) as e:
             return [_error(r.rid, str(e)) for r in run]
         except Exception as e:  # a bug or resource failure must not take the stage down
             traceback.print_exc(file=sys.stderr)
@@ -162,13 +164,14 @@ def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
     logits = w.engine.forward_logits(rid, f["hidden"], f["position"], f["seq_len"])
-    return _sampled(w, logits, f, f["position"] + f["seq_len"])
+    return _sampled(w, rid, f, logits)
 
 
-def _sampled(w: Worker, logits: Any, f: dict[str, Any], step_key: int) -> Reply:
+def _sampled(w: Worker, rid: int, f: dict[str, Any], logits: Any) -> Reply:
     """The token sampled from ``logits`` and, when asked (``logprobs``), its log-probability and the most probable
-    alternatives', each with its text (the last stage holds the vocabulary; the driver does not)."""
-    token = sample(logits, f["sampling"], step_key=step_key)
+    alternatives', each with its text (the last stage holds the vocabulary; the driver does not). Log-probabilities
+    are the model's own distribution: before a grammar's mask, as before the sampling filters."""
+    token = _pick(w, rid, f, logits)
     if f.get("logprobs") is None:
         return {"token_id": token}
     logprob, top = token_logprobs(logits, token, f["logprobs"])
@@ -177,6 +180,15 @@ def _sampled(w: Worker, logits: Any, f: dict[str, Any], step_key: int) -> Reply:
 
 def _piece(w: Worker, token: int, logprob: float) -> Reply:
     return {"token_id": token, "logprob": logprob, "text": w.engine.detokenize([token])}
+
+
+def _pick(w: Worker, rid: int, f: dict[str, Any], logits: Any) -> int:
+    """The next token of session ``rid``: its grammar (if any) masks the logits before the sampler sees them."""
+    if "grammar" in f:
+        w.constraints.keep_only(w.engine.sessions())  # matchers of evicted sessions go before a new one comes
+    token = sample(w.constraints.mask(rid, f, logits), f["sampling"], step_key=f["position"] + f["seq_len"])
+    w.constraints.advance(rid, f, token)
+    return token
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -197,6 +209,7 @@ def model_fields(engine: Engine, wire_dtype: str) -> Reply:
 
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    w.constraints.release(rid)
     return {"released": w.engine.release(rid)}
 
 
@@ -231,9 +244,17 @@ def _step_batch(w: Worker, run: list[Request]) -> list[Reply]:
     out = w.engine.step_batch([r.rid for r in run], positions, inputs)
     w.batched += len(run)
     if w.shard.is_last:
-        return [{"request_id": r.rid, **_sampled(w, out[b], r.fields, positions[b] + 1)} for b, r in enumerate(run)]
+        return [_token_reply(w, r, out[b]) for b, r in enumerate(run)]
     row = len(out) // len(run)
     return [_row_reply(w, r.rid, out[b * row:(b + 1) * row]) for b, r in enumerate(run)]
+
+
+def _token_reply(w: Worker, r: Request, logits: Any) -> Reply:
+    """One batched session's token, or its own error (its grammar refused; the others' tokens are still good)."""
+    try:
+        return {"request_id": r.rid, **_sampled(w, r.rid, r.fields, logits)}
+    except GrammarError as e:
+        return _error(r.rid, str(e))
 
 
 def _row_reply(w: Worker, rid: int, hidden: bytes | memoryview) -> Reply:

@@ -16,6 +16,7 @@ from typing import Any
 
 from pp_worker.wire import B64, b64_len, decode_payload
 from pp_worker.worker import q8
+from pp_worker.worker.grammar import Grammar, GrammarError
 from pp_worker.worker.sampling import SamplingParams
 
 MAX_INT = 2**53  # ints beyond this are not portable JSON numbers; nothing legal needs them
@@ -248,6 +249,17 @@ def logprobs_count(req: dict[str, Any]) -> int | None:
     return value
 
 
+def parse_grammar(req: dict[str, Any]) -> dict[str, Any]:
+    """``{"grammar": Grammar | None}`` when the request carries the field (null: none, still a new generation's
+    start, see `grammar`), else {}."""
+    if "grammar" not in req:
+        return {}
+    try:
+        return {"grammar": None if req["grammar"] is None else Grammar.parse(req["grammar"])}
+    except GrammarError as e:
+        raise ProtocolError(str(e)) from None
+
+
 # --- each op's own fields -----------------------------------------------------------------------------------------
 
 def _positions(obj: dict[str, Any]) -> dict[str, Any]:
@@ -295,7 +307,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
     "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},
     "forward_range": _hidden_fields,
     "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size),
-                                          "logprobs": logprobs_count(o)},
+                                          "logprobs": logprobs_count(o), **parse_grammar(o)},
     "batch": _requests,
 }
 

@@ -18,6 +18,8 @@ from pp_worker.worker.shard import Shard
 if TYPE_CHECKING:  # the stub (and the launcher's seed names) must import without numpy
     import numpy as np
 
+    from pp_worker.worker.grammar import Vocabulary
+
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,9 @@ class Engine(Protocol):
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray | Sequence[float]:
         """Last stage: blocks, output norm and head; float32 logits (vocab,) of the last position."""
+
+    def vocabulary(self) -> Vocabulary | None:
+        """Last stage: the model's tokens for a grammar's matcher (`worker.grammar`); None where there is no model."""
 
     def can_batch(self, session: int, position: int) -> bool:
         """Whether a one-token step of ``session`` at ``position`` may join a batch: it appends to a session held."""

@@ -84,6 +84,10 @@ class StubEngine:
         digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
         return [(b - 128) / 16.0 for b in digest]
 
+    def vocabulary(self) -> None:
+        """No vocabulary: a ``grammar`` field is validated and then not applied (the stub's logits are no model's)."""
+        return None
+
     def can_batch(self, session: int, position: int) -> bool:
         return self._sessions.get(session) == position
 

@@ -61,7 +61,9 @@ from pp_worker.worker.engines.model import StageWeights, eos_token_ids, load_sta
 from pp_worker.worker.engines.pool import default_kv_bytes, mem_available, plan_pool
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import Session, SessionTable
+from pp_worker.worker.grammar import Vocabulary
 from pp_worker.worker.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
+from pp_worker.worker.text.tokenizer import Tokenizer
 from pp_worker.worker.text.vocab import bos_token
 
 COMPILE_GUESS_S = 2.0  # compiling a JIT, until one is timed: a cold stage of the bench models (bench/NOTES.md)
@@ -415,6 +417,12 @@ class TinygradEngine:
     def detokenize_partial(self, tokens: list[int]) -> tuple[str, int]:
         assert self._w.detokenizer is not None, "detokenize runs on the last stage"
         return self._w.detokenizer.decode_partial(tokens)
+
+    def vocabulary(self) -> Vocabulary:
+        """Last stage: the tokens a grammar's matcher masks (`worker.grammar`), read when the first grammar comes."""
+        assert self.shard.is_last, "grammars run on the last stage"
+        encoder = Tokenizer.from_gguf_kv(self._w.kv)
+        return Vocabulary.from_gguf_kv(self._w.kv, self.info.eos_token_ids, lambda t: encoder.encode(t, False))
 
     # ---- forward ops. Outputs are views of the reusable host buffer: valid until the engine's next call.
 
