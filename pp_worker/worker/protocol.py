@@ -284,6 +284,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
     "forward_range": _hidden_fields,
     "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size)},
     "batch": _requests,
+    "release": lambda o, lim: {"keep": flag(o, "keep", False)},
 }
 
 
