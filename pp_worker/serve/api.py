@@ -31,6 +31,7 @@ class Ask:
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
     chat: bool
+    cache_prompt: bool = True  # llama-server's field: reuse a cached session's common prefix (docs/serve.md)
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ def _ask(body: dict[str, Any], prompt: str, defaults: Defaults, *, chat: bool, m
     include_usage = bool(stream and options and options.get("include_usage") is True)
     max_tokens = integer(body, max_tokens_field, 1, 1 << 30)
     return Ask(prompt, max_tokens or defaults.max_tokens, _sampling(body, defaults), _stop(body), stream,
-               include_usage, chat)
+               include_usage, chat, boolean(body, "cache_prompt") is not False)
 
 
 def _sampling(body: dict[str, Any], defaults: Defaults) -> Sampling:

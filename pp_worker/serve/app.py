@@ -31,6 +31,7 @@ from pp_worker.serve.feed import Feed, Update
 from pp_worker.serve.fields import ApiError, read_body, unavailable
 from pp_worker.serve.metrics import CountRequests, Metrics, metrics_route
 from pp_worker.serve.page import page_routes
+from pp_worker.serve.slots import slots_route
 from pp_worker.serve.stages import stage_routes
 
 
@@ -73,7 +74,7 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults,
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models), Route("/v1/models/{name:path}", model), Route("/health", health),
         *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service),
-        *page_routes(service, defaults)]
+        *page_routes(service, defaults), slots_route(service)]
     # outermost first: every request is counted, 401s and preflights included; CORS headers go on the 401s too
     middleware = [Middleware(CountRequests, metrics=api.metrics, routes=routes),
                   *([cors(cors_origins)] if cors_origins else []),
@@ -94,7 +95,7 @@ async def _generate(api: Api, request: Request, ask: Ask) -> Response:
         feed.on_end(g)
 
     g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=on_end,
-                         on_token=timing.on_token)
+                         on_token=timing.on_token, cache_prompt=ask.cache_prompt)
     try:
         service.submit(g)
     except Unavailable as e:

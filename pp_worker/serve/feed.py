@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 from pp_worker.driver.service import ServedGeneration
 
@@ -21,7 +22,7 @@ class Update:
 
     text: str
     finish_reason: str | None = None
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     error: str = ""
     unavailable: bool = False  # the error is the pipeline's (503), not the request's (400)
     code: str = ""  # the error's code in OpenAI's shape, if it has one
@@ -53,7 +54,8 @@ class Feed:
         final = self._cut(g.text)
         reason = "stop" if self.stopped else FINISH_REASONS.get(g.stop_reason, "stop")
         usage = {"prompt_tokens": len(g.prompt_tokens), "completion_tokens": len(g.tokens),
-                 "total_tokens": len(g.prompt_tokens) + len(g.tokens)}
+                 "total_tokens": len(g.prompt_tokens) + len(g.tokens),
+                 "prompt_tokens_details": {"cached_tokens": g.reused}}  # OpenAI's: prompt tokens not recomputed
         self._put(Update(final[self.shown:], reason, usage))
 
     def _cut(self, text: str) -> str:
