@@ -120,5 +120,6 @@ class Server:
 
 
 def request_id(response_id: str) -> str:
-    """The pipeline request id in a response id (``cmpl-<id>-<run>``): the key of its KV sessions."""
+    """The pipeline request id in a response id (``cmpl-<id>-<run>``): the key of its KV sessions, unless it took
+    a cached one (prefix reuse: ``cache_prompt``)."""
     return response_id.split("-")[1]

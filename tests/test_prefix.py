@@ -31,6 +31,15 @@ def test_take_picks_the_longest_common_prefix_and_leaves_one_token_to_prefill() 
     assert reusable([1, 2, 3], [1, 2, 3]) == 2
 
 
+def test_a_prefix_shorter_than_half_of_what_could_be_shared_takes_nothing() -> None:
+    c = PrefixCache(4)
+    c.put(1, list(range(10)))
+    assert c.take([0, 1, 2, 3, 50, 51, 52, 53, 54, 55]) is None  # 4 of 9: a new session instead
+    assert c.take([0, 1, 2, 3, 4, 50, 51, 52, 53, 54]) == (1, list(range(10)))  # 5 of 9
+    c.put(1, list(range(10)))
+    assert c.take([0, 1, 2, 3]) == (1, list(range(10)))  # shorter than what it holds: 3 of the 3 it could share
+
+
 def test_put_holds_at_most_limit_sessions_dropping_the_least_recently_used() -> None:
     c = PrefixCache(2)
     assert c.put(1, [1]) == [] and c.put(2, [2]) == []

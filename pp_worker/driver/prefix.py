@@ -22,6 +22,13 @@ def reusable(held: list[int], tokens: list[int]) -> int:
     return n
 
 
+def similar(common: int, held: list[int], tokens: list[int]) -> bool:
+    """Whether a common prefix of ``common`` tokens is worth taking a session for: at least half of the most the
+    two could share (what it holds, or the prompt but its last token). llama-server's slot choice has the same
+    threshold (``--slot-prompt-similarity`` 0.5)."""
+    return common > 0 and 2 * common >= min(len(held), len(tokens) - 1)
+
+
 class PrefixCache:
     """session id -> the tokens its KV holds on every stage, least recently used first, at most ``limit`` sessions
     (the stages' ``max_sessions``: more could never be held beside a live generation)."""
@@ -32,10 +39,12 @@ class PrefixCache:
 
     def take(self, tokens: list[int]) -> tuple[int, list[int]] | None:
         """The held session sharing the longest prefix with ``tokens`` (the most recent on a tie) and what it holds,
-        out of the cache (now the caller's alone); None when none shares a token."""
+        out of the cache (now the caller's alone); None when none shares at least half of what it could (of the
+        shorter of the two: `similar`), so that an unrelated prompt that shares a BOS or a system prompt's first
+        words with a long conversation leaves that conversation's session alone and starts its own."""
         best, n = None, 0
         for session, held in reversed(self._held.items()):
-            if (k := reusable(held, tokens)) > n:
+            if (k := reusable(held, tokens)) > n and similar(k, held, tokens):
                 best, n = session, k
         return None if best is None else (best, self._held.pop(best))
 
