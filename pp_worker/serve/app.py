@@ -1,6 +1,7 @@
 """The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
 the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``), ``page`` (the
-chat page, ``/props``) and ``metrics`` (``/metrics``), behind the middleware of ``access`` (API keys, CORS).
+chat page, ``/props``), ``metrics`` (``/metrics``) and ``slots`` (``/slots``), behind the middleware of ``access``
+(API keys, CORS).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.

@@ -2,9 +2,10 @@
 
 Counted as it happens (``Metrics``; the pipeline thread reports tokens, so a lock guards it): requests by endpoint
 and status (``CountRequests``, the outermost middleware, so 401s and CORS preflights count too), prompt and
-generated tokens, time to first token and inter-token latency (``Timing``, one per generation). Read at each scrape:
-the queue and the generations in flight, each stage's busy seconds, restarts and failures (the service's, across
-restarts), and its KV sessions and resident memory (from its own ``status`` reply; left out while the stages
+generated tokens, prompt tokens reused from a cached session (prefix reuse), time to first token and inter-token
+latency (``Timing``, one per generation). Read at each scrape: the queue, the generations in flight and the sessions
+left as cache, each stage's busy seconds, restarts and failures (the service's, across restarts), and its KV
+sessions, cached sessions, pages and resident memory (from its own ``status`` reply; left out while the stages
 restart, or when they give no reply within ``STATUS_TIMEOUT_S``, so a scrape is never a 503).
 """
 
