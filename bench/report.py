@@ -38,6 +38,8 @@ S13 = "13 pp-serve on a 30-block model (SmolLM2-135M's shape, Q8_0), 2 stages, 8
 S15 = "15 memwall: TinyLlama-1.1B's shape (2.2 GB F16), weights streamed from DRAM, 2 stages and llama.cpp"
 S12 = "12 threads: one stage's decode call on every core / on one (PP_THREADS), timed inside the stage"
 S14 = "14 mixture of experts (qwen3moe, Q8_0), 2 stages: against a dense twin and llama.cpp"
+S17 = "17 prefix reuse across requests (cache_prompt), pp-serve, a 5-turn chat"
+REUSE_TARGET = 0.25  # issue 52: the next turn's and an identical repeat's first token <= 0.25x the first turn's
 
 
 def get(raw: dict[str, Any], *path: str) -> Any:
@@ -59,7 +61,8 @@ def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[i
             *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
             *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
             *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe")),
-            *memwall_rows(raw.get("memwall")), *grammar.rows(raw.get("grammar"))]
+            *memwall_rows(raw.get("memwall")), *grammar.rows(raw.get("grammar")),
+            *reuse_rows(raw.get("reuse"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -536,4 +539,30 @@ def memwall_rows(m: dict[str, Any] | None) -> list[Row]:
     for what in ("avx2_skipped",):
         if m.get(what):
             rows.append(Row(S15, "AVX2 rows", None, "tok/s", note=m[what]))
+    return rows
+
+
+def reuse_rows(r: dict[str, Any] | None) -> list[Row]:
+    """Section 17: each turn's time to first token with reuse and without, the turns after the first and the
+    identical repeat against the first turn (the target), then 8 clients chatting at once."""
+    if not r or "on" not in r:
+        return [Row(S17, "prefix reuse", None, "s", note="not measured (section reuse not run, or it failed)")]
+    sec = f"{S17} ({r['model']}, context {r['context']}), {r['stages']} stages, {r['max_tokens']}-token answers"
+    on, off = r["on"], r["off"]
+    first = on["turns"][0]["ttft_s"]
+    rows = [Row(sec, f"turn 1 ({on['turns'][0]['prompt_tokens']} prompt tokens): first token, reuse on / off",
+                first, "s", note=f"off: {off['turns'][0]['ttft_s']:.3f} s")]
+    for i, (a, b) in enumerate(zip(on["turns"][1:], off["turns"][1:], strict=True), start=2):
+        rows.append(Row(sec, f"  turn {i} / turn 1, reuse on", ratio(a["ttft_s"], first), "x", REUSE_TARGET,
+                        at_most=True, note=f"{a['ttft_s']:.3f} s, {a['cached_tokens']} of {a['prompt_tokens']} "
+                                           f"prompt tokens reused; off: {b['ttft_s']:.3f} s"))
+    rows.append(Row(sec, "  identical repeat / turn 1, reuse on", ratio(on["repeat"]["ttft_s"], first), "x",
+                    REUSE_TARGET, at_most=True, note=f"{on['repeat']['ttft_s']:.3f} s; off: "
+                                                     f"{off['repeat']['ttft_s']:.3f} s"))
+    for mode in ("on", "off"):
+        c = r.get(f"clients_{mode}")
+        if c:
+            turns = ", ".join(f"{t:.2f}" for t in c["median_ttft_s"])
+            rows.append(Row(sec, f"{r['clients']} chats at once, reuse {mode}: wall", c["wall_s"], "s",
+                            note=f"median first token per turn: {turns} s"))
     return rows

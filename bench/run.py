@@ -31,14 +31,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import cold, grammar, memwall, models, moe, pipe, quant, report, rss, serve, servemem, solo, threads, wire
+from bench import (
+    cold,
+    grammar,
+    memwall,
+    models,
+    moe,
+    pipe,
+    quant,
+    report,
+    reuse,
+    rss,
+    serve,
+    servemem,
+    solo,
+    threads,
+    wire,
+)
 from bench.machine import CpuMeter, describe
 from bench.quant import say
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss",
-            "cold", "threads", "servemem", "grammar", "moe", "memwall")
+            "cold", "threads", "servemem", "grammar", "moe", "memwall", "reuse")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -70,6 +86,8 @@ class Plan:
     moe: moe.MoePlan = moe.MoePlan()  # section 14: a qwen3moe against its dense twin and llama.cpp
     memwall: memwall.MemwallPlan = memwall.MemwallPlan()  # section 15: the 1.1B shape from DRAM, against llama.cpp
     grammar: grammar.GrammarPlan = grammar.GrammarPlan()  # section 16: a grammar's mask at a 150K vocabulary
+    # section 17: prefix reuse in pp-serve, a 5-turn chat with a ~1,000-token first turn on SmolLM2-135M's shape
+    reuse: reuse.ReusePlan = reuse.ReusePlan(preset="smol", dtype="Q8_0")
 
 
 FULL = Plan("bench")
@@ -84,7 +102,8 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              servemem=servemem.ServeMemPlan(preset="bench", dtype="Q8_0", tokens=8, on_demand=False),
              moe=moe.MoePlan(decode=8, rounds=2),
              memwall=memwall.MemwallPlan(preset="kq", dtypes=("F16", "Q4_K_M"), avx2_dtypes=("Q4_K_M",), rounds=2,
-                                         decode=8))
+                                         decode=8),
+             reuse=reuse.ReusePlan())  # the embedded model: its context (256) holds a ~100-token first turn
 
 
 
@@ -373,6 +392,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "moe": lambda out: out.update(moe.measure(plan.moe)),
         "memwall": lambda out: out.update(memwall.measure(plan.memwall)),
         "grammar": lambda out: out.update(grammar.measure(plan.grammar)),
+        "reuse": lambda out: out.update(reuse.measure(plan.reuse)),
     }
     try:
         for key in sections:

@@ -91,8 +91,14 @@ class Server:
         return [s["pid"] for s in self.get("/stages")["stages"]]
 
     def sessions(self) -> list[dict[str, int]]:
-        """Each stage's KV sessions (request id -> positions), from the workers' own status replies."""
-        return [s["sessions"] for s in self.get("/stages")["stages"]]
+        """Each stage's live KV sessions (request id -> positions), from the workers' own status replies: those of
+        generations running, not the ones finished requests left as cache for prefix reuse (``cached``)."""
+        return [{k: n for k, n in s["sessions"].items() if int(k) not in s["cached_sessions"]}
+                for s in self.get("/stages")["stages"]]
+
+    def cached(self) -> list[list[int]]:
+        """Each stage's sessions held as cache (prefix reuse), least recently used first."""
+        return [s["cached_sessions"] for s in self.get("/stages")["stages"]]
 
     def wait_for(self, what: str, check: Any, timeout: float = 15.0) -> None:
         deadline = time.monotonic() + timeout
@@ -114,5 +120,6 @@ class Server:
 
 
 def request_id(response_id: str) -> str:
-    """The pipeline request id in a response id (``cmpl-<id>-<run>``): the key of its KV sessions."""
+    """The pipeline request id in a response id (``cmpl-<id>-<run>``): the key of its KV sessions, unless it took
+    a cached one (prefix reuse: ``cache_prompt``)."""
     return response_id.split("-")[1]

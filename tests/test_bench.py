@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu, models, pipe, report, run, solo, wire
+from bench import gpu, models, pipe, report, reuse, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
 from pp_worker.driver.pipeline import Pipeline
@@ -195,7 +195,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 17)}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 18)}
     assert by_name["MoE / dense decode"].verdict == "PASS" and "dense / MoE 5.0x" in by_name["MoE / dense decode"].note
     assert by_name["last stage's decode call, dense / MoE, in one process"].value == pytest.approx(5.1)
     no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
@@ -360,10 +360,12 @@ def test_run_arguments() -> None:
         run.parse_args(["--sections", "nope"])
     assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
-    assert run.SECTIONS[-2:] == ("moe", "memwall") and run.parse_args(["--sections", "moe"]).sections == (
-        "moe",)  # sections 14 and 15, each runnable alone
+    assert run.SECTIONS[-3:] == ("moe", "memwall", "reuse") and run.parse_args(["--sections", "moe"]).sections == (
+        "moe",)  # sections 14, 15 and 17, each runnable alone
     assert "memwall" in run.parse_args([]).sections and run.FULL.memwall.preset == "tinyllama"
     assert {run.FULL.moe.preset, run.FULL.moe.dense} <= set(PRESETS)
+    assert "reuse" in run.parse_args([]).sections and run.FULL.reuse.preset in PRESETS
+    assert run.QUICK.reuse.preset is None  # the embedded model
 
 
 def test_moe_bench_twins_have_the_same_dims_and_parameters() -> None:
@@ -536,3 +538,32 @@ def test_manycore_refuses_a_missing_llama_bench_before_it_builds_anything(tmp_pa
     with pytest.raises(SystemExit) as e:
         manycore.main(["--llama-bench", str(tmp_path / "llama-bench")])
     assert e.value.code == 2 and "no llama-bench to run at" in capsys.readouterr().err
+
+
+def _turn(ttft: float, cached: int, prompt: int) -> dict[str, float]:
+    return {"ttft_s": ttft, "cached_tokens": cached, "prompt_tokens": prompt}
+
+
+def test_report_reuse_rows() -> None:
+    on = {"turns": [_turn(2.0, 0, 1000), _turn(0.2, 1000, 1030)], "repeat": _turn(0.1, 1029, 1030)}
+    off = {"turns": [_turn(2.0, 0, 1000), _turn(2.1, 0, 1030)], "repeat": _turn(2.1, 0, 1030)}
+    clients = {"wall_s": 9.0, "median_ttft_s": [3.0, 0.5], "max_ttft_s": [4.0, 0.6]}
+    raw = {"model": "smol.gguf", "context": 8192, "stages": 2, "max_tokens": 8, "clients": 8, "on": on, "off": off,
+           "clients_on": clients, "clients_off": clients | {"wall_s": 20.0}}
+    rows = {r.name.strip(): r for r in report.reuse_rows(raw)}
+    nxt, repeat = rows["turn 2 / turn 1, reuse on"], rows["identical repeat / turn 1, reuse on"]
+    assert (nxt.value, nxt.target, nxt.verdict) == (pytest.approx(0.1), 0.25, "PASS") and "1000 of 1030" in nxt.note
+    assert repeat.value == pytest.approx(0.05) and "off: 2.100 s" in repeat.note
+    assert rows["8 chats at once, reuse off: wall"].value == 20.0
+    assert report.reuse_rows(None)[0].value is None
+
+
+def test_reuse_bench_runs_a_chat_through_pp_serve() -> None:
+    """The section end to end on the embedded model, small: a turn after the first reuses the conversation with
+    reuse on and nothing with it off; no timing is judged here."""
+    out = reuse.measure(reuse.ReusePlan(turns=2, clients=2, max_tokens=4, first_turn=60))
+    on, off = out["on"]["turns"], out["off"]["turns"]
+    assert on[0]["cached_tokens"] == 0 and on[1]["cached_tokens"] >= on[0]["prompt_tokens"] // 2
+    assert out["on"]["repeat"]["cached_tokens"] == out["on"]["repeat"]["prompt_tokens"] - 1
+    assert all(t["cached_tokens"] == 0 for t in [*off, out["off"]["repeat"]])
+    assert [len(out[f"clients_{m}"]["median_ttft_s"]) for m in ("on", "off")] == [2, 2]

@@ -112,7 +112,8 @@ def test_the_cap_evicts_the_least_recently_used_session(model, ref):
     chain.step(3, prompt(150, 8), 0)  # needs 2: only one is free, so 2 goes
     assert chain.engines[0].sessions().keys() == {1, 3}
     evicted = [f for kind, f in events if kind == "session_evicted"]
-    assert evicted == [{"session": 2, "positions": 100, "max_sessions": 8, "reason": "kv_pages"}] * 2  # each stage
+    assert evicted == [{"session": 2, "positions": 100, "max_sessions": 8, "reason": "kv_pages",
+                        "cached": False}] * 2  # each stage
     with pytest.raises(EngineError, match="session 2 was evicted"):
         chain.step(2, [9], 100)
     np.testing.assert_allclose(la, ref.logits(a + [9])[-1], rtol=0, atol=ATOL_FP64)

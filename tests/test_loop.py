@@ -38,6 +38,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "status": {},
     "ping": {},
     "release": {},
+    "claim": {},
 }
 # who may run what (contract: tokenize/embed/decode on the first stage, forward_range on middles, sample and
 # detokenize on the last; control ops anywhere)
@@ -124,6 +125,17 @@ def test_release_drops_the_session() -> None:
     assert replies[2] == {"request_id": 7, "released": True}
     assert replies[3] == {"request_id": 7, "released": False}
     assert replies[4]["sessions"] == {}
+
+
+def test_release_with_keep_leaves_the_session_as_cache_until_claimed() -> None:
+    replies = run_requests(0, 2, [req("embed_and_forward", 7, tokens=[1, 2, 3], position=0),
+                                  req("release", 7, keep=True), req("status", 8), req("claim", 7), req("claim", 9),
+                                  req("status", 10)])
+    assert replies[1] == {"request_id": 7, "released": True}
+    assert replies[2]["sessions"] == {"7": 3} and replies[2]["cached_sessions"] == [7]
+    assert replies[3] == {"request_id": 7, "positions": 3}
+    assert replies[4] == {"request_id": 9, "positions": 0}  # not held: a generation under it starts at 0
+    assert replies[5]["sessions"] == {"7": 3} and replies[5]["cached_sessions"] == []
 
 
 def test_shutdown_stops_reading() -> None:

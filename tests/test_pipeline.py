@@ -25,8 +25,9 @@ from conftest import REPO, gone, group_gone, group_members
 
 from pp_worker.driver.chat import CHAT_FORMATS, chat_format
 from pp_worker.driver.cli import Output, parse_args
-from pp_worker.driver.generation import Generation, Sampling, _reusable
+from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations, run_pipeline
+from pp_worker.driver.prefix import reusable
 from pp_worker.driver.stage_proc import Launch, launcher_argv
 
 PROMPTS = ["the quick brown fox", "jumps over", "the lazy dog sleeps all day", "hello"]
@@ -212,9 +213,9 @@ def test_chat_plain_format_and_session_reuse():
     prefills = [t for t in p.trace if t[3] == "embed_and_forward" and t[4] == "send"]
     assert [t[2] for t in prefills] == [rid, rid]  # one session for the whole conversation
     assert second.prompt_tokens[:4] == first.prompt_tokens  # the stub tokenizes word by word
-    assert _reusable(held, second.prompt_tokens) >= 4
-    assert _reusable([1, 2, 3], [1, 2, 3]) == 2  # the last prompt token is always prefilled: it yields a token
-    assert _reusable([1, 2], [3, 4]) == 0
+    assert reusable(held, second.prompt_tokens) >= 4
+    assert reusable([1, 2, 3], [1, 2, 3]) == 2  # the last prompt token is always prefilled: it yields a token
+    assert reusable([1, 2], [3, 4]) == 0
 
 
 def test_a_template_that_does_not_render_falls_back_to_the_format_its_markers_name():

@@ -188,8 +188,15 @@ def test_extra_fields_are_ignored() -> None:
 
 
 def test_ops_without_fields_parse_to_nothing() -> None:
-    for op in ("ping", "status", "release", "shutdown", "no_such_op"):
+    for op in ("ping", "status", "claim", "shutdown", "no_such_op"):
         assert parse_fields(op, {"op": op, "request_id": 1, "junk": [1]}, STUB) == {}
+
+
+def test_release_takes_an_optional_keep_flag() -> None:
+    assert parse_fields("release", {"op": "release", "request_id": 1}, STUB) == {"keep": False}
+    assert parse_fields("release", {"op": "release", "request_id": 1, "keep": True}, STUB) == {"keep": True}
+    with pytest.raises(ProtocolError, match="keep"):
+        parse_fields("release", {"op": "release", "request_id": 1, "keep": 1}, STUB)
 
 
 # --- hidden_b64 --------------------------------------------------------------------------------------------

@@ -85,11 +85,14 @@ def test_chat_completion_streamed_equals_not_streamed(server: Server) -> None:
 
 
 def test_disconnect_releases_the_kv_sessions(server: Server) -> None:
-    stream = server.client().completions.create(model="zen", prompt=PROMPTS[1], max_tokens=1000, stream=True)
+    # without prefix reuse its session is its request id, and it is released rather than left as cache
+    stream = server.client().completions.create(model="zen", prompt=PROMPTS[1], max_tokens=1000, stream=True,
+                                                extra_body={"cache_prompt": False})
     rid = request_id(next(iter(stream)).id)
     assert all(rid in s for s in server.sessions())
     stream.close()
     server.wait_for("sessions released after the disconnect", lambda: server.sessions() == [{}, {}])
+    assert all(int(rid) not in c for c in server.cached())
 
 
 def test_logprobs_of_the_real_model_add_up_to_its_text(server: Server) -> None:

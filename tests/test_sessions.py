@@ -122,7 +122,7 @@ def test_lru_evicts_the_least_recently_used_and_says_so():
     step(t, 3, 0, 1)
     assert t.positions() == {1: 5, 3: 1}
     assert rec.events == [("session_evicted", {"session": 2, "positions": 2, "max_sessions": 2,
-                                               "reason": "max_sessions"})]
+                                               "reason": "max_sessions", "cached": False})]
     assert all("request_id" not in fields for _, fields in rec.events)
     with pytest.raises(EngineError, match="session 2 was evicted"):
         t.begin(2, 2, 1)
@@ -212,7 +212,7 @@ def test_a_full_pool_evicts_the_least_recently_used_session():
     step(t, 3, 0, 2)  # needs 1: 2 goes
     assert t.positions() == {1: 9, 3: 2}
     assert rec.events == [("session_evicted", {"session": 2, "positions": 4, "max_sessions": 4,
-                                               "reason": "kv_pages"})]
+                                               "reason": "kv_pages", "cached": False})]
     with pytest.raises(EngineError, match="session 2 was evicted"):
         t.begin(2, 4, 1)
 
@@ -262,3 +262,57 @@ def test_adoption_only_where_it_is_unambiguous(case):
         t.begin(9, position, 1)
     assert t.positions() == before
     assert not [kind for kind, _ in rec.events if kind == "session_adopted"]
+
+
+# --- sessions left as cache (release with keep) ------------------------------------------------------------------
+
+def test_a_kept_session_stays_and_a_claim_takes_it_back_with_its_length():
+    t, _ = table()
+    step(t, 1, 0, 6)
+    assert t.release(1, keep=True) and t.cached() == [1] and t.positions() == {1: 6}
+    assert t.claim(1) == 6 and t.cached() == []
+    assert t.claim(2) == 0 and t.positions() == {1: 6}  # nothing held: nothing created
+    assert not t.release(2, keep=True)
+
+
+def test_a_cached_session_is_evicted_before_an_older_live_one():
+    t, rec = table(max_sessions=2)
+    step(t, 1, 0, 4)  # live, the least recently used
+    step(t, 2, 0, 2)
+    t.release(2, keep=True)
+    step(t, 3, 0, 1)
+    assert t.positions() == {1: 4, 3: 1}
+    assert rec.events == [("session_evicted", {"session": 2, "positions": 2, "max_sessions": 2,
+                                               "reason": "max_sessions", "cached": True})]
+
+
+def test_a_full_pool_evicts_cached_sessions_first():
+    t, rec = table(n_pages=4)
+    step(t, 1, 0, 4)  # 1 page, live, the least recently used
+    step(t, 2, 0, 4)
+    step(t, 4, 0, 4)
+    t.release(2, keep=True)
+    t.release(4, keep=True)
+    step(t, 3, 0, 8)  # needs 2 pages, 1 free: the older cached session goes, the newer stays
+    assert t.positions() == {1: 4, 4: 4, 3: 8} and t.cached() == [4]
+    assert [f["session"] for _, f in rec.events] == [2] and rec.events[0][1]["cached"]
+
+
+def test_a_step_on_a_cached_session_makes_it_live_again():
+    t, rec = table(max_sessions=2)
+    step(t, 1, 0, 4)
+    step(t, 2, 0, 4)
+    t.release(1, keep=True)
+    step(t, 1, 2, 1)  # a rewind on it: in use again, never evicted as cache
+    t.release(2, keep=True)
+    step(t, 3, 0, 1)
+    assert t.positions() == {1: 3, 3: 1} and t.cached() == []
+    assert rec.events[0][1]["session"] == 2
+
+
+def test_a_cached_session_is_never_adopted():
+    t, _ = table()
+    step(t, 1, 0, 3)
+    t.release(1, keep=True)
+    with pytest.raises(EngineError, match="unknown session 9"):
+        t.begin(9, 3, 1)

@@ -344,7 +344,7 @@ def test_eviction_then_evicted_and_unknown_sessions(small_table):
     engine.embed_and_forward(3, [5], 0)
     assert engine.sessions() == {1: 4, 3: 1}
     evicted = [f for kind, f in events if kind == "session_evicted"]
-    assert evicted == [{"session": 2, "positions": 3, "max_sessions": 2, "reason": "max_sessions"}]
+    assert evicted == [{"session": 2, "positions": 3, "max_sessions": 2, "reason": "max_sessions", "cached": False}]
     with pytest.raises(EngineError, match="session 2 was evicted"):
         engine.embed_and_forward(2, [9], 3)
     with pytest.raises(EngineError, match="unknown session 99 at position 5"):

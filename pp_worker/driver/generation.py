@@ -11,6 +11,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from pp_worker.driver.prefix import PrefixCache, reusable
 from pp_worker.wire import B64
 
 RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
@@ -71,6 +72,10 @@ class Generation:
     keep_session: bool = False  # a chat's turn: its KV session stays on the stages for the next turn
     # the last stage's ``grammar`` field (worker.grammar): the output is constrained to it; None: not constrained
     grammar: dict[str, Any] | None = None
+    # pp-serve's prefix reuse: take the cached session with the longest common prefix, and leave this one's as cache
+    cache_prompt: bool = False
+    session: int = -1  # the KV session its forward ops go under: request_id, or a cached one it took (``steps``)
+    reused: int = 0  # prompt tokens its session already held (not recomputed)
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     # with ``sampling.logprobs``: each token's ``logprobs`` from the last stage ({token_id, logprob, text, top})
@@ -106,11 +111,14 @@ class Generation:
         return n / dt if n > 0 and dt > 0 else 0.0
 
     def steps(self, num_stages: int, eos: frozenset[int], max_context: int | None = None,
-              prefill_chunk: int | None = None) -> Generator[Call, Reply | None, None]:
+              prefill_chunk: int | None = None,
+              prefixes: PrefixCache | None = None) -> Generator[Call, Reply | None, None]:
         """The whole generation as the calls it makes, top to bottom. ``max_context``: positions a KV session
         holds (the stages' ready lines); the generation stops there with reason "length". ``prefill_chunk``: a
-        longer prompt is pipelined through the stages in chunks of that many tokens (`_pipelined_prefill`)."""
+        longer prompt is pipelined through the stages in chunks of that many tokens (`_pipelined_prefill`).
+        ``prefixes``: the sessions earlier generations left, which a ``cache_prompt`` generation may take."""
         self.t_start = time.monotonic()
+        self.session = self.request_id
         reply = yield Call(0, "tokenize", {"prompt": self.prompt})
         self.prompt_tokens = reply["tokens"]
         self.error, self.error_code = _refusal(self.prompt_tokens, max_context)
@@ -118,7 +126,9 @@ class Generation:
             self.stop_reason = "error"
             self._finish("")
             return
-        start = _reusable(self.cached, self.prompt_tokens)  # a chat turn recomputes only what is new
+        if self.cache_prompt and prefixes is not None:
+            yield from self._take_prefix(prefixes, num_stages)
+        start = self.reused = reusable(self.cached, self.prompt_tokens)  # only what is new is computed
         if prefill_chunk and len(self.prompt_tokens) - start > prefill_chunk:
             start = yield from self._pipelined_prefill(start, prefill_chunk, num_stages)
         op, feed, position = "embed_and_forward", {"tokens": self.prompt_tokens[start:]}, start
@@ -141,6 +151,19 @@ class Generation:
                             else "length" if full else "stop")
         shown = self.tokens[:-1] if token in eos else self.tokens
         self._finish((yield Call(num_stages - 1, "detokenize", {"tokens": shown}))["text"])
+
+    def _take_prefix(self, prefixes: PrefixCache, n: int) -> Generator[Call, Reply | None, None]:
+        """Take the cached session sharing the longest prefix with the prompt, if any: claim it on every stage
+        (one at a time: a stage that evicted it meanwhile says 0) and hold as ``cached`` what all of them still
+        hold."""
+        found = prefixes.take(self.prompt_tokens)
+        if found is None:
+            return
+        self.session, held = found
+        least = len(held)
+        for s in range(n):
+            least = min(least, (yield Call(s, "claim", {}))["positions"])
+        self.cached = held[:least]
 
     def _forward(self, op: str, feed: dict[str, Any], position: int, seq_len: int,
                  n: int) -> Generator[Call, Reply | None, int]:
@@ -225,10 +248,3 @@ def _refusal(prompt_tokens: list[int], max_context: int | None) -> tuple[str, st
         return f"prompt of {len(prompt_tokens)} tokens exceeds max_context {max_context}", "context_length_exceeded"
     return "", ""
 
-
-def _reusable(cached: list[int], tokens: list[int]) -> int:
-    """Length of the common prefix, leaving at least one token to prefill (it yields the next token)."""
-    n = 0
-    while n < min(len(cached), len(tokens) - 1) and cached[n] == tokens[n]:
-        n += 1
-    return n

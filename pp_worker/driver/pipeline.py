@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
+from pp_worker.driver.prefix import PrefixCache
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import B64, parse_object
 from pp_worker.worker.device import device_kind
@@ -120,7 +121,8 @@ class Pipeline:
 
     def __init__(self, launch: Launch, *, load_timeout: float = 600.0, step_timeout: float = 120.0,
                  cancel: Cancel | None = None, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
-                 prefill_chunk: int | None = None, batch: bool = True, schedule: str = "auto"):
+                 prefill_chunk: int | None = None, batch: bool = True, schedule: str = "auto",
+                 reuse: bool | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
@@ -132,6 +134,9 @@ class Pipeline:
         self._outbox: list[tuple[int, Call, _Pending]] = []  # calls of this round, sent by _flush, batched if they may
         self._active: dict[int, tuple[Generation, Generator[Call, Reply | None, None]]] = {}  # by request_id
         self._kept: set[int] = set()  # sessions left on the stages between runs (a chat's conversation)
+        # sessions finished cache_prompt generations left (docs/serve.md, Prefix reuse); None: no reuse. By default
+        # on where the stages hold KV (not the stub, whose outputs depend on how a prompt is cut into calls)
+        self.prefixes: PrefixCache | None = None
         self._loading_shown: dict[int, float] = {}
         self._next_id = 1  # 0 is the driver's own control id (shutdown)
         # set to a list to record (time, stage, request_id, op, "send" or "reply"), e.g. to check the overlap
@@ -143,6 +148,8 @@ class Pipeline:
                 except OSError as e:  # e.g. the launcher's program does not exist
                     raise PipelineError(f"cannot start stage {i}: {e}") from e
             self._wait_ready(load_timeout)
+            if reuse or reuse is None and not any((st.ready or {}).get("stub") for st in self.stages):
+                self.prefixes = PrefixCache(self.max_sessions or 1)
             if schedule == "auto":
                 self.lockstep = self._share_cores(launch)
         except BaseException as e:
@@ -225,8 +232,8 @@ class Pipeline:
             while self._pending:  # the releases' acknowledgements: no stray reply later
                 self._pump(time.monotonic() + self.step_timeout)
         except Interrupted:
-            for rid in self._active:  # their sessions are released before the stages are shut down
-                self._release(rid)
+            for g, _ in self._active.values():  # their sessions are released before the stages are shut down
+                self._release(g.session)
             raise
         finally:
             self._active.clear()
@@ -256,7 +263,8 @@ class Pipeline:
         """Put one more generation in flight; ``pump`` then moves it along with the others."""
         if g.request_id in self._active:
             raise ValueError(f"request_id {g.request_id} is already in flight (it is its KV session)")
-        self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context, self.prefill_chunk))
+        self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context, self.prefill_chunk,
+                                                 self.prefixes))
         self._advance(g.request_id, None)
 
     def pump(self) -> None:
@@ -271,27 +279,41 @@ class Pipeline:
 
     def _advance(self, rid: int, reply: Reply | None) -> None:
         """Give a generation its reply and send what it asks for next (its release when it is done, unless its
-        session is to be kept)."""
+        session is to be kept, or left as cache). Its calls go under its KV session's id (``g.session``)."""
         g, coro = self._active[rid]
         try:
             call = coro.send(reply)
             while not call.wait:
-                self._send(rid, call, call.on_reply)
+                self._send(g.session, call, call.on_reply)
                 call = coro.send(None)
-            self._send(rid, call, rid)
+            self._send(g.session, call, rid)
         except StopIteration:
             del self._active[rid]
             if g.keep_session:
                 self._kept.add(rid)
+            elif g.cache_prompt and g.tokens and self.prefixes is not None:
+                self._leave(g)
             else:
-                self._release(rid)
+                self._release(g.session)
         except (KeyError, TypeError, ValueError) as e:  # a reply without its field, or a payload that is not base64
             raise PipelineError(f"request {rid}: malformed reply {reply!r:.200}: {type(e).__name__} {e}") from e
 
-    def _release(self, rid: int) -> None:
+    def cached_sessions(self) -> dict[int, int]:
+        """The sessions left as cache for prefix reuse -> the tokens each holds (a copy, for any thread)."""
+        return self.prefixes.sizes() if self.prefixes is not None else {}
+
+    def _leave(self, g: Generation) -> None:
+        """Leave a finished generation's session on the stages as cache: it holds the prompt and every token but
+        the last (which was sampled, never forwarded)."""
+        assert self.prefixes is not None
+        for dropped in self.prefixes.put(g.session, g.prompt_tokens + g.tokens[:-1]):
+            self._release(dropped)
+        self._release(g.session, keep=True)
+
+    def _release(self, rid: int, keep: bool = False) -> None:
         for st in self.stages:
             if not st.eof:
-                self._send(rid, Call(st.index, "release", {}), None)
+                self._send(rid, Call(st.index, "release", {"keep": True} if keep else {}), None)
 
     def _send(self, rid: int, call: Call, waiter: Waiter) -> None:
         """Queue a call; the next round's `_flush` writes it (with the others of this round: a batch can form)."""
@@ -463,6 +485,10 @@ class Pipeline:
                 self._loading_shown[st.index] = now
                 self._say(f"stage {st.index}: fetching its share of the model, {_mib(done)} of {_mib(total)} MiB"
                           if fetching else f"stage {st.index}: loading blocks {done}/{total}")
+        elif obj["event"] == "session_evicted" and obj.get("cached"):
+            # gone from one stage: useless on the others
+            if self.prefixes is not None and self.prefixes.drop(obj.get("session")):
+                self._release(obj["session"])
         elif obj["event"] in ("model_load_failed", "uncaught_exception", "session_evicted"):
             self._say(f"stage {st.index}: {obj['event']}: {obj.get('value') or obj.get('session', '')}")
 

@@ -34,6 +34,7 @@ from typing import Any, TextIO
 
 from pp_worker.driver.generation import Call, Generation, Reply
 from pp_worker.driver.pipeline import Cancel, Interrupted, Pipeline, PipelineError
+from pp_worker.driver.prefix import PrefixCache
 from pp_worker.driver.stage_proc import Launch, Stage
 
 MAX_BACKOFF_S = 30.0  # the longest wait before a restart attempt
@@ -52,10 +53,11 @@ class ServedGeneration(Generation):
     ended: bool = field(default=False, init=False)
 
     def steps(self, num_stages: int, eos: frozenset[int], max_context: int | None = None,
-              prefill_chunk: int | None = None) -> Generator[Call, Reply | None, None]:
+              prefill_chunk: int | None = None,
+              prefixes: PrefixCache | None = None) -> Generator[Call, Reply | None, None]:
         """``Generation.steps``, then the end is reported (with ``error`` set when this generation alone could not
         run: an empty prompt, a prompt longer than the context)."""
-        yield from super().steps(num_stages, eos, max_context, prefill_chunk)
+        yield from super().steps(num_stages, eos, max_context, prefill_chunk, prefixes)
         self.end()
 
     def end(self, error: str = "", unavailable: bool = False) -> None:
@@ -97,12 +99,12 @@ class PipelineService:
     def __init__(self, launch: Launch, *, concurrency: int, load_timeout: float = 600.0,
                  step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
                  prefill_chunk: int | None = None, schedule: str = "auto", restarts: int = 0,
-                 backoff_s: float = 1.0):
+                 backoff_s: float = 1.0, reuse: bool | None = None):
         self.log = log
         self._wake = _Wake()
         self._start = functools.partial(Pipeline, launch, load_timeout=load_timeout, step_timeout=step_timeout,
                                         cancel=self._wake, echo_stderr=echo_stderr, log=log,
-                                        prefill_chunk=prefill_chunk, schedule=schedule)
+                                        prefill_chunk=prefill_chunk, schedule=schedule, reuse=reuse)
         self.pipeline = self._start()  # loads every stage
         self.model = str((self.pipeline.stages[-1].ready or {}).get("model") or "")
         # every generation in flight holds a KV session on every stage: more than the workers keep would evict some
@@ -161,6 +163,10 @@ class PipelineService:
     def load(self) -> tuple[int, int]:
         """(running, waiting) generations: a snapshot for /health (list() copies in one step under the GIL)."""
         return sum(not g.ended for g in list(self._running.values())), len(self._waiting)
+
+    def running(self) -> list[ServedGeneration]:
+        """The generations running now, by request id (a snapshot for /slots: list() copies in one step)."""
+        return sorted((g for g in list(self._running.values()) if not g.ended), key=lambda g: g.request_id)
 
     @property
     def status(self) -> str:

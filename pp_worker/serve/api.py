@@ -36,6 +36,7 @@ class Ask:
     chat: bool
     grammar: dict[str, Any] | None = None  # the last stage's grammar field (structured output, a forced tool call)
     tools: tools.ToolUse | None = None  # the chat's tools: its output is parsed for calls (`tools.result`)
+    cache_prompt: bool = True  # llama-server's field: reuse a cached session's common prefix (docs/serve.md)
 
     @property
     def logprobs(self) -> int | None:
@@ -129,7 +130,8 @@ def _ask(body: dict[str, Any], prompt: str, defaults: Defaults, *, chat: bool, m
     sampling = sampling_fields(body, defaults)
     if not chat:  # the legacy completions' logprobs: how many alternatives (chat's is a boolean)
         sampling = replace(sampling, logprobs=integer(body, "logprobs", 0, MAX_LOGPROBS))
-    return Ask(prompt, max_tokens or defaults.max_tokens, sampling, stop_strings(body), stream, include_usage, chat)
+    return Ask(prompt, max_tokens or defaults.max_tokens, sampling, stop_strings(body), stream, include_usage, chat,
+               cache_prompt=boolean(body, "cache_prompt") is not False)
 
 
 def sampling_fields(body: dict[str, Any], defaults: Defaults, repetition_penalty: str = "repetition_penalty",

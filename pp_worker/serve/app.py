@@ -1,7 +1,7 @@
 """The HTTP app (Starlette): OpenAI's completions and chat completions, streamed (SSE) or not, the model list and
 the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize``, ``/detokenize``), ``page`` (the
-chat page, ``/props``), ``metrics`` (``/metrics``) and ``llamacpp`` (llama-server's ``/completion``,
-``/apply-template``...), behind the middleware of ``access`` (API keys, CORS).
+chat page, ``/props``), ``metrics`` (``/metrics``), ``slots`` (``/slots``) and ``llamacpp`` (llama-server's
+``/completion``, ``/apply-template``...), behind the middleware of ``access`` (API keys, CORS).
 
 A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
 the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
@@ -35,6 +35,7 @@ from pp_worker.serve.llamacpp import llamacpp_routes
 from pp_worker.serve.logprobs import Entry, chat_logprobs, completion_logprobs
 from pp_worker.serve.metrics import CountRequests, Metrics, metrics_route
 from pp_worker.serve.page import page_routes
+from pp_worker.serve.slots import slots_route
 from pp_worker.serve.stages import stage_routes
 
 
@@ -79,7 +80,7 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults,
         Route("/models", models), Route("/chat/completions", chat_completions, methods=["POST"]),  # llama-server's
         *llamacpp_routes(defaults, chat_format, lambda request, ask, shape: _generate(api, request, ask, shape)),
         *stage_routes(service, defaults.vocab_size), metrics_route(api.metrics, service),
-        *page_routes(service, defaults)]
+        *page_routes(service, defaults), slots_route(service)]
     # outermost first: every request is counted, 401s and preflights included; CORS headers go on the 401s too
     middleware = [Middleware(CountRequests, metrics=api.metrics, routes=routes),
                   *([cors(cors_origins)] if cors_origins else []),
@@ -102,7 +103,7 @@ async def _generate(api: Api, request: Request, ask: Ask, shape: Shape | None = 
         feed.on_end(g)
 
     g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=on_end,
-                         on_token=timing.on_token, grammar=ask.grammar)
+                         on_token=timing.on_token, grammar=ask.grammar, cache_prompt=ask.cache_prompt)
     try:
         service.submit(g)
     except Unavailable as e:

@@ -26,7 +26,7 @@ class Update:
 
     text: str
     finish_reason: str | None = None
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     error: str = ""
     unavailable: bool = False  # the error is the pipeline's (503), not the request's (400)
     code: str = ""  # the error's code in OpenAI's shape, if it has one
@@ -63,7 +63,8 @@ class Feed:
         final = self._cut(g.text)
         reason = "stop" if self.stopped else FINISH_REASONS.get(g.stop_reason, "stop")
         usage = {"prompt_tokens": len(g.prompt_tokens), "completion_tokens": len(g.tokens),
-                 "total_tokens": len(g.prompt_tokens) + len(g.tokens)}
+                 "total_tokens": len(g.prompt_tokens) + len(g.tokens),
+                 "prompt_tokens_details": {"cached_tokens": g.reused}}  # OpenAI's: prompt tokens not recomputed
         shown = len(g.tokens) - (g.stop_reason == "eos")  # the end-of-generation token has no text
         self._put(Update(final[self.shown:], reason, usage, **self._new_tokens(g, shown), generation=g))
 

@@ -30,7 +30,7 @@ from pp_worker.serve.api import (
     stop_strings,
 )
 from pp_worker.serve.feed import Shape, Update
-from pp_worker.serve.fields import ApiError, boolean, integer, prompt_text, read_body, required, typed
+from pp_worker.serve.fields import ApiError, boolean, integer, prompt_text, read_body, required
 from pp_worker.serve.logprobs import Entry
 
 Generate = Callable[[Request, Ask, Shape], Awaitable[Response]]
@@ -67,7 +67,6 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
         raise ApiError(400, "prompt: one string only (token-id and multiple prompts are not supported)", "prompt")
     if not isinstance(prompt, str):
         raise ApiError(422, "prompt: expected a string", "prompt", "invalid_type")
-    typed(body, "cache_prompt", bool)  # llama-server's prefix reuse: accepted and checked; it changes nothing yet
     n_predict = integer(body, "n_predict", -1, UNLIMITED)
     if n_predict == 0:
         raise ApiError(400, "n_predict: 0 (evaluate the prompt only) is not supported; -1 or at least 1", "n_predict")
@@ -76,7 +75,8 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
                                logit_bias=_logit_bias(body.get("logit_bias")))
     max_tokens = UNLIMITED if n_predict == -1 else n_predict or defaults.max_tokens
     return Ask(prompt_text(prompt), max_tokens, replace(sampling, logprobs=n_probs or None), stop_strings(body),
-               bool(boolean(body, "stream")), False, False, grammar=structured.llama_grammar(body))
+               bool(boolean(body, "stream")), False, False, grammar=structured.llama_grammar(body),
+               cache_prompt=boolean(body, "cache_prompt") is not False)
 
 
 def _logit_bias(value: Any) -> Any:
@@ -130,7 +130,7 @@ def _final(model: str, ask: Ask, updates: list[Update], content: str, with_token
            "tokens_evaluated": len(g.prompt_tokens), "generation_settings": generation_settings(ask),
            "prompt": ask.prompt, "has_new_line": "\n" in text, "truncated": g.stop_reason == "length",
            "stop_type": "word" if word else STOP_TYPES.get(g.stop_reason, "none"), "stopping_word": word,
-           "tokens_cached": 0, "timings": timings(g)}
+           "tokens_cached": g.reused, "timings": timings(g)}
     if ask.logprobs is not None and content:
         out["completion_probabilities"] = _probabilities([e for u in updates for e in u.logprobs])
     return out
@@ -150,10 +150,11 @@ def generation_settings(ask: Ask) -> dict[str, Any]:
 
 def timings(g: ServedGeneration) -> dict[str, float]:
     """llama-server's ``timings``: the prompt's from the generation's start to its first token, the rest's after it
-    (per second: over the tokens after the first, as pp-serve's own ``decode_tps``)."""
+    (per second: over the tokens after the first, as pp-serve's own ``decode_tps``); ``cache_n`` the prompt's tokens
+    reused from a cached session, ``prompt_n`` those computed."""
     prompt_ms, predicted_ms = (g.t_first - g.t_start) * 1000, (g.t_end - g.t_first) * 1000
-    n_prompt, n = len(g.prompt_tokens), len(g.tokens)
-    return {"cache_n": 0, "prompt_n": n_prompt, "prompt_ms": prompt_ms,
+    n_prompt, n = len(g.prompt_tokens) - g.reused, len(g.tokens)
+    return {"cache_n": g.reused, "prompt_n": n_prompt, "prompt_ms": prompt_ms,
             "prompt_per_token_ms": prompt_ms / n_prompt if n_prompt else 0.0,
             "prompt_per_second": 1000 * n_prompt / prompt_ms if prompt_ms > 0 else 0.0,
             "predicted_n": n, "predicted_ms": predicted_ms,

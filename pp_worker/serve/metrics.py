@@ -2,9 +2,10 @@
 
 Counted as it happens (``Metrics``; the pipeline thread reports tokens, so a lock guards it): requests by endpoint
 and status (``CountRequests``, the outermost middleware, so 401s and CORS preflights count too), prompt and
-generated tokens, time to first token and inter-token latency (``Timing``, one per generation). Read at each scrape:
-the queue and the generations in flight, each stage's busy seconds, restarts and failures (the service's, across
-restarts), and its KV sessions and resident memory (from its own ``status`` reply; left out while the stages
+generated tokens, prompt tokens reused from a cached session (prefix reuse), time to first token and inter-token
+latency (``Timing``, one per generation). Read at each scrape: the queue, the generations in flight and the sessions
+left as cache, each stage's busy seconds, restarts and failures (the service's, across restarts), and its KV
+sessions, cached sessions, pages and resident memory (from its own ``status`` reply; left out while the stages
 restart, or when they give no reply within ``STATUS_TIMEOUT_S``, so a scrape is never a 503).
 """
 
@@ -66,6 +67,7 @@ class Metrics:
         self.lock = threading.Lock()
         self.requests: Counter[tuple[str, str, str]] = Counter()  # (endpoint, method, status)
         self.prompt_tokens = self.generated_tokens = 0
+        self.reused_tokens = 0  # prompt tokens a cached session already held (prefix reuse): not recomputed
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self._busy_shown: list[float] = []  # never less than the last scrape showed: a counter only grows
 
@@ -100,6 +102,7 @@ class Timing:
     def on_end(self, g: Generation) -> None:
         with self.metrics.lock:
             self.metrics.prompt_tokens += len(g.prompt_tokens)
+            self.metrics.reused_tokens += g.reused
             self.metrics.generated_tokens += len(g.tokens)
 
 
@@ -158,7 +161,7 @@ def render(metrics: Metrics, service: PipelineService, stages: list[Reply] | Non
     running, waiting = service.load
     with metrics.lock:
         requests = sorted(metrics.requests.items())
-        tokens = metrics.prompt_tokens, metrics.generated_tokens
+        tokens = metrics.prompt_tokens, metrics.generated_tokens, metrics.reused_tokens
         histograms = [(name, list(h.samples(name))) for name, h in
                       (("pp_serve_time_to_first_token_seconds", metrics.ttft),
                        ("pp_serve_inter_token_latency_seconds", metrics.itl))]
@@ -167,12 +170,16 @@ def render(metrics: Metrics, service: PipelineService, stages: list[Reply] | Non
                         for (e, m, s), n in requests])
     yield from _family("pp_serve_prompt_tokens_total", "counter", "prompt tokens taken in by generations",
                        [("", tokens[0])])
+    yield from _family("pp_serve_prompt_tokens_reused_total", "counter", "prompt tokens a cached session already "
+                       "held (prefix reuse): not recomputed", [("", tokens[2])])
     yield from _family("pp_serve_generation_tokens_total", "counter", "tokens generated", [("", tokens[1])])
     for (name, samples), what in zip(histograms, ("time from a request to its first token",
                                                  "time between two tokens of a generation"), strict=True):
         yield from (f"# HELP {name} {what}, seconds", f"# TYPE {name} histogram", *samples)
     yield from _family("pp_serve_queue_depth", "gauge", "generations waiting for a place", [("", waiting)])
     yield from _family("pp_serve_generations_in_flight", "gauge", "generations running", [("", running)])
+    yield from _family("pp_serve_cached_sessions", "gauge", "KV sessions finished requests left on the stages for "
+                       "prefix reuse", [("", len(service.pipeline.cached_sessions()))])
     yield from _family("pp_serve_pipeline_up", "gauge", "1 while the stages run (status ok or draining)",
                        [("", int(service.status in ("ok", "draining")))])
     yield from _stage_lines(metrics, service, stages)
@@ -201,9 +208,22 @@ def _stage_lines(metrics: Metrics, service: PipelineService, stages: list[Reply]
         return
     yield from _family("pp_serve_stage_kv_sessions", "gauge", "KV sessions a stage holds",
                        [(_stage(s), len(r.get("sessions") or {})) for s, r in enumerate(stages)])
+    yield from _family("pp_serve_stage_kv_cached_sessions", "gauge", "KV sessions a stage holds as cache",
+                       [(_stage(s), len(r.get("cached_sessions") or [])) for s, r in enumerate(stages)])
+    pages = [(s, r) for s, r in enumerate(stages) if isinstance(r.get("kv_page_positions"), int)]  # real mode
+    yield from _family("pp_serve_stage_kv_pages_used", "gauge", "KV pages a stage's sessions hold",
+                       [(_stage(s), r.get("kv_pages_used", 0)) for s, r in pages])
+    yield from _family("pp_serve_stage_kv_cached_pages", "gauge", "KV pages a stage's cached sessions hold",
+                       [(_stage(s), _cached_pages(r)) for s, r in pages])
     yield from _family("pp_serve_stage_resident_memory_bytes", "gauge", "a stage worker's resident memory",
                        [(_stage(s), int(r["rss_mb"] * 2**20)) for s, r in enumerate(stages)
                         if isinstance(r.get("rss_mb"), int | float)])
+
+
+def _cached_pages(status: Reply) -> int:
+    """Pages of the sessions a stage holds as cache (page i holds positions [i * page, (i + 1) * page))."""
+    page, held = status["kv_page_positions"], status.get("sessions") or {}
+    return sum(-(-held.get(str(s), 0) // page) for s in status.get("cached_sessions") or [])
 
 
 def _family(name: str, kind: str, what: str, samples: list[tuple[str, Any]]) -> Iterator[str]:

@@ -195,6 +195,7 @@ def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Repl
     s = w.shard
     return {"stage": s.stage, "num_stages": s.num_stages, "role": s.role.value, "layer_range": [s.start, s.end],
             "model": w.model, "pid": os.getpid(), "sessions": {str(k): v for k, v in w.engine.sessions().items()},
+            "cached_sessions": w.engine.cached_sessions(),
             "requests_served": w.clock.requests_served, "batched_requests": w.batched, "uptime_ms": w.clock.uptime_ms(),
             "rss_mb": rss_mb(), "max_context": w.engine.info.max_context, **model_fields(w.engine, w.wire_dtype)}
 
@@ -210,7 +211,11 @@ def model_fields(engine: Engine, wire_dtype: str) -> Reply:
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
     w.constraints.release(rid)
-    return {"released": w.engine.release(rid)}
+    return {"released": w.engine.release(rid, f["keep"])}
+
+
+def _claim(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    return {"positions": w.engine.claim(rid)}
 
 
 def _ping(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -275,6 +280,7 @@ OPS: dict[str, tuple[frozenset[Role], Handler]] = {
     "detokenize": (frozenset({Role.LAST}), _detokenize),
     "status": (ANY, _status),
     "release": (ANY, _release),
+    "claim": (ANY, _claim),
     "ping": (ANY, _ping),
     "shutdown": (ANY, _shutdown),
     "batch": (ANY, _batch),

@@ -309,6 +309,7 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
     "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size),
                                           "logprobs": logprobs_count(o), **parse_grammar(o)},
     "batch": _requests,
+    "release": lambda o, lim: {"keep": flag(o, "keep", False)},
 }
 
 

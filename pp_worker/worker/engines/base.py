@@ -82,11 +82,18 @@ class Engine(Protocol):
         (B, V) logits on the last stage. Each session's result is its single op's (up to float rounding of the
         batched matmuls)."""
 
-    def release(self, session: int) -> bool:
-        """Drop a session's KV cache; False when it held none."""
+    def release(self, session: int, keep: bool = False) -> bool:
+        """Drop a session's KV cache; False when it held none. ``keep``: leave it held as cache (evicted before
+        every live session)."""
+
+    def claim(self, session: int) -> int:
+        """Take a session back for a live generation (no longer cache); the positions it holds, 0 for none."""
 
     def sessions(self) -> dict[int, int]:
         """request_id -> number of positions its KV cache holds."""
+
+    def cached_sessions(self) -> list[int]:
+        """The sessions held as cache (``release`` with ``keep``), least recently used first."""
 
     def describe(self) -> dict[str, Any]:
         """How this stage runs (device, KV cache dtype and size...), for the ready line and `status`."""

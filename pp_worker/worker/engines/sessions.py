@@ -3,7 +3,9 @@
 A session holds the pages of the stage's KV pool (the engine's ``kvcache.KVPool``) that its positions fill: page
 i holds positions [i * page, (i + 1) * page). Pages are taken as its positions grow and go back to the pool when
 it is released, evicted or rewound below them. When the pool has no free page, the least recently used other
-session is evicted to make room; when even that is not enough, the step is refused with the numbers. Every rule is
+session is evicted to make room; when even that is not enough, the step is refused with the numbers. A session the
+driver left as cache (``release(keep=True)``: a finished generation whose prefix the next request may reuse) is
+evicted before every live one, so the cache never costs a running generation its KV. Every rule is
 checked in `begin`, before any compute and before any other session is touched, so a refused step leaves every
 session as it was. No tinygrad here: these rules are tested with a pool of plain numbers.
 """
@@ -42,6 +44,7 @@ class Session:
 
     pages: list[int] = field(default_factory=list)
     length: int = 0
+    cached: bool = False  # left by a finished generation for reuse: evicted before every live session
 
 
 class SessionTable:
@@ -84,6 +87,7 @@ class SessionTable:
         self._make_room(need - len(session.pages), rid, keep)
         session.pages += [self._pool.take() for _ in range(need - len(session.pages))]
         session.length = position  # rewind (a no-op when appending): [position, ...) is about to be rewritten
+        session.cached = False  # in use again
         self._live.move_to_end(rid)
         return session
 
@@ -97,12 +101,33 @@ class SessionTable:
         session = self._live.get(rid)
         return session is not None and session.length == position and position + 1 <= self.max_context
 
-    def release(self, rid: int) -> bool:
-        """Drop a session (its pages go back to the pool); False when there was none."""
+    def release(self, rid: int, keep: bool = False) -> bool:
+        """Drop a session (its pages go back to the pool); False when there was none. ``keep``: leave it held as
+        cache instead, first in line when room is needed."""
+        if keep:
+            session = self._live.get(rid)
+            if session is not None:
+                session.cached = True
+                self._live.move_to_end(rid)  # its last use: the cache's own order is least recently used first
+            return session is not None
         session = self._live.pop(rid, None)
         if session is not None:
             self._pool.give(session.pages)
         return session is not None
+
+    def claim(self, rid: int) -> int:
+        """Take a session back for a live generation (a cached one is no longer evicted first); the positions it
+        holds, 0 when there is none (the generation then starts at position 0)."""
+        session = self._live.get(rid)
+        if session is None:
+            return 0
+        session.cached = False
+        self._live.move_to_end(rid)
+        return session.length
+
+    def cached(self) -> list[int]:
+        """The sessions held as cache, least recently used first."""
+        return [rid for rid, s in self._live.items() if s.cached]
 
     def positions(self) -> dict[int, int]:
         """request_id -> positions held, least recently used first."""
@@ -145,15 +170,20 @@ class SessionTable:
 
     def _make_room(self, missing: int, rid: int, keep: Collection[int]) -> None:
         while self._pool.free < missing:  # `_check_room` made sure there is enough to evict
-            victim = next(r for r in self._live if r != rid and r not in keep)
-            self._evict(victim, "kv_pages")
+            self._evict(self._victim({rid, *keep}), "kv_pages")
 
     def _create(self, rid: int, keep: Collection[int]) -> Session:
         while len(self._live) >= self.max_sessions:
-            self._evict(next(r for r in self._live if r not in keep), "max_sessions")
+            self._evict(self._victim(keep), "max_sessions")
         self._evicted.pop(rid, None)
         session = self._live[rid] = Session()
         return session
+
+    def _victim(self, spare: Collection[int]) -> int:
+        """The session to evict: the least recently used cached one, else the least recently used live one (never
+        one of ``spare``)."""
+        others = [r for r in self._live if r not in spare]
+        return next((r for r in others if self._live[r].cached), others[0])
 
     def _adopt(self, rid: int, position: int) -> Session | None:
         """The seed kept one KV cache per stage, so its callers step one generation under a new request id at every
@@ -162,7 +192,7 @@ class SessionTable:
         if len(self._live) != 1 or rid in self._evicted:
             return None
         ((old, session),) = self._live.items()
-        if session.length != position:
+        if session.length != position or session.cached:  # a driver that caches sessions knows its ids
             return None
         del self._live[old]
         self._live[rid] = session
@@ -177,4 +207,4 @@ class SessionTable:
             self._evicted.popitem(last=False)
         # never a field named request_id on an event line: the caller would take it for a reply
         self._emit("session_evicted", session=rid, positions=session.length, max_sessions=self.max_sessions,
-                   reason=reason)
+                   reason=reason, cached=session.cached)

@@ -57,6 +57,7 @@ class StubEngine:
         self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,
                               eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
         self._sessions: OrderedDict[int, int] = OrderedDict()
+        self._cached: set[int] = set()  # sessions released with keep (the stub evicts none, as it holds nothing)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """One token per whitespace-separated word, a stable hash of the word and its index (no BOS)."""
@@ -107,11 +108,22 @@ class StubEngine:
             if delay:
                 time.sleep(delay)
 
-    def release(self, session: int) -> bool:
+    def release(self, session: int, keep: bool = False) -> bool:
+        if keep and session in self._sessions:
+            self._cached.add(session)
+            return True
+        self._cached.discard(session)
         return self._sessions.pop(session, None) is not None
+
+    def claim(self, session: int) -> int:
+        self._cached.discard(session)
+        return self._sessions.get(session, 0)
 
     def sessions(self) -> dict[int, int]:
         return dict(self._sessions)
+
+    def cached_sessions(self) -> list[int]:
+        return [s for s in self._sessions if s in self._cached]
 
     def describe(self) -> dict[str, Any]:
         return {"max_batch": self.max_batch}  # no device, no KV cache
@@ -130,5 +142,6 @@ class StubEngine:
             time.sleep(self.delay_s)
         self._sessions[session] = length
         self._sessions.move_to_end(session)
+        self._cached.discard(session)
         if len(self._sessions) > _MAX_TRACKED:
-            self._sessions.popitem(last=False)
+            self._cached.discard(self._sessions.popitem(last=False)[0])

@@ -478,11 +478,17 @@ class TinygradEngine:
 
     # ---- sessions
 
-    def release(self, session: int) -> bool:
-        return self._sessions.release(session)
+    def release(self, session: int, keep: bool = False) -> bool:
+        return self._sessions.release(session, keep)
+
+    def claim(self, session: int) -> int:
+        return self._sessions.claim(session)
 
     def sessions(self) -> dict[int, int]:
         return self._sessions.positions()
+
+    def cached_sessions(self) -> list[int]:
+        return self._sessions.cached()
 
     def warmup(self, full: bool = True) -> None:
         """Compile every JIT (a JIT captures at its first call) on scratch sessions, then drop them (their pages go
