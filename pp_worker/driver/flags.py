@@ -7,6 +7,7 @@ import argparse
 from pp_worker.driver.generation import RECENT_TOKENS, Sampling
 from pp_worker.driver.pipeline import SCHEDULES
 from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
+from pp_worker.driver.split import parse_split
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.worker.engines.pool import parse_bytes
 
@@ -31,6 +32,11 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "float16's range), f16 (float16 only: such a state is an error), f32 (float32 always: twice the "
                     "bytes, no rounding between stages) or q8 (int8 with a scale per token: about half the bytes, not "
                     "bit-exact); sets PP_WIRE_DTYPE for the workers")
+    ap.add_argument("--split", metavar="N1,N2,...|auto",
+                    help="blocks per stage (an uneven split, e.g. 20,8 for a 28-block model: a bigger host more), "
+                    "or 'auto': each stage's host reports its free memory before the load and blocks go out in "
+                    "proportion (the head counted with the last stage, the embedding with the first); default: the "
+                    "even split")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
     ap.add_argument("--kv-memory", metavar="BYTES", help="each stage's KV pool cap, e.g. 512M or 2G (PP_KV_BYTES; "
                     "default: a share of the memory free once the stage's weights are in)")
@@ -84,6 +90,13 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
         ap.error("--prefill-chunk must be >= 0")
     if any("=" not in kv for kv in args.env):
         ap.error("--env takes K=V")
+    if any(kv.startswith("PP_LAYERS=") for kv in args.env):
+        ap.error("--env PP_LAYERS: every stage needs a range of its own; give --split N1,N2,... instead")
+    if args.split is not None:
+        try:
+            args.split = parse_split(args.split, args.stages)
+        except ValueError as e:
+            ap.error(f"--split: {e}")
     if args.ray_num_cpus < 0 or args.ray_num_gpus < 0:
         ap.error("--ray-num-cpus and --ray-num-gpus must be >= 0")
     if args.kv_memory is not None:
@@ -103,7 +116,8 @@ def launch_from(args: argparse.Namespace) -> Launch:
         env["PP_KV_BYTES"] = str(parse_bytes(args.kv_memory))
     ray = RayPlacement(args.ray_address, args.ray_num_cpus, args.ray_num_gpus) if args.launcher == RAY_LAUNCHER \
         else None
-    return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray)
+    return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray,
+                  split=args.split)
 
 
 def sampling_from(args: argparse.Namespace) -> Sampling:

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
 
+from pp_worker.driver import split
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import B64, parse_object
@@ -137,6 +138,8 @@ class Pipeline:
         # set to a list to record (time, stage, request_id, op, "send" or "reply"), e.g. to check the overlap
         self.trace: list[tuple[float, int, int, str, str]] | None = None
         try:
+            if launch.split is not None:  # each stage's blocks, planned and checked before any of them loads
+                launch = self._plan_split(launch, load_timeout)
             for i in range(launch.num_stages):
                 try:
                     self.stages.append(Stage(i, launch, echo_stderr))
@@ -186,6 +189,18 @@ class Pipeline:
         """The model's chat template, from stage 0's ready line: the driver needs no copy of the GGUF."""
         template = (self.stages[0].ready or {}).get("chat_template")
         return template if isinstance(template, str) else None
+
+    def _plan_split(self, launch: Launch, timeout: float) -> Launch:
+        """``--split``: probe every stage's host (driver.split), plan each stage's block range, or refuse (exit 2)."""
+        try:
+            probes = split.probe_stages(launch, timeout, self.cancel)
+            ranges = split.plan(launch.split, probes)  # type: ignore[arg-type]
+        except split.SplitError as e:
+            error = PipelineError(f"--split: {e}")
+            error.exit_code = 2
+            raise error from None
+        self._say(f"split: {split.describe(ranges, probes)}")
+        return split.with_layers(launch, ranges)
 
     def _share_cores(self, launch: Launch) -> bool:
         """Whether the stages compute on the same cores: local processes on this machine's CPU (tinygrad spreads
