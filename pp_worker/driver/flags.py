@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from pp_worker.driver.draft import DRAFTS, Draft
 from pp_worker.driver.generation import RECENT_TOKENS, Sampling
 from pp_worker.driver.pipeline import SCHEDULES
 from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
@@ -51,6 +52,12 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "one batch passed from stage to stage: best where the stages share the same cores), overlap (each "
                     "goes on as soon as its token is back, so the stages work on different batches at once: best with "
                     "a device per stage); auto (default): lockstep when every stage is a local process on the CPU")
+    ap.add_argument("--draft", choices=DRAFTS,
+                    help="speculative decoding: 'ngram' guesses the next tokens from earlier text (prompt lookup) and "
+                    "the stages check them in one pass, so one trip through the pipeline can yield several tokens; "
+                    "the output is exactly the model's (default: off)")
+    ap.add_argument("--draft-max", type=int, default=4, metavar="K",
+                    help="the most tokens guessed at a step (default 4; fewer while guesses miss)")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")
@@ -86,6 +93,8 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
     """Refuse (through ``ap.error``, exit 2) what would only fail later, once the workers are loading."""
     if args.stages < 2 or args.max_tokens < 1 or args.concurrency < 1:
         ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
+    if args.draft_max < 1:
+        ap.error("--draft-max must be >= 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
     if any("=" not in kv for kv in args.env):
@@ -118,6 +127,10 @@ def launch_from(args: argparse.Namespace) -> Launch:
         else None
     return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray,
                   split=args.split)
+
+
+def draft_from(args: argparse.Namespace) -> Draft | None:
+    return Draft(args.draft, args.draft_max) if args.draft else None
 
 
 def sampling_from(args: argparse.Namespace) -> Sampling:

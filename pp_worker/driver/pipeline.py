@@ -22,6 +22,7 @@ from types import FrameType
 from typing import Any, TextIO
 
 from pp_worker.driver import split
+from pp_worker.driver.draft import Draft
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import B64, parse_object
@@ -121,11 +122,13 @@ class Pipeline:
 
     def __init__(self, launch: Launch, *, load_timeout: float = 600.0, step_timeout: float = 120.0,
                  cancel: Cancel | None = None, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
-                 prefill_chunk: int | None = None, batch: bool = True, schedule: str = "auto"):
+                 prefill_chunk: int | None = None, batch: bool = True, schedule: str = "auto",
+                 draft: Draft | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
         self._chunk_override, self.batch = prefill_chunk, batch
+        self.draft = draft  # speculative decoding (--draft): each generation that can gets a drafter of its own
         self.lockstep = schedule == "lockstep"  # decided after the stages are ready where schedule is "auto"
         self._stepping: set[int] = set()  # generations with a one-token step sent and not answered yet
         self.stages: list[Stage] = []
@@ -271,6 +274,8 @@ class Pipeline:
         """Put one more generation in flight; ``pump`` then moves it along with the others."""
         if g.request_id in self._active:
             raise ValueError(f"request_id {g.request_id} is already in flight (it is its KV session)")
+        if self.draft is not None and g.draft is None and self.draft.usable(g.sampling):
+            g.draft = self.draft.start()
         self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context, self.prefill_chunk))
         self._advance(g.request_id, None)
 

@@ -91,6 +91,7 @@ class Worker:
         run: list[Request] = []
         for item in ready[i:i + self.engine.max_batch]:
             if not (isinstance(item, Request) and item.op in protocol.BATCH_OPS and _one_token(item.fields)
+                    and item.fields.get("verify") is None  # its reply has a field a batched step's has not
                     and all(r.rid != item.rid for r in run)
                     and self.engine.can_batch(item.rid, item.fields["position"])):
                 break
@@ -161,8 +162,25 @@ def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
 
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    if f["verify"] is not None:
+        return _verify(w, rid, f)
     logits = w.engine.forward_logits(rid, f["hidden"], f["position"], f["seq_len"])
     return {"token_id": sample(logits, f["sampling"], step_key=f["position"] + f["seq_len"])}
+
+
+def _verify(w: Worker, rid: int, f: dict[str, Any]) -> Reply:
+    """Speculative decoding's check: row i's token is sampled exactly as a one-token step at that position would
+    sample it (same logits, same ``step_key``), so each drafted token is kept while it equals what the model itself
+    picks; the first that differs is replaced by the model's token, and the rest is dropped (the caller rewinds
+    the sessions to the position after it). ``accepted``: how many drafted tokens were kept; ``token_id``: the
+    model's next token after them."""
+    rows = w.engine.forward_logits_rows(rid, f["hidden"], f["position"], f["seq_len"])  # (T, V)
+    drafted = f["verify"]
+    for i in range(f["seq_len"]):
+        token = sample(rows[i], f["sampling"], step_key=f["position"] + i + 1)
+        if i == len(drafted) or token != drafted[i]:
+            return {"token_id": token, "accepted": i}
+    raise AssertionError("unreachable: the last row always answers")
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

@@ -255,6 +255,18 @@ def _token(obj: dict[str, Any], lim: Limits) -> int:
     return token
 
 
+def _verify(obj: dict[str, Any], fields: dict[str, Any], lim: Limits) -> dict[str, Any]:
+    """forward_and_sample's optional ``verify``: the drafted tokens rows 1.. of the hidden state were fed (speculative
+    decoding, docs/protocol.md), so exactly ``seq_len - 1`` ids; None when absent."""
+    fields["verify"] = None
+    if "verify" in obj:
+        fields["verify"] = token_list(obj, "verify", lim.token_bound, nonempty=False)
+        if len(fields["verify"]) != fields["seq_len"] - 1:
+            raise ProtocolError(f"'verify' must hold seq_len - 1 = {fields['seq_len'] - 1} token ids (the tokens "
+                                f"rows 1.. were fed), got {len(fields['verify'])}")
+    return fields
+
+
 MAX_BATCH_REQUESTS = 1024
 
 
@@ -282,7 +294,8 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
                                          "position": nonneg_int(o, "position", default=0)},
     "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},
     "forward_range": _hidden_fields,
-    "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size)},
+    "forward_and_sample": lambda o, lim: _verify(o, {**_hidden_fields(o, lim),
+                                                      "sampling": parse_sampling(o, lim.vocab_size)}, lim),
     "batch": _requests,
 }
 
