@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
+from bench import links
 from bench.models import WEIGHT_BYTES, ModelFacts
 from bench.rows import Row, number
 
@@ -58,7 +59,7 @@ def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[i
             *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
             *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
             *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe")),
-            *memwall_rows(raw.get("memwall"))]
+            *memwall_rows(raw.get("memwall")), *links.rows(raw.get("links"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
