@@ -150,3 +150,18 @@ def test_drafts_work_through_a_launcher():
         drafted = _run(p, Draft("ngram", 4), Sampling(), max_tokens=24)
     assert [g.tokens for g in drafted] == [g.tokens for g in plain]
     assert drafted[0].draft.accepted > 0
+
+
+def test_pp_serve_takes_the_draft_flags_to_its_pipeline():
+    from pp_worker.driver.flags import draft_from
+    from pp_worker.driver.service import PipelineService
+    from pp_worker.serve.cli import parse_args
+
+    draft = draft_from(parse_args(["--stub", "--draft", "ngram", "--draft-max", "6"]))
+    assert draft == Draft("ngram", 6)
+    assert draft_from(parse_args(["--stub"])) is None
+    service = PipelineService(Launch(2, stub=True), concurrency=1, log=None, draft=draft)
+    try:
+        assert service.pipeline.draft == draft
+    finally:
+        service.close()
