@@ -13,12 +13,15 @@ well where the output repeats or edits the prompt (code, quotes, summaries, a pa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-from pp_worker.driver.generation import Sampling
+from typing import Protocol
 
 DRAFTS = ("ngram",)
 NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it predicts best
 MAX_PAUSE = 16  # steps without a guess after repeated misses, at most (doubling from 1)
+
+
+class Penalised(Protocol):  # generation.Sampling, named by what is read of it (generation imports this module)
+    repetition_penalty: float | None
 
 
 @dataclass(frozen=True)
@@ -35,7 +38,7 @@ class Draft:
             raise ValueError(f"draft-max must be >= 1, got {self.max_k}")
 
     @staticmethod
-    def usable(sampling: Sampling) -> bool:
+    def usable(sampling: Penalised) -> bool:
         """Every sampling setting keeps its distribution under a check row by row, but a repetition penalty's
         window would move with each guessed token, which the stage cannot know: those generations draft nothing."""
         return sampling.repetition_penalty is None
