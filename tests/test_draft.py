@@ -88,6 +88,16 @@ def test_verify_keeps_the_guesses_a_one_token_step_would_have_sampled():
     assert verify([(plain[0] + 1) % 32, *plain[1:3]])["accepted"] == 0
 
 
+def test_verify_stops_at_the_first_guess_it_does_not_keep():
+    rows = [ROW, ROW[::-1], bytes(32)]
+    plain = _plain(rows, 0)
+    check = {"op": "forward_and_sample", "request_id": 4, "hidden_b64": _hidden(rows), "position": 0, "seq_len": 3,
+             "verify": [plain[0], (plain[1] + 1) % 32]}
+    reply, status = run_requests(1, 2, [check, {"op": "status", "request_id": 9}])
+    assert reply["accepted"] == 1
+    assert status["sessions"]["4"] == 2  # rows 0 and 1 ran; row 2 followed a guess that was not kept
+
+
 def test_verify_must_name_one_token_for_each_row_after_the_first():
     (reply,) = run_requests(1, 2, [{"op": "forward_and_sample", "request_id": 3, "hidden_b64": _hidden([ROW, ROW]),
                                     "position": 0, "seq_len": 2, "verify": [1, 2]}])

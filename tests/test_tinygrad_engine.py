@@ -509,16 +509,3 @@ def test_non_llama_architecture_is_loaded_like_tinygrad(models, tmp_path):
     assert got == want
     np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), rtol=0, atol=LOGIT_ATOL_SAME_CAST)
 
-
-def test_every_rows_logits_are_a_one_token_steps_bit_for_bit(chain):
-    """Speculative decoding's check (`forward_logits_rows`, protocol's ``verify``): row i of a multi-row call is what
-    a one-token step at position i computes from the same hidden row."""
-    last = chain("F16", 2).engines[-1]
-    rows = np.random.default_rng(7).standard_normal((5, last.info.hidden_dim)).astype(np.float16)  # (T, D)
-    steps = [np.array(last.forward_logits(50, rows[i].tobytes(), i, 1)) for i in range(len(rows))]
-    together = np.array(last.forward_logits_rows(51, rows.tobytes(), 0, len(rows)))  # (T, V)
-    assert together.shape == (len(rows), last.info.vocab_size)
-    assert all(np.array_equal(together[i], steps[i]) for i in range(len(rows)))
-    assert last.sessions()[51] == len(rows)
-    for rid in (50, 51):
-        last.release(rid)

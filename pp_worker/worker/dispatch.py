@@ -169,18 +169,19 @@ def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, A
 
 
 def _verify(w: Worker, rid: int, f: dict[str, Any]) -> Reply:
-    """Speculative decoding's check: row i's token is sampled exactly as a one-token step at that position would
-    sample it (same logits, same ``step_key``), so each drafted token is kept while it equals what the model itself
-    picks; the first that differs is replaced by the model's token, and the rest is dropped (the caller rewinds
-    the sessions to the position after it). ``accepted``: how many drafted tokens were kept; ``token_id``: the
-    model's next token after them."""
-    rows = w.engine.forward_logits_rows(rid, f["hidden"], f["position"], f["seq_len"])  # (T, V)
-    drafted = f["verify"]
-    for i in range(f["seq_len"]):
-        token = sample(rows[i], f["sampling"], step_key=f["position"] + i + 1)
-        if i == len(drafted) or token != drafted[i]:
+    """Speculative decoding's check: row i runs as the one-token step at position + i it stands for (same logits,
+    same ``step_key``), and each guess is kept while it equals the token the model samples there; the first that
+    differs is replaced by the model's token, and the rows after it are never computed (the session holds the rows
+    run; the caller's next step starts right after them). ``accepted``: the guesses kept; ``token_id``: the model's
+    token after them."""
+    hidden, position, guesses = f["hidden"], f["position"], f["verify"]
+    row = len(hidden) // f["seq_len"]
+    for i, guess in enumerate([*guesses, None]):  # the last row has no guess: it always answers
+        logits = w.engine.forward_logits(rid, hidden[i * row:(i + 1) * row], position + i, 1)
+        token = sample(logits, f["sampling"], step_key=position + i + 1)
+        if token != guess:
             return {"token_id": token, "accepted": i}
-    raise AssertionError("unreachable: the last row always answers")
+    raise AssertionError("unreachable: no token equals the last row's missing guess")
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

@@ -67,11 +67,6 @@ class Engine(Protocol):
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray | Sequence[float]:
         """Last stage: blocks, output norm and head; float32 logits (vocab,) of the last position."""
 
-    def forward_logits_rows(self, session: int, hidden: bytes, position: int,
-                            seq_len: int) -> np.ndarray | Sequence[Sequence[float]]:
-        """Last stage: as `forward_logits`, but the logits of every position (T, V), each as a one-token step at
-        that position computes them (speculative decoding's check, ``verify``)."""
-
     def can_batch(self, session: int, position: int) -> bool:
         """Whether a one-token step of ``session`` at ``position`` may join a batch: it appends to a session held."""
 

@@ -81,13 +81,8 @@ class StubEngine:
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> list[float]:
         self._track(session, position + seq_len)
-        return _logits(position, hidden)
-
-    def forward_logits_rows(self, session: int, hidden: bytes, position: int, seq_len: int) -> list[list[float]]:
-        """Each row's logits as a one-token step at its position computes them."""
-        self._track(session, position + seq_len)
-        row = len(hidden) // seq_len
-        return [_logits(position + i, hidden[i * row:(i + 1) * row]) for i in range(seq_len)]
+        digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
+        return [(b - 128) / 16.0 for b in digest]
 
     def can_batch(self, session: int, position: int) -> bool:
         return self._sessions.get(session) == position
@@ -133,8 +128,3 @@ class StubEngine:
         self._sessions.move_to_end(session)
         if len(self._sessions) > _MAX_TRACKED:
             self._sessions.popitem(last=False)
-
-
-def _logits(position: int, hidden: bytes) -> list[float]:
-    digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
-    return [(b - 128) / 16.0 for b in digest]

@@ -436,19 +436,6 @@ class TinygradEngine:
         self._outputs.copy(last[-1], view)  # the last call's logits are the last position's
         return np.frombuffer(view, dtype=np.float32)  # (V,)
 
-    def forward_logits_rows(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
-        """Every position's logits (T, V), one decode call a row: each row's are a one-token step's, bit for bit
-        (the decode JIT gives the head one row; the rows' hidden states were computed together upstream)."""
-        assert self.shard.is_last, "forward_logits_rows runs on the last stage"
-        width = self.info.vocab_size * 4
-        view = self._host.view(seq_len * width)
-
-        def take(out: Tensor, start: int, n: int) -> None:
-            self._outputs.copy(out, view[start * width:(start + 1) * width])
-
-        self._run(session, self._hidden(hidden, seq_len), position, take, rungs=(1,))
-        return np.frombuffer(view, dtype=np.float32).reshape(seq_len, -1)  # (T, V)
-
     def can_batch(self, session: int, position: int) -> bool:
         return self._sessions.holds(session, position)
 
