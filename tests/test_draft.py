@@ -19,17 +19,18 @@ from pp_worker.driver.stage_proc import Launch
 
 
 def test_ngram_guesses_what_followed_the_latest_earlier_occurrence_of_the_suffix():
-    d = NgramDrafter(max_k=3)
+    d = NgramDrafter(max_k=3, k=3)
     assert d.propose([5, 6, 7, 8, 9, 5, 6, 7], room=10) == [8, 9, 5]  # "5 6 7" was followed by 8 9 5
-    d = NgramDrafter(max_k=3)
+    d = NgramDrafter(max_k=3, k=3)
     assert d.propose([1, 2, 3, 1, 4, 4, 2, 3], room=10) == [1, 4, 4]  # "2 3": its latest earlier occurrence
-    assert NgramDrafter(max_k=3).propose([1, 2, 3, 4], room=10) == []  # nothing recurs
-    assert NgramDrafter(max_k=3).propose([1, 2, 1, 2], room=1) == [1]  # never past the room left
-    assert NgramDrafter(max_k=3).propose([1, 2, 1, 2], room=0) == []
+    assert NgramDrafter(max_k=3, k=3).propose([1, 2, 3, 4], room=10) == []  # nothing recurs
+    assert NgramDrafter(max_k=3, k=3).propose([1, 2, 1, 2], room=1) == [1]  # never past the room left
+    assert NgramDrafter(max_k=3, k=3).propose([1, 2, 1, 2], room=0) == []
+    assert NgramDrafter(max_k=3).propose([5, 6, 7, 8, 9, 5, 6, 7], room=10) == [8]  # a first guess is one token
 
 
 def test_the_index_follows_a_growing_context():
-    d, context = NgramDrafter(max_k=2), [1, 2, 3]
+    d, context = NgramDrafter(max_k=2, k=2), [1, 2, 3]
     assert d.propose(context, 10) == []
     context += [1, 2]
     assert d.propose(context, 10) == [3, 1]

@@ -52,16 +52,13 @@ class NgramDrafter:
     """One generation's prompt lookup, and how many tokens it guesses now (``k``, adapted to how many are kept)."""
 
     max_k: int
-    k: int = 0
+    k: int = 1  # a first guess costs little if it misses; every kept one grows it
     proposed: int = 0  # totals, for the summary
     accepted: int = 0
     _index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> where its latest occurrence ended
     _indexed: int = 0  # context positions indexed so far
     _pause: int = 0  # steps left without a guess
     _misses: int = 0  # consecutive steps that kept nothing at k = 1
-
-    def __post_init__(self) -> None:
-        self.k = self.k or self.max_k
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Up to min(k, room) tokens that followed the latest earlier occurrence of the context's longest
@@ -77,8 +74,9 @@ class NgramDrafter:
         return []
 
     def update(self, proposed: int, kept: int) -> None:
-        """After a check: grow k while every guess is kept, shrink it to one past what was kept otherwise; after
-        misses at k = 1, draft nothing for a while (1, 2, 4... steps), so a text that does not repeat pays little."""
+        """After a check: grow k by 2 while every guess is kept (up to max_k), shrink it to one past what was kept
+        otherwise; after misses at k = 1, draft nothing for a while (1, 2, 4... steps), so a text that does not repeat
+        pays little."""
         self.proposed, self.accepted = self.proposed + proposed, self.accepted + kept
         if kept == proposed:
             self.k, self._misses = min(self.max_k, self.k + 2), 0
