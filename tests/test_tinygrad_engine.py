@@ -508,4 +508,3 @@ def test_non_llama_architecture_is_loaded_like_tinygrad(models, tmp_path):
     want, want_logits = SameCastReference(path, MAX_CONTEXT).generate(prompt, 8, c.boundaries)
     assert got == want
     np.testing.assert_allclose(np.stack(got_logits), np.stack(want_logits), rtol=0, atol=LOGIT_ATOL_SAME_CAST)
-
