@@ -18,7 +18,8 @@ from typing import Any
 import numpy as np
 
 from bench.rows import Row
-from pp_worker.worker.grammar import Constraints, Grammar, Vocabulary
+from pp_worker.worker.grammar import Constraints, Grammar
+from pp_worker.worker.text.vocabulary import Vocabulary
 
 S16 = "16 constrained decoding (llguidance) at a 150K vocabulary"
 TARGET_SHARE = 0.10  # issue 53: masking costs a decode step at most 10%

@@ -18,7 +18,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from bench import grammar
+from bench import grammar, links
 from bench.models import WEIGHT_BYTES, ModelFacts
 from bench.rows import Row, number
 
@@ -62,7 +62,7 @@ def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[i
             *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
             *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe")),
             *memwall_rows(raw.get("memwall")), *grammar.rows(raw.get("grammar")),
-            *reuse_rows(raw.get("reuse"))]
+            *reuse_rows(raw.get("reuse")), *links.rows(raw.get("links"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:

@@ -34,6 +34,7 @@ from typing import Any
 from bench import (
     cold,
     grammar,
+    links,
     memwall,
     models,
     moe,
@@ -54,7 +55,7 @@ from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss",
-            "cold", "threads", "servemem", "grammar", "moe", "memwall", "reuse")
+            "cold", "threads", "servemem", "grammar", "moe", "memwall", "reuse", "links")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -88,6 +89,7 @@ class Plan:
     grammar: grammar.GrammarPlan = grammar.GrammarPlan()  # section 16: a grammar's mask at a 150K vocabulary
     # section 17: prefix reuse in pp-serve, a 5-turn chat with a ~1,000-token first turn on SmolLM2-135M's shape
     reuse: reuse.ReusePlan = reuse.ReusePlan(preset="smol", dtype="Q8_0")
+    links: links.LinksPlan = links.LinksPlan()  # section 18: stages behind a delayed link, with and without drafts
 
 
 FULL = Plan("bench")
@@ -103,7 +105,8 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              moe=moe.MoePlan(decode=8, rounds=2),
              memwall=memwall.MemwallPlan(preset="kq", dtypes=("F16", "Q4_K_M"), avx2_dtypes=("Q4_K_M",), rounds=2,
                                          decode=8),
-             reuse=reuse.ReusePlan())  # the embedded model: its context (256) holds a ~100-token first turn
+             reuse=reuse.ReusePlan(),  # the embedded model: its context (256) holds a ~100-token first turn
+             links=links.QUICK)
 
 
 
@@ -393,6 +396,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "memwall": lambda out: out.update(memwall.measure(plan.memwall)),
         "grammar": lambda out: out.update(grammar.measure(plan.grammar)),
         "reuse": lambda out: out.update(reuse.measure(plan.reuse)),
+        "links": lambda out: out.update(links.measure(plan.links)),
     }
     try:
         for key in sections:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu, models, pipe, report, reuse, run, solo, wire
+from bench import gpu, links, models, pipe, report, reuse, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
 from pp_worker.driver.pipeline import Pipeline
@@ -195,7 +195,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 18)}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 19)}
     assert by_name["MoE / dense decode"].verdict == "PASS" and "dense / MoE 5.0x" in by_name["MoE / dense decode"].note
     assert by_name["last stage's decode call, dense / MoE, in one process"].value == pytest.approx(5.1)
     no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
@@ -360,8 +360,8 @@ def test_run_arguments() -> None:
         run.parse_args(["--sections", "nope"])
     assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
-    assert run.SECTIONS[-3:] == ("moe", "memwall", "reuse") and run.parse_args(["--sections", "moe"]).sections == (
-        "moe",)  # sections 14, 15 and 17, each runnable alone
+    assert run.SECTIONS[-3:] == ("memwall", "reuse", "links") and run.parse_args(["--sections", "moe"]).sections == (
+        "moe",)  # sections 15, 17 and 18, each runnable alone
     assert "memwall" in run.parse_args([]).sections and run.FULL.memwall.preset == "tinyllama"
     assert {run.FULL.moe.preset, run.FULL.moe.dense} <= set(PRESETS)
     assert "reuse" in run.parse_args([]).sections and run.FULL.reuse.preset in PRESETS
@@ -567,3 +567,24 @@ def test_reuse_bench_runs_a_chat_through_pp_serve() -> None:
     assert out["on"]["repeat"]["cached_tokens"] == out["on"]["repeat"]["prompt_tokens"] - 1
     assert all(t["cached_tokens"] == 0 for t in [*off, out["off"]["repeat"]])
     assert [len(out[f"clients_{m}"]["median_ttft_s"]) for m in ("on", "off")] == [2, 2]
+def test_the_relay_hands_bytes_through_both_ways_and_the_commands_exit_status() -> None:
+    relay = [sys.executable, str(links.RELAY), "--delay-ms", "2", "--rate-mbit", "50", "--"]
+    data = bytes(range(256)) * 1000  # several chunks, each held back by the link
+    done = subprocess.run([*relay, "cat"], input=data, capture_output=True, timeout=60)
+    assert (done.returncode, done.stdout) == (0, data)  # in order, whole, and the end of input reached cat
+    assert subprocess.run([*relay, "sh", "-c", "exit 3"], input=b"", timeout=60).returncode == 3
+
+
+def test_links_rows_set_the_issues_targets() -> None:
+    def runs(plain: float, ngram: float) -> dict:
+        return {"plain": {"tok_s": plain, "drafted": 0, "kept": 0}, "ngram": {"tok_s": ngram, "drafted": 9, "kept": 6}}
+
+    raw = {"delays": {"0": {"repetitive": {"1": runs(100, 160)}, "free": {"8": runs(400, 300)}},
+                      "25": {"repetitive": {"1": runs(10, 30)}, "free": {"8": runs(360, 380)}}}}
+    by_name = {r.name: r for r in links.rows(raw)}
+    assert (by_name["0 ms, repetitive, 1 stream(s): ngram / plain"].value, by_name[
+        "0 ms, repetitive, 1 stream(s): ngram / plain"].verdict) == (1.6, "PASS")
+    assert by_name["0 ms, free, 8 stream(s): ngram / plain"].verdict == "MISS"  # 0.75 < 0.95
+    assert by_name["25 ms, repetitive, 1 stream(s): ngram / plain"].target is None
+    assert by_name["25 ms, free, 8 streams, plain: against 0 ms"].value == pytest.approx(0.9)
+    assert links.rows(None)[0].value is None

@@ -17,8 +17,9 @@ from pp_worker.driver.generation import Generation
 from pp_worker.worker.dispatch import Worker
 from pp_worker.worker.engines.stub import STUB_HIDDEN_DIM, StubEngine
 from pp_worker.worker.events import Clock
-from pp_worker.worker.grammar import Constraints, Grammar, GrammarError, Vocabulary
+from pp_worker.worker.grammar import Constraints, Grammar, GrammarError
 from pp_worker.worker.protocol import ProtocolError, parse_grammar
+from pp_worker.worker.text.vocabulary import Vocabulary
 
 PIECES = [bytes([b]) for b in range(256)] + [b'{"', b'":', b'", "', b"true", b"false", b"null", b"  ", b"\n"]
 EOS = len(PIECES)

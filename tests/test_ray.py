@@ -55,3 +55,18 @@ def test_a_stage_failing_in_its_actor_is_reported_with_its_exit_code_and_stderr(
     report = str(e.value)
     assert "exited with code 2" in report, report
     assert "MAX_CONTEXT='zero' is invalid" in report and "[ray] stage" in report, report
+
+
+def test_an_uneven_split_reaches_stages_in_ray_actors() -> None:
+    """--split: the probes and the stages go through the same launcher; each actor's stage holds its planned range."""
+    from pp_worker.driver.generation import Sampling
+    from pp_worker.driver.pipeline import Pipeline, make_generations
+    from pp_worker.driver.stage_proc import Launch
+
+    env = {"MAX_CONTEXT": "64", "PP_WIRE_DTYPE": "f32"}
+    local = run_pipeline(PROMPTS[:1], stages=3, model=str(ZEN), max_tokens=8, env=env, load_timeout=300)
+    with Pipeline(Launch(3, model=str(ZEN), launcher="ray", env=env, split=(2, 1, 1)), log=None,
+                  load_timeout=300) as p:
+        assert [st.ready["layer_range"] for st in p.stages] == [[0, 2], [2, 3], [3, 4]]
+        tokens = p.run(make_generations(p, PROMPTS[:1], 8, Sampling())).generations[0].tokens
+    assert tokens == local.generations[0].tokens

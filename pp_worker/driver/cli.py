@@ -28,6 +28,7 @@ from pp_worker.driver.chat import chat
 from pp_worker.driver.flags import (
     add_pipeline_flags,
     check_pipeline_flags,
+    draft_from,
     launch_from,
     logit_bias_problem,
     sampling_from,
@@ -80,13 +81,17 @@ def summary(stats: RunStats) -> str:
             continue
         lines.append(f"[{g.index + 1}] prompt {len(g.prompt_tokens)} tokens, generated {len(g.tokens)} "
                      f"(stopped: {g.stop_reason}), time to first token {g.ttft_s * 1000:.1f} ms, "
-                     f"decode {g.decode_tps:.1f} tok/s")
+                     f"decode {g.decode_tps:.1f} tok/s{_drafts(g)}")
     lines.append(f"total: {len(stats.generations)} generation(s), {stats.tokens} tokens in {stats.wall_s:.2f} s "
                  f"({stats.tokens / stats.wall_s if stats.wall_s else 0:.1f} tok/s aggregate)")
     for i, (busy, n) in enumerate(zip(stats.stage_busy_s, stats.stage_requests, strict=True)):
         share = busy / stats.wall_s * 100 if stats.wall_s else 0.0
         lines.append(f"stage {i}: busy {busy:.3f} s ({share:.0f}% of wall), {n} requests")
     return "\n".join(lines)
+
+
+def _drafts(g: Generation) -> str:
+    return f", drafted {g.draft.proposed} tokens, kept {g.draft.accepted}" if g.draft else ""
 
 
 # --- the command line ---------------------------------------------------------------------------------------------
@@ -114,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Pipeline(launch_from(args), load_timeout=args.load_timeout, step_timeout=args.step_timeout,
                       cancel=cancel, echo_stderr=args.verbose, prefill_chunk=args.prefill_chunk,
-                      schedule=args.schedule) as p:
+                      schedule=args.schedule, draft=draft_from(args)) as p:
             if problem := logit_bias_problem(sampling_from(args), p.vocab_size):
                 print(f"pp-pipeline: {problem}", file=sys.stderr, flush=True)
                 return 2

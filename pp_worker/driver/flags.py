@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 
+from pp_worker.driver.draft import DRAFTS, Draft
 from pp_worker.driver.generation import RECENT_TOKENS, Sampling
 from pp_worker.driver.pipeline import SCHEDULES
 from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
+from pp_worker.driver.split import parse_split
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.worker.engines.pool import parse_bytes
 
@@ -31,6 +33,11 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "float16's range), f16 (float16 only: such a state is an error), f32 (float32 always: twice the "
                     "bytes, no rounding between stages) or q8 (int8 with a scale per token: about half the bytes, not "
                     "bit-exact); sets PP_WIRE_DTYPE for the workers")
+    ap.add_argument("--split", metavar="N1,N2,...|auto",
+                    help="blocks per stage (an uneven split, e.g. 20,8 for a 28-block model: a bigger host more), "
+                    "or 'auto': each stage's host reports its free memory before the load and blocks go out in "
+                    "proportion (the head counted with the last stage, the embedding with the first); default: the "
+                    "even split")
     ap.add_argument("--max-context", type=int, help="KV positions per session (MAX_CONTEXT for the workers)")
     ap.add_argument("--kv-memory", metavar="BYTES", help="each stage's KV pool cap, e.g. 512M or 2G (PP_KV_BYTES; "
                     "default: a share of the memory free once the stage's weights are in)")
@@ -45,6 +52,12 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "one batch passed from stage to stage: best where the stages share the same cores), overlap (each "
                     "goes on as soon as its token is back, so the stages work on different batches at once: best with "
                     "a device per stage); auto (default): lockstep when every stage is a local process on the CPU")
+    ap.add_argument("--draft", choices=DRAFTS,
+                    help="speculative decoding: 'ngram' guesses the next tokens from earlier text (prompt lookup) and "
+                    "the stages check them in one pass, so one trip through the pipeline can yield several tokens; "
+                    "the output is exactly the model's (default: off)")
+    ap.add_argument("--draft-max", type=int, default=4, metavar="K",
+                    help="the most tokens guessed at a step (default 4; fewer while guesses miss)")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")
@@ -80,10 +93,19 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
     """Refuse (through ``ap.error``, exit 2) what would only fail later, once the workers are loading."""
     if args.stages < 2 or args.max_tokens < 1 or args.concurrency < 1:
         ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
+    if args.draft_max < 1:
+        ap.error("--draft-max must be >= 1")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
     if any("=" not in kv for kv in args.env):
         ap.error("--env takes K=V")
+    if any(kv.startswith("PP_LAYERS=") for kv in args.env):
+        ap.error("--env PP_LAYERS: every stage needs a range of its own; give --split N1,N2,... instead")
+    if args.split is not None:
+        try:
+            args.split = parse_split(args.split, args.stages)
+        except ValueError as e:
+            ap.error(f"--split: {e}")
     if args.ray_num_cpus < 0 or args.ray_num_gpus < 0:
         ap.error("--ray-num-cpus and --ray-num-gpus must be >= 0")
     if args.kv_memory is not None:
@@ -103,7 +125,12 @@ def launch_from(args: argparse.Namespace) -> Launch:
         env["PP_KV_BYTES"] = str(parse_bytes(args.kv_memory))
     ray = RayPlacement(args.ray_address, args.ray_num_cpus, args.ray_num_gpus) if args.launcher == RAY_LAUNCHER \
         else None
-    return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray)
+    return Launch(args.stages, model=args.model, stub=args.stub, launcher=args.launcher, env=env, ray=ray,
+                  split=args.split)
+
+
+def draft_from(args: argparse.Namespace) -> Draft | None:
+    return Draft(args.draft, args.draft_max) if args.draft else None
 
 
 def sampling_from(args: argparse.Namespace) -> Sampling:

@@ -9,10 +9,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pp_worker.driver.prefix import PrefixCache, reusable
 from pp_worker.wire import B64
+
+if TYPE_CHECKING:
+    from pp_worker.driver.draft import NgramDrafter
 
 RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
 Reply = dict[str, Any]
@@ -76,6 +79,7 @@ class Generation:
     cache_prompt: bool = False
     session: int = -1  # the KV session its forward ops go under: request_id, or a cached one it took (``steps``)
     reused: int = 0  # prompt tokens its session already held (not recomputed)
+    draft: NgramDrafter | None = None  # speculative decoding's guesses (driver.draft; the pipeline sets it)
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     # with ``sampling.logprobs``: each token's ``logprobs`` from the last stage ({token_id, logprob, text, top})
@@ -132,21 +136,27 @@ class Generation:
         if prefill_chunk and len(self.prompt_tokens) - start > prefill_chunk:
             start = yield from self._pipelined_prefill(start, prefill_chunk, num_stages)
         op, feed, position = "embed_and_forward", {"tokens": self.prompt_tokens[start:]}, start
-        seq_len = len(self.prompt_tokens) - start
+        seq_len, drafted = len(self.prompt_tokens) - start, []
         while True:
-            token = yield from self._forward(op, feed, position, seq_len, num_stages)
-            self.tokens.append(token)
-            self.t_first = self.t_first or time.monotonic()
-            self.t_end = time.monotonic()
-            if self.on_token:
-                self.on_token(self)
-            position += seq_len  # where the next step would write: checked before it is sent, never refused
+            reply = yield from self._forward(op, feed, position, seq_len, num_stages, drafted)
+            kept = reply["accepted"] if drafted else 0
+            if drafted and self.draft:
+                self.draft.update(len(drafted), kept)
+            for token in [*drafted[:kept], reply["token_id"]]:
+                if self._append(token, eos):
+                    break
+            # where the next step would write (the guesses not kept are overwritten): checked before it is sent
+            position += seq_len - len(drafted) + kept
             full = max_context is not None and position + 1 > max_context
             if token in eos or len(self.tokens) >= self.max_tokens or full or self.stop_requested:
                 break
             if self.on_text and not self._streaming:
                 yield self._stream_call(num_stages - 1)
-            op, feed, seq_len = "decode_step", {"token_id": token}, 1
+            drafted = self._guess(position, max_context)
+            if drafted:  # the token and the guesses after it, checked by the last stage in one pass
+                op, feed, seq_len = "embed_and_forward", {"tokens": [token, *drafted]}, 1 + len(drafted)
+            else:
+                op, feed, seq_len = "decode_step", {"token_id": token}, 1
         self.stop_reason = ("eos" if token in eos else "max_tokens" if len(self.tokens) >= self.max_tokens
                             else "length" if full else "stop")
         shown = self.tokens[:-1] if token in eos else self.tokens
@@ -165,9 +175,10 @@ class Generation:
             least = min(least, (yield Call(s, "claim", {}))["positions"])
         self.cached = held[:least]
 
-    def _forward(self, op: str, feed: dict[str, Any], position: int, seq_len: int,
-                 n: int) -> Generator[Call, Reply | None, int]:
-        """One pass through every stage (a prefill of seq_len tokens or one decode step) -> the sampled token."""
+    def _forward(self, op: str, feed: dict[str, Any], position: int, seq_len: int, n: int,
+                 drafted: list[int]) -> Generator[Call, Reply | None, Reply]:
+        """One pass through every stage (a prefill of seq_len tokens, one decode step, or a step with ``drafted``
+        guesses after its token) -> the last stage's reply (``token_id``; with guesses, ``accepted`` too)."""
         reply = yield Call(0, op, {**feed, "position": position})
         for s in range(1, n):
             hop = _hop(reply, position, seq_len)
@@ -175,15 +186,36 @@ class Generation:
                 reply = yield Call(s, "forward_range", hop)
             else:
                 context = self.prompt_tokens + self.tokens
-                reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context) | self._grammar(op))
+                check = {"verify": drafted} if drafted else {}
+                reply = yield Call(s, "forward_and_sample",
+                                   hop | self.sampling.fields(context) | check | self._grammar(not self.tokens))
         if "logprobs" in reply:
             self.logprobs.append(reply["logprobs"])
-        return reply["token_id"]
+        return reply
 
-    def _grammar(self, op: str) -> dict[str, Any]:
-        """The first step starts the generation's grammar on the last stage; with none, a session kept from an
-        earlier turn is told so (null), so that turn's matcher cannot constrain this one."""
-        first = op == "embed_and_forward"
+    def _append(self, token: int, eos: frozenset[int]) -> bool:
+        """Add one generated token; True when the generation ends with it (EOS, max_tokens, asked to stop)."""
+        self.tokens.append(token)
+        self.t_first = self.t_first or time.monotonic()
+        self.t_end = time.monotonic()
+        if self.on_token:
+            self.on_token(self)
+        return token in eos or len(self.tokens) >= self.max_tokens or self.stop_requested
+
+    def _guess(self, position: int, max_context: int | None) -> list[int]:
+        """The draft's guesses for the tokens after the one at ``position`` (none without a draft): never past
+        max_tokens nor past max_context, so a check never asks for what the generation would not keep."""
+        if self.draft is None:
+            return []
+        room = self.max_tokens - len(self.tokens) - 1
+        if max_context is not None:
+            room = min(room, max_context - position - 1)
+        return self.draft.propose(self.prompt_tokens + self.tokens, room)
+
+    def _grammar(self, first: bool) -> dict[str, Any]:
+        """The first step (the prompt's last forward, before any token: a drafted check is an embed_and_forward too)
+        starts the generation's grammar on the last stage; with none, a session kept from an earlier turn is told so
+        (null), so that turn's matcher cannot constrain this one."""
         return {"grammar": self.grammar} if first and (self.grammar is not None or self.cached) else {}
 
     def _pipelined_prefill(self, start: int, chunk: int, n: int) -> Generator[Call, Reply | None, int]:

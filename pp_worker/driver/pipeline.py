@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TextIO
 
+from pp_worker.driver import split
+from pp_worker.driver.draft import Draft
 from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.prefix import PrefixCache
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
@@ -122,11 +124,12 @@ class Pipeline:
     def __init__(self, launch: Launch, *, load_timeout: float = 600.0, step_timeout: float = 120.0,
                  cancel: Cancel | None = None, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
                  prefill_chunk: int | None = None, batch: bool = True, schedule: str = "auto",
-                 reuse: bool | None = None):
+                 reuse: bool | None = None, draft: Draft | None = None):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
         self._chunk_override, self.batch = prefill_chunk, batch
+        self.draft = draft  # speculative decoding (--draft): each generation that can gets a drafter of its own
         self.lockstep = schedule == "lockstep"  # decided after the stages are ready where schedule is "auto"
         self._stepping: set[int] = set()  # generations with a one-token step sent and not answered yet
         self.stages: list[Stage] = []
@@ -142,6 +145,8 @@ class Pipeline:
         # set to a list to record (time, stage, request_id, op, "send" or "reply"), e.g. to check the overlap
         self.trace: list[tuple[float, int, int, str, str]] | None = None
         try:
+            if launch.split is not None:  # each stage's blocks, planned and checked before any of them loads
+                launch = self._plan_split(launch, load_timeout)
             for i in range(launch.num_stages):
                 try:
                     self.stages.append(Stage(i, launch, echo_stderr))
@@ -193,6 +198,18 @@ class Pipeline:
         """The model's chat template, from stage 0's ready line: the driver needs no copy of the GGUF."""
         template = (self.stages[0].ready or {}).get("chat_template")
         return template if isinstance(template, str) else None
+
+    def _plan_split(self, launch: Launch, timeout: float) -> Launch:
+        """``--split``: probe every stage's host (driver.split), plan each stage's block range, or refuse (exit 2)."""
+        try:
+            probes = split.probe_stages(launch, timeout, self.cancel)
+            ranges = split.plan(launch.split, probes)  # type: ignore[arg-type]
+        except split.SplitError as e:
+            error = PipelineError(f"--split: {e}")
+            error.exit_code = 2
+            raise error from None
+        self._say(f"split: {split.describe(ranges, probes)}")
+        return split.with_layers(launch, ranges)
 
     def _share_cores(self, launch: Launch) -> bool:
         """Whether the stages compute on the same cores: local processes on this machine's CPU (tinygrad spreads
@@ -263,6 +280,8 @@ class Pipeline:
         """Put one more generation in flight; ``pump`` then moves it along with the others."""
         if g.request_id in self._active:
             raise ValueError(f"request_id {g.request_id} is already in flight (it is its KV session)")
+        if self.draft is not None and g.draft is None and self.draft.usable(g.sampling):
+            g.draft = self.draft.start()
         self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context, self.prefill_chunk,
                                                  self.prefixes))
         self._advance(g.request_id, None)

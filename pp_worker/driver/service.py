@@ -32,6 +32,7 @@ from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from pp_worker.driver.draft import Draft
 from pp_worker.driver.generation import Call, Generation, Reply
 from pp_worker.driver.pipeline import Cancel, Interrupted, Pipeline, PipelineError
 from pp_worker.driver.prefix import PrefixCache
@@ -99,12 +100,14 @@ class PipelineService:
     def __init__(self, launch: Launch, *, concurrency: int, load_timeout: float = 600.0,
                  step_timeout: float = 120.0, echo_stderr: bool = False, log: TextIO | None = sys.stderr,
                  prefill_chunk: int | None = None, schedule: str = "auto", restarts: int = 0,
-                 backoff_s: float = 1.0, reuse: bool | None = None):
+                 backoff_s: float = 1.0, reuse: bool | None = None,
+                 draft: Draft | None = None):
         self.log = log
         self._wake = _Wake()
         self._start = functools.partial(Pipeline, launch, load_timeout=load_timeout, step_timeout=step_timeout,
                                         cancel=self._wake, echo_stderr=echo_stderr, log=log,
-                                        prefill_chunk=prefill_chunk, schedule=schedule, reuse=reuse)
+                                        prefill_chunk=prefill_chunk, schedule=schedule, reuse=reuse,
+                                        draft=draft)
         self.pipeline = self._start()  # loads every stage
         self.model = str((self.pipeline.stages[-1].ready or {}).get("model") or "")
         # every generation in flight holds a KV session on every stage: more than the workers keep would evict some

@@ -45,6 +45,8 @@ class Launch:
     env: dict[str, str] = field(default_factory=dict)  # extra variables for every worker; "{stage}" in a value
     # becomes the stage's index, so one setting can give each stage its own GPU: CUDA_VISIBLE_DEVICES={stage}
     ray: RayPlacement | None = None  # with launcher "ray": where the actors go (None: RayPlacement's defaults)
+    split: str | tuple[int, ...] | None = None  # --split: "auto" or blocks per stage, planned before the load (split)
+    layers: tuple[tuple[int, int], ...] = ()  # each stage's block range (PP_LAYERS), once a split is planned
 
     def worker_env(self, stage: int) -> dict[str, str]:
         """The variables a worker needs, beyond what it inherits. ``PP_EXIT_ON_EOF``: the driver closes a worker's
@@ -62,6 +64,9 @@ class Launch:
             env["MODEL"] = self.model
         if self.stub:
             env["PP_WORKER_STUB"] = "1"
+        if self.layers:
+            start, end = self.layers[stage]
+            env["PP_LAYERS"] = f"{start}:{end}"
         return {**env, **{k: v.replace("{stage}", str(stage)) for k, v in self.env.items()}}
 
     def remote_env(self, stage: int) -> dict[str, str]:

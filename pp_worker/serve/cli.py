@@ -34,6 +34,7 @@ from pp_worker.driver.chat import pipeline_chat_format
 from pp_worker.driver.flags import (
     add_pipeline_flags,
     check_pipeline_flags,
+    draft_from,
     launch_from,
     logit_bias_problem,
     sampling_from,
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
             service = PipelineService(_launch(args), concurrency=args.concurrency, load_timeout=args.load_timeout,
                                       step_timeout=args.step_timeout, echo_stderr=args.verbose,
                                       prefill_chunk=args.prefill_chunk, schedule=args.schedule,
-                                      restarts=args.restarts, backoff_s=args.restart_backoff)
+                                      restarts=args.restarts, backoff_s=args.restart_backoff,
+                                      draft=draft_from(args))
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
         return e.exit_code

@@ -25,6 +25,7 @@ from pp_worker.worker.engines.pool import PoolError, parse_bytes
 from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, start_heartbeat
 from pp_worker.worker.loop import LineReader, LoopState, serve
 from pp_worker.worker.q8 import SCALE_BYTES, WIRE_DTYPES
+from pp_worker.worker.shard import SplitError, parse_layers
 from pp_worker.worker.stdout import Out, protect_stdout
 from pp_worker.worker.watchdog import start_watchdog
 
@@ -66,6 +67,8 @@ class Config:
     host_stages: int = 1  # PP_HOST_STAGES: stages started on this host (they share its cores and memory)
     precompile: bool = False  # PP_PRECOMPILE: compile every JIT into the cache, then exit (the background child)
     exact: bool = False  # PP_EXACT: the C products' float path (cpu.kernels.numerics reads it from the environment)
+    layers: tuple[int, int] | None = None  # PP_LAYERS: this stage's blocks (an uneven split); None: the even split
+    probe: bool = False  # PP_PROBE: report this host's free memory and the model's block sizes, then exit (probe)
 
 
 def _env_int(env: dict[str, str], name: str, default: int | None = None, low: int = 0) -> int | None:
@@ -133,6 +136,7 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
         raise ConfigError(f"STAGE={env['STAGE']!r} is invalid: must be in [0, {num_stages}) "
                           f"for NUM_STAGES={num_stages}")
     max_context = args.max_context if args.max_context is not None else _env_int(env, "MAX_CONTEXT", low=1)
+    layers = _env_layers(env, stage)
     if max_context is not None and max_context < 1:
         raise ConfigError(f"--max-context={max_context} is invalid: expected an integer >= 1")
     return Config(stage=stage, num_stages=num_stages, stub=args.stub or _env_flag(env, "PP_WORKER_STUB"),
@@ -151,7 +155,22 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   kernels=_env_choice(env, "PP_KERNELS", KERNEL_NAMES), pinned_host=_env_switch(env, "PP_PINNED_HOST"),
                   threads=default_threads(env), kv_bytes=_env_bytes(env, "PP_KV_BYTES"),
                   host_stages=_env_int(env, "PP_HOST_STAGES", 1, low=1) or 1,
-                  precompile=_env_flag(env, "PP_PRECOMPILE"), exact=_env_flag(env, "PP_EXACT"))
+                  precompile=_env_flag(env, "PP_PRECOMPILE"), exact=_env_flag(env, "PP_EXACT"), layers=layers,
+                  probe=_env_flag(env, "PP_PROBE"))
+
+
+def _env_layers(env: dict[str, str], stage: int) -> tuple[int, int] | None:
+    """PP_LAYERS=START:END, checked as far as it can be before the model's block count is known (`Shard.of`)."""
+    raw = env.get("PP_LAYERS")
+    if raw is None:
+        return None
+    try:
+        layers = parse_layers(raw)
+    except ValueError as e:
+        raise ConfigError(f"PP_LAYERS={raw!r} is invalid: {e}") from None
+    if stage == 0 and layers[0] != 0:
+        raise ConfigError(f"PP_LAYERS={raw!r} is invalid: stage 0 must start at block 0")
+    return layers
 
 
 def default_threads(env: dict[str, str]) -> int:
@@ -170,7 +189,7 @@ def build_engine(cfg: Config, events: Events) -> Engine:
         from pp_worker.worker.engines.stub import StubEngine
 
         return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000, max_sessions=cfg.max_sessions,
-                          max_batch=cfg.max_batch, busy_file=cfg.stub_busy_file)
+                          max_batch=cfg.max_batch, busy_file=cfg.stub_busy_file, layers=cfg.layers)
     from pp_worker.worker import device as device_pick
 
     operators = bool(os.environ.get("DEV"))
@@ -192,7 +211,8 @@ def build_engine(cfg: Config, events: Events) -> Engine:
                                 max_sessions=cfg.max_sessions, max_batch=cfg.max_batch,
                                 prefill_chunk=cfg.prefill_chunk, kv_dtype=cfg.kv_dtype, beam=cfg.beam,
                                 kernels=cfg.kernels, pinned_host=cfg.pinned_host, lean=True, threads=cfg.threads,
-                                kv_bytes=cfg.kv_bytes, host_stages=cfg.host_stages, emit=events.emit)
+                                kv_bytes=cfg.kv_bytes, host_stages=cfg.host_stages, emit=events.emit,
+                                layers=cfg.layers)
     except Exception:
         if recalled:  # perhaps the device, not the model: the next start lets tinygrad pick again
             device_pick.forget()
@@ -266,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     stdout = protect_stdout()
     out = Out(stdout)
+    if cfg.probe:
+        return _probe(cfg, out)
     clock = Clock()
     events = Events(out, cfg.stage, clock)
     install_excepthook(events)
@@ -280,6 +302,19 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         stop_heartbeat.set()
         stop_watchdog.set()
+
+
+def _probe(cfg: Config, out: Out) -> int:
+    """PP_PROBE=1: one ``probe`` line (worker.probe: free memory, block sizes) and exit, loading nothing."""
+    from pp_worker.worker.probe import probe_line
+
+    try:
+        out.write(probe_line(cfg.stage, cfg.model, cfg.stub))
+    except Exception as e:  # a missing model, a bad PP_FREE_BYTES: one line, as at a load
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"pp_worker: stage {cfg.stage}: cannot probe model {cfg.model!r}: {message}", file=sys.stderr, flush=True)
+        return 2
+    return 0
 
 
 def _poke(fd: int) -> None:
@@ -302,7 +337,8 @@ def _load(cfg: Config, events: Events) -> Engine | None:
     except Exception as e:  # any load failure is reported the same way
         from pp_worker.worker.gguf.header import ModelLoadError
 
-        if not isinstance(e, (ModelLoadError, PoolError)):  # unexpected: the traceback helps; an expected one says it
+        # unexpected: the traceback helps; an expected one says it
+        if not isinstance(e, (ModelLoadError, PoolError, SplitError)):
             import traceback
 
             traceback.print_exc(file=sys.stderr)

@@ -93,6 +93,7 @@ class Worker:
         run: list[Request] = []
         for item in ready[i:i + self.engine.max_batch]:
             if not (isinstance(item, Request) and item.op in protocol.BATCH_OPS and _one_token(item.fields)
+                    and item.fields.get("verify") is None  # its reply has a field a batched step's has not
                     and all(r.rid != item.rid for r in run)
                     and self.engine.can_batch(item.rid, item.fields["position"])):
                 break
@@ -163,6 +164,8 @@ def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
 
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    if f["verify"] is not None:
+        return _verify(w, rid, f)
     logits = w.engine.forward_logits(rid, f["hidden"], f["position"], f["seq_len"])
     return _sampled(w, rid, f, logits)
 
@@ -189,6 +192,23 @@ def _pick(w: Worker, rid: int, f: dict[str, Any], logits: Any) -> int:
     token = sample(w.constraints.mask(rid, f, logits), f["sampling"], step_key=f["position"] + f["seq_len"])
     w.constraints.advance(rid, f, token)
     return token
+
+
+def _verify(w: Worker, rid: int, f: dict[str, Any]) -> Reply:
+    """Speculative decoding's check: row i runs as the one-token step at position + i it stands for (same logits,
+    same ``step_key``), and each guess is kept while it equals the token the model samples there; the first that
+    differs is replaced by the model's token, and the rows after it are never computed (the session holds the rows
+    run; the caller's next step starts right after them). ``accepted``: the guesses kept; ``token_id``: the model's
+    token after them."""
+    hidden, position, guesses = f["hidden"], f["position"], f["verify"]
+    row = len(hidden) // f["seq_len"]
+    step = {k: v for k, v in f.items() if k != "grammar"}  # a check is never a generation's first step
+    for i, guess in enumerate([*guesses, None]):  # the last row has no guess: it always answers
+        logits = w.engine.forward_logits(rid, hidden[i * row:(i + 1) * row], position + i, 1)
+        token = _pick(w, rid, {**step, "position": position + i, "seq_len": 1}, logits)  # a grammar masks each row
+        if token != guess:
+            return {"token_id": token, "accepted": i}
+    raise AssertionError("unreachable: no token equals the last row's missing guess")
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:

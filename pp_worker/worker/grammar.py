@@ -20,8 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from pp_worker.worker.text.detokenizer import byte_symbols, token_bytes
-from pp_worker.worker.text.vocab import CONTROL, USER_DEFINED, token_types
+from pp_worker.worker.text.vocabulary import Vocabulary
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher, LLTokenizer
@@ -81,37 +80,13 @@ def _compile(kind: str, make: Callable[[Any], str]) -> str:
     return compiled
 
 
-@dataclass(frozen=True)
-class Vocabulary:
-    """What llguidance needs to know about the model's tokens: each id's bytes (a control token's text behind a
-    0xff byte, llama.cpp's convention for special tokens), the end-of-sequence ids, and an encoder for the few
-    strings llguidance tokenizes itself."""
+def _tokenizer(v: Vocabulary, n_logits: int) -> LLTokenizer:
+    """llguidance's tokenizer over ``n_logits`` ids (a head wider than the vocabulary: the rest never allowed)."""
+    from llguidance import LLTokenizer, TokenizerWrapper
 
-    tokens: list[bytes]
-    special: list[int]
-    eos: list[int]
-    encode: Callable[[str], list[int]]
-
-    @staticmethod
-    def from_gguf_kv(kv: dict[str, Any], eos: list[int], encode: Callable[[str], list[int]]) -> Vocabulary:
-        """The GGUF's tokens as the last stage decodes them (`text.detokenizer`), control tokens marked special."""
-        names, types = kv["tokenizer.ggml.tokens"], token_types(kv)
-        spm, to_byte = kv.get("tokenizer.ggml.model") == "llama", {s: b for b, s in enumerate(byte_symbols())}
-        special = [i for i, (name, kind) in enumerate(zip(names, types, strict=True))
-                   if kind == CONTROL or kind == USER_DEFINED and name.startswith("<") and name.endswith(">")]
-        tokens = [token_bytes(name, kind, spm, to_byte) for name, kind in zip(names, types, strict=True)]
-        for i in special:
-            tokens[i] = b"\xff" + names[i].encode()
-        return Vocabulary(tokens, special, eos, encode)
-
-    def tokenizer(self, n_logits: int) -> LLTokenizer:
-        """llguidance's tokenizer over ``n_logits`` ids (a head wider than the vocabulary: the rest never allowed)."""
-        from llguidance import LLTokenizer, TokenizerWrapper
-
-        if not self.eos:
-            raise GrammarError("the model names no end-of-sequence token; a grammar cannot end its output")
-        return LLTokenizer(TokenizerWrapper(_Encoder(self)), n_vocab=max(n_logits, len(self.tokens)),
-                           eos_token=self.eos)
+    if not v.eos:
+        raise GrammarError("the model names no end-of-sequence token; a grammar cannot end its output")
+    return LLTokenizer(TokenizerWrapper(_Encoder(v)), n_vocab=max(n_logits, len(v.tokens)), eos_token=v.eos)
 
 
 class _Encoder:
@@ -196,7 +171,7 @@ class Constraints:
             vocabulary = self._vocabulary()
             if vocabulary is None:
                 return None
-            self._tokenizer = vocabulary.tokenizer(self._n_logits)
+            self._tokenizer = _tokenizer(vocabulary, self._n_logits)
         return self._tokenizer
 
     def _allowed(self, matcher: LLMatcher) -> np.ndarray:

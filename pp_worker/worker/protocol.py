@@ -279,6 +279,24 @@ def _token(obj: dict[str, Any], lim: Limits) -> int:
     return token
 
 
+def _verify(obj: dict[str, Any], fields: dict[str, Any], lim: Limits) -> dict[str, Any]:
+    """forward_and_sample's optional ``verify``: the drafted tokens rows 1.. of the hidden state were fed (speculative
+    decoding, docs/protocol.md), so exactly ``seq_len - 1`` ids; None when absent."""
+    fields["verify"] = None
+    if "verify" in obj:
+        fields["verify"] = token_list(obj, "verify", lim.token_bound, nonempty=False)
+        if len(fields["verify"]) != fields["seq_len"] - 1:
+            raise ProtocolError(f"'verify' must hold seq_len - 1 = {fields['seq_len'] - 1} token ids (the tokens "
+                                f"rows 1.. were fed), got {len(fields['verify'])}")
+        if fields["logprobs"] is not None:  # one reply carries one token's
+            raise ProtocolError("'verify' cannot go with 'logprobs': a check answers several tokens")
+        s = fields["sampling"]
+        if s is not None and (s.repetition_penalty != 1.0 or s.presence_penalty or s.frequency_penalty):
+            raise ProtocolError("'verify' cannot go with a repetition, presence or frequency penalty: their window "
+                                "(recent_tokens) would move with each guessed token")
+    return fields
+
+
 MAX_BATCH_REQUESTS = 1024
 
 
@@ -306,8 +324,9 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
                                          "position": nonneg_int(o, "position", default=0)},
     "decode_step": lambda o, lim: {"tokens": [_token(o, lim)], "position": nonneg_int(o, "position")},
     "forward_range": _hidden_fields,
-    "forward_and_sample": lambda o, lim: {**_hidden_fields(o, lim), "sampling": parse_sampling(o, lim.vocab_size),
-                                          "logprobs": logprobs_count(o), **parse_grammar(o)},
+    "forward_and_sample": lambda o, lim: _verify(o, {**_hidden_fields(o, lim),
+                                                      "sampling": parse_sampling(o, lim.vocab_size),
+                                                      "logprobs": logprobs_count(o), **parse_grammar(o)}, lim),
     "batch": _requests,
     "release": lambda o, lim: {"keep": flag(o, "keep", False)},
 }

@@ -18,7 +18,7 @@ from pp_worker.worker.shard import Shard
 if TYPE_CHECKING:  # the stub (and the launcher's seed names) must import without numpy
     import numpy as np
 
-    from pp_worker.worker.grammar import Vocabulary
+    from pp_worker.worker.text.vocabulary import Vocabulary
 
 
 

@@ -205,10 +205,12 @@ class StageWeights:
 
 def load_stage(model: str, stage: int, num_stages: int, max_context: int | None = None, *,
                context_cap: int | None = None, emit: Callable[..., None] = lambda kind, **fields: None,
-               kernels: str | None = None, keep_quantized: bool = True) -> StageWeights:
+               kernels: str | None = None, keep_quantized: bool = True,
+               layers: tuple[int, int] | None = None) -> StageWeights:
     """Load stage ``stage`` of ``num_stages``: parse the header, then read only this stage's tensors. ``kernels``:
     how products run and matrices are held (`weights`; by default decided by the device); ``keep_quantized``
-    False dequantizes every quantized matrix to fp16 at load (the reference the tests compare against)."""
+    False dequantizes every quantized matrix to fp16 at load (the reference the tests compare against). ``layers``:
+    this stage's block range (``PP_LAYERS``) instead of the even split."""
     from tinygrad import Device, getenv
 
     from pp_worker.worker.engines.weights import KERNELS, default_kernels
@@ -220,7 +222,7 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     check_architecture(header.kv)  # first, so an unsupported model is named as such
     config = build_config(header, context_length(header.kv, max_context, context_cap))
     try:
-        shard = Shard.of(stage, num_stages, config.num_blocks)
+        shard = Shard.of(stage, num_stages, config.num_blocks, layers)
     except ValueError as e:
         raise ModelLoadError(f"cannot split {config.num_blocks} blocks: {e}") from e
     if header.ensure is not None:  # a URL's: this stage's bytes in as few requests as they allow, with progress

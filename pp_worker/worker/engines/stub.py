@@ -44,7 +44,7 @@ class StubEngine:
     """Implements engines.base.Engine with no model at all."""
 
     def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0, max_sessions: int = 8, max_batch: int = 8,
-                 busy_file: str | None = None):
+                 busy_file: str | None = None, layers: tuple[int, int] | None = None):
         self.delay_s = delay_s  # simulated compute time per forward op (PP_STUB_DELAY_MS), for latency tests
         # PP_STUB_BUSY_FILE: a line (the session) appended as each forward op starts, before its delay, so a test
         # can wait until an op is in flight instead of guessing with a sleep
@@ -53,7 +53,7 @@ class StubEngine:
         self.max_batch = max(1, min(max_batch, max_sessions))
         self.hidden_dtype = "f16"  # its outputs (the worker widens them for a float32 wire)
         self.batches: list[int] = []  # the size of every batched step, for tests of who batches what
-        self.shard = Shard.of(stage, num_stages, STUB_BLOCKS)
+        self.shard = Shard.of(stage, num_stages, STUB_BLOCKS, layers)  # layers: PP_LAYERS
         self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,
                               eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
         self._sessions: OrderedDict[int, int] = OrderedDict()

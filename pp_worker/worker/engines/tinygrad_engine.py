@@ -61,10 +61,10 @@ from pp_worker.worker.engines.model import StageWeights, eos_token_ids, load_sta
 from pp_worker.worker.engines.pool import default_kv_bytes, mem_available, plan_pool
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import Session, SessionTable
-from pp_worker.worker.grammar import Vocabulary
 from pp_worker.worker.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
 from pp_worker.worker.text.tokenizer import Tokenizer
 from pp_worker.worker.text.vocab import bos_token
+from pp_worker.worker.text.vocabulary import Vocabulary
 
 COMPILE_GUESS_S = 2.0  # compiling a JIT, until one is timed: a cold stage of the bench models (bench/NOTES.md)
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
@@ -284,7 +284,8 @@ class TinygradEngine:
                  max_batch: int = 8, beam: int = 0, kernels: str | None = None, keep_quantized: bool = True,
                  pinned_host: bool | None = None, lean: bool = False, every_size: bool = False,
                  threads: int | None = None, kv_bytes: int | None = None, host_stages: int = 1,
-                 kv_page: int = PAGE, emit: Callable[..., None] = lambda kind, **f: None):
+                 kv_page: int = PAGE, emit: Callable[..., None] = lambda kind, **f: None,
+                 layers: tuple[int, int] | None = None):
         """None for ``prefill_chunk``, ``kv_dtype``, ``kernels``, ``pinned_host``, ``kv_bytes``: the device's default
         (`default_prefill_chunk`, `kvcache.default_kv_dtype`, `weights.default_kernels`, `hostio.default_pinned_host`,
         `pool.default_kv_bytes` over ``host_stages`` stages on this host). ``lean``: the worker process's setting,
@@ -293,14 +294,15 @@ class TinygradEngine:
         quantized matrices to fp16 at load (the tests' reference). ``threads``: the CPU threads every kernel splits
         over (tinygrad's CPU_COUNT, process-wide; None: as it is). ``kv_page``: positions in a page where the
         attention reads page tables (whole chunks of the C kernel's keys; the tests' smaller pages). A ``kv_bytes``
-        cap that cannot hold one session (at ``max_context`` if given) raises `pool.PoolError`."""
+        cap that cannot hold one session (at ``max_context`` if given) raises `pool.PoolError`. ``layers``: this
+        stage's block range where not the even split (``PP_LAYERS``)."""
         if threads is not None:
             CPU_COUNT.value = threads
         self.device = Device.DEFAULT
         Device[self.device]  # opened before the load's clock starts: its imports (~0.1 s) are no part of a file's load
         t0 = time.perf_counter()
         self._w = load_stage(model, stage, num_stages, max_context, emit=emit, kernels=kernels,
-                             keep_quantized=keep_quantized)
+                             keep_quantized=keep_quantized, layers=layers)
         self.load_ms = round((time.perf_counter() - t0) * 1000)  # reading the header, tokenizer and tensors
         # on the CPU with its own kernels, JITs replay from one native call (cpu_graph); else tinygrad's graph
         self.native_graph = self._w.kernels == "c" and cpu_graph.install(self.device)

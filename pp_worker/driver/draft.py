@@ -1,0 +1,102 @@
+"""Speculative decoding's drafts (``--draft ngram``): guesses of the next tokens that the pipeline checks in one pass.
+
+A decode step costs a trip through every stage, whatever its length: over a network the round trip, not the
+compute, sets the rate. With a draft, the driver sends the token it has plus k guessed tokens as one step; the last
+stage samples every row as a one-token step would (``verify``, docs/protocol.md) and answers how many guesses it
+kept plus the model's next token, so one trip yields 1 to k + 1 tokens and the text is exactly the model's.
+
+``ngram`` is prompt lookup: the last few tokens of the text so far (prompt and output) are looked up earlier in
+it, and what followed them there is the guess. No model runs: it costs a dictionary lookup a step, and it guesses
+well where the output repeats or edits the prompt (code, quotes, summaries, a passage retyped).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+DRAFTS = ("ngram",)
+NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it predicts best
+MAX_PAUSE = 16  # steps without a guess after repeated misses, at most (doubling from 1)
+
+
+class Penalised(Protocol):  # generation.Sampling, named by what is read of it (generation imports this module)
+    repetition_penalty: float | None
+    presence_penalty: float | None
+    frequency_penalty: float | None
+    logprobs: int | None
+
+
+@dataclass(frozen=True)
+class Draft:
+    """How to draft (``--draft``, ``--draft-max``): the kind and the most tokens guessed at a step."""
+
+    kind: str = "ngram"
+    max_k: int = 4
+
+    def __post_init__(self) -> None:
+        if self.kind not in DRAFTS:
+            raise ValueError(f"draft must be one of {', '.join(DRAFTS)}, got {self.kind!r}")
+        if self.max_k < 1:
+            raise ValueError(f"draft-max must be >= 1, got {self.max_k}")
+
+    @staticmethod
+    def usable(sampling: Penalised) -> bool:
+        """Every sampling setting keeps its distribution under a check row by row, but a penalty's window (repetition,
+        presence, frequency) would move with each guessed token, which the stage cannot know, and a check's reply
+        carries one token's log-probabilities: those generations draft nothing."""
+        penalties = (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty)
+        return all(p is None for p in penalties) and sampling.logprobs is None
+
+    def start(self) -> NgramDrafter:
+        return NgramDrafter(self.max_k)
+
+
+@dataclass
+class NgramDrafter:
+    """One generation's prompt lookup, and how many tokens it guesses now (``k``, adapted to how many are kept)."""
+
+    max_k: int
+    k: int = 1  # a first guess costs little if it misses; every kept one grows it
+    proposed: int = 0  # totals, for the summary
+    accepted: int = 0
+    _index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> where its latest occurrence ended
+    _indexed: int = 0  # context positions indexed so far
+    _pause: int = 0  # steps left without a guess
+    _misses: int = 0  # consecutive steps that kept nothing at k = 1
+
+    def propose(self, context: list[int], room: int) -> list[int]:
+        """Up to min(k, room) tokens that followed the latest earlier occurrence of the context's longest
+        recurring suffix (3, 2, then 1 tokens); [] when none recurs, when paused, or when ``room`` is 0."""
+        self._update_index(context)
+        if self._pause:
+            self._pause -= 1
+            return []
+        k = min(self.k, room)
+        for n in NGRAM_SIZES:
+            if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
+                return context[end:end + k]
+        return []
+
+    def update(self, proposed: int, kept: int) -> None:
+        """After a check: grow k by 2 while every guess is kept (up to max_k), shrink it to one past what was kept
+        otherwise; after misses at k = 1, draft nothing for a while (1, 2, 4... steps), so a text that does not repeat
+        pays little."""
+        self.proposed, self.accepted = self.proposed + proposed, self.accepted + kept
+        if kept == proposed:
+            self.k, self._misses = min(self.max_k, self.k + 2), 0
+            return
+        self.k = max(1, kept + 1)
+        if kept == 0 and proposed == 1:
+            self._misses += 1
+            self._pause = min(MAX_PAUSE, 1 << (self._misses - 1))
+        else:
+            self._misses = 0
+
+    def _update_index(self, context: list[int]) -> None:
+        """Index every n-gram that ends before the last token (the suffix looked up must have occurred earlier)."""
+        for end in range(max(self._indexed, 1), len(context)):
+            for n in NGRAM_SIZES:
+                if end >= n:
+                    self._index[tuple(context[end - n:end])] = end
+        self._indexed = max(self._indexed, len(context))

@@ -1,0 +1,208 @@
+"""Speculative decoding (--draft ngram): the drafter, the last stage's ``verify``, and whole pipelines whose output
+must be exactly what they give without a draft (the expected tokens come from the same pipeline run without one).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import re
+
+import pytest
+from conftest import run_requests
+
+from pp_worker.driver.draft import Draft, NgramDrafter
+from pp_worker.driver.generation import Sampling
+from pp_worker.driver.pipeline import Pipeline, make_generations
+from pp_worker.driver.stage_proc import Launch
+
+# --- the drafter (pure) ---------------------------------------------------------------------------------------------
+
+
+def test_ngram_guesses_what_followed_the_latest_earlier_occurrence_of_the_suffix():
+    d = NgramDrafter(max_k=3, k=3)
+    assert d.propose([5, 6, 7, 8, 9, 5, 6, 7], room=10) == [8, 9, 5]  # "5 6 7" was followed by 8 9 5
+    d = NgramDrafter(max_k=3, k=3)
+    assert d.propose([1, 2, 3, 1, 4, 4, 2, 3], room=10) == [1, 4, 4]  # "2 3": its latest earlier occurrence
+    assert NgramDrafter(max_k=3, k=3).propose([1, 2, 3, 4], room=10) == []  # nothing recurs
+    assert NgramDrafter(max_k=3, k=3).propose([1, 2, 1, 2], room=1) == [1]  # never past the room left
+    assert NgramDrafter(max_k=3, k=3).propose([1, 2, 1, 2], room=0) == []
+    assert NgramDrafter(max_k=3).propose([5, 6, 7, 8, 9, 5, 6, 7], room=10) == [8]  # a first guess is one token
+
+
+def test_the_index_follows_a_growing_context():
+    d, context = NgramDrafter(max_k=2, k=2), [1, 2, 3]
+    assert d.propose(context, 10) == []
+    context += [1, 2]
+    assert d.propose(context, 10) == [3, 1]
+
+
+def test_k_grows_while_guesses_are_kept_and_drafting_pauses_after_misses():
+    d = NgramDrafter(max_k=8, k=2)
+    d.update(2, 2)
+    assert d.k == 4
+    d.update(4, 1)
+    assert d.k == 2  # one past what was kept
+    d.update(2, 0)
+    assert d.k == 1
+    d.update(1, 0)  # a miss at k = 1: the next step drafts nothing
+    assert d.propose([1, 2, 1, 2], 10) == []
+    assert d.propose([1, 2, 1, 2], 10) == [1]
+    d.update(1, 0)  # a second miss in a row: two steps without a guess
+    assert [d.propose([1, 2, 1, 2], 10) for _ in range(3)] == [[], [], [1]]
+    assert (d.proposed, d.accepted) == (10, 3)
+
+
+def test_a_repetition_penalty_drafts_nothing():
+    assert Draft.usable(Sampling(temperature=0.7, seed=1))
+    assert not Draft.usable(Sampling(repetition_penalty=1.1))
+    assert not Draft.usable(Sampling(presence_penalty=0.5)) and not Draft.usable(Sampling(frequency_penalty=-0.5))
+    assert not Draft.usable(Sampling(logprobs=0))  # a check's reply carries one token's log-probabilities
+    with pytest.raises(ValueError, match="draft-max must be >= 1"):
+        Draft("ngram", 0)
+
+
+# --- the last stage's verify (stub) ---------------------------------------------------------------------------------
+ROW = bytes(range(32))  # one stub row: hidden_dim 16, float16
+
+
+def _hidden(rows: list[bytes]) -> str:
+    return base64.b64encode(b"".join(rows)).decode()
+
+
+def _plain(rows: list[bytes], position: int) -> list[int]:
+    """What one-token steps at those positions sample, each from its own row."""
+    requests = [{"op": "forward_and_sample", "request_id": 1, "hidden_b64": _hidden([r]), "position": position + i,
+                 "seq_len": 1} for i, r in enumerate(rows)]
+    return [r["token_id"] for r in run_requests(1, 2, requests)]
+
+
+def test_verify_keeps_the_guesses_a_one_token_step_would_have_sampled():
+    rows = [ROW, ROW[::-1], bytes(32), ROW[1:] + b"\0"]
+    plain = _plain(rows, 5)
+
+    def verify(drafted: list[int]) -> dict:
+        (reply,) = run_requests(1, 2, [{"op": "forward_and_sample", "request_id": 1, "hidden_b64": _hidden(rows),
+                                        "position": 5, "seq_len": 4, "verify": drafted}])
+        return reply
+
+    wrong = (plain[1] + 1) % 32
+    assert verify(plain[:3]) == {"request_id": 1, "token_id": plain[3], "accepted": 3}
+    assert verify([plain[0], wrong, plain[2]]) == {"request_id": 1, "token_id": plain[1], "accepted": 1}
+    assert verify([(plain[0] + 1) % 32, *plain[1:3]])["accepted"] == 0
+
+
+def test_verify_stops_at_the_first_guess_it_does_not_keep():
+    rows = [ROW, ROW[::-1], bytes(32)]
+    plain = _plain(rows, 0)
+    check = {"op": "forward_and_sample", "request_id": 4, "hidden_b64": _hidden(rows), "position": 0, "seq_len": 3,
+             "verify": [plain[0], (plain[1] + 1) % 32]}
+    reply, status = run_requests(1, 2, [check, {"op": "status", "request_id": 9}])
+    assert reply["accepted"] == 1
+    assert status["sessions"]["4"] == 2  # rows 0 and 1 ran; row 2 followed a guess that was not kept
+
+
+def test_verify_must_name_one_token_for_each_row_after_the_first():
+    (reply,) = run_requests(1, 2, [{"op": "forward_and_sample", "request_id": 3, "hidden_b64": _hidden([ROW, ROW]),
+                                    "position": 0, "seq_len": 2, "verify": [1, 2]}])
+    assert reply["error"].startswith("'verify' must hold seq_len - 1 = 1 token ids")
+    (reply,) = run_requests(1, 2, [{"op": "forward_and_sample", "request_id": 3, "hidden_b64": _hidden([ROW]),
+                                    "position": 0, "seq_len": 1, "verify": "x"}])
+    assert "'verify' must be a list of ints" in reply["error"]
+
+
+@pytest.mark.parametrize("extra", [{"logprobs": 2}, {"presence_penalty": 0.5, "recent_tokens": [1]},
+                                   {"frequency_penalty": 0.5, "recent_tokens": [1]}])
+def test_verify_refuses_what_a_check_cannot_keep_exact(extra):
+    (reply,) = run_requests(1, 2, [{"op": "forward_and_sample", "request_id": 3, "hidden_b64": _hidden([ROW, ROW]),
+                                    "position": 0, "seq_len": 2, "verify": [1], **extra}])
+    assert reply["error"].startswith("'verify' cannot go with")
+
+
+# --- real pipelines on the embedded model ---------------------------------------------------------------------------
+PASSAGE = "Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex."
+PROMPTS = [f"{PASSAGE} {PASSAGE} {PASSAGE}", "Errors should never", "Now is better than never", "Flat is"]
+
+
+@pytest.fixture(scope="module")
+def pipeline():
+    launch = Launch(2, env={"PP_WIRE_DTYPE": "f32", "MAX_CONTEXT": "160"})
+    with Pipeline(launch, log=io.StringIO()) as p:
+        yield p
+
+
+def _run(p: Pipeline, draft: Draft | None, sampling: Sampling, concurrency: int = 1, max_tokens: int = 40):
+    p.draft = draft
+    try:
+        return p.run(make_generations(p, PROMPTS, max_tokens, sampling), concurrency).generations
+    finally:
+        p.draft = None
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_greedy_output_with_a_draft_is_exactly_the_output_without(pipeline, concurrency):
+    plain = _run(pipeline, None, Sampling(), concurrency)
+    drafted = _run(pipeline, Draft("ngram", 4), Sampling(), concurrency)
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert [g.stop_reason for g in drafted] == [g.stop_reason for g in plain]
+    assert drafted[0].draft.accepted > 0  # the repeated passage: guesses were checked and kept
+
+
+def test_seeded_sampling_with_a_draft_gives_the_same_tokens(pipeline):
+    sampling = Sampling(temperature=0.8, seed=11)
+    plain = _run(pipeline, None, sampling)
+    drafted = _run(pipeline, Draft("ngram", 4), sampling)
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert drafted[0].draft.accepted > 0
+
+
+def test_a_grammar_masks_every_checked_row_as_it_masks_one_token_steps(pipeline):
+    """The grammar goes with the generation's first step only (a check is an embed_and_forward too, and must not
+    start a new matcher); each checked row is masked: the same tokens as without a draft, within the grammar."""
+    grammar = {"type": "regex", "text": "[ a-z.]{0,60}"}  # no capitals: the recited passage must bend to it
+
+    def run(draft: Draft | None) -> list:
+        pipeline.draft = draft
+        try:
+            gens = make_generations(pipeline, PROMPTS[:1], 30, Sampling())
+            for g in gens:
+                g.grammar = grammar
+            return pipeline.run(gens, 1).generations
+        finally:
+            pipeline.draft = None
+    plain, drafted = run(None), run(Draft("ngram", 4))
+    assert drafted[0].tokens == plain[0].tokens and drafted[0].draft.accepted > 0
+    assert re.fullmatch(r"[ a-z.]*", drafted[0].text), drafted[0].text
+
+
+def test_a_draft_stops_at_max_context_as_plain_decode_does(pipeline):
+    # the repeated passage's prompt leaves room for a few tokens only: guesses must never pass max_context
+    plain = _run(pipeline, None, Sampling(), max_tokens=200)
+    drafted = _run(pipeline, Draft("ngram", 8), Sampling(), max_tokens=200)
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert drafted[0].stop_reason == plain[0].stop_reason == "length"
+
+
+def test_drafts_work_through_a_launcher():
+    relay = "sh -c 'cat | \"$0\" -m pp_worker | cat' {python}"  # a pipe in between, as ssh is
+    launch = Launch(3, launcher=relay, env={"PP_WIRE_DTYPE": "f32"})
+    with Pipeline(launch, log=None) as p:
+        plain = _run(p, None, Sampling(), max_tokens=24)
+        drafted = _run(p, Draft("ngram", 4), Sampling(), max_tokens=24)
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert drafted[0].draft.accepted > 0
+
+
+def test_pp_serve_takes_the_draft_flags_to_its_pipeline():
+    from pp_worker.driver.flags import draft_from
+    from pp_worker.driver.service import PipelineService
+    from pp_worker.serve.cli import parse_args
+
+    draft = draft_from(parse_args(["--stub", "--draft", "ngram", "--draft-max", "6"]))
+    assert draft == Draft("ngram", 6)
+    assert draft_from(parse_args(["--stub"])) is None
+    service = PipelineService(Launch(2, stub=True), concurrency=1, log=None, draft=draft)
+    try:
+        assert service.pipeline.draft == draft
+    finally:
+        service.close()
