@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, WorkerProcess, clean_env
+from documented import ready_fields, status_fields
 from samecast import SameCastReference
 from tinygrad.llm.cli import SimpleTokenizer
 
@@ -105,6 +106,9 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (r["chat_template"], r["bos_token_id"], r["add_bos"], r["max_sessions"]) == \
                 (None, kv["tokenizer.ggml.bos_token_id"], False, 3)  # the generated model: no template, no BOS
             assert (r["bos_token"], r["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+            assert (r["model"], r["model_name"]) == (str(model), kv["general.name"])  # as given; the file's name
+        starting = [next(o for o in w.lines if o.get("event") == "starting") for w in (first, last)]
+        assert [o["model"] for o in starting] == [str(model)] * 2
         # how each stage runs: the CPU's defaults on stage 0, the environment's choices on stage 1
         head_dim = kv["llama.embedding_length"] // kv["llama.attention.head_count"]
         page = 256  # a session's KV is whole pages (kvcache.PAGE) of every block of the stage
@@ -138,6 +142,9 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (status["kv_pages_used"], status["kv_pages_touched"]) == (1, 1)
             assert status["kv_pages_used"] + status["kv_pages_free"] == status["kv_bytes"] // status["kv_page_bytes"]
             assert (status["threads"], status["numerics"]) == (r["threads"], r["numerics"])
+            assert (status["model"], status["model_name"]) == (r["model"], r["model_name"])
+            common, real = status_fields()
+            assert set(status) == common | real and set(r) == ready_fields() | real  # as docs/protocol.md lists
             assert status["jits_compiled"] == 1  # a short prompt on a small model: single-token calls, no new size
             assert w.request({"op": "release", "request_id": 5})["released"] is True
             assert w.request({"op": "status", "request_id": 7})["sessions"] == {}
@@ -148,6 +155,10 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         assert "unknown session 5" in again["error"]
         overflow = first.request({"op": "embed_and_forward", "request_id": 9, "tokens": [1] * (MAX_CONTEXT + 1)})
         assert str(MAX_CONTEXT) in overflow["error"]
+        for rid in (11, 12):
+            first.request({"op": "embed_and_forward", "request_id": rid, "tokens": tokens, "position": 0})
+        assert first.request({"op": "reset", "request_id": 13}) == {"request_id": 13, "released": 2}
+        assert first.request({"op": "status", "request_id": 14})["sessions"] == {}
         for w in (first, last):
             assert w.request({"op": "shutdown", "request_id": 10}) == {"request_id": 10, "ok": True}
             assert w.rest_of_stdout()[-1]["reason"] == "shutdown" and w.wait() == 0

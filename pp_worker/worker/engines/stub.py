@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from pp_worker.worker.engines.base import ModelInfo
+from pp_worker.worker.engines.base import EngineError, ModelInfo
 from pp_worker.worker.shard import Shard
 
 STUB_HIDDEN_DIM = 16
@@ -57,6 +57,7 @@ class StubEngine:
         self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,
                               eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
         self._sessions: OrderedDict[int, int] = OrderedDict()
+        self._before: dict[int, int | None] = {}  # session -> its length before its last op (`undo`)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """One token per whitespace-separated word, a stable hash of the word and its index (no BOS)."""
@@ -70,17 +71,17 @@ class StubEngine:
         return self.detokenize(tokens), 0  # no word is ever split
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes:
-        self._track(session, position + len(tokens))
+        self._track(session, position, len(tokens))
         seed = hashlib.sha256(b"pp-stub-embed:%d|%s" % (position, ",".join(map(str, tokens)).encode())).digest()
         return _fp16_stream(seed, len(tokens) * STUB_HIDDEN_DIM)
 
     def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> bytes:
-        self._track(session, position + seq_len)
+        self._track(session, position, seq_len)
         seed = hashlib.sha256(b"pp-stub-range:%d:%d|" % (self.shard.stage, position) + hidden).digest()
         return _fp16_stream(seed, seq_len * STUB_HIDDEN_DIM)
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> list[float]:
-        self._track(session, position + seq_len)
+        self._track(session, position, seq_len)
         digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
         return [(b - 128) / 16.0 for b in digest]
 
@@ -104,7 +105,23 @@ class StubEngine:
                 time.sleep(delay)
 
     def release(self, session: int) -> bool:
+        self._before.pop(session, None)
         return self._sessions.pop(session, None) is not None
+
+    def undo(self, session: int) -> None:
+        if session not in self._before:
+            return
+        before = self._before.pop(session)
+        if before is None:
+            self._sessions.pop(session, None)
+        else:
+            self._sessions[session] = before
+
+    def reset(self) -> int:
+        held = len(self._sessions)
+        self._sessions.clear()
+        self._before.clear()
+        return held
 
     def sessions(self) -> dict[int, int]:
         return dict(self._sessions)
@@ -118,13 +135,19 @@ class StubEngine:
     def cache_settings(self) -> dict[str, str]:
         return {}
 
-    def _track(self, session: int, length: int) -> None:
+    def _track(self, session: int, position: int, seq_len: int) -> None:
+        """Record the op's session length (the stub keeps no KV: any position that fits the context is fine)."""
+        self._before.pop(session, None)  # an op refused here has nothing to undo
+        if position + seq_len > STUB_MAX_CONTEXT:  # as a real stage: status never shows a session past the context
+            raise EngineError(f"position {position} + seq_len {seq_len} = {position + seq_len} exceeds "
+                              f"max_context {STUB_MAX_CONTEXT}")
         if self.busy_file:
             with open(self.busy_file, "a") as f:
                 f.write(f"{session}\n")
         if self.delay_s:
             time.sleep(self.delay_s)
-        self._sessions[session] = length
+        self._before[session] = self._sessions.get(session)
+        self._sessions[session] = position + seq_len
         self._sessions.move_to_end(session)
         if len(self._sessions) > _MAX_TRACKED:
-            self._sessions.popitem(last=False)
+            self._before.pop(self._sessions.popitem(last=False)[0], None)

@@ -420,14 +420,17 @@ class TinygradEngine:
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> memoryview:
         assert self.shard.is_first, "embed_and_forward runs on the first stage"
+        self._sessions.new_step()
         return self._hidden_rows(session, np.asarray(tokens, dtype=np.int32), position)
 
     def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> memoryview:
         assert not (self.shard.is_first or self.shard.is_last), "forward_range runs on middle stages"
+        self._sessions.new_step()
         return self._hidden_rows(session, self._hidden(hidden, seq_len), position)
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
         assert self.shard.is_last, "forward_logits runs on the last stage"
+        self._sessions.new_step()
         last: list[Tensor] = []
         self._run(session, self._hidden(hidden, seq_len), position, lambda out, start, n: last.append(out))
         view = self._host.view(self.info.vocab_size * 4)
@@ -443,6 +446,7 @@ class TinygradEngine:
         stage, one float16 or float32 row each elsewhere. Output: (B, D) rows (`hidden_dtype`), or (B, V) float32
         logits on the last stage."""
         assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions))
+        self._sessions.new_step()
         n, cfg = len(sessions), self._w.config
         if self.shard.is_first:
             values = np.asarray(inputs, dtype=np.int32)
@@ -472,6 +476,12 @@ class TinygradEngine:
 
     def release(self, session: int) -> bool:
         return self._sessions.release(session)
+
+    def undo(self, session: int) -> None:
+        self._sessions.undo(session)
+
+    def reset(self) -> int:
+        return self._sessions.reset()
 
     def sessions(self) -> dict[int, int]:
         return self._sessions.positions()
