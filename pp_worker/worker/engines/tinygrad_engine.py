@@ -61,6 +61,7 @@ from pp_worker.worker.engines.model import StageWeights, eos_token_ids, load_sta
 from pp_worker.worker.engines.pool import default_kv_bytes, mem_available, plan_pool
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import Session, SessionTable
+from pp_worker.worker.gguf.types import TYPES
 from pp_worker.worker.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
 from pp_worker.worker.text.vocab import bos_token
 
@@ -364,9 +365,16 @@ class TinygradEngine:
 
     @property
     def numerics(self) -> str:
-        """"int8" where the C kernels' products quantize x to int8 blocks (ggml's scheme), "float" where every product
-        is in float (PP_EXACT=1, or no C kernels: tinygrad's own kernels dequantize)."""
-        return cpu_kernels.numerics() if self._w.kernels == "c" else "float"
+        """"int8" where some product of this stage quantizes x to int8 blocks (ggml's scheme: a matrix of a type the
+        C kernels' integer path takes, `cpu.kernels.uses_int8`), "float" where every product is in float (PP_EXACT=1,
+        no C kernels (tinygrad's own kernels dequantize), or only types without an integer path here, e.g. F16)."""
+        if self._w.kernels != "c" or cpu_kernels.numerics() != "int8":
+            return "float"
+        by_name = {t.name: t.id for t in TYPES.values()}
+        # the embedding is a product only as a tied head (the last stage); on stage 0 it is a row lookup
+        head = self._w.shard.is_last
+        products = {kind for name, (kind, _) in self._w.held.items() if name != "token_embd.weight" or head}
+        return "int8" if any(cpu_kernels.uses_int8("matmul", by_name[k]) for k in products) else "float"
 
     def describe(self) -> dict[str, Any]:
         """What the ready line and `status` report about how this stage runs."""
