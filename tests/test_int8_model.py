@@ -23,6 +23,8 @@ from pp_worker.worker.gguf.types import TYPES
 MAX_CONTEXT = 64
 N_TOKENS = 6
 LOGIT_ATOL_FP64 = 3e-2  # the float path's tolerance against float64 (tests/test_quantized.py): fp32, fp16 wire
+RMS_RATIO = 0.75  # the engine's distance from ggml's scheme against the scheme's from float64 (see the test)
+MEAN_BIAS = 1e-4  # the engine's logits' mean distance from the scheme's: a scale error of 0.1% shows as 4e-4
 
 
 class Int8Matrix:
@@ -47,16 +49,15 @@ class Int8Matrix:
 
 def int8_reference(path: Path) -> RefModel:
     """The float64 reference with ggml's int8 scheme in every product with a matrix of a type the integer path takes
-    (`cpu.kernels.uses_int8`: by default every type with integer code but Q4_1 and Q5_1, which stay float), and the
-    stages' fp16 norm gains: the int8 rounding turns a difference at fp16's scale in a product's input into whole
-    steps of its int8 blocks, so the casts the engine makes are made here too (with `wire_logits`' fp16 wire)."""
+    (`cpu.kernels.uses_int8`: by default every type with integer code but Q4_1 and Q5_1, which stay float). The int8
+    rounding turns a difference at fp16's scale in a product's input into whole steps of its int8 blocks, so the
+    casts the engine makes are made here too: the fp16 wire (`wire_logits`), and none of the norm gains, which the
+    engine holds in float32 as the file does."""
     ref = RefModel.from_gguf(path)
     for t in GGUFReader(str(path)).tensors:
         typ = TYPES[int(t.tensor_type)]
         if cpu_kernels.uses_int8("matmul", int(t.tensor_type)) and len(t.shape) == 2:
             ref.weights[t.name] = Int8Matrix(ref.weights[t.name], typ.kernel_block)  # type: ignore[assignment]
-        elif len(t.shape) == 1:
-            ref.weights[t.name] = ref.weights[t.name].astype(np.float16).astype(np.float64)
     return ref
 
 
@@ -92,10 +93,15 @@ def test_int8_logits_lie_within_ggmls_own_distance_from_float64(int8_env, model)
     assert ggml_distance > LOGIT_ATOL_FP64  # the schemes differ by more than the float path's tolerance
     assert np.abs(got - exact).max() <= ggml_distance + LOGIT_ATOL_FP64
     assert np.abs(got - exact).max() > LOGIT_ATOL_FP64  # the integer path ran, not the float one
-    # Not asserted: the engine's logits near the scheme's own. The scheme is chaotic: a 1e-7 relative change of the
-    # embeddings moves its logits as far as it lies from float64 (one rounding step of one block moves the next
-    # block's inputs by far more), so fp32 against float64 arithmetic alone takes the two apart. That they are the same
-    # scheme is tests/test_int8.py's, product by product, on the same inputs.
+    # The engine's logits near the scheme's own: not within a fixed tolerance, as the scheme is chaotic (one rounding
+    # step of one int8 block moves the next products' inputs by far more than fp32 against float64 arithmetic does),
+    # but nearer it than it lies from float64, and without a bias. Measured (x86-64, AVX-512): rms(got - scheme) /
+    # rms(scheme - exact) 0.50 (Q4_K_M) and 0.10 (MIXED), |mean(got - scheme)| 5e-6 and 3e-5; with Q4_K's dmin
+    # scaled by 1.001 in the kernels, 1.28 and 0.86, 4e-4 and 4e-4. Product by product the scheme is checked on the
+    # same inputs in tests/test_int8.py.
+    rms = lambda a: float(np.sqrt(np.mean(a ** 2)))  # noqa: E731
+    assert rms(got - scheme) <= RMS_RATIO * rms(scheme - exact)
+    assert abs(float(np.mean(got - scheme))) <= MEAN_BIAS
 
 
 def test_on_the_integer_path_a_batched_step_is_each_sessions_own_step(int8_env, model):
