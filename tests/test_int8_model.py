@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pp_worker.testing import ggml_int8
+from pp_worker.testing import gemma3gen, ggml_int8
 from pp_worker.testing.chain import Chain, wire_rows
 from pp_worker.testing.modelgen import generate
-from pp_worker.testing.npref import RefModel
+from pp_worker.testing.npref import Forward, Gemma3Ref, RefModel
 from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf.types import TYPES
 
@@ -46,14 +46,18 @@ class Int8Matrix:
     def __getitem__(self, ids: Any) -> np.ndarray:
         return self.w[ids]
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
 
-def int8_reference(path: Path) -> RefModel:
+
+def int8_reference(path: Path, kind: type[Forward] = RefModel) -> Forward:
     """The float64 reference with ggml's int8 scheme in every product with a matrix of a type the integer path takes
     (`cpu.kernels.uses_int8`: by default every type with integer code but Q4_1 and Q5_1, which stay float). The int8
     rounding turns a difference at fp16's scale in a product's input into whole steps of its int8 blocks, so the
     casts the engine makes are made here too: the fp16 wire (`wire_logits`), and none of the norm gains, which the
-    engine holds in float32 as the file does."""
-    ref = RefModel.from_gguf(path)
+    engine holds in float32 as the file does. ``kind``: the reference's family (`RefModel`, `Gemma3Ref`)."""
+    ref = kind.from_gguf(path)  # type: ignore[attr-defined]
     for t in GGUFReader(str(path)).tensors:
         typ = TYPES[int(t.tensor_type)]
         if cpu_kernels.uses_int8("matmul", int(t.tensor_type)) and len(t.shape) == 2:
@@ -61,10 +65,12 @@ def int8_reference(path: Path) -> RefModel:
     return ref
 
 
-def wire_logits(ref: RefModel, tokens: list[int], boundary: int) -> np.ndarray:
-    """(T, V) logits of ``ref`` with the hidden state cast to fp16 where it crosses the wire, before ``boundary``."""
-    h = ref.run_blocks(ref.embed(tokens), 0, boundary).astype(np.float16).astype(np.float64)
-    return ref.head(ref.run_blocks(h, boundary, ref.n_layers))
+def wire_logits(ref: Forward, tokens: list[int], boundary: int) -> np.ndarray:
+    """(T, V) logits of ``ref`` with the hidden state cast to fp16 where it crosses the wire, before ``boundary``
+    (all of it float32 where fp16 cannot hold it, as the default wire sends it)."""
+    h = ref.run_blocks(ref.embed(tokens), 0, boundary)
+    wire = np.float16 if np.abs(h).max() <= 65504 else np.float32
+    return ref.head(ref.run_blocks(h.astype(wire).astype(np.float64), boundary, ref.n_layers))
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +85,30 @@ def model(request, tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("int8") / f"kq-{request.param}.gguf", "kq", seed=3, dtype=request.param)
 
 
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory) -> Path:
+    return gemma3gen.generate(tmp_path_factory.mktemp("int8") / "gemma3-Q4_K.gguf", "gemma3-kq", seed=5, dtype="Q4_K")
+
+
 def test_int8_logits_lie_within_ggmls_own_distance_from_float64(int8_env, model):
-    chain = Chain(model, 2, MAX_CONTEXT, prefill_chunk=8, kv_dtype="float32")  # no fp16 KV: see int8_reference
+    assert_near_ggmls_scheme(model, RefModel, vocab=700)
+
+
+def test_a_gemma3_on_the_integer_path_computes_ggmls_scheme(int8_env, gemma3_model):
+    """Gemma 3 (tied head, q/k norms, sliding blocks) on the default numerics: measured rms(got - scheme) /
+    rms(scheme - exact) 1e-5, |mean| 5e-9."""
+    assert_near_ggmls_scheme(gemma3_model, Gemma3Ref, vocab=300)
+
+
+def assert_near_ggmls_scheme(model: Path, kind: type[Forward], vocab: int) -> None:
+    chain = Chain(model, 2, MAX_CONTEXT, prefill_chunk=8, kv_dtype="float32", wire="auto")  # see int8_reference
     assert [e.describe()["numerics"] for e in chain.engines] == ["int8", "int8"]
-    prompt = np.random.default_rng(4).integers(3, 700, 11).tolist()  # calls of 8, 2, 1
+    prompt = np.random.default_rng(4).integers(3, vocab, 11).tolist()  # calls of 8, 2, 1
     tokens, logits = chain.generate(1, prompt, N_TOKENS)
     seq = prompt + tokens[:-1]
-    exact = RefModel.from_gguf(model).logits(seq)[len(prompt) - 1:]
+    exact = kind.from_gguf(model).logits(seq)[len(prompt) - 1:]  # type: ignore[attr-defined]
     (boundary,) = chain.boundaries
-    scheme = wire_logits(int8_reference(model), seq, boundary)[len(prompt) - 1:]
+    scheme = wire_logits(int8_reference(model, kind), seq, boundary)[len(prompt) - 1:]
     got = np.stack(logits)
     ggml_distance = np.abs(scheme - exact).max()
     assert ggml_distance > LOGIT_ATOL_FP64  # the schemes differ by more than the float path's tolerance
