@@ -1,7 +1,8 @@
 """The integer path on whole models (PP_EXACT unset): a chain of stage engines reports ``numerics`` "int8", and its
 logits lie within the distance that ggml's own int8 scheme has from the float64 reference (plus the float path's
-tolerance), that scheme computed in numpy from int8 blocks made as ggml makes them (testing/ggml_int8.py: every
-product with a matrix of an int8 type quantizes its input rows per block as ggml does). The float path's exactness
+tolerance), and near that scheme, computed in numpy from int8 blocks made as ggml makes them (testing/ggml_int8.py:
+every product with a matrix of an int8 type quantizes its input rows per block as ggml does): llama (Q4_K_M, a mix
+of types), Gemma 3 and qwen3moe. The float path's exactness
 against float64 is tests/test_quantized.py's."""
 
 from __future__ import annotations
@@ -98,6 +99,17 @@ def test_a_gemma3_on_the_integer_path_computes_ggmls_scheme(int8_env, gemma3_mod
     """Gemma 3 (tied head, q/k norms, sliding blocks) on the default numerics: measured rms(got - scheme) /
     rms(scheme - exact) 1e-5, |mean| 5e-9."""
     assert_near_ggmls_scheme(gemma3_model, Gemma3Ref, vocab=300)
+
+
+@pytest.fixture(scope="module")
+def qwen3moe_model(tmp_path_factory) -> Path:
+    return generate(tmp_path_factory.mktemp("int8") / "qwen3moe-Q4_K.gguf", "qwen3moe-kq", seed=3, dtype="Q4_K")
+
+
+def test_a_qwen3moe_on_the_integer_path_computes_ggmls_scheme(int8_env, qwen3moe_model):
+    """qwen3moe (q/k norms, routed experts: their products stay float, `cpu.kernels.uses_int8`) on the default
+    numerics: measured rms(got - scheme) / rms(scheme - exact) 4e-4, |mean| 2e-7."""
+    assert_near_ggmls_scheme(qwen3moe_model, RefModel, vocab=700)
 
 
 def assert_near_ggmls_scheme(model: Path, kind: type[Forward], vocab: int) -> None:
