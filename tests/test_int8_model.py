@@ -25,7 +25,6 @@ MAX_CONTEXT = 64
 N_TOKENS = 6
 LOGIT_ATOL_FP64 = 3e-2  # the float path's tolerance against float64 (tests/test_quantized.py): fp32, fp16 wire
 RMS_RATIO = 0.75  # the engine's distance from ggml's scheme against the scheme's from float64 (see the test)
-MEAN_BIAS = 1e-4  # the engine's logits' mean distance from the scheme's: a scale error of 0.1% shows as 4e-4
 
 
 class Int8Matrix:
@@ -96,20 +95,16 @@ def test_int8_logits_lie_within_ggmls_own_distance_from_float64(int8_env, model)
 
 
 def test_a_gemma3_on_the_integer_path_computes_ggmls_scheme(int8_env, gemma3_model):
-    """Gemma 3 (tied head, q/k norms, sliding blocks) on the default numerics: measured rms(got - scheme) /
-    rms(scheme - exact) 1e-5, |mean| 5e-9."""
+    """Gemma 3 (tied head, q/k norms, sliding blocks) on the default numerics."""
     assert_near_ggmls_scheme(gemma3_model, Gemma3Ref, vocab=300)
 
 
-@pytest.fixture(scope="module")
-def qwen3moe_model(tmp_path_factory) -> Path:
-    return generate(tmp_path_factory.mktemp("int8") / "qwen3moe-Q4_K.gguf", "qwen3moe-kq", seed=3, dtype="Q4_K")
-
-
-def test_a_qwen3moe_on_the_integer_path_computes_ggmls_scheme(int8_env, qwen3moe_model):
-    """qwen3moe (q/k norms, routed experts: their products stay float, `cpu.kernels.uses_int8`) on the default
-    numerics: measured rms(got - scheme) / rms(scheme - exact) 4e-4, |mean| 2e-7."""
-    assert_near_ggmls_scheme(qwen3moe_model, RefModel, vocab=700)
+@pytest.mark.parametrize(("preset", "dtype"), [("qwen3moe-kq", "Q4_K"), ("moe-llama", "Q8_0")])
+def test_mixtures_of_experts_on_the_integer_path_compute_ggmls_scheme(int8_env, tmp_path, preset, dtype):
+    """qwen3moe (q/k norms) and Mixtral (llama with experts) on the default numerics; routed experts' products stay
+    float (`cpu.kernels.uses_int8`), the others take the integer path."""
+    model = generate(tmp_path / f"{preset}-{dtype}.gguf", preset, seed=3, dtype=dtype)
+    assert_near_ggmls_scheme(model, RefModel, vocab=250)
 
 
 def assert_near_ggmls_scheme(model: Path, kind: type[Forward], vocab: int) -> None:
@@ -128,13 +123,13 @@ def assert_near_ggmls_scheme(model: Path, kind: type[Forward], vocab: int) -> No
     assert np.abs(got - exact).max() > LOGIT_ATOL_FP64  # the integer path ran, not the float one
     # The engine's logits near the scheme's own: not within a fixed tolerance, as the scheme is chaotic (one rounding
     # step of one int8 block moves the next products' inputs by far more than fp32 against float64 arithmetic does),
-    # but nearer it than it lies from float64, and without a bias. Measured (x86-64, AVX-512): rms(got - scheme) /
-    # rms(scheme - exact) 0.50 (Q4_K_M) and 0.10 (MIXED), |mean(got - scheme)| 5e-6 and 3e-5; with Q4_K's dmin
-    # scaled by 1.001 in the kernels, 1.28 and 0.86, 4e-4 and 4e-4. Product by product the scheme is checked on the
-    # same inputs in tests/test_int8.py.
+    # but nearer it than it lies from float64. Measured (x86-64, AVX-512), rms(got - scheme) / rms(scheme - exact):
+    # 0.50 (Q4_K_M), 0.10 (MIXED), 1e-5 (Gemma 3, Mixtral), 0.35 (qwen3moe: a rounding step taken apart); with Q4_K's
+    # dmin scaled by 1.001 in the kernels 1.28 (Q4_K_M), 0.86 (MIXED), and Gemma 3 fails the bound above. (The mean
+    # of got - scheme moved 4e-4 with that error, but also 1.6e-4 without it on qwen3moe: no bound.) Product by
+    # product the scheme is checked on the same inputs in tests/test_int8.py.
     rms = lambda a: float(np.sqrt(np.mean(a ** 2)))  # noqa: E731
     assert rms(got - scheme) <= RMS_RATIO * rms(scheme - exact)
-    assert abs(float(np.mean(got - scheme))) <= MEAN_BIAS
 
 
 def test_on_the_integer_path_a_batched_step_is_each_sessions_own_step(int8_env, model):
