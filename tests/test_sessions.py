@@ -296,6 +296,14 @@ def test_a_failed_adopting_step_leaves_the_session_under_its_old_id():
     assert rec.events[0][0] == "session_adopted" and t.positions() == {1: 4}
 
 
+def test_an_adopting_step_refused_for_room_leaves_the_session_under_its_old_id():
+    t = SessionTable(4, 64, Pages(n_pages=2))
+    step(t, 1, 0, 4)  # one page of 4 positions
+    with pytest.raises(EngineError, match="the KV pool is full"):
+        t.begin(2, 4, 8)  # would adopt session 1, and needs 2 more pages than the one free
+    assert t.positions() == {1: 4}
+
+
 def test_a_failed_rewind_keeps_the_positions_before_it():
     """Its compute overwrote the cache from its position on: only what lies before it is still what it was."""
     t, _ = table()

@@ -90,7 +90,12 @@ class SessionTable:
             raise EngineError(f"position {position} is past the {session.length} positions session {rid} holds")
         need = -(-(position + seq_len) // self._pool.page)  # pages for positions [0, position + seq_len)
         held = len(session.pages) if session is not None else 0
-        self._check_room(rid, need - held, keep, new=session is None)
+        try:
+            self._check_room(rid, need - held, keep, new=session is None)
+        except EngineError:
+            if before is not None and before.adopted_from is not None:  # refused: nothing changes, adoption included
+                self._rename(rid, before.adopted_from)
+            raise
         if session is None:
             session = self._create(rid, keep)
         if held > need:  # a rewind below a page boundary: what lies past the step goes back
@@ -125,8 +130,7 @@ class SessionTable:
         del session.pages[keep:]
         session.length = min(before.length, before.position)
         if before.adopted_from is not None:
-            del self._live[rid]
-            self._live[before.adopted_from] = session
+            self._rename(rid, before.adopted_from)
 
     def commit(self, session: Session, position: int, seq_len: int) -> None:
         """Record that positions [position, position + seq_len) are now in the cache."""
@@ -216,6 +220,9 @@ class SessionTable:
         self._live[rid] = session
         self._emit("session_adopted", session=rid, from_session=old, positions=position)
         return session
+
+    def _rename(self, rid: int, to: int) -> None:
+        self._live[to] = self._live.pop(rid)
 
     def _evict(self, rid: int, reason: str) -> None:
         session = self._live.pop(rid)
