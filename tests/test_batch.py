@@ -114,13 +114,27 @@ def test_a_batch_answers_each_bad_request_with_its_own_error() -> None:
 @pytest.mark.parametrize(("requests", "message"), [
     (None, "'requests' must be a list"),
     ([], "'requests' must be a list of 1 to"),
-    ([{"op": "ping", "request_id": 1}], "a batch holds forward requests"),
-    ([{"op": "batch", "request_id": 1, "requests": []}], "a batch holds forward requests"),
-    ([7], "a batch holds forward requests"),
 ])
 def test_a_malformed_batch_is_one_error(requests: Any, message: str) -> None:
     (reply,) = run_requests(0, 2, [{"op": "batch", "request_id": 9, "requests": requests}])
     assert reply["request_id"] == 9 and message in reply["error"]
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"op": "ping", "request_id": 1}, "a batch holds forward requests (decode_step, embed_and_forward, forward_and_"
+                                      "sample, forward_range); got op 'ping'"),
+    ({"op": "batch", "request_id": 1, "requests": []}, "a batch holds forward requests"),
+    ({"op": "shutdown", "request_id": 1}, "a batch holds forward requests"),
+    (7, "request must be a JSON object, got number"),
+])
+def test_an_entry_that_may_not_be_batched_fails_alone(entry: Any, message: str) -> None:
+    """As a bad request does: the entries around it are served (a shutdown inside a batch is not obeyed)."""
+    worker = make_worker(0, 2)
+    inner = [prefill(0, 2, 3, 2), entry, prefill(0, 2, 4, 2)]
+    (reply,) = serve_bytes(worker, request_line({"op": "batch", "request_id": 9, "requests": inner}))[0]
+    first, bad, last = reply["replies"]
+    assert "hidden_b64" in first and "hidden_b64" in last and message in bad["error"]
+    assert bad.get("request_id") == (None if entry == 7 else 1) and not worker.shutdown_requested
 
 
 def test_nothing_read_after_a_shutdown_is_served() -> None:

@@ -1,7 +1,8 @@
 """The integer path on whole models (PP_EXACT unset): a chain of stage engines reports ``numerics`` "int8", and its
 logits lie within the distance that ggml's own int8 scheme has from the float64 reference (plus the float path's
-tolerance), that scheme computed in numpy from int8 blocks made as ggml makes them (testing/ggml_int8.py: every
-product with a matrix of an int8 type quantizes its input rows per block as ggml does). The float path's exactness
+tolerance), and near that scheme, computed in numpy from int8 blocks made as ggml makes them (testing/ggml_int8.py:
+every product with a matrix of an int8 type quantizes its input rows per block as ggml does): llama (Q4_K_M, a mix
+of types), Gemma 3 and qwen3moe. The float path's exactness
 against float64 is tests/test_quantized.py's."""
 
 from __future__ import annotations
@@ -13,16 +14,17 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from pp_worker.testing import ggml_int8
+from pp_worker.testing import gemma3gen, ggml_int8
 from pp_worker.testing.chain import Chain, wire_rows
 from pp_worker.testing.modelgen import generate
-from pp_worker.testing.npref import RefModel
+from pp_worker.testing.npref import Forward, Gemma3Ref, RefModel
 from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf.types import TYPES
 
 MAX_CONTEXT = 64
 N_TOKENS = 6
 LOGIT_ATOL_FP64 = 3e-2  # the float path's tolerance against float64 (tests/test_quantized.py): fp32, fp16 wire
+RMS_RATIO = 0.75  # the engine's distance from ggml's scheme against the scheme's from float64 (see the test)
 
 
 class Int8Matrix:
@@ -44,26 +46,31 @@ class Int8Matrix:
     def __getitem__(self, ids: Any) -> np.ndarray:
         return self.w[ids]
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.w.shape
 
-def int8_reference(path: Path) -> RefModel:
+
+def int8_reference(path: Path, kind: type[Forward] = RefModel) -> Forward:
     """The float64 reference with ggml's int8 scheme in every product with a matrix of a type the integer path takes
-    (`cpu.kernels.uses_int8`: by default every type with integer code but Q4_1 and Q5_1, which stay float), and the
-    stages' fp16 norm gains: the int8 rounding turns a difference at fp16's scale in a product's input into whole
-    steps of its int8 blocks, so the casts the engine makes are made here too (with `wire_logits`' fp16 wire)."""
-    ref = RefModel.from_gguf(path)
+    (`cpu.kernels.uses_int8`: by default every type with integer code but Q4_1 and Q5_1, which stay float). The int8
+    rounding turns a difference at fp16's scale in a product's input into whole steps of its int8 blocks, so the
+    casts the engine makes are made here too: the fp16 wire (`wire_logits`), and none of the norm gains, which the
+    engine holds in float32 as the file does. ``kind``: the reference's family (`RefModel`, `Gemma3Ref`)."""
+    ref = kind.from_gguf(path)  # type: ignore[attr-defined]
     for t in GGUFReader(str(path)).tensors:
         typ = TYPES[int(t.tensor_type)]
         if cpu_kernels.uses_int8("matmul", int(t.tensor_type)) and len(t.shape) == 2:
             ref.weights[t.name] = Int8Matrix(ref.weights[t.name], typ.kernel_block)  # type: ignore[assignment]
-        elif len(t.shape) == 1:
-            ref.weights[t.name] = ref.weights[t.name].astype(np.float16).astype(np.float64)
     return ref
 
 
-def wire_logits(ref: RefModel, tokens: list[int], boundary: int) -> np.ndarray:
-    """(T, V) logits of ``ref`` with the hidden state cast to fp16 where it crosses the wire, before ``boundary``."""
-    h = ref.run_blocks(ref.embed(tokens), 0, boundary).astype(np.float16).astype(np.float64)
-    return ref.head(ref.run_blocks(h, boundary, ref.n_layers))
+def wire_logits(ref: Forward, tokens: list[int], boundary: int) -> np.ndarray:
+    """(T, V) logits of ``ref`` with the hidden state cast to fp16 where it crosses the wire, before ``boundary``
+    (all of it float32 where fp16 cannot hold it, as the default wire sends it)."""
+    h = ref.run_blocks(ref.embed(tokens), 0, boundary)
+    wire = np.float16 if np.abs(h).max() <= 65504 else np.float32
+    return ref.head(ref.run_blocks(h.astype(wire).astype(np.float64), boundary, ref.n_layers))
 
 
 @pytest.fixture(scope="module")
@@ -78,24 +85,51 @@ def model(request, tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("int8") / f"kq-{request.param}.gguf", "kq", seed=3, dtype=request.param)
 
 
+@pytest.fixture(scope="module")
+def gemma3_model(tmp_path_factory) -> Path:
+    return gemma3gen.generate(tmp_path_factory.mktemp("int8") / "gemma3-Q4_K.gguf", "gemma3-kq", seed=5, dtype="Q4_K")
+
+
 def test_int8_logits_lie_within_ggmls_own_distance_from_float64(int8_env, model):
-    chain = Chain(model, 2, MAX_CONTEXT, prefill_chunk=8, kv_dtype="float32")  # no fp16 KV: see int8_reference
+    assert_near_ggmls_scheme(model, RefModel, vocab=700)
+
+
+def test_a_gemma3_on_the_integer_path_computes_ggmls_scheme(int8_env, gemma3_model):
+    """Gemma 3 (tied head, q/k norms, sliding blocks) on the default numerics."""
+    assert_near_ggmls_scheme(gemma3_model, Gemma3Ref, vocab=300)
+
+
+@pytest.mark.parametrize(("preset", "dtype"), [("qwen3moe-kq", "Q4_K"), ("moe-llama", "Q8_0")])
+def test_mixtures_of_experts_on_the_integer_path_compute_ggmls_scheme(int8_env, tmp_path, preset, dtype):
+    """qwen3moe (q/k norms) and Mixtral (llama with experts) on the default numerics; routed experts' products stay
+    float (`cpu.kernels.uses_int8`), the others take the integer path."""
+    model = generate(tmp_path / f"{preset}-{dtype}.gguf", preset, seed=3, dtype=dtype)
+    assert_near_ggmls_scheme(model, RefModel, vocab=250)
+
+
+def assert_near_ggmls_scheme(model: Path, kind: type[Forward], vocab: int) -> None:
+    chain = Chain(model, 2, MAX_CONTEXT, prefill_chunk=8, kv_dtype="float32", wire="auto")  # see int8_reference
     assert [e.describe()["numerics"] for e in chain.engines] == ["int8", "int8"]
-    prompt = np.random.default_rng(4).integers(3, 700, 11).tolist()  # calls of 8, 2, 1
+    prompt = np.random.default_rng(4).integers(3, vocab, 11).tolist()  # calls of 8, 2, 1
     tokens, logits = chain.generate(1, prompt, N_TOKENS)
     seq = prompt + tokens[:-1]
-    exact = RefModel.from_gguf(model).logits(seq)[len(prompt) - 1:]
+    exact = kind.from_gguf(model).logits(seq)[len(prompt) - 1:]  # type: ignore[attr-defined]
     (boundary,) = chain.boundaries
-    scheme = wire_logits(int8_reference(model), seq, boundary)[len(prompt) - 1:]
+    scheme = wire_logits(int8_reference(model, kind), seq, boundary)[len(prompt) - 1:]
     got = np.stack(logits)
     ggml_distance = np.abs(scheme - exact).max()
     assert ggml_distance > LOGIT_ATOL_FP64  # the schemes differ by more than the float path's tolerance
     assert np.abs(got - exact).max() <= ggml_distance + LOGIT_ATOL_FP64
     assert np.abs(got - exact).max() > LOGIT_ATOL_FP64  # the integer path ran, not the float one
-    # Not asserted: the engine's logits near the scheme's own. The scheme is chaotic: a 1e-7 relative change of the
-    # embeddings moves its logits as far as it lies from float64 (one rounding step of one block moves the next
-    # block's inputs by far more), so fp32 against float64 arithmetic alone takes the two apart. That they are the same
-    # scheme is tests/test_int8.py's, product by product, on the same inputs.
+    # The engine's logits near the scheme's own: not within a fixed tolerance, as the scheme is chaotic (one rounding
+    # step of one int8 block moves the next products' inputs by far more than fp32 against float64 arithmetic does),
+    # but nearer it than it lies from float64. Measured (x86-64, AVX-512), rms(got - scheme) / rms(scheme - exact):
+    # 0.50 (Q4_K_M), 0.10 (MIXED), 1e-5 (Gemma 3, Mixtral), 0.35 (qwen3moe: a rounding step taken apart); with Q4_K's
+    # dmin scaled by 1.001 in the kernels 1.28 (Q4_K_M), 0.86 (MIXED), and Gemma 3 fails the bound above. (The mean
+    # of got - scheme moved 4e-4 with that error, but also 1.6e-4 without it on qwen3moe: no bound.) Product by
+    # product the scheme is checked on the same inputs in tests/test_int8.py.
+    rms = lambda a: float(np.sqrt(np.mean(a ** 2)))  # noqa: E731
+    assert rms(got - scheme) <= RMS_RATIO * rms(scheme - exact)
 
 
 def test_on_the_integer_path_a_batched_step_is_each_sessions_own_step(int8_env, model):

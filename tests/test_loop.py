@@ -13,7 +13,9 @@ from typing import Any
 import numpy as np
 import pytest
 from conftest import make_worker, request_line, run_requests, serve_bytes
+from documented import status_fields
 
+from pp_worker.worker.dispatch import Worker
 from pp_worker.worker.engines.stub import StubEngine
 from pp_worker.worker.events import Clock, Events
 from pp_worker.worker.loop import OVERLONG, LineReader
@@ -39,6 +41,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "ping": {},
     "release": {},
     "claim": {},
+    "reset": {},
 }
 # who may run what (contract: tokenize/embed/decode on the first stage, forward_range on middles, sample and
 # detokenize on the last; control ops anywhere)
@@ -109,6 +112,11 @@ def test_status_reports_the_shard() -> None:
         assert status["pid"] == os.getpid()
 
 
+def test_status_has_exactly_the_fields_the_protocol_lists() -> None:
+    common, _ = status_fields()
+    assert set(one(1, 3, req("status", rid=5))) == common
+
+
 def test_ping_and_request_counter() -> None:
     worker = make_worker(0, 2)
     replies, reason = serve_bytes(worker, request_line(req("ping", 1)) + b"\n" + request_line(req("ping", 2)))
@@ -136,6 +144,54 @@ def test_release_with_keep_leaves_the_session_as_cache_until_claimed() -> None:
     assert replies[3] == {"request_id": 7, "positions": 3}
     assert replies[4] == {"request_id": 9, "positions": 0}  # not held: a generation under it starts at 0
     assert replies[5]["sessions"] == {"7": 3} and replies[5]["cached_sessions"] == []
+
+
+def test_reset_drops_every_session() -> None:
+    replies = run_requests(1, 3, [req("forward_range", 7), req("forward_range", 8), req("reset", 9), req("status", 10),
+                                  req("reset", 11)])
+    assert replies[2] == {"request_id": 9, "released": 2}
+    assert replies[3]["sessions"] == {} and replies[4] == {"request_id": 11, "released": 0}
+
+
+def test_the_stub_refuses_positions_past_max_context_as_a_real_stage() -> None:
+    replies = run_requests(0, 2, [req("embed_and_forward", 1, tokens=[1, 2], position=4095),
+                                  req("decode_step", 2, position=1_000_000), req("decode_step", 3, position=4095),
+                                  req("status", 4)])
+    assert replies[0]["error"] == "position 4095 + seq_len 2 = 4097 exceeds max_context 4096"
+    assert replies[1]["error"] == "position 1000000 + seq_len 1 = 1000001 exceeds max_context 4096"
+    assert replies[2]["seq_len"] == 1 and replies[3]["sessions"] == {"3": 4096}
+
+
+def made_up_bytes(seq_len: int) -> str:
+    """What the caller's own suite sends a middle stage: bytes (i*37+11) & 0xFF, some of them inf/NaN as float16."""
+    raw = bytes((i * 37 + 11) & 0xFF for i in range(seq_len * HIDDEN_DIM * 2))
+    rows = np.frombuffer(raw, "<f2").reshape(seq_len, HIDDEN_DIM)
+    assert not np.isfinite(rows[0]).all() or not np.isfinite(rows[1]).all()
+    return base64.b64encode(raw).decode()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_made_up_bytes_are_computed_on_by_default_and_refused_in_strict_mode(strict: bool) -> None:
+    """By default as the seed: a reply, and a `nonfinite_input` event naming the first row (no request_id); with
+    PP_STRICT_FINITE=1 an error before the forward, the session left as it was. Either way the next finite step
+    is served."""
+    events: list[tuple[str, dict[str, Any]]] = []
+    worker = Worker(StubEngine(1, 3), Clock(), "stub", strict_finite=strict,
+                    emit=lambda kind, **f: events.append((kind, f)))
+    bad = req("forward_range", 5, hidden_b64=made_up_bytes(3), seq_len=3, position=0)
+    raw = np.frombuffer(base64.b64decode(bad["hidden_b64"]), "<f2").reshape(3, HIDDEN_DIM)
+    rows = [t for t in range(3) if not np.isfinite(raw[t]).all()]
+    replies, _ = serve_bytes(worker, b"".join(request_line(r) for r in (
+        bad, req("status", 6), req("forward_range", 5, hidden_b64=payload(1), seq_len=1, position=0 if strict else 3))))
+    if strict:
+        assert replies[0] == {"request_id": 5, "error": f"hidden_b64 has inf or NaN in {len(rows)} row(s) (first: "
+                                                         f"row {rows[0]}); PP_STRICT_FINITE=1 refuses it"}
+        assert replies[1]["sessions"] == {} and events == []
+    else:
+        assert replies[0]["seq_len"] == 3 and replies[1]["sessions"] == {"5": 3}
+        assert events == [("nonfinite_input", {"session": 5, "op": "forward_range", "position": 0,
+                                               "rows": len(rows), "first_row": rows[0]})]
+    assert replies[2]["seq_len"] == 1 and "error" not in replies[2]
 
 
 def test_shutdown_stops_reading() -> None:

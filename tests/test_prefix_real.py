@@ -17,6 +17,8 @@ import pytest
 from conftest import REPO
 from serving import Server
 
+from pp_worker.testing import modelgen
+
 ZEN = REPO / "pp_worker" / "data" / "zen.gguf"
 KEY = "prefix-test-key"
 ZEN_TEXT = ("Beautiful is better than ugly. Explicit is better than implicit. Simple is better than complex. "
@@ -32,18 +34,22 @@ def server() -> Iterator[Server]:
     s.stop()
 
 
+TINY = modelgen.PRESETS["tiny"][0]
+# a KV page of a tiny model's stage: 256 positions of K and V in float16 for each of its 2 blocks (status kv_page_bytes)
+TINY_PAGE_BYTES = 256 * (TINY.n_layers // 2) * 2 * TINY.n_kv_heads * TINY.head_dim * 2
+
+
 @pytest.fixture(scope="module")
-def int8_server() -> Iterator[Server]:
-    """The integer path (as the workers run by default), and a KV pool of 3 pages: cached sessions make room."""
-    s = Server(["--stages", "2", "--model", str(ZEN), "--max-context", "256", "--kv-memory", str(3 * ZEN_PAGE_BYTES)],
-               env={"PP_EXACT": "0"}, ready_timeout=300)
+def int8_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """The integer path (the workers' default) on a Q8_0 file (the embedded model is F16, whose products run in float
+    whatever the numerics), and a KV pool of 3 pages: cached sessions make room."""
+    model = modelgen.generate(tmp_path_factory.mktemp("q8") / "tiny-q8_0.gguf", "tiny", dtype="Q8_0")
+    s = Server(["--stages", "2", "--model", str(model), "--max-context", "256",
+                "--kv-memory", str(3 * TINY_PAGE_BYTES)], env={"PP_EXACT": "0"}, ready_timeout=300)
     stages = s.get("/stages")["stages"]
     assert [(st["kv_pages_free"] + st["kv_pages_used"], st["numerics"]) for st in stages] == [(3, "int8")] * 2
     yield s
     s.stop()
-
-
-ZEN_PAGE_BYTES = 131072  # a KV page of the embedded model's stages (256 positions; status kv_page_bytes)
 
 
 def _reuse(s: Server, kind: str, cache_prompt: bool = True, **ask: Any) -> tuple[str, int]:

@@ -31,6 +31,7 @@ from conftest import (
     serve_bytes,
     stub_env,
 )
+from documented import ready_fields
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -77,7 +78,7 @@ def test_entry_points_start_and_report_ready(spawn: Spawn, tmp_path: Path, name:
     assert w.lines[0] is starting
     assert starting["pid"] == w.pid and ready["pid"] == w.pid and pp_ready["pid"] == w.pid  # no forking wrapper
     assert (starting["stage"], starting["num_stages"], starting["stub"]) == (1, 3, True)
-    assert "model" in starting
+    assert starting["model"] == ready["model"] == ready["model_name"] == "stub"  # given, and its own name
     assert starting["python_version"] == platform.python_version()  # the launcher execs into the venv's Python
     assert isinstance(pp_ready["uptime_ms"], int)
     for event in (starting, ready_event, pp_ready):
@@ -88,8 +89,10 @@ def test_entry_points_start_and_report_ready(spawn: Spawn, tmp_path: Path, name:
     assert isinstance(ready["eos_token_ids"], list)
     # what a remote driver needs (no GGUF in the stub): no template, no BOS, PP_MAX_SESSIONS' default
     model_fields = {"chat_template": None, "bos_token_id": None, "add_bos": False, "bos_token": None,
-                    "eos_token": None, "max_sessions": 8, "wire_dtype": "f16"}
+                    "eos_token": None, "max_sessions": 8, "wire_dtype": "auto", "model": "stub",
+                    "model_name": "stub"}
     assert {k: ready.get(k, "absent") for k in model_fields} == model_fields
+    assert set(ready) == ready_fields()  # what docs/protocol.md lists, no more
     status = w.request({"op": "status", "request_id": 3})
     assert {k: status.get(k, "absent") for k in model_fields} == model_fields
     assert w.request({"op": "ping", "request_id": 4})["pong"] is True
@@ -121,6 +124,7 @@ BAD_CONFIGS: list[tuple[dict[str, str | None], str, str | None]] = [
     ({"PP_BEAM": "two"}, "PP_BEAM", "two"),
     ({"PP_KERNELS": "cuda"}, "PP_KERNELS", "cuda"),
     ({"PP_EXACT": "yes"}, "PP_EXACT", "yes"),
+    ({"PP_STRICT_FINITE": "on"}, "PP_STRICT_FINITE", "on"),
     ({"PP_PINNED_HOST": "true"}, "PP_PINNED_HOST", "true"),
     ({"PP_THREADS": "0"}, "PP_THREADS", "0"),
     ({"PP_THREADS": "two"}, "PP_THREADS", "two"),

@@ -66,6 +66,13 @@ def test_envelope_rejects_unusable_request_id(rid: Any) -> None:
     assert request_id_of(obj) is None
 
 
+def test_a_missing_request_id_is_called_missing() -> None:
+    with pytest.raises(ProtocolError, match=r"^missing 'request_id' field$"):
+        parse_envelope({"op": "ping"})
+    with pytest.raises(ProtocolError, match=r"^'request_id' must be a non-negative int, got null$"):
+        parse_envelope({"op": "ping", "request_id": None})
+
+
 @pytest.mark.parametrize("rid", [0, 1, 12345, 2**53])
 def test_envelope_accepts(rid: int) -> None:
     obj = {"op": "tokenize", "request_id": rid, "prompt": "x"}
@@ -208,6 +215,11 @@ def test_hidden_payload_length_must_match_seq_len(op: str, seq_len: int) -> None
     assert len(fields(op, seq_len=seq_len, hidden_b64=hidden_b64(seq_len))["hidden"]) == n_bytes
     for wrong in (seq_len - 1, seq_len + 1):
         payload = base64.b64encode(b"\0" * (wrong * HIDDEN_DIM * 2)).decode()
+        if wrong == 2 * seq_len:  # as long as a float32 payload of seq_len rows: the length says f32
+            assert len(fields(op, seq_len=seq_len, hidden_b64=payload)["hidden"]) == 2 * n_bytes
+            with pytest.raises(ProtocolError, match="seq_len"):  # unless the request says what it sends
+                fields(op, seq_len=seq_len, hidden_b64=payload, hidden_dtype="f16")
+            continue
         with pytest.raises(ProtocolError, match="seq_len"):
             fields(op, seq_len=seq_len, hidden_b64=payload)
     odd = base64.b64encode(b"\0" * (n_bytes - 1)).decode()  # one byte short, same number of base64 chars

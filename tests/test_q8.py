@@ -140,19 +140,22 @@ def test_q8_payload_decodes_to_float16_for_the_engine() -> None:
         assert decode_hidden(req, 3, D) == bytes(3 * D * 2)  # no field, or "f16": float16 as the contract has it
 
 
-def test_a_q8_payload_without_its_dtype_is_an_error_that_says_so() -> None:
-    with pytest.raises(ProtocolError, match=r"seq_len\*hidden_dim\*2 .*size of a q8 payload: send 'hidden_dtype'"):
-        decode_hidden({"hidden_b64": q8_b64(3)}, 3, D)
+def test_a_q8_payload_without_its_dtype_is_known_by_its_length() -> None:
+    """A caller that forwards only hidden_b64, seq_len and position (the seed's fields) hands q8 on intact."""
+    text = q8_b64(3)
+    assert decode_hidden({"hidden_b64": text}, 3, D) == decode_hidden({"hidden_b64": text, "hidden_dtype": "q8"}, 3, D)
 
 
 def test_an_f16_payload_marked_q8_is_an_error_that_says_so() -> None:
     f16 = base64.b64encode(bytes(3 * D * 2)).decode()
-    with pytest.raises(ProtocolError, match=r"seq_len\*\(hidden_dim\+4\) \(3\*\(16\+4\) = 60 bytes.*size of a f16"):
+    with pytest.raises(ProtocolError, match=r"got 128 base64 chars; expected for hidden_dtype 'q8' 80 chars "
+                                            r"\(q8: 3\*\(16\+4\) = 60 bytes\); that is the size of a f16 payload$"):
         decode_hidden({"hidden_b64": f16, "hidden_dtype": "q8"}, 3, D)
 
 
 def test_q8_size_mismatch() -> None:
-    with pytest.raises(ProtocolError, match=rf"3\*\(16\+4\) = 60 bytes, 80 base64 chars\); got {b64_len(40)} base64"):
+    with pytest.raises(ProtocolError, match=rf"seq_len 3: got {b64_len(40)} base64 chars; expected for hidden_dtype "
+                                            r"'q8' 80 chars \(q8: 3\*\(16\+4\) = 60 bytes\)$"):
         decode_hidden({"hidden_b64": q8_b64(2), "hidden_dtype": "q8"}, 3, D)
 
 
@@ -206,22 +209,21 @@ def test_an_f16_stage_reads_q8_and_the_errors_are_replies() -> None:
     replies, _ = serve_bytes(w, b"".join(request_line(r) for r in (
         hop | {"hidden_dtype": "q8"}, hop, hop | {"hidden_dtype": "bf16"})))
     assert isinstance(replies[0]["token_id"], int)
-    assert replies[1]["request_id"] == 4 and "send 'hidden_dtype': 'q8'" in replies[1]["error"]
+    assert replies[1] == replies[0]  # without its hidden_dtype: known by its length
     assert replies[2]["request_id"] == 4 and "'hidden_dtype' must be one of" in replies[2]["error"]
 
 
-@pytest.mark.parametrize("wire", q8.WIRE_DTYPES)
-def test_a_non_finite_engine_output_becomes_an_error_reply(wire: str) -> None:
+def test_a_q8_wire_cannot_carry_a_non_finite_output() -> None:
     engine = StubEngine(0, 2)
     engine.embed_and_forward = lambda session, tokens, position: np.full(len(tokens) * D, np.inf, "<f2").tobytes()
-    w = Worker(engine, Clock(), "stub", wire_dtype=wire)
+    w = Worker(engine, Clock(), "stub", wire_dtype="q8")
     reply = serve_one(w, {"op": "embed_and_forward", "request_id": 9, "tokens": [1], "position": 0})
-    assert reply == {"request_id": 9, "error": "hidden state has inf or NaN (first: row 0): nothing after it "
-                                               "could be computed"}
+    assert reply == {"request_id": 9, "error": "hidden state has inf or NaN in 1 row(s) (first: row 0); q8 cannot "
+                                               "carry them"}
 
 
 def test_status_reports_the_wire_dtype() -> None:
-    for w, dtype in ((make_worker(1, 3), "f16"), (q8_worker(1, 3), "q8")):
+    for w, dtype in ((make_worker(1, 3), "auto"), (q8_worker(1, 3), "q8")):
         assert serve_one(w, {"op": "status", "request_id": 1})["wire_dtype"] == dtype
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO, WorkerProcess, clean_env
+from documented import ready_fields, status_fields
 from samecast import SameCastReference
 from tinygrad.llm.cli import SimpleTokenizer
 
@@ -93,7 +94,7 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
     kv = header.kv
     first = spawn_real(0, 2, model, PP_MAX_SESSIONS="3")
     last = spawn_real(1, 2, model, PP_MAX_SESSIONS="3", PP_KV_DTYPE="float32", PP_PREFILL_CHUNK="16",
-                      PP_THREADS="3", PP_EXACT="0")  # more threads than this machine's cores; the integer path
+                      PP_THREADS="3", PP_EXACT="0")  # more threads than this machine's cores; the default numerics
     try:
         ready = [first.wait_ready(60), last.wait_ready(60)]
         blocks = kv["llama.block_count"]
@@ -105,6 +106,9 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (r["chat_template"], r["bos_token_id"], r["add_bos"], r["max_sessions"]) == \
                 (None, kv["tokenizer.ggml.bos_token_id"], False, 3)  # the generated model: no template, no BOS
             assert (r["bos_token"], r["eos_token"]) == ("<|begin_of_text|>", "<|end_of_text|>")
+            assert (r["model"], r["model_name"]) == (str(model), kv["general.name"])  # as given; the file's name
+        starting = [next(o for o in w.lines if o.get("event") == "starting") for w in (first, last)]
+        assert [o["model"] for o in starting] == [str(model)] * 2
         # how each stage runs: the CPU's defaults on stage 0, the environment's choices on stage 1
         head_dim = kv["llama.embedding_length"] // kv["llama.attention.head_count"]
         page = 256  # a session's KV is whole pages (kvcache.PAGE) of every block of the stage
@@ -113,7 +117,8 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
                 for r in ready] == [("CPU", 32, "float16", kv_bytes * 2, "c"),
                                     ("CPU", 16, "float32", kv_bytes * 4, "c")]
         assert [(r["threads"], r["graph"]) for r in ready] == [(len(os.sched_getaffinity(0)), "native"), (3, "native")]
-        assert [r["numerics"] for r in ready] == ["float", "int8"]  # the suite's PP_EXACT=1; PP_EXACT=0
+        # the suite's PP_EXACT=1; PP_EXACT=0 on an F16 file: no product of it has an integer path
+        assert [r["numerics"] for r in ready] == ["float", "float"]
         # what each stage holds: its share of the file (an F16 file: F16 matrices and F32 gains, each as it is)
         for r, (start, end) in zip(ready, [compute_layer_range(s, 2, blocks) for s in (0, 1)], strict=True):
             names = [n for n in header.tensors if n.startswith(tuple(f"blk.{i}." for i in range(start, end)))]
@@ -138,6 +143,9 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
             assert (status["kv_pages_used"], status["kv_pages_touched"]) == (1, 1)
             assert status["kv_pages_used"] + status["kv_pages_free"] == status["kv_bytes"] // status["kv_page_bytes"]
             assert (status["threads"], status["numerics"]) == (r["threads"], r["numerics"])
+            assert (status["model"], status["model_name"]) == (r["model"], r["model_name"])
+            common, real = status_fields()
+            assert set(status) == common | real and set(r) == ready_fields() | real  # as docs/protocol.md lists
             assert status["jits_compiled"] == 1  # a short prompt on a small model: single-token calls, no new size
             assert w.request({"op": "release", "request_id": 5})["released"] is True
             assert w.request({"op": "status", "request_id": 7})["sessions"] == {}
@@ -148,6 +156,10 @@ def test_real_stages_report_ready_fields_and_answer_control_ops(model: Path) -> 
         assert "unknown session 5" in again["error"]
         overflow = first.request({"op": "embed_and_forward", "request_id": 9, "tokens": [1] * (MAX_CONTEXT + 1)})
         assert str(MAX_CONTEXT) in overflow["error"]
+        for rid in (11, 12):
+            first.request({"op": "embed_and_forward", "request_id": rid, "tokens": tokens, "position": 0})
+        assert first.request({"op": "reset", "request_id": 13}) == {"request_id": 13, "released": 2}
+        assert first.request({"op": "status", "request_id": 14})["sessions"] == {}
         for w in (first, last):
             assert w.request({"op": "shutdown", "request_id": 10}) == {"request_id": 10, "ok": True}
             assert w.rest_of_stdout()[-1]["reason"] == "shutdown" and w.wait() == 0

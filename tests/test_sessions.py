@@ -316,3 +316,70 @@ def test_a_cached_session_is_never_adopted():
     t.release(1, keep=True)
     with pytest.raises(EngineError, match="unknown session 9"):
         t.begin(9, 3, 1)
+
+
+# --- a failed step: `undo` -----------------------------------------------------------------------------------
+
+def failed(t: SessionTable, rid: int, position: int, seq_len: int) -> None:
+    """A step that began (its pages taken, its compute run) and then failed."""
+    t.new_step()
+    t.begin(rid, position, seq_len)
+    t.undo(rid)
+
+
+def test_a_failed_append_leaves_its_session_as_it_was():
+    t, _ = table()
+    s = step(t, 1, 0, 3)
+    pages, free = list(s.pages), t._pool.free
+    failed(t, 1, 3, 6)  # needs pages 1 and 2
+    assert t.positions() == {1: 3} and s.pages == pages and t._pool.free == free
+    assert step(t, 1, 3, 1).length == 4  # and it goes on from there
+
+
+def test_a_failed_first_step_leaves_no_session():
+    t, _ = table()
+    free = t._pool.free
+    failed(t, 2, 0, 5)
+    assert t.positions() == {} and t._pool.free == free
+
+
+def test_a_failed_adopting_step_leaves_the_session_under_its_old_id():
+    t, rec = table()
+    step(t, 1, 0, 4)
+    failed(t, 2, 4, 1)
+    assert rec.events[0][0] == "session_adopted" and t.positions() == {1: 4}
+
+
+def test_an_adopting_step_refused_for_room_leaves_the_session_under_its_old_id():
+    t = SessionTable(4, 64, Pages(n_pages=2))
+    step(t, 1, 0, 4)  # one page of 4 positions
+    with pytest.raises(EngineError, match="the KV pool is full"):
+        t.begin(2, 4, 8)  # would adopt session 1, and needs 2 more pages than the one free
+    assert t.positions() == {1: 4}
+
+
+def test_a_failed_rewind_keeps_the_positions_before_it():
+    """Its compute overwrote the cache from its position on: only what lies before it is still what it was."""
+    t, _ = table()
+    s = step(t, 1, 0, 10)
+    failed(t, 1, 6, 8)  # past the pages held: one more taken, and given back
+    assert t.positions() == {1: 6} and len(s.pages) == 3
+
+
+def test_undo_touches_only_what_the_current_step_began():
+    t, _ = table()
+    step(t, 1, 0, 3)
+    t.new_step()
+    with pytest.raises(EngineError):
+        t.begin(1, 9, 1)  # refused before anything changed: nothing to undo
+    t.undo(1)
+    t.undo(5)
+    assert t.positions() == {1: 3}
+
+
+def test_reset_drops_every_session_and_gives_their_pages_back():
+    t, _ = table()
+    for rid in (1, 2, 3):
+        step(t, rid, 0, 5)
+    assert t.reset() == 3 and t.positions() == {} and t._pool.free == 64
+    assert t.reset() == 0

@@ -1,10 +1,13 @@
 """Hidden states past float16's range. Gemma 3's residual stream passes 65504 on real models (its post-norm gains
-are large), and a float16 wire would carry those values as inf, from which the next stage computes only NaN. A stage
-on the contract's wire (``PP_WIRE_DTYPE`` unset: f16) answers such a state with an error that names the remedy; on
-``auto`` (what the drivers start stages with) it sends it as float32 and says so (``hidden_dtype: "f32"``), and
-float16 byte for byte otherwise; ``f32`` sends float32 always. Checked on the codec, the protocol, a stub stage, and
-a generated Gemma 3 whose block before the stage boundary lifts the residual stream past float16's range: in one
-process against the float64 reference, and through two worker processes and the driver."""
+are large), and a float16 wire would carry those values as inf, from which the next stage computes only NaN. On
+``auto`` (the default) a stage sends such a state as float32 and says so (``hidden_dtype: "f32"``), and float16 byte
+for byte otherwise; the receiver knows a payload's dtype from its length, so a caller that forwards only the seed's
+fields (hidden_b64, seq_len, position) runs such a model too. ``f16`` answers such a state with an error that names
+the remedy; ``f32`` sends float32 always. inf and NaN go out as computed (as the seed's did), reported by an event,
+or are errors with PP_STRICT_FINITE=1; a step that fails leaves its session as it found it. Checked on the codec,
+the protocol, a stub stage, and a generated Gemma 3 whose block before the stage boundary lifts the residual stream
+past float16's range: in one process against the float64 reference, and through two worker processes and the
+driver."""
 
 from __future__ import annotations
 
@@ -62,7 +65,7 @@ def test_auto_sends_a_state_past_float16s_range_as_float32(big: float) -> None:
 @pytest.mark.parametrize("wire", ["f16", "q8"])
 def test_past_float16s_range_f16_and_q8_answer_with_the_remedy(wire: str) -> None:
     with pytest.raises(q8.Q8Error, match=rf"float16's range in 1 row\(s\) \(first: row 1\); {wire} cannot carry "
-                                         r"it: start the stages with PP_WIRE_DTYPE=auto .* or f32, and forward"):
+                                         r"it: start the stages with PP_WIRE_DTYPE=auto \(the default.*\) or f32$"):
         q8.emit(rows(1e5).tobytes(), "f32", wire, D)
 
 
@@ -73,11 +76,25 @@ def test_an_f32_wire_sends_float32_always() -> None:
     assert q8.emit(half.tobytes(), "f16", "f32", D) == (half.astype("<f4").tobytes(), "f32")
 
 
-@pytest.mark.parametrize("wire", q8.WIRE_DTYPES)
+@pytest.mark.parametrize("wire", ["f16", "auto", "f32"])
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_inf_and_nan_are_errors_on_every_wire(wire: str, bad: float) -> None:
-    with pytest.raises(q8.Q8Error, match=r"inf or NaN \(first: row 1\)"):
-        q8.emit(rows(bad).tobytes(), "f32", wire, D)
+def test_inf_and_nan_go_out_as_computed(wire: str, bad: float) -> None:
+    """As the seed's float16 did: float16 (or float32) holds inf and NaN; they are no reason for float32 on auto."""
+    x = rows(bad)
+    payload, dtype = q8.emit(x.tobytes(), "f32", wire, D)
+    assert dtype == ("f32" if wire == "f32" else "f16")
+    assert payload == x.astype("<f4" if wire == "f32" else "<f2").tobytes()
+
+
+@pytest.mark.parametrize("bad", [np.inf, np.nan])
+def test_q8_cannot_carry_inf_or_nan(bad: float) -> None:
+    with pytest.raises(q8.Q8Error, match=r"inf or NaN in 1 row\(s\) \(first: row 1\); q8 cannot carry them"):
+        q8.emit(rows(bad).tobytes(), "f32", "q8", D)
+
+
+def test_a_state_past_float16s_range_with_nan_goes_out_as_float32_on_auto() -> None:
+    x = rows(1e5, np.nan)
+    assert q8.emit(x.tobytes(), "f32", "auto", D) == (x.tobytes(), "f32")
 
 
 # --- the protocol -------------------------------------------------------------------------------------------
@@ -86,11 +103,21 @@ def test_an_f32_payload_is_read_as_float32() -> None:
     x = rows(1e6)
     text = base64.b64encode(x.tobytes()).decode()
     assert decode_hidden({"hidden_b64": text, "hidden_dtype": "f32"}, 2, D) == x.tobytes()
-    with pytest.raises(ProtocolError, match=r"hidden_dim\*2 .*size of a f32 payload: send 'hidden_dtype': 'f32'"):
-        decode_hidden({"hidden_b64": text}, 2, D)  # its hidden_dtype dropped on the way
+    assert decode_hidden({"hidden_b64": text}, 2, D) == x.tobytes()  # the seed's fields only: its length says f32
     half = base64.b64encode(bytes(2 * D * 2)).decode()
-    with pytest.raises(ProtocolError, match=r"seq_len\*hidden_dim\*4 \(2\*16\*4 = 128 bytes.*size of a f16 payload"):
+    with pytest.raises(ProtocolError, match=r"expected for hidden_dtype 'f32' 172 chars \(f32: 2\*16\*4 = 128 bytes\); "
+                                            r"that is the size of a f16 payload$"):
         decode_hidden({"hidden_b64": half, "hidden_dtype": "f32"}, 2, D)
+
+
+def test_a_wrong_seq_len_is_told_the_lengths_it_allows() -> None:
+    """A float16 payload of 3 rows sent with seq_len 2: no hint to send a hidden_dtype (no dtype fits)."""
+    half = base64.b64encode(bytes(3 * D * 2)).decode()
+    with pytest.raises(ProtocolError) as e:
+        decode_hidden({"hidden_b64": half}, 2, D)
+    assert str(e.value) == ("hidden_b64 does not match seq_len 2: got 128 base64 chars; expected 88 chars (f16: "
+                            "2*16*2 = 64 bytes) or 56 chars (q8: 2*(16+4) = 40 bytes) or 172 chars (f32: 2*16*4 = "
+                            "128 bytes)")
 
 
 def serve(worker: Worker, *requests: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,6 +135,14 @@ def test_a_stub_stage_on_an_f32_wire() -> None:
            "hidden_dtype": "f32"}
     (reply,) = serve(make_worker(1, 3), hop)  # an f16 stage reads it, and answers in float16
     assert set(reply) == {"request_id", "hidden_b64", "seq_len"}, reply
+
+
+def test_a_default_stub_stage_replies_in_float16_on_auto() -> None:
+    worker = make_worker(0, 2)
+    assert worker.wire_dtype == "auto"
+    (reply,) = serve(worker, {"op": "embed_and_forward", "request_id": 1, "tokens": [3, 1, 4], "position": 0})
+    assert set(reply) == {"request_id", "hidden_b64", "seq_len"}
+    assert base64.b64decode(reply["hidden_b64"]) == StubEngine(0, 2).embed_and_forward(1, [3, 1, 4], 0)
 
 
 # --- a Gemma 3 past float16's range ------------------------------------------------------------------------
@@ -129,10 +164,14 @@ def ref(model: Path) -> Gemma3Ref:
     return Gemma3Ref.from_gguf(model)
 
 
-def test_two_stages_match_the_reference(model: Path, ref: Gemma3Ref) -> None:
+@pytest.fixture(scope="module")
+def chain(model: Path) -> Chain:
+    return Chain(model, 2, MAX_CONTEXT, wire="auto")
+
+
+def test_two_stages_match_the_reference(chain: Chain, ref: Gemma3Ref) -> None:
     """In one process (`Chain` passes each hidden state on as a worker on ``auto`` sends it); and stage 0 behind
     the worker's dispatch on each wire."""
-    chain = Chain(model, 2, MAX_CONTEXT, wire="auto")
     first = chain.engines[0]
     assert first.shard.end == 4
     x = np.frombuffer(first.embed_and_forward(0, PROMPT, 0), "<f4").reshape(len(PROMPT), -1)
@@ -146,9 +185,108 @@ def test_two_stages_match_the_reference(model: Path, ref: Gemma3Ref) -> None:
         else:
             assert reply["hidden_dtype"] == "f32" and base64.b64decode(reply["hidden_b64"]) == x.tobytes()
     tokens, logits = chain.generate(1, PROMPT, 4)
+    chain.release(1)
     want = ref.logits(PROMPT + tokens[:-1])[len(PROMPT) - 1:]
     np.testing.assert_allclose(np.stack(logits), want, rtol=0, atol=ATOL)
     assert tokens == [int(a) for a in want.argmax(-1)]
+
+
+def seed_caller(workers: list[Worker], rid: int, prompt: list[int], n: int, forward_dtype: bool) -> list[int]:
+    """``n`` greedy tokens as the Rust caller drives stages: from each forward reply it forwards hidden_b64, seq_len
+    and position (and ``hidden_dtype`` only if ``forward_dtype``)."""
+    tokens: list[int] = []
+    position = 0
+    while len(tokens) < n:
+        first = ({"op": "embed_and_forward", "tokens": prompt} if not tokens else
+                 {"op": "decode_step", "token_id": tokens[-1]})
+        (reply,) = serve(workers[0], first | {"request_id": rid, "position": position})
+        for w in workers[1:]:
+            hop = {"op": "forward_range" if w is not workers[-1] else "forward_and_sample", "request_id": rid,
+                   "hidden_b64": reply["hidden_b64"], "seq_len": reply["seq_len"], "position": position}
+            if forward_dtype and "hidden_dtype" in reply:
+                hop["hidden_dtype"] = reply["hidden_dtype"]
+            (reply,) = serve(w, hop)
+        tokens.append(reply["token_id"])
+        position += len(prompt) if len(tokens) == 1 else 1
+    for w in workers:
+        serve(w, {"op": "release", "request_id": rid})
+    return tokens
+
+
+def test_a_seed_protocol_caller_runs_gemma3_with_the_default_environment(chain: Chain, ref: Gemma3Ref) -> None:
+    """Workers as built by default (PP_WIRE_DTYPE unset): stage 0 sends its state past float16's range as float32,
+    and a caller that drops hidden_dtype gets the tokens of one that forwards it, the reference's."""
+    workers = [Worker(e, Clock(), "m") for e in chain.engines]
+    (reply,) = serve(workers[0], {"op": "embed_and_forward", "request_id": 3, "tokens": PROMPT, "position": 0},
+                     {"op": "release", "request_id": 3})[:1]
+    assert reply["hidden_dtype"] == "f32" and len(base64.b64decode(reply["hidden_b64"])) == len(PROMPT) * 64 * 4
+    seed = seed_caller(workers, 3, PROMPT, 4, forward_dtype=False)
+    assert seed == seed_caller(workers, 4, PROMPT, 4, forward_dtype=True)
+    want = ref.logits(PROMPT + seed[:-1])[len(PROMPT) - 1:]
+    assert seed == [int(a) for a in want.argmax(-1)]
+
+
+def sessions(worker: Worker) -> dict[str, int]:
+    (status,) = serve(worker, {"op": "status", "request_id": 99})
+    return status["sessions"]
+
+
+def test_a_step_that_fails_after_its_forward_leaves_its_session_as_it_was(chain: Chain) -> None:
+    """Stage 0 on an f16 wire computes a state it cannot send: the error comes after the forward, and the session
+    is put back (a new one dropped, an appended one at its length): the next step at the next position is refused,
+    the retry at the same position gives what a session that never failed gives."""
+    first = chain.engines[0]
+    auto, f16 = Worker(first, Clock(), "m"), Worker(first, Clock(), "m", wire_dtype="f16")
+    prefill = {"op": "embed_and_forward", "request_id": 5, "tokens": PROMPT, "position": 0}
+    assert "exceeds float16's range" in serve(f16, prefill)[0]["error"]
+    assert sessions(auto) == {}
+    serve(auto, prefill)
+    step = {"op": "decode_step", "request_id": 5, "token_id": 9, "position": len(PROMPT)}
+    assert "exceeds float16's range" in serve(f16, step | {"token_id": 11})[0]["error"]
+    assert sessions(auto) == {"5": len(PROMPT)}
+    (refused,) = serve(auto, step | {"position": len(PROMPT) + 1})
+    assert refused["error"] == f"position {len(PROMPT) + 1} is past the {len(PROMPT)} positions session 5 holds"
+    (retry,) = serve(auto, step)
+    serve(auto, prefill | {"request_id": 6})
+    assert retry == serve(auto, step | {"request_id": 6})[0] | {"request_id": 5}
+    # a rewind that fails has overwritten the positions from its own on: its session keeps those before it
+    assert "exceeds float16's range" in serve(f16, prefill | {"tokens": [7, 8], "position": 3})[0]["error"]
+    assert sessions(auto) == {"5": 3, "6": len(PROMPT) + 1}
+    serve(auto, {"op": "reset", "request_id": 0})
+
+
+def nan_rows(seq_len: int, dim: int, first_bad: int) -> str:
+    x = np.ones((seq_len, dim), "<f2")
+    x[first_bad:, 1] = np.nan
+    return base64.b64encode(x.tobytes()).decode()
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_non_finite_input_on_a_real_stage(chain: Chain, strict: bool) -> None:
+    """The last stage gets rows with NaN: by default it computes (an event names the first row) and, every logit
+    being NaN, has no token to give; with PP_STRICT_FINITE=1 it refuses before the forward. Either way the session
+    is as before."""
+    last = chain.engines[1]
+    events: list[tuple[str, dict[str, Any]]] = []
+    worker = Worker(last, Clock(), "m", strict_finite=strict, emit=lambda kind, **f: events.append((kind, f)))
+    calls = []
+    forward = last.forward_logits
+    last.forward_logits = lambda *a: calls.append(a) or forward(*a)  # type: ignore[method-assign]
+    try:
+        (reply,) = serve(worker, {"op": "forward_and_sample", "request_id": 8, "position": 0, "seq_len": 3,
+                                  "hidden_b64": nan_rows(3, 64, 1)})
+    finally:
+        del last.forward_logits
+    assert sessions(worker) == {}
+    if strict:
+        assert reply == {"request_id": 8, "error": "hidden_b64 has inf or NaN in 2 row(s) (first: row 1); "
+                                                   "PP_STRICT_FINITE=1 refuses it"}
+        assert calls == [] and events == []
+    else:
+        assert reply == {"request_id": 8, "error": "no token: all logits are NaN"} and len(calls) == 1
+        where = {"session": 8, "op": "forward_and_sample", "position": 0}
+        assert events == [("nonfinite_input", where | {"rows": 2, "first_row": 1}),
+                          ("nonfinite_output", where | {"rows": 1, "first_row": 0})]
 
 
 def test_real_workers_through_the_driver(model: Path, ref: Gemma3Ref) -> None:
@@ -165,7 +303,8 @@ def test_real_workers_through_the_driver(model: Path, ref: Gemma3Ref) -> None:
 @pytest.mark.parametrize("wire", ["auto", "f16"])
 def test_a_batched_step_puts_each_row_on_the_wire_on_its_own(wire: str) -> None:
     """Three sessions in one batched step of a float32 engine: a row in float16's range goes as float16, one past
-    it as float32 (auto) or as that request's error (f16), one with NaN is that request's error alone."""
+    it as float32 (auto) or as that request's error (f16, its session left as it was), one with NaN as float16
+    with a `nonfinite_output` event naming it."""
     engine = StubEngine(0, 2)
     engine.hidden_dtype = "f32"
     stub_embed = engine.embed_and_forward
@@ -179,13 +318,17 @@ def test_a_batched_step_puts_each_row_on_the_wire_on_its_own(wire: str) -> None:
     engine.embed_and_forward = embed  # type: ignore[method-assign]
     prefills = [{"op": "embed_and_forward", "request_id": r, "tokens": [7], "position": 0} for r in (1, 2, 3)]
     steps = [{"op": "decode_step", "request_id": r, "token_id": 7, "position": 1} for r in (1, 2, 3)]
-    replies = serve(Worker(engine, Clock(), "stub", wire_dtype=wire), *prefills, *steps)
+    events: list[tuple[str, dict[str, Any]]] = []
+    worker = Worker(engine, Clock(), "stub", wire_dtype=wire, emit=lambda kind, **f: events.append((kind, f)))
+    replies = serve(worker, *prefills, *steps, {"op": "status", "request_id": 9})
     assert engine.batches == [3]
-    one, two, three = replies[3:]
+    one, two, three, status = replies[3:]
     assert set(one) == {"request_id", "hidden_b64", "seq_len"} and one["request_id"] == 1
     if wire == "auto":
         assert two["hidden_dtype"] == "f32" and np.frombuffer(base64.b64decode(two["hidden_b64"]), "<f4")[0] == 1e5
     else:
         assert two["request_id"] == 2 and "exceeds float16's range" in two["error"]
-    assert three == {"request_id": 3, "error": "hidden state has inf or NaN (first: row 0): nothing after it could "
-                                               "be computed"}
+    assert status["sessions"] == {"1": 2, "2": 2 if wire == "auto" else 1, "3": 2}
+    assert three["request_id"] == 3 and np.isnan(np.frombuffer(base64.b64decode(three["hidden_b64"]), "<f2")[0])
+    assert events == [("nonfinite_output", {"session": 3, "op": "decode_step", "position": 1, "rows": 1,
+                                            "first_row": 0})]

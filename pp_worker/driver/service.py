@@ -109,7 +109,8 @@ class PipelineService:
                                         prefill_chunk=prefill_chunk, schedule=schedule, reuse=reuse,
                                         draft=draft)
         self.pipeline = self._start()  # loads every stage
-        self.model = str((self.pipeline.stages[-1].ready or {}).get("model") or "")
+        ready = self.pipeline.stages[-1].ready or {}
+        self.model = str(ready.get("model_name") or ready.get("model") or "")  # the GGUF's name; model: its path
         # every generation in flight holds a KV session on every stage: more than the workers keep would evict some
         self.concurrency = min(concurrency, self.pipeline.max_sessions or concurrency)
         self.restarts, self.backoff_s = restarts, backoff_s

@@ -24,7 +24,7 @@ from pp_worker.worker.engines.base import Engine
 from pp_worker.worker.engines.pool import PoolError, parse_bytes
 from pp_worker.worker.events import Clock, Events, install_excepthook, rss_mb, start_heartbeat
 from pp_worker.worker.loop import LineReader, LoopState, serve
-from pp_worker.worker.q8 import SCALE_BYTES, WIRE_DTYPES
+from pp_worker.worker.q8 import DEFAULT_WIRE, SCALE_BYTES, WIRE_DTYPES
 from pp_worker.worker.shard import SplitError, parse_layers
 from pp_worker.worker.stdout import Out, protect_stdout
 from pp_worker.worker.watchdog import start_watchdog
@@ -56,7 +56,8 @@ class Config:
     max_batch: int = 8  # sessions one batched decode step advances at most
     prefill_chunk: int | None = None  # None: the device's default (engines.tinygrad_engine)
     kv_dtype: str | None = None  # None: the device's default (engines.kvcache)
-    wire_dtype: str = "f16"  # of the hidden states this stage emits (worker.q8); it accepts any
+    wire_dtype: str = DEFAULT_WIRE  # of the hidden states this stage emits (worker.q8); it accepts any
+    strict_finite: bool = False  # PP_STRICT_FINITE: a hidden state with inf or NaN is an error, not computed on
     beam: int = 0  # PP_BEAM: tinygrad BEAM search width for the decode JIT; 0: off
     exit_on_eof: bool = False  # PP_EXIT_ON_EOF: the end of stdin ends an op or a load in progress (worker.watchdog)
     # None: the device's default, as for prefill_chunk and kv_dtype (engines.weights, .hostio)
@@ -150,7 +151,8 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   max_batch=_env_int(env, "PP_MAX_BATCH", 8, low=1) or 8,
                   prefill_chunk=_env_int(env, "PP_PREFILL_CHUNK", low=1),
                   kv_dtype=_env_choice(env, "PP_KV_DTYPE", KV_DTYPE_NAMES),
-                  wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or "f16",
+                  wire_dtype=_env_choice(env, "PP_WIRE_DTYPE", WIRE_DTYPES) or DEFAULT_WIRE,
+                  strict_finite=_env_flag(env, "PP_STRICT_FINITE"),
                   beam=_env_int(env, "PP_BEAM", 0) or 0, exit_on_eof=_env_flag(env, "PP_EXIT_ON_EOF"),
                   kernels=_env_choice(env, "PP_KERNELS", KERNEL_NAMES), pinned_host=_env_switch(env, "PP_PINNED_HOST"),
                   threads=default_threads(env), kv_bytes=_env_bytes(env, "PP_KV_BYTES"),
@@ -243,10 +245,17 @@ def start_background(engine: Engine, cfg: Config) -> subprocess.Popen[bytes] | N
 def ready_line(engine: Engine, cfg: Config, clock: Clock) -> dict[str, object]:
     info, shard = engine.info, engine.shard
     return {"status": "ready", "pid": os.getpid(), "stage": shard.stage, "stage_index": shard.stage,
-            "num_stages": shard.num_stages, "stub": cfg.stub, "model": info.name, "hidden_dim": info.hidden_dim,
+            "num_stages": shard.num_stages, "stub": cfg.stub, "model": model_given(cfg),
+            "hidden_dim": info.hidden_dim,
             "vocab_size": info.vocab_size, "total_blocks": info.total_blocks, "layer_range": [shard.start, shard.end],
             "eos_token_ids": info.eos_token_ids, "max_context": info.max_context,
             **model_fields(engine, cfg.wire_dtype), "uptime_ms": clock.uptime_ms()}
+
+
+def model_given(cfg: Config) -> str:
+    """The model as the stage was given it (a path, URL or name; "stub" in stub mode): `model` on the starting and
+    ready lines and in status, where ``model_name`` is the GGUF's own name."""
+    return "stub" if cfg.stub else cfg.model
 
 
 def _install_signals(state: LoopState, events: Events) -> tuple[int, int]:
@@ -294,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     state = LoopState()
     wake_r, wake_w = _install_signals(state, events)
     events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
-                model=None if cfg.stub else cfg.model, python_version=sys.version.split()[0])
+                model=model_given(cfg), python_version=sys.version.split()[0])
     stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
     stop_watchdog = start_watchdog(events, state, stdout.fileno(), cfg.exit_on_eof)
     try:
@@ -359,7 +368,7 @@ def _run(cfg: Config, out: Out, clock: Clock, events: Events, state: LoopState, 
         return 2
     if cfg.precompile:
         return 0  # the background child: every JIT is compiled and kept on disk (build_engine's warm-up)
-    worker = Worker(engine, clock, cfg.model if not cfg.stub else "stub", cfg.wire_dtype)
+    worker = Worker(engine, clock, model_given(cfg), cfg.wire_dtype, cfg.strict_finite, events.emit)
     child = start_background(engine, cfg) if cfg.warmup == "background" else None
     info = engine.info
     # a whole context's hidden state in one request, as float32 (the widest dtype a stage accepts)

@@ -12,6 +12,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from pp_worker.wire import B64, WireError, encode_payload, parse_json
 from pp_worker.worker import protocol, q8
 from pp_worker.worker.engines.base import Engine, EngineError
@@ -28,9 +30,13 @@ ANY = frozenset(Role)
 class Worker:
     """One stage: an engine plus the bookkeeping the control ops report."""
 
-    def __init__(self, engine: Engine, clock: Clock, model: str, wire_dtype: str = "f16"):
+    def __init__(self, engine: Engine, clock: Clock, model: str, wire_dtype: str = q8.DEFAULT_WIRE,
+                 strict_finite: bool = False, emit: Callable[..., None] = lambda kind, **fields: None):
+        """``model``: what the stage was given (a path, URL or name); ``strict_finite`` (PP_STRICT_FINITE): a hidden
+        state holding inf or NaN is an error, not computed on; ``emit(kind, **fields)``: an event line."""
         self.engine, self.clock, self.model = engine, clock, model
         self.wire_dtype = wire_dtype  # of the hidden states this stage emits (PP_WIRE_DTYPE); any is accepted
+        self.strict_finite, self.emit = strict_finite, emit
         self.shard = engine.shard
         info = engine.info
         self.limits = protocol.Limits(info.hidden_dim, info.vocab_size, info.check_token_ids)
@@ -46,8 +52,9 @@ class Worker:
         return list(self.serve([self._prepare(line) for line in lines]))
 
     def handle_objects(self, objs: list[Any]) -> list[Reply]:
-        """The replies to consecutive parsed requests (a batch op's), in order (see `serve`)."""
-        return list(self.serve([self._prepare(None, obj) for obj in objs]))
+        """The replies to consecutive parsed requests (a batch op's), in order (see `serve`); one whose op may not
+        be batched fails alone."""
+        return list(self.serve([self._prepare(None, obj, in_batch=True) for obj in objs]))
 
     def prepare_lines(self, lines: list[bytes]) -> list[Request | Reply]:
         return [self._prepare(line) for line in lines]
@@ -68,12 +75,16 @@ class Worker:
                 yield item
             i += max(1, len(run))
 
-    def _prepare(self, line: bytes | None, obj: Any = None) -> Request | Reply:
-        """A request line (or an already parsed object) -> its validated Request, or its error reply."""
+    def _prepare(self, line: bytes | None, obj: Any = None, in_batch: bool = False) -> Request | Reply:
+        """A request line (or an already parsed object, ``in_batch``: an entry of a batch op) -> its validated
+        Request, or its error reply."""
         try:
             if line is not None:
                 obj = parse_json(line)
             op, rid, obj = protocol.parse_envelope(obj)
+            if in_batch and op not in protocol.BATCH_OPS:
+                raise ProtocolError(f"a batch holds forward requests ({', '.join(sorted(protocol.BATCH_OPS))}); "
+                                    f"got op {op[:60]!r}")
             entry = OPS.get(op)
             if entry is None:  # never echo a huge op
                 raise ProtocolError(f"unknown op {op[:60]!r}; known ops: {', '.join(sorted(OPS))}")
@@ -81,7 +92,10 @@ class Worker:
             if self.shard.role not in roles:
                 raise ProtocolError(f"op {op!r} needs the {_describe(roles)} stage; this worker is stage "
                                     f"{self.shard.stage} of {self.shard.num_stages} ({self.shard.role.value})")
-            return Request(op, rid, obj, protocol.parse_fields(op, obj, self.limits), handler)
+            fields = protocol.parse_fields(op, obj, self.limits)
+            if self.strict_finite and fields.get("nonfinite"):  # refused before any session changes
+                raise ProtocolError(f"hidden_b64 {_nonfinite(fields['nonfinite'])}; PP_STRICT_FINITE=1 refuses it")
+            return Request(op, rid, obj, fields, handler)
         except (WireError, ProtocolError) as e:
             return _error(protocol.request_id_of(obj), str(e))
         except Exception as e:  # a bug must not take the stage down
@@ -100,16 +114,24 @@ class Worker:
             run.append(item)
         return run
 
-    @staticmethod
-    def _run_guarded(run: list[Request], work: Callable[[], list[Reply]]) -> list[Reply]:
-        """``work()``'s replies, or an error reply for each request of ``run`` when it fails."""
+    def _run_guarded(self, run: list[Request], work: Callable[[], list[Reply]]) -> list[Reply]:
+        """``work()``'s replies, or an error reply for each request of ``run`` when it fails (its sessions put back
+        as the step found them)."""
+        for r in run:
+            if r.fields.get("nonfinite"):
+                self.emit("nonfinite_input", **_where_nonfinite(r.op, r.rid, r.fields["position"],
+                                                                 r.fields["nonfinite"]))
         try:
             return work()
-        except (EngineError, GrammarError) as e:
-            return [_error(r.rid, str(e)) for r in run]
-        except Exception as e:  # a bug or resource failure must not take the stage down
-            traceback.print_exc(file=sys.stderr)
-            return [_error(r.rid, f"internal error: {type(e).__name__}: {e}") for r in run]
+        except Exception as e:  # a bug or resource failure must not take the stage down either
+            known = isinstance(e, EngineError | GrammarError)
+            if not known:
+                traceback.print_exc(file=sys.stderr)
+            for r in run:
+                if r.op in protocol.BATCH_OPS:
+                    self.engine.undo(r.rid)
+            message = str(e) if known else f"internal error: {type(e).__name__}: {e}"
+            return [_error(r.rid, message) for r in run]
 
 
 @dataclass
@@ -131,6 +153,16 @@ def _error(rid: int | None, message: str) -> Reply:
     return {"error": message} if rid is None else {"request_id": rid, "error": message}
 
 
+def _nonfinite(rows: Any) -> str:
+    return f"has inf or NaN in {len(rows)} row(s) (first: row {int(rows[0])})"
+
+
+def _where_nonfinite(op: str, rid: int, position: int, rows: Any) -> dict[str, Any]:
+    """An event's fields for inf or NaN in a hidden state: the session (never a field named request_id), the op,
+    the step's position, how many rows and the first."""
+    return {"session": rid, "op": op, "position": position, "rows": len(rows), "first_row": int(rows[0])}
+
+
 # --- handlers: (worker, request id, raw request, validated fields) -> reply fields -------------------------
 
 def _tokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -145,22 +177,38 @@ def _detokenize(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> 
 
 
 def _embed(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
-    return _hidden_reply(w, w.engine.embed_and_forward(rid, f["tokens"], f["position"]), len(f["tokens"]))
+    hidden = w.engine.embed_and_forward(rid, f["tokens"], f["position"])
+    return _hidden_reply(w, hidden, len(f["tokens"]), (obj["op"], rid, f["position"]))
 
 
 def _forward_range(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
-    return _hidden_reply(w, w.engine.forward_range(rid, f["hidden"], f["position"], f["seq_len"]), f["seq_len"])
+    hidden = w.engine.forward_range(rid, f["hidden"], f["position"], f["seq_len"])
+    return _hidden_reply(w, hidden, f["seq_len"], (obj["op"], rid, f["position"]))
 
 
-def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int) -> Reply:
-    """The engine's (1, T, D) on the stage's wire (`q8.emit`). f16 replies are the contract's, byte for byte (no
-    ``hidden_dtype`` field); a state float16 cannot hold is an error reply there (and on q8), float32 on auto."""
+def _hidden_reply(w: Worker, hidden: bytes | memoryview, seq_len: int, step: tuple[str, int, int]) -> Reply:
+    """The engine's (1, T, D) on the stage's wire (`q8.emit`): float16 byte for byte where it holds the state (no
+    ``hidden_dtype`` field), float32 past its range on auto, an error there on f16 and q8. inf or NaN go out as
+    computed, as the seed's did, with a `nonfinite_output` event (an error with PP_STRICT_FINITE=1, and on q8).
+    ``step``: (op, request id, position), for the event."""
+    _check_output(w, step, q8.as_rows(hidden, w.engine.hidden_dtype, w.limits.hidden_dim))
     try:
         payload, dtype = q8.emit(hidden, w.engine.hidden_dtype, w.wire_dtype, w.limits.hidden_dim)
     except q8.Q8Error as e:
         raise EngineError(str(e)) from None
     reply = {"hidden_b64": encode_payload(payload), "seq_len": seq_len}
     return reply if dtype == "f16" else reply | {"hidden_dtype": dtype}
+
+
+def _check_output(w: Worker, step: tuple[str, int, int], rows: Any) -> None:
+    """inf or NaN in what a step computed (rows (T, D), or logits (1, V)): an error with PP_STRICT_FINITE=1, else
+    a `nonfinite_output` event."""
+    bad = q8.nonfinite_rows(rows)
+    if not len(bad):
+        return
+    if w.strict_finite:
+        raise EngineError(f"the stage's output {_nonfinite(bad)}; PP_STRICT_FINITE=1 refuses to send it")
+    w.emit("nonfinite_output", **_where_nonfinite(*step, bad))
 
 
 def _forward_and_sample(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -186,10 +234,16 @@ def _piece(w: Worker, token: int, logprob: float) -> Reply:
 
 
 def _pick(w: Worker, rid: int, f: dict[str, Any], logits: Any) -> int:
-    """The next token of session ``rid``: its grammar (if any) masks the logits before the sampler sees them."""
+    """The next token of session ``rid``: its grammar (if any) masks the logits before the sampler sees them; inf or
+    NaN logits are reported (`_check_output`), all of them NaN is this step's error."""
     if "grammar" in f:
         w.constraints.keep_only(w.engine.sessions())  # matchers of evicted sessions go before a new one comes
-    token = sample(w.constraints.mask(rid, f, logits), f["sampling"], step_key=f["position"] + f["seq_len"])
+    _check_output(w, ("forward_and_sample", rid, f["position"]), np.asarray(logits).reshape(1, -1))
+    masked = w.constraints.mask(rid, f, logits)
+    try:  # NaN logits are skipped by argmax
+        token = sample(masked, f["sampling"], step_key=f["position"] + f["seq_len"])
+    except ValueError as e:  # every logit NaN: no token to give
+        raise EngineError(f"no token: {e}") from None
     w.constraints.advance(rid, f, token)
     return token
 
@@ -224,9 +278,9 @@ def model_fields(engine: Engine, wire_dtype: str) -> Reply:
     """What a driver needs beyond the shapes, so it needs no copy of the GGUF, and how the stage runs
     (the dtype of the hidden states it emits, device, KV cache dtype...): on the ready line and in status."""
     info = engine.info
-    return {"chat_template": info.chat_template, "bos_token_id": info.bos_token_id, "add_bos": info.add_bos,
-            "bos_token": info.bos_token, "eos_token": info.eos_token, "max_sessions": engine.max_sessions,
-            "wire_dtype": wire_dtype, **engine.describe()}
+    return {"model_name": info.name, "chat_template": info.chat_template, "bos_token_id": info.bos_token_id,
+            "add_bos": info.add_bos, "bos_token": info.bos_token, "eos_token": info.eos_token,
+            "max_sessions": engine.max_sessions, "wire_dtype": wire_dtype, **engine.describe()}
 
 
 def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -236,6 +290,12 @@ def _release(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Rep
 
 def _claim(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
     return {"positions": w.engine.claim(rid)}
+
+
+def _reset(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    released = w.engine.reset()
+    w.constraints.keep_only(w.engine.sessions())  # no session, no matcher
+    return {"released": released}
 
 
 def _ping(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -269,25 +329,20 @@ def _step_batch(w: Worker, run: list[Request]) -> list[Reply]:
     out = w.engine.step_batch([r.rid for r in run], positions, inputs)
     w.batched += len(run)
     if w.shard.is_last:
-        return [_token_reply(w, r, out[b]) for b, r in enumerate(run)]
+        return [_row_reply(w, r, lambda b=b, r=r: _sampled(w, r.rid, r.fields, out[b])) for b, r in enumerate(run)]
     row = len(out) // len(run)
-    return [_row_reply(w, r.rid, out[b * row:(b + 1) * row]) for b, r in enumerate(run)]
+    return [_row_reply(w, r, lambda b=b, r=r: _hidden_reply(w, out[b * row:(b + 1) * row], 1,
+                                                             (r.op, r.rid, positions[b])))
+            for b, r in enumerate(run)]
 
 
-def _token_reply(w: Worker, r: Request, logits: Any) -> Reply:
-    """One batched session's token, or its own error (its grammar refused; the others' tokens are still good)."""
+def _row_reply(w: Worker, r: Request, reply: Callable[[], Reply]) -> Reply:
+    """One batched session's reply, or its own error, its session put back (the others' rows are still good)."""
     try:
-        return {"request_id": r.rid, **_sampled(w, r.rid, r.fields, logits)}
-    except GrammarError as e:
+        return {"request_id": r.rid, **reply()}
+    except (EngineError, GrammarError) as e:
+        w.engine.undo(r.rid)
         return _error(r.rid, str(e))
-
-
-def _row_reply(w: Worker, rid: int, hidden: bytes | memoryview) -> Reply:
-    """One batched session's hidden row, or its own error (the others' rows are still good)."""
-    try:
-        return {"request_id": rid, **_hidden_reply(w, hidden, 1)}
-    except EngineError as e:
-        return _error(rid, str(e))
 
 
 Handler = Callable[[Worker, int, dict[str, Any], dict[str, Any]], Reply]
@@ -301,6 +356,7 @@ OPS: dict[str, tuple[frozenset[Role], Handler]] = {
     "status": (ANY, _status),
     "release": (ANY, _release),
     "claim": (ANY, _claim),
+    "reset": (ANY, _reset),
     "ping": (ANY, _ping),
     "shutdown": (ANY, _shutdown),
     "batch": (ANY, _batch),

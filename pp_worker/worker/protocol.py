@@ -90,38 +90,45 @@ def flag(req: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def hidden_dtype(req: dict[str, Any]) -> str:
-    """The payload's dtype: ``hidden_dtype`` when present ("f16", "q8" or "f32"), else float16 as the contract has
-    it."""
-    value = req.get("hidden_dtype", "f16")
+def hidden_dtype(req: dict[str, Any]) -> str | None:
+    """The payload's dtype as the request names it (``hidden_dtype``: "f16", "q8" or "f32"), or None when it names
+    none (the seed's protocol: the payload's length says which)."""
+    value = req.get("hidden_dtype")
+    if value is None and "hidden_dtype" not in req:
+        return None
     if not isinstance(value, str) or value not in q8.DTYPES:
         raise ProtocolError(f"'hidden_dtype' must be one of {', '.join(map(repr, q8.DTYPES))}, got {_show(value)}")
     return value
 
 
+def payload_sizes(seq_len: int, hidden_dim: int) -> dict[str, int]:
+    """Bytes of a (1, seq_len, hidden_dim) payload in each dtype: f16 T*D*2, q8 T*(D+4), f32 T*D*4. Three different
+    sizes for every D but 4, where q8's is f16's (a stage refuses to emit q8 there, so such a payload is f16)."""
+    return {dtype: q8.payload_bytes(dtype, seq_len, hidden_dim) for dtype in q8.DTYPES}
+
+
 def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
-    """float16 (f16, q8) or float32 (f32) bytes of (1, seq_len, hidden_dim) from strict base64 of exactly the size
-    ``hidden_dtype`` implies (seq_len * hidden_dim * 2 for f16, seq_len * (hidden_dim + 4) for q8 (decoded here),
-    seq_len * hidden_dim * 4 for f32). The length is checked on the text first, so an oversized payload is refused
-    without decoding it."""
-    dtype = hidden_dtype(req)
+    """float16 (f16, q8) or float32 (f32) bytes of (1, seq_len, hidden_dim) from strict base64. The payload's length
+    says its dtype (`payload_sizes`), so a caller that forwards only the seed's fields (hidden_b64, seq_len,
+    position) hands a float32 or q8 payload on intact; a request's ``hidden_dtype``, when it names one, must agree.
+    The length is checked on the text first, so an oversized payload is refused without decoding it."""
+    named = hidden_dtype(req)
     text = req.get("hidden_b64")
     if isinstance(text, B64):  # what parse_json cut out of a long line, already checked
         text = text.data
     if not isinstance(text, str | bytes):
         raise ProtocolError(f"'hidden_b64' must be a string, got {_show(text)}")
-    expected = q8.payload_bytes(dtype, seq_len, hidden_dim)
-    if len(text) != b64_len(expected):
-        name, numbers = _SIZE[dtype]
-        raise ProtocolError(f"hidden length does not match {name} ({numbers.format(seq_len, hidden_dim)} "
-                            f"= {expected} bytes, {b64_len(expected)} base64 chars); got {len(text)} base64 chars"
-                            f"{_other_dtype_hint(dtype, len(text), seq_len, hidden_dim)}")
+    sizes = payload_sizes(seq_len, hidden_dim)
+    allowed = {d: n for d, n in sizes.items() if named in (None, d)}
+    if len(text) not in {b64_len(n) for n in allowed.values()}:
+        raise _length_error(named, len(text), seq_len, hidden_dim)
     try:
         data = decode_payload(text)
     except (binascii.Error, ValueError) as e:
         raise ProtocolError(f"invalid base64 in hidden_b64: {e}") from None
-    if len(data) != expected:
-        raise ProtocolError(f"hidden length {len(data)} does not match {_SIZE[dtype][0]} = {expected}")
+    dtype = next((d for d, n in allowed.items() if n == len(data)), None)  # f16 first: at D = 4 the contract's
+    if dtype is None:  # base64 padding: a text of the right length can hold a byte or two fewer
+        raise _length_error(named, len(text), seq_len, hidden_dim, len(data))
     if dtype != "q8":
         return data
     try:
@@ -130,16 +137,20 @@ def decode_hidden(req: dict[str, Any], seq_len: int, hidden_dim: int) -> bytes:
         raise ProtocolError(f"invalid q8 hidden_b64: {e}") from None
 
 
-_SIZE = {"f16": ("seq_len*hidden_dim*2", "{}*{}*2"), "q8": ("seq_len*(hidden_dim+4)", "{}*({}+4)"),
-         "f32": ("seq_len*hidden_dim*4", "{}*{}*4")}
+_SIZE = {"f16": "{}*{}*2", "q8": "{}*({}+4)", "f32": "{}*{}*4"}
 
 
-def _other_dtype_hint(dtype: str, b64_chars: int, seq_len: int, hidden_dim: int) -> str:
-    """A payload of another dtype's size was almost surely sent without (or with the wrong) ``hidden_dtype``."""
-    for other in q8.DTYPES:
-        if other != dtype and b64_chars == b64_len(q8.payload_bytes(other, seq_len, hidden_dim)):
-            return f" (the size of a {other} payload: send 'hidden_dtype': '{other}' with it)"
-    return ""
+def _length_error(named: str | None, b64_chars: int, seq_len: int, hidden_dim: int,
+                  n_bytes: int | None = None) -> ProtocolError:
+    """What a payload of this length is not, and every length this seq_len allows (for ``named`` only, if given)."""
+    sizes = payload_sizes(seq_len, hidden_dim)
+    expected = " or ".join(f"{b64_len(n)} chars ({d}: {_SIZE[d].format(seq_len, hidden_dim)} = {n} bytes)"
+                           for d, n in sizes.items() if named in (None, d))
+    other = [d for d, n in sizes.items() if d != named and b64_len(n) == b64_chars]
+    got = f"{b64_chars} base64 chars" + (f" ({n_bytes} bytes)" if n_bytes is not None else "")
+    hint = f"; that is the size of a {other[0]} payload" if named and other and n_bytes is None else ""
+    return ProtocolError(f"hidden_b64 does not match seq_len {seq_len}: got {got}; expected "
+                         f"{f'for hidden_dtype {named!r} ' if named else ''}{expected}{hint}")
 
 
 def request_id_of(obj: Any) -> int | None:
@@ -161,6 +172,8 @@ def parse_envelope(obj: Any) -> tuple[str, int, dict[str, Any]]:
         raise ProtocolError("missing 'op' field", rid)
     if not isinstance(op, str):
         raise ProtocolError(f"'op' must be a string, got {_show(op)}", rid)
+    if "request_id" not in obj:
+        raise ProtocolError("missing 'request_id' field")
     if rid is None:
         raise ProtocolError(f"'request_id' must be a non-negative int, got {_show(obj.get('request_id'))}")
     return op, rid, obj
@@ -267,8 +280,13 @@ def _positions(obj: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hidden_fields(obj: dict[str, Any], lim: Limits) -> dict[str, Any]:
+    """The positions and the hidden state, with the rows of it holding inf or NaN (``nonfinite``: computed on and
+    reported by default, as the seed computed on them; refused with PP_STRICT_FINITE=1)."""
     fields = _positions(obj)
-    fields["hidden"] = decode_hidden(obj, fields["seq_len"], lim.hidden_dim)
+    hidden = fields["hidden"] = decode_hidden(obj, fields["seq_len"], lim.hidden_dim)
+    wide = len(hidden) == q8.payload_bytes("f32", fields["seq_len"], lim.hidden_dim)
+    rows = q8.as_rows(hidden, "f32" if wide else "f16", lim.hidden_dim)  # (T, D)
+    fields["nonfinite"] = tuple(map(int, q8.nonfinite_rows(rows)))
     return fields
 
 
@@ -301,15 +319,12 @@ MAX_BATCH_REQUESTS = 1024
 
 
 def _requests(obj: dict[str, Any], lim: Limits) -> dict[str, Any]:
-    """A batch's requests: each is validated (and answered) on its own, so only the list itself is checked here."""
+    """A batch's requests: each is validated (and answered) on its own, its op included (one that may not be batched
+    fails alone), so only the list itself is checked here."""
     value = obj.get("requests")
     if not isinstance(value, list) or not 1 <= len(value) <= MAX_BATCH_REQUESTS:
         got = f"{len(value)} items" if isinstance(value, list) else _show(value)
         raise ProtocolError(f"'requests' must be a list of 1 to {MAX_BATCH_REQUESTS} requests, got {got}")
-    ops = {r.get("op") if isinstance(r, dict) else None for r in value}
-    if not ops <= BATCH_OPS:
-        bad = sorted(map(str, ops - BATCH_OPS))
-        raise ProtocolError(f"a batch holds forward requests ({', '.join(sorted(BATCH_OPS))}); got op {bad[0][:60]!r}")
     return {"requests": value}
 
 

@@ -89,6 +89,13 @@ class Engine(Protocol):
     def claim(self, session: int) -> int:
         """Take a session back for a live generation (no longer cache); the positions it holds, 0 for none."""
 
+    def undo(self, session: int) -> None:
+        """The last forward call failed for ``session`` (in it, or in what the worker did with its output): put the
+        session back as that call found it (`sessions.SessionTable.undo`)."""
+
+    def reset(self) -> int:
+        """Drop every session; how many there were."""
+
     def sessions(self) -> dict[int, int]:
         """request_id -> number of positions its KV cache holds."""
 

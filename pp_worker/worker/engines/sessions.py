@@ -47,6 +47,17 @@ class Session:
     cached: bool = False  # left by a finished generation for reuse: evicted before every live session
 
 
+@dataclass(frozen=True)
+class Before:
+    """A session as a step found it (`SessionTable.undo`): its pages and length, or None for one the step made; the
+    step's position; the id it was adopted from."""
+
+    pages: list[int] | None
+    length: int
+    position: int
+    adopted_from: int | None = None
+
+
 class SessionTable:
     """request_id -> Session, least recently used evicted first once ``max_sessions`` are held or the pool's pages
     run out."""
@@ -59,6 +70,7 @@ class SessionTable:
         self._pool, self._emit = pool, emit
         self._live: OrderedDict[int, Session] = OrderedDict()  # oldest use first
         self._evicted: OrderedDict[int, None] = OrderedDict()  # a bounded ordered set
+        self._before: dict[int, Before] = {}  # the sessions the current step began (`new_step`, `undo`)
 
     def begin(self, rid: int, position: int, seq_len: int, keep: Collection[int] = ()) -> Session:
         """The session to run ``seq_len`` positions from ``position`` on, after checking every rule, with the pages
@@ -70,15 +82,23 @@ class SessionTable:
         """
         self._check_bounds(position, seq_len)
         session = self._live.get(rid)
+        before = None if session is None else Before(list(session.pages), session.length, position)
         if session is None and position > 0:
+            old = next(iter(self._live), None)  # the one session `_adopt` may continue
             session = self._adopt(rid, position)
             if session is None:
                 self._refuse_unknown(rid, position)
+            before = Before(list(session.pages), session.length, position, old)
         if session is not None and position > session.length:
             raise EngineError(f"position {position} is past the {session.length} positions session {rid} holds")
         need = -(-(position + seq_len) // self._pool.page)  # pages for positions [0, position + seq_len)
         held = len(session.pages) if session is not None else 0
-        self._check_room(rid, need - held, keep, new=session is None)
+        try:
+            self._check_room(rid, need - held, keep, new=session is None)
+        except EngineError:
+            if before is not None and before.adopted_from is not None:  # refused: nothing changes, adoption included
+                self._rename(rid, before.adopted_from)
+            raise
         if session is None:
             session = self._create(rid, keep)
         if held > need:  # a rewind below a page boundary: what lies past the step goes back
@@ -89,7 +109,32 @@ class SessionTable:
         session.length = position  # rewind (a no-op when appending): [position, ...) is about to be rewritten
         session.cached = False  # in use again
         self._live.move_to_end(rid)
+        self._before[rid] = before or Before(None, 0, position)
         return session
+
+    def new_step(self) -> None:
+        """A step of the engine starts: what `undo` can undo is what its `begin` calls do from now on."""
+        self._before.clear()
+
+    def undo(self, rid: int) -> None:
+        """Put ``rid``'s session back as the current step found it, the step having failed (before or after its
+        compute): a session the step made is dropped (an adopted one goes back to its old id), an appended one
+        gets its length and pages back. A rewind to p < length overwrote the keys and values from p on, so its
+        session keeps [0, p) only. Sessions evicted to make room stay evicted. Nothing when the step never began
+        ``rid``."""
+        before = self._before.pop(rid, None)
+        session = self._live.get(rid)
+        if before is None or session is None:
+            return
+        if before.pages is None:
+            self.release(rid)
+            return
+        keep = min(len(before.pages), len(session.pages))  # begin only cuts or extends the list
+        self._pool.give(session.pages[keep:])
+        del session.pages[keep:]
+        session.length = min(before.length, before.position)
+        if before.adopted_from is not None:
+            self._rename(rid, before.adopted_from)
 
     def commit(self, session: Session, position: int, seq_len: int) -> None:
         """Record that positions [position, position + seq_len) are now in the cache."""
@@ -128,6 +173,13 @@ class SessionTable:
     def cached(self) -> list[int]:
         """The sessions held as cache, least recently used first."""
         return [rid for rid, s in self._live.items() if s.cached]
+
+    def reset(self) -> int:
+        """Drop every session (their pages go back to the pool); how many there were."""
+        held = list(self._live)
+        for rid in held:
+            self.release(rid)
+        return len(held)
 
     def positions(self) -> dict[int, int]:
         """request_id -> positions held, least recently used first."""
@@ -198,6 +250,9 @@ class SessionTable:
         self._live[rid] = session
         self._emit("session_adopted", session=rid, from_session=old, positions=position)
         return session
+
+    def _rename(self, rid: int, to: int) -> None:
+        self._live[to] = self._live.pop(rid)
 
     def _evict(self, rid: int, reason: str) -> None:
         session = self._live.pop(rid)

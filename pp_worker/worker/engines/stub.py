@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from typing import Any
 
-from pp_worker.worker.engines.base import ModelInfo
+from pp_worker.worker.engines.base import EngineError, ModelInfo
 from pp_worker.worker.shard import Shard
 
 STUB_HIDDEN_DIM = 16
@@ -58,6 +58,7 @@ class StubEngine:
                               eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
         self._sessions: OrderedDict[int, int] = OrderedDict()
         self._cached: set[int] = set()  # sessions released with keep (the stub evicts none, as it holds nothing)
+        self._before: dict[int, int | None] = {}  # session -> its length before its last op (`undo`)
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         """One token per whitespace-separated word, a stable hash of the word and its index (no BOS)."""
@@ -71,17 +72,17 @@ class StubEngine:
         return self.detokenize(tokens), 0  # no word is ever split
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> bytes:
-        self._track(session, position + len(tokens))
+        self._track(session, position, len(tokens))
         seed = hashlib.sha256(b"pp-stub-embed:%d|%s" % (position, ",".join(map(str, tokens)).encode())).digest()
         return _fp16_stream(seed, len(tokens) * STUB_HIDDEN_DIM)
 
     def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> bytes:
-        self._track(session, position + seq_len)
+        self._track(session, position, seq_len)
         seed = hashlib.sha256(b"pp-stub-range:%d:%d|" % (self.shard.stage, position) + hidden).digest()
         return _fp16_stream(seed, seq_len * STUB_HIDDEN_DIM)
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> list[float]:
-        self._track(session, position + seq_len)
+        self._track(session, position, seq_len)
         digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
         return [(b - 128) / 16.0 for b in digest]
 
@@ -113,11 +114,28 @@ class StubEngine:
             self._cached.add(session)
             return True
         self._cached.discard(session)
+        self._before.pop(session, None)
         return self._sessions.pop(session, None) is not None
 
     def claim(self, session: int) -> int:
         self._cached.discard(session)
         return self._sessions.get(session, 0)
+
+    def undo(self, session: int) -> None:
+        if session not in self._before:
+            return
+        before = self._before.pop(session)
+        if before is None:
+            self._sessions.pop(session, None)
+        else:
+            self._sessions[session] = before
+
+    def reset(self) -> int:
+        held = len(self._sessions)
+        self._sessions.clear()
+        self._before.clear()
+        self._cached.clear()
+        return held
 
     def sessions(self) -> dict[int, int]:
         return dict(self._sessions)
@@ -134,14 +152,22 @@ class StubEngine:
     def cache_settings(self) -> dict[str, str]:
         return {}
 
-    def _track(self, session: int, length: int) -> None:
+    def _track(self, session: int, position: int, seq_len: int) -> None:
+        """Record the op's session length (the stub keeps no KV: any position that fits the context is fine)."""
+        self._before.pop(session, None)  # an op refused here has nothing to undo
+        if position + seq_len > STUB_MAX_CONTEXT:  # as a real stage: status never shows a session past the context
+            raise EngineError(f"position {position} + seq_len {seq_len} = {position + seq_len} exceeds "
+                              f"max_context {STUB_MAX_CONTEXT}")
         if self.busy_file:
             with open(self.busy_file, "a") as f:
                 f.write(f"{session}\n")
         if self.delay_s:
             time.sleep(self.delay_s)
-        self._sessions[session] = length
+        self._before[session] = self._sessions.get(session)
+        self._sessions[session] = position + seq_len
         self._sessions.move_to_end(session)
         self._cached.discard(session)
         if len(self._sessions) > _MAX_TRACKED:
-            self._cached.discard(self._sessions.popitem(last=False)[0])
+            evicted = self._sessions.popitem(last=False)[0]
+            self._cached.discard(evicted)
+            self._before.pop(evicted, None)

@@ -61,6 +61,7 @@ from pp_worker.worker.engines.model import StageWeights, eos_token_ids, load_sta
 from pp_worker.worker.engines.pool import default_kv_bytes, mem_available, plan_pool
 from pp_worker.worker.engines.rope import freqs_cis
 from pp_worker.worker.engines.sessions import Session, SessionTable
+from pp_worker.worker.gguf.types import TYPES
 from pp_worker.worker.hostio import HostBuffer, InputBuffer, Outputs, pinned_allocator
 from pp_worker.worker.text.tokenizer import Tokenizer
 from pp_worker.worker.text.vocab import bos_token
@@ -368,9 +369,16 @@ class TinygradEngine:
 
     @property
     def numerics(self) -> str:
-        """"int8" where the C kernels' products quantize x to int8 blocks (ggml's scheme), "float" where every product
-        is in float (PP_EXACT=1, or no C kernels: tinygrad's own kernels dequantize)."""
-        return cpu_kernels.numerics() if self._w.kernels == "c" else "float"
+        """"int8" where some product of this stage quantizes x to int8 blocks (ggml's scheme: a matrix of a type the
+        C kernels' integer path takes, `cpu.kernels.uses_int8`), "float" where every product is in float (PP_EXACT=1,
+        no C kernels (tinygrad's own kernels dequantize), or only types without an integer path here, e.g. F16)."""
+        if self._w.kernels != "c" or cpu_kernels.numerics() != "int8":
+            return "float"
+        by_name = {t.name: t.id for t in TYPES.values()}
+        # the embedding is a product only as a tied head (the last stage); on stage 0 it is a row lookup
+        head = self._w.shard.is_last
+        products = {kind for name, (kind, _) in self._w.held.items() if name != "token_embd.weight" or head}
+        return "int8" if any(cpu_kernels.uses_int8("matmul", by_name[k]) for k in products) else "float"
 
     def describe(self) -> dict[str, Any]:
         """What the ready line and `status` report about how this stage runs."""
@@ -430,14 +438,17 @@ class TinygradEngine:
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> memoryview:
         assert self.shard.is_first, "embed_and_forward runs on the first stage"
+        self._sessions.new_step()
         return self._hidden_rows(session, np.asarray(tokens, dtype=np.int32), position)
 
     def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> memoryview:
         assert not (self.shard.is_first or self.shard.is_last), "forward_range runs on middle stages"
+        self._sessions.new_step()
         return self._hidden_rows(session, self._hidden(hidden, seq_len), position)
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
         assert self.shard.is_last, "forward_logits runs on the last stage"
+        self._sessions.new_step()
         last: list[Tensor] = []
         self._run(session, self._hidden(hidden, seq_len), position, lambda out, start, n: last.append(out))
         view = self._host.view(self.info.vocab_size * 4)
@@ -453,6 +464,7 @@ class TinygradEngine:
         stage, one float16 or float32 row each elsewhere. Output: (B, D) rows (`hidden_dtype`), or (B, V) float32
         logits on the last stage."""
         assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions))
+        self._sessions.new_step()
         n, cfg = len(sessions), self._w.config
         if self.shard.is_first:
             values = np.asarray(inputs, dtype=np.int32)
@@ -485,6 +497,12 @@ class TinygradEngine:
 
     def claim(self, session: int) -> int:
         return self._sessions.claim(session)
+
+    def undo(self, session: int) -> None:
+        self._sessions.undo(session)
+
+    def reset(self) -> int:
+        return self._sessions.reset()
 
     def sessions(self) -> dict[int, int]:
         return self._sessions.positions()
