@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_cuda_graph import tinygrads_own_count
 
 from bench import gpu, models, pipe, report, run, solo, wire
 from bench.pipe import Tokens
@@ -385,6 +386,10 @@ def test_gpu_check_runs_every_section_and_prints_one_table(tmp_path: Path, capsy
     assert values["2 stages: greedy tokens equal"] == values["interleaved == solo, 3 generations"] == 1.0
     table = capsys.readouterr().out
     assert "2 stages speed / fastest one process" in table and "sum of the parts" in table
+    # the kernel rows against tinygrad's own account of the graphs it built for the same model's decode steps
+    _, graphs = tinygrads_own_count(models.ensure_model(gpu.QUICK.preset), 2)
+    assert values["kernels a token"] == sum(graphs) and values["launches a token (graphs and lone kernels)"] == 2
+    assert len(graphs) == 2 and doc["raw"]["kernels"]["stages"][1]["kernels"] == graphs[1]
 
 
 def test_gpu_check_table_targets() -> None:
