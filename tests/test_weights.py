@@ -127,7 +127,10 @@ def test_tinygrad_kernels_keep_quantized_weights_packed_and_expand_nothing(model
     compiled, _ = _run(w)
     packed = {n: m for n, m in _matrices(w).items() if isinstance(m, PackedWeight)}
     assert packed and all(m.ggml_type == 8 for m in packed.values())
-    assert w.describe()["weights"]["Q8_0"] == len(packed)
+    # every Q8_0 tensor of the file held packed, q/k/v and gate/up each stacked into one matrix (one product a token)
+    assert sum(m.raw.nbytes() for m in packed.values()) == sum(n for t, n in w.held.values() if t == "Q8_0")
+    assert {n.split(".")[2] for n in packed if n.startswith("blk.")} == {"attn_qkv", "attn_output", "ffn_gate_up",
+                                                                         "ffn_down"}
     smallest = min(m.shape[0] * m.shape[1] * 2 for m in packed.values())  # a weight's fp16 size, at the least
     weights = {b.buffer for m in packed.values() for b in _buffers(m.raw)}
     read = compiled.decode.buffers()

@@ -120,6 +120,28 @@ class CacheBlock(TransformerBlock):
     c_kernels = False  # whether the stage runs the CPU's C kernels: its feed-forward's activation is `kernels.silu_mul`
     window = 0  # > 0: a sliding window, the query at q sees the keys at [q - window + 1, q] (Gemma 3's local blocks)
     kv: Slot  # set while a forward is traced
+    qkv_split: tuple[int, int, int] = ()  # type: ignore[assignment]  # set by `pack`: q, k, v widths of attn_qkv
+
+    def pack(self) -> None:
+        """tinygrad's kernels: q, k and v as one product (``attn_qkv``), gate and up as one (``ffn_gate_up``), each
+        one kernel a token instead of one a matrix, where `weights.stacked` can stack them (the same type)."""
+        from pp_worker.worker.engines.weights import stacked
+
+        if (qkv := stacked(self.attn_q, self.attn_k, self.attn_v)) is not None:
+            self.qkv_split = (self.attn_q.weight.shape[0], self.attn_k.weight.shape[0], self.attn_v.weight.shape[0])
+            self.attn_qkv = qkv
+            del self.attn_q, self.attn_k, self.attn_v
+        if (gate_up := stacked(self.ffn_gate, self.ffn_up)) is not None:
+            self.ffn_gate_up = gate_up
+            del self.ffn_gate, self.ffn_up
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projections q, k, v of ``x``: one product where `pack` stacked them."""
+        if not self.qkv_split:
+            return self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        nq, nk, _ = self.qkv_split
+        y = self.attn_qkv(x).contiguous()  # the one product's output; the rest reads views of it
+        return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
 
     def _init_state(self, x: Tensor) -> None:
         """Nothing: tinygrad's makes a ``cache_kv`` of its own and its RoPE table (the compiled stage sets the table
@@ -127,7 +149,7 @@ class CacheBlock(TransformerBlock):
 
     def _attention(self, x: Tensor, start_pos: int | UOp) -> Tensor:
         c = self.config
-        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        q, k, v = self._qkv(x)
         B, T, _ = x.shape
         gate = None
         if c.attn_output_gate:
@@ -137,7 +159,11 @@ class CacheBlock(TransformerBlock):
         return self.attn_output(attn if gate is None else (attn * gate.sigmoid()))
 
     def _feed_forward(self, x: Tensor) -> Tensor:
-        """tinygrad's; with the C kernels (`c_kernels`), silu(gate) * up as one C kernel (`kernels.silu_mul`)."""
+        """tinygrad's; with the C kernels (`c_kernels`), silu(gate) * up as one C kernel (`kernels.silu_mul`); where
+        `pack` stacked gate and up, their one product, and silu(gate) * up read inside ffn_down's kernel."""
+        if hasattr(self, "ffn_gate_up"):
+            h = self.ffn_gate_up(x).contiguous()
+            return self.ffn_down(h[..., :self.config.hidden_dim].silu() * h[..., self.config.hidden_dim:])
         if self.c_kernels and not hasattr(self, "ffn_gate_exps") and kernels.silu_mul_fits(self.config.hidden_dim):
             return self.ffn_down(kernels.silu_mul(self.ffn_gate(x), self.ffn_up(x)))
         return super()._feed_forward(x)
@@ -148,7 +174,7 @@ class CacheBlock(TransformerBlock):
         attention runs per session, over its own pages and length."""
         assert not self.config.attn_output_gate, "no supported architecture gates its attention output"
         h = self.attn_norm(x)
-        q, k, v = self.attn_q(h), self.attn_k(h), self.attn_v(h)
+        q, k, v = self._qkv(h)
         rows = [self._attend(*self._heads(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos), slot, pos)
                 for b, (slot, pos) in enumerate(zip(slots, positions, strict=True))]
         h = x + self.attn_output(rows[0].cat(*rows[1:]))
