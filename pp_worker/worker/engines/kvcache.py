@@ -16,13 +16,13 @@ page variable: the pool still caps and shares the memory, but a session's memory
 
 A page's stale contents never matter: a session only attends to the positions [0, length) it wrote itself.
 
-fp16 pages halve the memory a session holds. Attention still computes in float32 (tinygrad's
-scaled_dot_product_attention promotes q @ k to float32, the C kernel converts each key), so only the stored keys and
-values are rounded.
+fp16 pages halve the memory a session holds. Attention still computes in float32 (`_sdpa` computes q @ k in
+float32, the C kernel converts each key), so only the stored keys and values are rounded.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tinygrad import Tensor, UOp, dtypes
@@ -111,8 +111,9 @@ class CacheBlock(TransformerBlock):
     refuses. `_attention` is tinygrad's, split in two (`_heads`, `_attend`) so the batched step reuses it, with
     two changes: the cast marked below, and the store into a page of the pool (``kv``, set by the compiled stage
     while it traces) instead of ``cache_kv`` (tests/test_kvcache.py fails if tinygrad's own version changes, so the
-    copy cannot drift unnoticed). One session's attention on the CPU (`c_attention`) is a C kernel that reads the
-    session's pages through its page table after the store.
+    copy cannot drift unnoticed); and its scaled_dot_product_attention is `_sdpa`, one kernel fewer. One session's
+    attention on the CPU (`c_attention`) is a C kernel that reads the session's pages through its page table after
+    the store.
     """
 
     kv_row = 0  # this block's row in a page (its index in the stage)
@@ -219,8 +220,21 @@ class CacheBlock(TransformerBlock):
         if self.window:  # query t (at start_pos + t) does not see key j where j <= start_pos + t - window
             far = full().tril(start_pos - self.window)
             mask = far if mask is None else mask + far
-        attn = q.scaled_dot_product_attention(k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, Hd)
+        attn = _sdpa(q, k, v, mask)  # (B, H, T, Hd)
         return attn.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * Hd)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """tinygrad's scaled_dot_product_attention (grouped heads, float32 scores), normalised after the values' sum
+    instead of before: softmax(s) @ v = (exp(s - max) @ v) / sum(exp(s - max)), so the exponentials are computed
+    inside the kernels that sum them and no kernel writes the normalised weights (one kernel a block fewer)."""
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = q.matmul(k.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s + mask
+    e = (s - s.max(-1, keepdim=True)).exp()
+    return (e @ v) / e.sum(-1, keepdim=True)
 
 
 def uses_table(device: str, kernels: str, config: TransformerConfig) -> bool:
