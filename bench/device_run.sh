@@ -9,7 +9,8 @@
 # others' results): the 0.74B "rss" model F16 with every section (exactness, the hop's parts, ms/token of one
 # process and 2 stages, 512-token time to first token, kernels a token), then Q8_0 and Q4_K_M (speed and kernels),
 # then F16 again with PP_BEAM=2 (2 stages only; the search runs while the stages warm up, its kernels cached).
-# About 8 minutes on an H200 (the quantized models generate while the F16 step runs); give the device tool 600 s.
+# At most 560 s in all (DEVICE_RUN_BUDGET; a step gets what is left when that is less than its own limit), about 8
+# minutes on an H200 (the quantized models generate while the F16 step runs); give the device tool 600 s.
 # Files under $OUT: machine.txt, device.log (everything printed), gpu-f16.json, gpu-q8_0.json, gpu-q4_k_m.json,
 # gpu-f16-beam2.json (6 of the 8 files the device tool brings back).
 set -u
@@ -61,9 +62,13 @@ gen[bench]=$!
 ready() { for key in "$@"; do wait "${gen[$key]}" || say "generating the $key model failed (see above)"; done; }
 
 failed=0
-step() {  # step SECONDS TAG ARGS...: one bench.gpu run, its table in the log, its JSON as gpu-TAG.json
-  local limit=$1 tag=$2
+BUDGET=${DEVICE_RUN_BUDGET:-560}  # seconds for the whole run: under the device tool's 600, leaving the files' return
+step() {  # step SECONDS TAG ARGS...: one bench.gpu run, its table in the log, its JSON as gpu-TAG.json (rewritten
+  local limit=$1 tag=$2  # after each section, so a step stopped at its limit keeps the sections it finished)
   shift 2
+  local left=$((BUDGET - SECONDS))
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -lt 20 ]; then say "step $tag skipped: the run's ${BUDGET}s are spent"; failed=1; return; fi
   say "step $tag (at most ${limit}s): bench.gpu $QUICK $*"
   timeout -k 10 "$limit" $PY -m bench.gpu $QUICK --out "$OUT" --tag "$tag" "$@" >>"$LOG" 2>&1
   local rc=$?
@@ -73,13 +78,13 @@ step() {  # step SECONDS TAG ARGS...: one bench.gpu run, its table in the log, i
 QSECTIONS=speed,kernels
 [ -n "$QUICK" ] && QSECTIONS=kernels
 ready F16 bench
-step 210 f16
+step 240 f16 --sections speed,hop,exact,kernels  # speed first: what a step stopped at its limit keeps
 ready Q8_0
 step 75 q8_0 --dtype Q8_0 --sections $QSECTIONS --solo realize
 ready Q4_K_M
 step 75 q4_k_m --dtype Q4_K_M --sections $QSECTIONS --solo realize
 if [ -z "$QUICK" ]; then  # a BEAM search on the CPU takes minutes even on the tiny model
-  step 100 f16-beam2 --sections speed --beam 2
+  step 120 f16-beam2 --sections speed --beam 2
 fi
 say "done; files: $(ls "$OUT" | tr '\n' ' ')"
 exit $failed

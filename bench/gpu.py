@@ -325,13 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.monotonic()
     raw: dict[str, Any] = {}
     runs = {"exact": exactness, "hop": hop_parts, "speed": speed, "kernels": kernels}
-    for name in args.sections.split(","):
-        attempt(raw, name, lambda out, fn=runs[name]: fn(plan, out))
-    table = rows(raw, plan)
-    meta = {"device": Device.DEFAULT, "plan": dataclasses.asdict(plan), "wall_s": round(time.monotonic() - t0, 1)}
     name = f"gpu-{args.tag}" if args.tag else f"gpu-{time.strftime('%Y%m%d-%H%M%S')}"
-    write_results(to_json(table, meta | {"raw": raw}), args.out, name,
-                  latest=f"{name}.json" if args.tag else "gpu-latest.json")
+    for section in args.sections.split(","):  # the JSON after each: a run stopped half-way keeps what it measured
+        attempt(raw, section, lambda out, fn=runs[section]: fn(plan, out))
+        table = rows(raw, plan)
+        meta = {"device": Device.DEFAULT, "plan": dataclasses.asdict(plan),
+                "wall_s": round(time.monotonic() - t0, 1)}
+        write_results(to_json(table, meta | {"raw": raw}), args.out, name,
+                      latest=f"{name}.json" if args.tag else "gpu-latest.json")
     print(f"device {Device.DEFAULT}, {meta['wall_s']} s")
     print(render(table))
     print(summary(table), flush=True)
