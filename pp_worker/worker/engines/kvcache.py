@@ -121,17 +121,21 @@ class CacheBlock(TransformerBlock):
     c_kernels = False  # whether the stage runs the CPU's C kernels: its feed-forward's activation is `kernels.silu_mul`
     window = 0  # > 0: a sliding window, the query at q sees the keys at [q - window + 1, q] (Gemma 3's local blocks)
     kv: Slot  # set while a forward is traced
-    qkv_split: tuple[int, int, int] = ()  # type: ignore[assignment]  # set by `pack`: q, k, v widths of attn_qkv
+    qkv_split: tuple[int, int, int] = ()  # type: ignore[assignment]  # set by `pack`: q, k, v rows of attn_qkv (v 0: apart)
 
     def pack(self) -> None:
         """tinygrad's kernels: q, k and v as one product (``attn_qkv``), gate and up as one (``ffn_gate_up``), each
-        one kernel a token instead of one a matrix, where `weights.stacked` can stack them (the same type)."""
+        one kernel a token instead of one a matrix, where `weights.stacked` can stack them (the same type); where v's
+        type differs (Q4_K_M's Q6_K attn_v in some blocks), q and k (v's product then runs in the KV store's kernel)."""
         from pp_worker.worker.engines.weights import stacked
 
+        rows = (self.attn_q.weight.shape[0], self.attn_k.weight.shape[0], self.attn_v.weight.shape[0])
         if (qkv := stacked(self.attn_q, self.attn_k, self.attn_v)) is not None:
-            self.qkv_split = (self.attn_q.weight.shape[0], self.attn_k.weight.shape[0], self.attn_v.weight.shape[0])
-            self.attn_qkv = qkv
+            self.qkv_split, self.attn_qkv = rows, qkv
             del self.attn_q, self.attn_k, self.attn_v
+        elif (qk := stacked(self.attn_q, self.attn_k)) is not None:
+            self.qkv_split, self.attn_qkv = (*rows[:2], 0), qk
+            del self.attn_q, self.attn_k
         if (gate_up := stacked(self.ffn_gate, self.ffn_up)) is not None:
             self.ffn_gate_up = gate_up
             del self.ffn_gate, self.ffn_up
@@ -140,9 +144,9 @@ class CacheBlock(TransformerBlock):
         """The projections q, k, v of ``x``: one product where `pack` stacked them."""
         if not self.qkv_split:
             return self.attn_q(x), self.attn_k(x), self.attn_v(x)
-        nq, nk, _ = self.qkv_split
+        nq, nk, nv = self.qkv_split
         y = self.attn_qkv(x).contiguous()  # the one product's output; the rest reads views of it
-        return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:]
+        return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:] if nv else self.attn_v(x)
 
     def _init_state(self, x: Tensor) -> None:
         """Nothing: tinygrad's makes a ``cache_kv`` of its own and its RoPE table (the compiled stage sets the table
