@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 
-.PHONY: install system test lint demo bench gpu-check model peers clean
+.PHONY: install system test lint demo bench gpu-check device-run model peers clean
 
 install: system $(STAMP)
 
@@ -69,6 +69,11 @@ bench: install
 # gpu-check); under 5 minutes on one GPU. GPU_CHECK_ARGS=--quick: the tiny model, a smoke test that runs anywhere.
 gpu-check: install
 	$(BIN)/python -m bench.gpu $(GPU_CHECK_ARGS)
+
+# Issue 56's GPU measurements in one command on a borrowed GPU machine without a .venv (docs/gpus.md): F16, Q8_0,
+# Q4_K_M, with and without BEAM, JSON and a log under $$OUT. Wheels first, here: bash bench/device_run.sh --wheels.
+device-run:
+	bash bench/device_run.sh $(DEVICE_RUN_ARGS)
 
 # Optional: llama.cpp (llama-cpp-python, built from source, ~8 minutes a build) for make bench's peer rows. A native
 # build crashes on these VMs: the instruction sets are named instead, and never AMX. .venv-peers is the AVX2 build

@@ -3,11 +3,15 @@ float64 reference, decode speed against one tinygrad process, the per-hop overhe
 
     python -m bench.gpu            # 0.74B "rss" model (dim 2048, 16 blocks, ffn 5632); under 5 minutes on one GPU
     python -m bench.gpu --quick    # the tiny model and few tokens: a smoke test (tests/test_bench.py runs it)
+    python -m bench.gpu --dtype Q4_K_M --sections speed,kernels --beam 2 --tag q4-beam   # one part, another file
 
 Exactness runs on a smaller model (a float64 forward of 0.74B parameters in numpy would take minutes): 2 and 3
 stages in this process, the device's default KV dtype. Speed: one tinygrad process (``bench.solo``, weights lazy
 and realized) and a real 2-stage pipeline of worker processes, both stages on the one device. The per-hop parts
-are timed in this process on the same device. Progress goes to stderr, the table to stdout, JSON to ``--out``.
+are timed in this process on the same device. Kernels: what one decode token launches on CUDA, counted on
+tinygrad's CUDA renderer without running anything (``DEV=NULL:CUDA:sm_90`` in a child, `testing.cudagraph`), so
+the count is the same on a machine without a GPU. Progress goes to stderr, the table to stdout, JSON to ``--out``.
+bench/device_run.sh runs the issue's whole set on a borrowed GPU (docs/gpus.md).
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,8 +51,12 @@ class Plan:
     max_context: int = 1024
     hop_reps: int = 2000
     prefill_chunk: int | None = None  # None: the device's default (PP_PREFILL_CHUNK)
+    dtype: str = "F16"  # the speed and kernel rows' model file type (F16, Q8_0, Q4_K_M...)
+    beam: int = 0  # PP_BEAM of the 2 stages (their decode kernels searched at compile); 0: none
+    solo_modes: tuple[str, ...] = ("lazy", "realize")  # one tinygrad process, weights lazy and realized
 
 
+SECTIONS = ("exact", "hop", "speed", "kernels")
 FULL = Plan()
 QUICK = Plan(preset="tiny", exact_preset="tiny", exact_tokens=4, decode=8, ttft_tokens=48, ttft_reps=1,
              max_context=96, hop_reps=200, prefill_chunk=8)  # 4 JITs a stage to compile instead of 6
@@ -147,7 +157,7 @@ def hop_parts(plan: Plan, out: dict[str, Any]) -> None:
 
 
 def speed(plan: Plan, out: dict[str, Any]) -> None:
-    model = models.ensure_model(plan.preset, isolated=True)
+    model = models.ensure_model(plan.preset, dtype=plan.dtype, isolated=True)
     tok = models.tokenizer(model)
     short = models.fixed_length_prompts(model, plan.prompt_tokens, 3)
     long = models.fixed_length_prompts(model, plan.ttft_tokens, 1)[0]
@@ -155,7 +165,7 @@ def speed(plan: Plan, out: dict[str, Any]) -> None:
     with tempfile.NamedTemporaryFile("w", suffix=".json") as f:
         json.dump(ids, f)
         f.flush()
-        for mode in ("lazy", "realize"):
+        for mode in plan.solo_modes:
             say(f"one process ({mode}): {plan.decode} decode tokens, a {plan.ttft_tokens}-token prompt")
             res = solo.run_json([str(model), "--prompt-file", f.name, "--decode", str(plan.decode),
                                  "--max-context", str(plan.max_context), "--mode", mode])
@@ -163,7 +173,7 @@ def speed(plan: Plan, out: dict[str, Any]) -> None:
                          "ttft_s": res["ttft_s"][str(plan.ttft_tokens)]}
     out["chain2"] = {"ms_per_token": _in_process_decode(model, short, plan)}
     say("2 stages (warm-up compiles every prefill size first)")
-    env = {"MAX_CONTEXT": str(plan.max_context)}
+    env = {"MAX_CONTEXT": str(plan.max_context), "PP_BEAM": str(plan.beam)}
     if plan.prefill_chunk:
         env["PP_PREFILL_CHUNK"] = str(plan.prefill_chunk)
     with pipe.start(model, 2, env) as p:
@@ -190,11 +200,34 @@ def _in_process_decode(model: Path, prompts: list[str], plan: Plan) -> float:
     return ((time.perf_counter() - t1) - (t1 - t0)) / plan.decode * 1000
 
 
+# ---------------------------------------------------------------- 5 kernels a decode token launches
+
+
+def kernels(plan: Plan, out: dict[str, Any]) -> None:
+    """`testing.cudagraph.decode_launches` of the speed rows' model on 2 stages, on the emulated CUDA device."""
+    model = models.ensure_model(plan.preset, dtype=plan.dtype, isolated=True)
+    say(f"kernels a decode token launches on CUDA, 2 stages ({plan.preset} {plan.dtype}, tinygrad's CUDA renderer)")
+    out |= count_kernels(model, 2)
+
+
+def count_kernels(model: Path, stages: int, env: dict[str, str] | None = None) -> dict[str, Any]:
+    """``python -m pp_worker.testing.cudagraph --count`` on ``DEV=NULL:CUDA:sm_90`` (``env`` added): its JSON."""
+    env = {**os.environ, "DEV": "NULL:CUDA:sm_90", "NULL_ALLOW_COPYOUT": "1", **(env or {})}
+    proc = subprocess.run([sys.executable, "-m", "pp_worker.testing.cudagraph", "--count", str(stages), "--model",
+                           str(model)], env=env, capture_output=True, text=True, timeout=900,
+                          cwd=Path(__file__).resolve().parent.parent)
+    counts = [line for line in proc.stdout.splitlines() if line.startswith("COUNT ")]
+    if proc.returncode != 0 or not counts:
+        raise RuntimeError(f"counting kernels exited {proc.returncode}: {proc.stderr[-2000:]}")
+    return json.loads(counts[-1].removeprefix("COUNT "))
+
+
 # ---------------------------------------------------------------- the table
 
 
 def rows(raw: dict[str, Any], plan: Plan) -> list[Row]:
-    return [*exact_rows(raw.get("exact", {}), plan), *speed_rows(raw.get("speed", {}), raw.get("hop", {}), plan)]
+    return [*exact_rows(raw.get("exact", {}), plan), *speed_rows(raw.get("speed", {}), raw.get("hop", {}), plan),
+            *kernel_rows(raw.get("kernels", {}), plan)]
 
 
 def _get(d: dict[str, Any], *path: str) -> Any:
@@ -217,7 +250,7 @@ def exact_rows(ex: dict[str, Any], plan: Plan) -> list[Row]:
 
 
 def speed_rows(sp: dict[str, Any], hop: dict[str, Any], plan: Plan) -> list[Row]:
-    sec = f"2 decode, {plan.preset} model, one device"
+    sec = f"2 decode, {plan.preset} model {plan.dtype}, one device{f', PP_BEAM={plan.beam}' if plan.beam else ''}"
     lazy, real, pp2, chain = (_get(sp, k, "ms_per_token") for k in ("lazy", "realize", "pp2", "chain2"))
     best = min((x for x in (lazy, real) if x), default=None)
     out = [Row(sec, "one process, weights lazy (tinygrad CLI)", lazy, "ms/token"),
@@ -245,6 +278,17 @@ def speed_rows(sp: dict[str, Any], hop: dict[str, Any], plan: Plan) -> list[Row]
     return out
 
 
+def kernel_rows(k: dict[str, Any], plan: Plan) -> list[Row]:
+    """Kernels and launches a decode token costs over 2 stages; the target: one graph launch a stage."""
+    sec = f"5 kernels a decode token launches, {plan.preset} model {plan.dtype}, 2 stages (CUDA's, counted on the CPU)"
+    stages = k.get("stages") or []
+    each = ", ".join(f"{s['kernels']} in {s['blocks']} blocks" for s in stages)
+    return [Row(sec, "kernels a token", k.get("kernels_per_token"), "kernels", note=f"stages: {each}"),
+            Row(sec, "kernels a block", k.get("per_block"), "kernels"),
+            Row(sec, "launches a token (graphs and lone kernels)", k.get("launches_per_token"), "launches",
+                float(len(stages) or 2), True, note="one graph a stage")]
+
+
 def _fmt(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.3g}"
 
@@ -253,23 +297,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="the tiny model and few tokens (a smoke test)")
     ap.add_argument("--out", type=Path, default=RESULTS, help="directory for the JSON results")
-    return ap.parse_args(argv)
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"which to run, of {','.join(SECTIONS)} (all)")
+    ap.add_argument("--dtype", default="F16", help="the speed and kernel rows' model type: F16, Q8_0, Q4_K_M... (F16)")
+    ap.add_argument("--beam", type=int, default=0, help="PP_BEAM for the 2 stages (their decode kernels searched)")
+    ap.add_argument("--solo", default="lazy,realize", help="the one-process modes timed: lazy,realize (both), one, "
+                                                            "or none (with --beam: none)")
+    ap.add_argument("--tag", help="name the JSON gpu-TAG.json (one file) instead of a time stamp and gpu-latest.json")
+    args = ap.parse_args(argv)
+    if unknown := set(args.sections.split(",")) - set(SECTIONS):
+        ap.error(f"unknown sections {sorted(unknown)}; choose from {','.join(SECTIONS)}")
+    if args.solo != "none" and (unknown := set(args.solo.split(",")) - {"lazy", "realize"}):
+        ap.error(f"unknown one-process modes {sorted(unknown)}; choose from lazy,realize or none")
+    return args
+
+
+def plan_of(args: argparse.Namespace) -> Plan:
+    # with BEAM only the 2 stages are searched: one-process rows would be those of a run without
+    modes = () if args.beam or args.solo == "none" else tuple(args.solo.split(","))
+    return dataclasses.replace(QUICK if args.quick else FULL, dtype=args.dtype, beam=args.beam, solo_modes=modes)
 
 
 def main(argv: list[str] | None = None) -> int:
     from tinygrad import Device
 
     args = parse_args(argv)
-    plan = QUICK if args.quick else FULL
+    plan = plan_of(args)
     t0 = time.monotonic()
     raw: dict[str, Any] = {}
-    attempt(raw, "exact", lambda out: exactness(plan, out))
-    attempt(raw, "hop", lambda out: hop_parts(plan, out))
-    attempt(raw, "speed", lambda out: speed(plan, out))
-    table = rows(raw, plan)
-    meta = {"device": Device.DEFAULT, "plan": dataclasses.asdict(plan), "wall_s": round(time.monotonic() - t0, 1)}
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    write_results(to_json(table, meta | {"raw": raw}), args.out, f"gpu-{stamp}", latest="gpu-latest.json")
+    runs = {"exact": exactness, "hop": hop_parts, "speed": speed, "kernels": kernels}
+    name = f"gpu-{args.tag}" if args.tag else f"gpu-{time.strftime('%Y%m%d-%H%M%S')}"
+    for section in args.sections.split(","):  # the JSON after each: a run stopped half-way keeps what it measured
+        attempt(raw, section, lambda out, fn=runs[section]: fn(plan, out))
+        table = rows(raw, plan)
+        meta = {"device": Device.DEFAULT, "plan": dataclasses.asdict(plan),
+                "wall_s": round(time.monotonic() - t0, 1)}
+        write_results(to_json(table, meta | {"raw": raw}), args.out, name,
+                      latest=f"{name}.json" if args.tag else "gpu-latest.json")
     print(f"device {Device.DEFAULT}, {meta['wall_s']} s")
     print(render(table))
     print(summary(table), flush=True)

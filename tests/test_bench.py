@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import REPO
+from test_cuda_graph import tinygrads_own_count
 
 from bench import gpu, links, models, pipe, report, reuse, run, solo, wire
 from bench.pipe import Tokens
@@ -395,16 +397,31 @@ def test_quant_files_hold_their_types(plan: run.Plan) -> None:
             assert "F16" not in types.values(), (dtype, sorted(n for n, t in types.items() if t == "F16"))
 
 
-def test_gpu_check_runs_every_section_and_prints_one_table(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """The quick mode of ``make gpu-check`` on this machine's device: it must not rot between GPU runs."""
-    assert gpu.main(["--quick", "--out", str(tmp_path)]) == 0, capsys.readouterr().err[-3000:]
-    doc = json.loads((tmp_path / "gpu-latest.json").read_text())
+def test_the_device_run_runs_every_step_and_gpu_check_every_section(tmp_path: Path) -> None:
+    """``bench/device_run.sh --quick``: the GPU run's script on this machine's device and the tiny model, each step a
+    ``make gpu-check`` (its quick mode); neither must rot between GPU runs."""
+    env = {**os.environ, "OUT": str(tmp_path)}
+    env.pop("DEV", None)
+    proc = subprocess.run(["bash", "bench/device_run.sh", "--quick"], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=280)
+    log = (tmp_path / "device.log").read_text()
+    assert proc.returncode == 0, proc.stderr[-2000:] + log[-3000:]
+    assert {p.name for p in tmp_path.iterdir()} == {"machine.txt", "device.log", "gpu-f16.json", "gpu-q8_0.json",
+                                                    "gpu-q4_k_m.json"}
+    doc = json.loads((tmp_path / "gpu-f16.json").read_text())
     assert "errors" not in doc["raw"]
     values = {r["name"]: r["value"] for r in doc["rows"]}
     assert None not in values.values(), [k for k, v in values.items() if v is None]
     assert values["2 stages: greedy tokens equal"] == values["interleaved == solo, 3 generations"] == 1.0
-    table = capsys.readouterr().out
-    assert "2 stages speed / fastest one process" in table and "sum of the parts" in table
+    assert "2 stages speed / fastest one process" in log and "sum of the parts" in log
+    # the kernel rows against tinygrad's own account of the graphs it built for the same model's decode steps
+    _, graphs = tinygrads_own_count(models.ensure_model(gpu.QUICK.preset), 2)
+    assert values["kernels a token"] == sum(graphs) and values["launches a token (graphs and lone kernels)"] == 2
+    assert len(graphs) == 2 and doc["raw"]["kernels"]["stages"][1]["kernels"] == graphs[1]
+    for dtype in ("q8_0", "q4_k_m"):
+        doc = json.loads((tmp_path / f"gpu-{dtype}.json").read_text())
+        assert "errors" not in doc["raw"] and doc["plan"]["dtype"] == dtype.upper()
+        assert doc["raw"]["kernels"]["kernels_per_token"] > 0 and doc["raw"]["kernels"]["launches_per_token"] == 2
 
 
 def test_gpu_check_table_targets() -> None:

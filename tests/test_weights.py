@@ -120,6 +120,28 @@ def test_c_kernels_agree_with_tinygrads_products(models, dtype, stage):
             assert a.argmax() == b.argmax()
 
 
+def test_tinygrads_stacked_products_agree_with_the_c_kernels(tmp_path, monkeypatch):
+    """tinygrad's kernels stack q, k and v into one matrix, or q and k where v's type differs (Q4_K_M's Q6_K
+    attn_v in some blocks; here Q8_0 beside Q4_1), and gate with up: the same products as the C kernels'."""
+    from pp_worker.testing import modelgen
+
+    def v_apart(spec, vocab_size, dtype):  # every block's attn_v Q8_0, the other matrices Q4_1
+        types = tensor_types(spec, vocab_size, dtype)
+        return {n: "Q8_0" if n.endswith("attn_v.weight") else t for n, t in types.items()}
+
+    monkeypatch.setattr(modelgen, "tensor_types", v_apart)
+    spec, n_merges = PRESETS["tiny"]
+    vocab = builtin_vocab(n_merges)
+    path = write_gguf(tmp_path / "v-apart.gguf", spec, random_weights(spec, len(vocab.tokens), 0), vocab, "Q4_1")
+    for stage in (0, 1):
+        tg = load_stage(str(path), stage, 2, MAX_CONTEXT, kernels="tinygrad")
+        assert all(b.qkv_split[2] == 0 and b.attn_v.weight.ggml_type == 8 and hasattr(b, "ffn_gate_up")
+                   for b in tg.blocks)
+        (_, c), (_, t) = (_run(w) for w in (load_stage(str(path), stage, 2, MAX_CONTEXT, kernels="c"), tg))
+        for a, b in zip(c, t, strict=True):  # the same terms summed in another order
+            np.testing.assert_allclose(a, b, rtol=0, atol=2e-3)
+
+
 def test_tinygrad_kernels_keep_quantized_weights_packed_and_expand_nothing(models):
     """Off the CPU a quantized matrix stays packed and tinygrad's dequantize expression is fused into the kernels
     reading it: no buffer of the compiled forward is as large as an expanded weight."""
@@ -127,7 +149,10 @@ def test_tinygrad_kernels_keep_quantized_weights_packed_and_expand_nothing(model
     compiled, _ = _run(w)
     packed = {n: m for n, m in _matrices(w).items() if isinstance(m, PackedWeight)}
     assert packed and all(m.ggml_type == 8 for m in packed.values())
-    assert w.describe()["weights"]["Q8_0"] == len(packed)
+    # every Q8_0 tensor of the file held packed, q/k/v and gate/up each stacked into one matrix (one product a token)
+    assert sum(m.raw.nbytes() for m in packed.values()) == sum(n for t, n in w.held.values() if t == "Q8_0")
+    assert {n.split(".")[2] for n in packed if n.startswith("blk.")} == {"attn_qkv", "attn_output", "ffn_gate_up",
+                                                                         "ffn_down"}
     smallest = min(m.shape[0] * m.shape[1] * 2 for m in packed.values())  # a weight's fp16 size, at the least
     weights = {b.buffer for m in packed.values() for b in _buffers(m.raw)}
     read = compiled.decode.buffers()

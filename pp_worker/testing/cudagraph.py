@@ -16,11 +16,16 @@ would check:
 ``python -m pp_worker.testing.cudagraph`` (with DEV and NULL_ALLOW_COPYOUT=1 set) first checks that a JIT with a
 symbolic token count is refused, then runs the tinygrad engine, first and last stage, through prompts of many
 lengths, decode steps, interleaved sessions, a release and warm-up; exit status 0 when CUDA would accept all of it.
+
+``--count N`` instead counts what one decode token launches on CUDA with the model split over N stages
+(`decode_launches`): each stage's kernels as its decode JIT captured them, the graphs they are batched into, and a
+block's share; the last line is ``COUNT {json}`` (``make gpu-check`` reports it).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -163,13 +168,76 @@ def run_engines(model: str, prefill_chunk: int) -> list[str]:
     return done
 
 
+# ---------------------------------------------------------------- what a decode token launches
+
+
+def launches(linear: Any) -> dict[str, Any]:
+    """What a captured JIT (its ``linear``) launches per replay: its kernels' names in order, the graphs they are
+    batched into, and the launches (a graph is one, a kernel outside a graph is one)."""
+    from tinygrad.uop.ops import Ops
+
+    names, graphs = [], 0
+    for call in linear.src:
+        fn = call.src[0]
+        if fn.op is Ops.CUSTOM_FUNCTION and fn.arg == "graph":
+            graphs += 1
+            names += [c.src[0].arg.function_name for c in fn.src[0].src if c.src[0].op is Ops.PROGRAM]
+        elif fn.op is Ops.PROGRAM:
+            names.append(fn.arg.function_name)
+    return {"kernels": len(names), "graphs": graphs, "launches": len(linear.src), "names": names}
+
+
+def scheduled_kernels(stage: Any, blocks: int) -> int:
+    """Kernels tinygrad's scheduler makes of the stage's one-token forward over its first ``blocks`` blocks, without
+    the JIT: the difference between 2 blocks and 1 is what a block adds (its edges may fuse with what is around)."""
+    from tinygrad.uop.ops import Ops
+
+    w, saved = stage.w, stage.w.blocks
+    w.blocks = saved[:blocks]
+    try:
+        out = stage._forward(stage.inputs[1].tensor, stage.pool.tensor, stage.start_pos.bind(1), stage.page.bind(0),
+                             stage.off.bind(1))
+        linear, _ = out.linear_with_vars()
+    finally:
+        w.blocks = saved
+    return sum(call.src[0].op is Ops.SINK for call in linear.src)
+
+
+def decode_launches(model: str, stages: int, max_context: int = 256) -> dict[str, Any]:
+    """Per stage of ``stages``: its blocks, what its decode JIT launches (`launches`) and a block's kernels; per
+    token: the sums over the stages."""
+    from pp_worker.testing.devmem import device_memory
+    from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
+
+    per_stage = []
+    with device_memory():
+        for s in range(stages):
+            engine = TinygradEngine(model, s, stages, max_context=max_context, kernels="tinygrad")
+            engine.warmup(full=False)  # the decode JIT only: what a token replays
+            stage = engine._stage
+            n = len(stage.w.blocks)
+            block = scheduled_kernels(stage, 2) - scheduled_kernels(stage, 1) if n >= 2 else None
+            per_stage.append({"blocks": n, "per_block": block, **launches(stage.decode.captured.linear)})
+            del engine, stage
+    return {"stages": per_stage, "kernels_per_token": sum(s["kernels"] for s in per_stage),
+            "launches_per_token": sum(s["launches"] for s in per_stage),
+            "per_block": next((s["per_block"] for s in per_stage if s["per_block"] is not None), None)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m pp_worker.testing.cudagraph", description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="a .gguf (default: the generator's tiny preset as Q4_1: packed weights, expanded "
                                     "inside the kernels as on a GPU)")
     ap.add_argument("--prefill-chunk", type=int, default=32, help="PP_PREFILL_CHUNK (default 32; GPUs use 128)")
+    ap.add_argument("--count", type=int, metavar="STAGES", help="count what a decode token launches on STAGES "
+                                                                 "stages instead (needs --model)")
     args = ap.parse_args(argv)
     graph = install()
+    if args.count:
+        if not args.model:
+            ap.error("--count needs --model")
+        print("COUNT " + json.dumps(decode_launches(args.model, args.count)), flush=True)
+        return 0
     if not symbolic_count_is_refused():
         print("FAIL: the emulator accepted a symbolic token count, which CUDA refuses")
         return 1

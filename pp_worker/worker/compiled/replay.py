@@ -10,18 +10,19 @@ what tinygrad's own preparation gives (and that the inputs match what the JIT ca
 
 A Replay captures at its first call: TinyJit would run that call eagerly first, scheduling and compiling every
 kernel twice (once unfused) and leaving the eager run's buffers in tinygrad's allocator cache (~40 MiB on a stage of
-the 0.73B bench model).
+the 0.73B bench model). The capture batches every kernel into one graph (``JIT_BATCH_SIZE=0``; tinygrad's default
+splits a JIT into graphs of 32, 64, 128... kernels): a replay is one graph launch on every device with a graph
+(CUDA's included: 2-4 launches a decode step on the 0.74B model before).
 
 When every call of the captured JIT is a batch replayed by `cpu_graph.NativeGraph` (the CPU's own kernels), a
-checked replay calls those runners directly, without tinygrad's walk over the captured calls; the JIT then captures
-its kernels as one batch (``JIT_BATCH_SIZE=0``), so a replay is one native call. tinygrad's record of the capture
-(every kernel's AST, ~10 MiB a JIT) is then dropped: the runner's table, buffers and programs are all a replay
-needs (a later call unlike the checked one is refused, as tinygrad refuses one unlike its capture).
+checked replay calls those runners directly, without tinygrad's walk over the captured calls: one native call.
+tinygrad's record of the capture (every kernel's AST, ~10 MiB a JIT) is then dropped: the runner's table, buffers
+and programs are all a replay needs (a later call unlike the checked one is refused, as tinygrad refuses one unlike
+its capture).
 """
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import weakref
 from collections.abc import Callable
@@ -106,7 +107,7 @@ class Replay:
                            f"called with {list(map(_signature, tensors))}")
         if self.direct is None and self.cache is not None and self._restore(tensors):
             return self(*args)
-        with Context(JIT_BATCH_SIZE=0) if Device[Device.DEFAULT].graph is NativeGraph else contextlib.nullcontext():
+        with Context(JIT_BATCH_SIZE=0):
             out = self.jit(*args)  # the capture (the first call) batches its kernels: one graph for the whole JIT
         if self.direct is None and self.jit.captured is not None:  # just captured (its kernels ran once)
             self._signature = list(map(_signature, tensors))

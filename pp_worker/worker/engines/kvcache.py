@@ -16,13 +16,13 @@ page variable: the pool still caps and shares the memory, but a session's memory
 
 A page's stale contents never matter: a session only attends to the positions [0, length) it wrote itself.
 
-fp16 pages halve the memory a session holds. Attention still computes in float32 (tinygrad's
-scaled_dot_product_attention promotes q @ k to float32, the C kernel converts each key), so only the stored keys and
-values are rounded.
+fp16 pages halve the memory a session holds. Attention still computes in float32 (`_sdpa` computes q @ k in
+float32, the C kernel converts each key), so only the stored keys and values are rounded.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tinygrad import Tensor, UOp, dtypes
@@ -111,8 +111,9 @@ class CacheBlock(TransformerBlock):
     refuses. `_attention` is tinygrad's, split in two (`_heads`, `_attend`) so the batched step reuses it, with
     two changes: the cast marked below, and the store into a page of the pool (``kv``, set by the compiled stage
     while it traces) instead of ``cache_kv`` (tests/test_kvcache.py fails if tinygrad's own version changes, so the
-    copy cannot drift unnoticed). One session's attention on the CPU (`c_attention`) is a C kernel that reads the
-    session's pages through its page table after the store.
+    copy cannot drift unnoticed); and its scaled_dot_product_attention is `_sdpa`, one kernel fewer. One session's
+    attention on the CPU (`c_attention`) is a C kernel that reads the session's pages through its page table after
+    the store.
     """
 
     kv_row = 0  # this block's row in a page (its index in the stage)
@@ -120,6 +121,32 @@ class CacheBlock(TransformerBlock):
     c_kernels = False  # whether the stage runs the CPU's C kernels: its feed-forward's activation is `kernels.silu_mul`
     window = 0  # > 0: a sliding window, the query at q sees the keys at [q - window + 1, q] (Gemma 3's local blocks)
     kv: Slot  # set while a forward is traced
+    qkv_split: tuple[int, int, int] = ()  # type: ignore[assignment]  # set by `pack`: q, k, v rows of attn_qkv (v 0: apart)
+
+    def pack(self) -> None:
+        """tinygrad's kernels: q, k and v as one product (``attn_qkv``), gate and up as one (``ffn_gate_up``), each
+        one kernel a token instead of one a matrix, where `weights.stacked` can stack them (the same type); where v's
+        type differs (Q4_K_M's Q6_K attn_v in some blocks), q and k (v's product then runs in the KV store's kernel)."""
+        from pp_worker.worker.engines.weights import stacked
+
+        rows = (self.attn_q.weight.shape[0], self.attn_k.weight.shape[0], self.attn_v.weight.shape[0])
+        if (qkv := stacked(self.attn_q, self.attn_k, self.attn_v)) is not None:
+            self.qkv_split, self.attn_qkv = rows, qkv
+            del self.attn_q, self.attn_k, self.attn_v
+        elif (qk := stacked(self.attn_q, self.attn_k)) is not None:
+            self.qkv_split, self.attn_qkv = (*rows[:2], 0), qk
+            del self.attn_q, self.attn_k
+        if (gate_up := stacked(self.ffn_gate, self.ffn_up)) is not None:
+            self.ffn_gate_up = gate_up
+            del self.ffn_gate, self.ffn_up
+
+    def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The projections q, k, v of ``x``: one product where `pack` stacked them."""
+        if not self.qkv_split:
+            return self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        nq, nk, nv = self.qkv_split
+        y = self.attn_qkv(x).contiguous()  # the one product's output; the rest reads views of it
+        return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:] if nv else self.attn_v(x)
 
     def _init_state(self, x: Tensor) -> None:
         """Nothing: tinygrad's makes a ``cache_kv`` of its own and its RoPE table (the compiled stage sets the table
@@ -127,7 +154,7 @@ class CacheBlock(TransformerBlock):
 
     def _attention(self, x: Tensor, start_pos: int | UOp) -> Tensor:
         c = self.config
-        q, k, v = self.attn_q(x), self.attn_k(x), self.attn_v(x)
+        q, k, v = self._qkv(x)
         B, T, _ = x.shape
         gate = None
         if c.attn_output_gate:
@@ -137,7 +164,11 @@ class CacheBlock(TransformerBlock):
         return self.attn_output(attn if gate is None else (attn * gate.sigmoid()))
 
     def _feed_forward(self, x: Tensor) -> Tensor:
-        """tinygrad's; with the C kernels (`c_kernels`), silu(gate) * up as one C kernel (`kernels.silu_mul`)."""
+        """tinygrad's; with the C kernels (`c_kernels`), silu(gate) * up as one C kernel (`kernels.silu_mul`); where
+        `pack` stacked gate and up, their one product, and silu(gate) * up read inside ffn_down's kernel."""
+        if hasattr(self, "ffn_gate_up"):
+            h = self.ffn_gate_up(x).contiguous()
+            return self.ffn_down(h[..., :self.config.hidden_dim].silu() * h[..., self.config.hidden_dim:])
         if self.c_kernels and not hasattr(self, "ffn_gate_exps") and kernels.silu_mul_fits(self.config.hidden_dim):
             return self.ffn_down(kernels.silu_mul(self.ffn_gate(x), self.ffn_up(x)))
         return super()._feed_forward(x)
@@ -148,7 +179,7 @@ class CacheBlock(TransformerBlock):
         attention runs per session, over its own pages and length."""
         assert not self.config.attn_output_gate, "no supported architecture gates its attention output"
         h = self.attn_norm(x)
-        q, k, v = self.attn_q(h), self.attn_k(h), self.attn_v(h)
+        q, k, v = self._qkv(h)
         rows = [self._attend(*self._heads(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos), slot, pos)
                 for b, (slot, pos) in enumerate(zip(slots, positions, strict=True))]
         h = x + self.attn_output(rows[0].cat(*rows[1:]))
@@ -193,8 +224,21 @@ class CacheBlock(TransformerBlock):
         if self.window:  # query t (at start_pos + t) does not see key j where j <= start_pos + t - window
             far = full().tril(start_pos - self.window)
             mask = far if mask is None else mask + far
-        attn = q.scaled_dot_product_attention(k, v, attn_mask=mask, enable_gqa=True)  # (B, H, T, Hd)
+        attn = _sdpa(q, k, v, mask)  # (B, H, T, Hd)
         return attn.transpose(1, 2).reshape(B, T, -1)  # (B, T, H * Hd)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """tinygrad's scaled_dot_product_attention (grouped heads, float32 scores), normalised after the values' sum
+    instead of before: softmax(s) @ v = (exp(s - max) @ v) / sum(exp(s - max)), so the exponentials are computed
+    inside the kernels that sum them and no kernel writes the normalised weights (one kernel a block fewer)."""
+    rep = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(rep, dim=-3), v.repeat_interleave(rep, dim=-3)
+    s = q.matmul(k.transpose(-2, -1), dtype=dtypes.float32) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = s + mask
+    e = (s - s.max(-1, keepdim=True)).exp()
+    return (e @ v) / e.sum(-1, keepdim=True)
 
 
 def uses_table(device: str, kernels: str, config: TransformerConfig) -> bool:

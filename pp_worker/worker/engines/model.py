@@ -152,6 +152,8 @@ def load_block(source: TensorSource, config: TransformerConfig, i: int) -> Cache
         from pp_worker.worker.engines import gemma3
 
         gemma3.configure(block, source.header.kv, config, i)  # type: ignore[arg-type]
+    elif source.kernels == "tinygrad" and not config.num_experts:
+        block.pack()  # fewer kernels a token on a GPU (docs/gpus.md)
     return block
 
 

@@ -62,6 +62,27 @@ class Linear:
         return x.linear(dequantize(w.raw, w.ggml_type, w.shape[1]).transpose(), self.bias)
 
 
+def stacked(*layers: Linear) -> Linear | None:
+    """One `Linear` whose rows are those of ``layers`` in order (one product, one kernel, where there were one a
+    layer: q, k and v; gate and up), realized; None where they cannot share one matrix: held differently (fp16
+    values and packed bytes, or two packed types), or some with a bias and some without. A row's dot product is the
+    same either way."""
+    from tinygrad import Tensor
+
+    weights, biases = [layer.weight for layer in layers], [layer.bias for layer in layers]
+    if any(b is None for b in biases) and any(b is not None for b in biases):
+        return None
+    bias = None if biases[0] is None else Tensor.cat(*biases).realize()  # type: ignore[arg-type]
+    if all(isinstance(w, Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:  # type: ignore[union-attr]
+        return Linear(Tensor.cat(*weights).realize(), bias, layers[0].kernels)  # type: ignore[arg-type]
+    if all(isinstance(w, PackedWeight) for w in weights) and len({w.ggml_type for w in weights}) == 1:  # type: ignore[union-attr]
+        raw = Tensor.cat(*(w.raw for w in weights)).realize()  # type: ignore[union-attr]
+        rows = sum(w.shape[0] for w in weights)  # type: ignore[union-attr]
+        return Linear(PackedWeight(raw, weights[0].ggml_type, (rows, weights[0].shape[1])), bias,  # type: ignore[union-attr]
+                      layers[0].kernels)
+    return None
+
+
 class Embedding:
     """Token ids (...) -> their rows of the (vocab, dim) table, float32 (...,  dim)."""
 
