@@ -18,6 +18,7 @@ import threading
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import openai
@@ -32,7 +33,7 @@ from selenium.webdriver.support.ui import WebDriverWait
 from serving import Server
 
 from pp_worker.driver.chat import chat_format
-from pp_worker.driver.generation import Sampling
+from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.serve.cli import parse_args
 from pp_worker.worker.engines.stub import STUB_MAX_CONTEXT
@@ -192,12 +193,16 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WebDriver]:
         driver.quit()
 
 
-def expected_answer(turns: list[tuple[str, str]], max_tokens: int, sampling: Sampling | None = None) -> str:
-    """The driver's own answer to the conversation, rendered as pp-serve renders it for the stub (plain format),
-    without the leading space the page trims."""
+def driver_run(turns: list[tuple[str, str]], max_tokens: int, sampling: Sampling | None = None) -> Generation:
+    """The driver's own generation for the conversation, rendered as pp-serve renders it for the stub (plain
+    format)."""
     prompt = chat_format(None).render(turns)
-    run = run_pipeline([prompt], stages=STAGES, stub=True, max_tokens=max_tokens, sampling=sampling)
-    return run.generations[0].text.lstrip()
+    return run_pipeline([prompt], stages=STAGES, stub=True, max_tokens=max_tokens, sampling=sampling).generations[0]
+
+
+def expected_answer(turns: list[tuple[str, str]], max_tokens: int, sampling: Sampling | None = None) -> str:
+    """The driver's own answer to the conversation, without the leading space the page trims."""
+    return driver_run(turns, max_tokens, sampling).text.lstrip()
 
 
 def open_page(d: WebDriver, server: Server, *, keep: bool = False) -> None:
@@ -391,17 +396,31 @@ def test_regenerate_edit_and_copy(server: Server, browser: WebDriver) -> None:
 
 
 def test_every_sampling_setting_reaches_the_sampler(server: Server, browser: WebDriver) -> None:
-    """The settings the page offers, all set: the answer is the driver's own with that sampling (and not greedy)."""
+    """The settings the page offers, all set: the answer is the driver's own with that sampling (and not greedy, nor
+    the one without either penalty). Its stats show the prompt tokens the server reused: none (stub mode)."""
     d = browser
     open_page(d, server)
     settings(d, system="be brief", temperature="0.9", top_k="20", top_p="0.95", min_p="0.02", repeat_penalty="1.3",
-             max_tokens="10", seed="1234")
-    sampling = Sampling(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3, seed=1234)
+             presence_penalty="0.7", frequency_penalty="-0.4", max_tokens="10", seed="1234")
+    sampling = Sampling(temperature=0.9, top_k=20, top_p=0.95, min_p=0.02, repetition_penalty=1.3,
+                        presence_penalty=0.7, frequency_penalty=-0.4, seed=1234)
     turns = [("system", "be brief"), ("user", "pick some words")]
-    sampled = expected_answer(turns, 10, sampling)
-    assert sampled != expected_answer(turns, 10)
+    run = driver_run(turns, 10, sampling)
+    sampled = run.text.lstrip()
+    others = [expected_answer(turns, 10), expected_answer(turns, 10, replace(sampling, presence_penalty=None)),
+              expected_answer(turns, 10, replace(sampling, frequency_penalty=None))]
+    assert sampled not in others, (sampled, others)
     assert say(d, "pick some words") == [sampled]
+    stats = wait_stats(d, 1)[0]
+    assert f" ms · cached 0 of {len(run.prompt_tokens)} prompt tokens · " in stats, stats
+    open_page(d, server, keep=True)  # the settings are kept, the penalties with the others
+    fields = d.find_elements(By.CSS_SELECTOR, "#settings input")
+    assert [f.get_attribute("value") for f in fields] == ["0.9", "20", "0.95", "0.02", "1.3", "0.7", "-0.4", "10",
+                                                          "1234"]
+    settings(d)
     d.find_element(By.ID, "reset-settings").click()  # back to the server's defaults: greedy
+    assert [f.get_attribute("value") for f in fields] == [""] * len(fields)
+    assert d.find_element(By.ID, "presence-penalty").get_attribute("placeholder") == "default (0)"  # from /props
     tool(d, 1, "Regenerate")
     wait_stats(d, 1)
     assert answers(d) == [expected_answer([("user", "pick some words")], server_max_tokens(server))]
@@ -412,9 +431,10 @@ def server_max_tokens(server: Server) -> int:
 
 
 # The model's side of a stream, as the page sees it: its fetch of /v1/chat/completions answered here, in pieces of
-# arguments[1] characters, so the test chooses the model's output (a stub pipeline's is digits).
+# arguments[1] characters, so the test chooses the model's output (a stub pipeline's is digits); the usage counts
+# arguments[2] prompt tokens (3 if not given), of which arguments[3] reused (prompt_tokens_details left out if not).
 FAKE_STREAM = """
-const [text, size] = arguments, real = window.fetch, encoder = new TextEncoder();
+const [text, size, prompt = 3, cached] = arguments, real = window.fetch, encoder = new TextEncoder();
 const sse = (o) => encoder.encode(`data: ${JSON.stringify(o)}\\n\\n`);
 window.fetch = (url, init) => {
   if (url !== "/v1/chat/completions") return real(url, init);
@@ -425,7 +445,9 @@ window.fetch = (url, init) => {
       await new Promise((r) => setTimeout(r, 1));
     }
     c.enqueue(sse({ choices: [{ index: 0, delta: {}, finish_reason: "stop" }] }));
-    c.enqueue(sse({ choices: [], usage: { prompt_tokens: 3, completion_tokens: n, total_tokens: 3 + n } }));
+    const details = cached === undefined ? {} : { prompt_tokens_details: { cached_tokens: cached } };
+    c.enqueue(sse({ choices: [], usage: { prompt_tokens: prompt, completion_tokens: n, total_tokens: prompt + n,
+                                          ...details } }));
     c.enqueue(encoder.encode("data: [DONE]\\n\\n"));
     c.close();
   } });
@@ -456,6 +478,7 @@ def test_model_output_is_rendered_as_markdown_and_sanitized(server: Server, brow
     d.find_element(By.ID, "prompt").send_keys("show me markdown" + Keys.ENTER)
     stats = wait_stats(d, 1)[0]
     assert stats.startswith(f"{-(-len(MARKDOWN) // 7)} tokens · ") and "TTFT" in stats, stats  # the usage's count
+    assert "cached" not in stats, stats  # the usage says nothing of reuse
     text = d.find_element(By.CSS_SELECTOR, ".assistant .text")
     find = text.find_elements
     assert [e.text for e in find(By.TAG_NAME, "h1")] == ["A title"]
@@ -480,6 +503,20 @@ def test_model_output_is_rendered_as_markdown_and_sanitized(server: Server, brow
     text.find_element(By.CSS_SELECTOR, "pre > .copy-code").click()
     WebDriverWait(d, 10).until(lambda _: d.execute_async_script(
         "navigator.clipboard.readText().then(arguments[0], () => arguments[0](null))") == 'print("<b>hi</b>")\n')
+
+
+def test_the_stats_show_the_prompt_tokens_the_server_reused(server: Server, browser: WebDriver) -> None:
+    """The stub pipeline reuses no prefix, so the server's reply is chosen here: 812 of 830 prompt tokens reused,
+    shown after the time to first token, and still there after a reload."""
+    d = browser
+    open_page(d, server)
+    d.execute_script(FAKE_STREAM, "a b c", 1, 830, 812)
+    d.find_element(By.ID, "prompt").send_keys("again" + Keys.ENTER)
+    stats = wait_stats(d, 1)[0]
+    assert re.fullmatch(rf"5 tokens · [\d.]+ tok/s · TTFT \d+ ms · cached 812 of 830 prompt tokens · context "
+                        rf"835/{STUB_MAX_CONTEXT}", stats), stats
+    open_page(d, server, keep=True)
+    assert wait_stats(d, 1) == [stats]
 
 
 def test_a_browser_gets_a_loading_page_while_the_stages_warm_up(browser: WebDriver, tmp_path: Path) -> None:

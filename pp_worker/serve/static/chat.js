@@ -13,6 +13,8 @@ const SETTINGS_STORE = "pp-serve-settings";
 const SAMPLING = [
   ["temperature", "temperature", "temperature"], ["top-k", "top_k", "top_k"], ["top-p", "top_p", "top_p"],
   ["min-p", "min_p", "min_p"], ["repeat-penalty", "repetition_penalty", null],
+  ["presence-penalty", "presence_penalty", "presence_penalty"],
+  ["frequency-penalty", "frequency_penalty", "frequency_penalty"],
   ["max-tokens", "max_tokens", "n_predict"], ["seed", "seed", "seed"],
 ];
 const SETTING_IDS = ["system", ...SAMPLING.map(([id]) => id)];
@@ -362,7 +364,8 @@ function send(text) {
 }
 
 // The conversation's next answer: streamed into its bubble; under it the tokens, tokens/s and time to first token,
-// measured here (what the reader waited), the decode rate over the tokens after the first.
+// measured here (what the reader waited), the decode rate over the tokens after the first, and the prompt tokens the
+// server reused from its cache (prefix reuse) where it says.
 async function answer(conversation) {
   const body = request(conversation);
   const message = { role: "assistant", content: "" };
@@ -409,8 +412,10 @@ async function answer(conversation) {
 // text that came, one per token but where a piece was held back (a possible stop string), so marked approximate.
 function stats(t0, first, end, usage, finish, pieces) {
   const tokens = usage ? usage.completion_tokens : pieces;
+  const cached = usage?.prompt_tokens_details?.cached_tokens;
   return { tokens, approximate: !usage, ttft_ms: first ? Math.round(first - t0) : null,
     tokens_per_s: tokens > 1 && end > first ? (tokens - 1) / ((end - first) / 1000) : null,
+    cached: Number.isInteger(cached) ? `${cached} of ${usage.prompt_tokens}` : null,
     context: usage && state.props.n_ctx ? `${usage.total_tokens}/${state.props.n_ctx}` : null, finish };
 }
 
@@ -418,6 +423,7 @@ function statsText(s) {
   const parts = [`${s.approximate ? "~" : ""}${s.tokens} token${s.tokens === 1 ? "" : "s"}`];
   if (s.tokens_per_s !== null) parts.push(`${s.tokens_per_s.toFixed(1)} tok/s`);
   if (s.ttft_ms !== null) parts.push(`TTFT ${s.ttft_ms} ms`);
+  if (s.cached) parts.push(`cached ${s.cached} prompt tokens`);  // stats kept by an older page have none
   if (s.context) parts.push(`context ${s.context}`);
   if (s.finish === "length") parts.push("cut at max tokens");
   if (s.finish === "stopped") parts.push("stopped");
