@@ -292,9 +292,9 @@ out.write({"request_id": 1})
 
 
 def test_second_signal_during_a_long_reply_exits_after_the_line(spawn: Spawn) -> None:
-    w = spawn(0, 2)
-    w.wait_ready()
     n = 150_000  # a 6.4 MB reply line: far more than the 1 MiB pipe holds while we read no more of it
+    w = spawn(0, 2, env={"MAX_CONTEXT": str(n)})  # the stub's context (4096) as large as the prompt
+    w.wait_ready()
     w.send({"op": "embed_and_forward", "request_id": 8, "tokens": [1] * n, "position": 0})
     w.wait_for_bytes(b'{"request_id": 8, "hidden_b64": "', timeout=30)  # the worker is now blocked mid-line
     for _ in range(4):  # the first signal asks to drain; any later one (two sent together may merge) asks to exit

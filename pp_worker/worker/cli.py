@@ -191,7 +191,8 @@ def build_engine(cfg: Config, events: Events) -> Engine:
         from pp_worker.worker.engines.stub import StubEngine
 
         return StubEngine(cfg.stage, cfg.num_stages, delay_s=cfg.stub_delay_ms / 1000, max_sessions=cfg.max_sessions,
-                          max_batch=cfg.max_batch, busy_file=cfg.stub_busy_file, layers=cfg.layers)
+                          max_batch=cfg.max_batch, busy_file=cfg.stub_busy_file, layers=cfg.layers,
+                          max_context=cfg.max_context)
     from pp_worker.worker import device as device_pick
 
     operators = bool(os.environ.get("DEV"))

@@ -44,7 +44,8 @@ class StubEngine:
     """Implements engines.base.Engine with no model at all."""
 
     def __init__(self, stage: int, num_stages: int, delay_s: float = 0.0, max_sessions: int = 8, max_batch: int = 8,
-                 busy_file: str | None = None, layers: tuple[int, int] | None = None):
+                 busy_file: str | None = None, layers: tuple[int, int] | None = None,
+                 max_context: int | None = None):
         self.delay_s = delay_s  # simulated compute time per forward op (PP_STUB_DELAY_MS), for latency tests
         # PP_STUB_BUSY_FILE: a line (the session) appended as each forward op starts, before its delay, so a test
         # can wait until an op is in flight instead of guessing with a sleep
@@ -55,7 +56,8 @@ class StubEngine:
         self.batches: list[int] = []  # the size of every batched step, for tests of who batches what
         self.shard = Shard.of(stage, num_stages, STUB_BLOCKS, layers)  # layers: PP_LAYERS
         self.info = ModelInfo(hidden_dim=STUB_HIDDEN_DIM, vocab_size=STUB_VOCAB_SIZE, total_blocks=STUB_BLOCKS,
-                              eos_token_ids=[], max_context=STUB_MAX_CONTEXT, name="stub", check_token_ids=False)
+                              eos_token_ids=[], max_context=max_context or STUB_MAX_CONTEXT, name="stub",
+                              check_token_ids=False)  # max_context: MAX_CONTEXT, as a real stage's (no model caps it)
         self._sessions: OrderedDict[int, int] = OrderedDict()
         self._cached: set[int] = set()  # sessions released with keep (the stub evicts none, as it holds nothing)
         self._before: dict[int, int | None] = {}  # session -> its length before its last op (`undo`)
@@ -155,9 +157,10 @@ class StubEngine:
     def _track(self, session: int, position: int, seq_len: int) -> None:
         """Record the op's session length (the stub keeps no KV: any position that fits the context is fine)."""
         self._before.pop(session, None)  # an op refused here has nothing to undo
-        if position + seq_len > STUB_MAX_CONTEXT:  # as a real stage: status never shows a session past the context
+        limit = self.info.max_context
+        if position + seq_len > limit:  # as a real stage: status never shows a session past the context
             raise EngineError(f"position {position} + seq_len {seq_len} = {position + seq_len} exceeds "
-                              f"max_context {STUB_MAX_CONTEXT}")
+                              f"max_context {limit}")
         if self.busy_file:
             with open(self.busy_file, "a") as f:
                 f.write(f"{session}\n")
