@@ -1,11 +1,33 @@
 /* out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads (core_id), ROWS rows
-   decoded at a time into wbuf (L1), each then multiplied with the B rows of x. Only K is fixed in the source (it
-   sizes wbuf and unrolls), so a model needs one kernel per (type, K), whatever its row counts and call sizes. One
-   row of x takes row.h's products (the type's one-row product where it has one). */
+   decoded at a time into wbuf (L1), then multiplied with the B rows of x XT at a time (a tile). Only K is fixed in
+   the source (it sizes wbuf and unrolls), so a model needs one kernel per (type, K), whatever its row counts and call
+   sizes. One row of x takes row.h's products (the type's one-row product where it has one). */
 #include "row.h"
+enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
+#if defined(__AVX512F__)
+/* rows of x per tile: R x XT accumulators (16 of the 32 registers), so each weight vector loaded serves XT products
+   and each x vector R (one row of x at a time, 5 loads fed 4 multiply-adds: the loads were the limit) */
+enum { XT = 4 };
+#else
+enum { XT = 1 };  /* 16 registers of 8 floats: R accumulators of 16 already take half of them */
+#endif
+/* the R decoded rows' products with nx rows of x (nx a constant where it is inlined), each (row, x) summed in 16
+   lanes over K in order, then hsum: whatever the tile, the floats of one row of x at a time */
+static inline __attribute__((always_inline)) void tile(float* restrict out, int N, const f16v (*restrict wbuf)[V],
+                                                       const float* restrict x, int r_n, int nx) {
+  f16v acc[XT][R];
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) acc[i][r] = 0;
+  for (int v = 0; v < V; v++)
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) {
+      f16v xv = f_at(x + (long)i * K + 16 * v);
+      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) acc[i][r] += wbuf[r][v] * xv;
+    }
+  for (int i = 0; i < nx; i++)
+    for (int r = 0; r < r_n; r++) out[(long)i * N + r] = hsum(acc[i][r]);
+}
 void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict dims,
           int core_id) {
-  enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
   const int N = dims[0], B = dims[1], T = dims[2];
   int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
   if (B == 1) {  /* one row of x (row.h) */
@@ -19,14 +41,8 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
       for (int j = 0; j < NB; j++)
         _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
           DECODE32(w + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
-    for (int bi = 0; bi < B; bi++) {
-      const float* xb = x + (long)bi * K;
-      f16v acc[R] = {0};
-      for (int v = 0; v < V; v++) {
-        f16v xv = f_at(xb + 16 * v);
-        for (int r = 0; r < R; r++) acc[r] += wbuf[r][v] * xv;
-      }
-      for (int r = 0; r < r_n; r++) out[(long)bi * N + n + r] = hsum(acc[r]);
-    }
+    int bi = 0;
+    for (; bi + XT <= B; bi += XT) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, XT);
+    for (; bi < B; bi++) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, 1);  /* the last rows */
   }
 }
