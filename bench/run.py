@@ -6,6 +6,7 @@
                                    # against f16 on the wire: ~15 minutes on 2 idle cores
     python -m bench.run --sections memwall   # section 15: the 1.1B shape's files against llama.cpp (bench.memwall;
                                              # its first run generates and quantizes ~5 GB into bench/models/)
+    python -m bench.run --sections prefill   # section 16: pp128 / pp512, 2 stages against llama.cpp (bench.prefill)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
     python -m bench.run --sections beam   # PP_BEAM=2 vs without (not in the default run: the first search takes
                                           # minutes, 20+ on a loaded machine; the kernel cache is kept in bench/models/)
@@ -31,14 +32,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from bench import cold, memwall, models, moe, pipe, quant, report, rss, serve, servemem, solo, threads, wire
+from bench import cold, memwall, models, moe, pipe, prefill, quant, report, rss, serve, servemem, solo, threads, wire
 from bench.machine import CpuMeter, describe
 from bench.quant import say
 from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss",
-            "cold", "threads", "servemem", "moe", "memwall")
+            "cold", "threads", "servemem", "moe", "memwall", "prefill")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -69,6 +70,7 @@ class Plan:
     servemem: servemem.ServeMemPlan = servemem.ServeMemPlan()  # section 13: pp-serve's memory and start, 30 blocks
     moe: moe.MoePlan = moe.MoePlan()  # section 14: a qwen3moe against its dense twin and llama.cpp
     memwall: memwall.MemwallPlan = memwall.MemwallPlan()  # section 15: the 1.1B shape from DRAM, against llama.cpp
+    prefill: prefill.PrefillPlan = prefill.PrefillPlan()  # section 16: pp128 / pp512 against llama.cpp
 
 
 FULL = Plan("bench")
@@ -83,7 +85,8 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              servemem=servemem.ServeMemPlan(preset="bench", dtype="Q8_0", tokens=8, on_demand=False),
              moe=moe.MoePlan(decode=8, rounds=2),
              memwall=memwall.MemwallPlan(preset="kq", dtypes=("F16", "Q4_K_M"), avx2_dtypes=("Q4_K_M",), rounds=2,
-                                         decode=8))
+                                         decode=8),
+             prefill=prefill.PrefillPlan(files=(("kq", "F16"), ("kq", "Q4_K_M")), lengths=(32, 128), rounds=1))
 
 
 
@@ -371,6 +374,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "servemem": lambda out: out.update(servemem.measure(plan.servemem)),
         "moe": lambda out: out.update(moe.measure(plan.moe)),
         "memwall": lambda out: out.update(memwall.measure(plan.memwall)),
+        "prefill": lambda out: out.update(prefill.measure(plan.prefill)),
     }
     try:
         for key in sections:
