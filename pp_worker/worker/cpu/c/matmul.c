@@ -7,24 +7,36 @@ enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, 
 #if defined(__AVX512F__)
 /* rows of x per tile: R x XT accumulators (16 of the 32 registers), so each weight vector loaded serves XT products
    and each x vector R (one row of x at a time, 5 loads fed 4 multiply-adds: the loads were the limit) */
-enum { XT = 4 };
+enum { XT = 4, H = 1 };  /* H: the passes over K a tile makes, each on 16 / H lanes of every 16 values */
+typedef f16v lanes;
 #else
-enum { XT = 1 };  /* 16 registers of 8 floats: R accumulators of 16 already take half of them */
+/* 16 registers of 8 floats: a pass takes the low 8 lanes of every 16 values, a second the high 8, each with R x XT
+   accumulators of 8 (a lane's sums are the same operations either way) */
+enum { XT = 2, H = 2 };
+typedef f8v lanes;
 #endif
+static inline lanes lanes_at(const float* p) { lanes v; __builtin_memcpy(&v, p, sizeof v); return v; }
 /* the R decoded rows' products with nx rows of x (nx a constant where it is inlined), each (row, x) summed in 16
    lanes over K in order, then hsum: whatever the tile, the floats of one row of x at a time */
 static inline __attribute__((always_inline)) void tile(float* restrict out, int N, const f16v (*restrict wbuf)[V],
                                                        const float* restrict x, int r_n, int nx) {
-  f16v acc[XT][R];
-  _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
-    _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) acc[i][r] = 0;
-  for (int v = 0; v < V; v++)
-    _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) {
-      f16v xv = f_at(x + (long)i * K + 16 * v);
-      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) acc[i][r] += wbuf[r][v] * xv;
-    }
+  float sums[XT][R][16] __attribute__((aligned(64)));
+  _Pragma("clang loop unroll(full)") for (int h = 0; h < H; h++) {
+    lanes acc[XT][R];
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
+      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) acc[i][r] = 0;
+    for (int v = 0; v < V; v++)
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) {
+        lanes xv = lanes_at(x + (long)i * K + 16 * v + 16 / H * h);
+        _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
+          acc[i][r] += lanes_at((const float*)&wbuf[r][v] + 16 / H * h) * xv;
+      }
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
+      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
+        __builtin_memcpy(&sums[i][r][16 / H * h], &acc[i][r], sizeof(lanes));
+  }
   for (int i = 0; i < nx; i++)
-    for (int r = 0; r < r_n; r++) out[(long)i * N + r] = hsum(acc[i][r]);
+    for (int r = 0; r < r_n; r++) out[(long)i * N + r] = hsum(f_at(sums[i][r]));
 }
 void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict dims,
           int core_id) {
