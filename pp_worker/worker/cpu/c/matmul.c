@@ -1,7 +1,7 @@
 /* out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads (core_id), ROWS rows
-   decoded at a time into wbuf (L1), then multiplied with the B rows of x XT at a time (a tile). Only K is fixed in
-   the source (it sizes wbuf and unrolls), so a model needs one kernel per (type, K), whatever its row counts and call
-   sizes. One row of x takes row.h's products (the type's one-row product where it has one). */
+   decoded at a time into wbuf (L1), then multiplied with a block of XB rows of x, XT at a time (a tile). Only K is
+   fixed in the source (it sizes wbuf and unrolls), so a model needs one kernel per (type, K), whatever its row counts
+   and call sizes. One row of x takes row.h's products (the type's one-row product where it has one). */
 #include "row.h"
 enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
 #if defined(__AVX512F__)
@@ -15,6 +15,10 @@ typedef f16v lanes;
 enum { XT = 2, H = 2 };
 typedef f8v lanes;
 #endif
+/* rows of x per block: a block is read again for every R weight rows, so it is held to 512 KiB (half an L2 of 1 MiB;
+   the whole of a 256-token chunk of K 2048 is 2 MiB: read from L3 every time, it made a chunk of 256 slower than
+   one of 128), and each weight row is decoded once a block */
+enum { XB_FIT = (512 << 10) / (4 * K) / XT * XT, XB = XB_FIT < XT ? XT : XB_FIT > 64 ? 64 : XB_FIT };
 static inline lanes lanes_at(const float* p) { lanes v; __builtin_memcpy(&v, p, sizeof v); return v; }
 /* the R decoded rows' products with nx rows of x (nx a constant where it is inlined), each (row, x) summed in 16
    lanes over K in order, then hsum: whatever the tile, the floats of one row of x at a time */
@@ -47,14 +51,17 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
     return;
   }
   f16v wbuf[R][V];
-  for (int n = n0; n < n1; n += R) {
-    int r_n = n1 - n < R ? n1 - n : R;
-    for (int r = 0; r < r_n; r++)
-      for (int j = 0; j < NB; j++)
-        _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
-          DECODE32(w + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
-    int bi = 0;
-    for (; bi + XT <= B; bi += XT) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, XT);
-    for (; bi < B; bi++) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, 1);  /* the last rows */
+  for (int b0 = 0; b0 < B; b0 += XB) {  /* a block of x that stays in L2 while the part's weight rows pass it */
+    int b1 = b0 + XB < B ? b0 + XB : B;
+    for (int n = n0; n < n1; n += R) {
+      int r_n = n1 - n < R ? n1 - n : R;
+      for (int r = 0; r < r_n; r++)
+        for (int j = 0; j < NB; j++)
+          _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
+            DECODE32(w + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
+      int bi = b0;
+      for (; bi + XT <= b1; bi += XT) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, XT);
+      for (; bi < b1; bi++) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, 1);  /* the last rows */
+    }
   }
 }
