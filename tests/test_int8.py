@@ -65,7 +65,7 @@ def test_the_integer_path_is_ggmls_scheme(ggml_type, n, k, b):
 
 @pytest.mark.parametrize("ggml_type", INT8, ids=type_name)
 def test_prefill_chunks_at_the_edges_of_the_blocks(ggml_type):
-    """A chunk of 128 rows of x (two blocks of 64, each weight row passing 8 rows at a time) is ggml's scheme, and
+    """A chunk of 128 rows of x (four blocks of 32, each weight row passing 8 rows at a time) is ggml's scheme, and
     each row the same floats as in a chunk of 1, 7, 8 or 33 rows (a row alone, a pass's last rows, a lone last row)."""
     n, k = 37, 512
     check(ggml_type, n, k, 128)

@@ -183,11 +183,12 @@ static inline void rows_dot_q8(float* restrict out, long stride, const unsigned 
   for (int i = 0; i < nbt; i++) out[i * stride] = fold_acc(acc[i]) - off[i];
 }
 #endif
-/* rows of x per block (a multiple of BT, at most 64, its int8 blocks at most 512 KiB: half an L2): each weight row
+/* rows of x per block (a multiple of BT, at most 32, its int8 blocks at most 512 KiB: half an L2): each weight row
    passes every BT rows of a block while it is in L1, so a chunk streams the weights once per block, not once per BT
-   rows of x (a 256-token chunk read the matrix 32 times) */
+   rows of x (a 256-token chunk read the matrix 32 times). Not 64: at K 576 a block of 32 rows (23 KiB) stays in L1
+   with the row, one of 64 did not (a stage's 512-token prefill 8% slower) */
 enum { X_FIT = (512 << 10) / (PP_K / BLOCK_VALUES * XB) / BT * BT,
-       XBLOCK = X_FIT < BT ? BT : X_FIT > 64 ? 64 : X_FIT };
+       XBLOCK = X_FIT < BT ? BT : X_FIT > 32 ? 32 : X_FIT };
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
