@@ -37,6 +37,7 @@ S11 = "11 a cold start (empty caches) and a restart, the embedded model"
 S13 = "13 pp-serve on a 30-block model (SmolLM2-135M's shape, Q8_0), 2 stages, 8 slots, cold"
 S15 = "15 memwall: TinyLlama-1.1B's shape (2.2 GB F16), weights streamed from DRAM, 2 stages and llama.cpp"
 S12 = "12 threads: one stage's decode call on every core / on one (PP_THREADS), timed inside the stage"
+S19 = "19 prefill: a prompt's time to first token, 2 stages and llama.cpp on the same file, rounds in turn"
 S14 = "14 mixture of experts (qwen3moe, Q8_0), 2 stages: against a dense twin and llama.cpp"
 S17 = "17 prefix reuse across requests (cache_prompt), pp-serve, a 5-turn chat"
 REUSE_TARGET = 0.25  # issue 52: the next turn's and an identical repeat's first token <= 0.25x the first turn's
@@ -62,7 +63,8 @@ def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[i
             *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
             *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe")),
             *memwall_rows(raw.get("memwall")), *grammar.rows(raw.get("grammar")),
-            *reuse_rows(raw.get("reuse")), *links.rows(raw.get("links"))]
+            *reuse_rows(raw.get("reuse")), *links.rows(raw.get("links")),
+            *prefill_rows(raw.get("prefill"))]
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:
@@ -565,4 +567,36 @@ def reuse_rows(r: dict[str, Any] | None) -> list[Row]:
             turns = ", ".join(f"{t:.2f}" for t in c["median_ttft_s"])
             rows.append(Row(sec, f"{r['clients']} chats at once, reuse {mode}: wall", c["wall_s"], "s",
                             note=f"median first token per turn: {turns} s"))
+
+
+PREFILL_PEER_TARGETS = {512: 1.0}  # issue 51: pp512 at llama.cpp's speed (its AVX-512 build)
+
+
+def prefill_ratios(t: dict[str, list[float]]) -> list[float]:
+    """Each round's prefill tokens/s of the pipeline over llama.cpp's (its time over ours)."""
+    return [theirs / ours for ours, theirs in zip(t["ours_s"], t["peer_s"], strict=True) if ours > 0]
+
+
+def tokens_per_s(n: int, seconds: list[float]) -> float | None:
+    return n / statistics.median(seconds) if seconds else None
+
+
+def prefill_rows(m: dict[str, Any] | None) -> list[Row]:
+    """Section 19 (issue 51): each file's prompt lengths, the pipeline's tokens/s of prefill against llama.cpp's,
+    the ratio the median of the rounds' ratios."""
+    if not m or not m.get("rows"):
+        note = (m or {}).get("peers_skipped") or "not measured (section prefill not run, or it failed)"
+        return [Row(S19, "prefill", None, "tok/s", note=note)]
+    rows: list[Row] = []
+    for key, r in m["rows"].items():
+        f = m["files"][key]
+        for n, t in r["lengths"].items():
+            ours, theirs = tokens_per_s(int(n), t["ours_s"]), tokens_per_s(int(n), t["peer_s"])
+            rows.append(Row(S19, f"{key} pp{n}: 2 stages ({f['quantizer']}, {f['file_bytes'] / MIB:.0f} MiB)", ours,
+                            "tok/s", note=f"median of {len(t['ours_s'])} rounds"))
+            rows.append(Row(S19, f"  {key} pp{n}: llama.cpp one process, {r['build_name']} build", theirs, "tok/s"))
+            rs = prefill_ratios(t)
+            rows.append(Row(S19, f"  {key} pp{n}: 2 stages / llama.cpp", statistics.median(rs) if rs else None, "x",
+                            PREFILL_PEER_TARGETS.get(int(n)) if r["build"] == "avx512" else None,
+                            note="median of the rounds' ratios, the same prompt in turn"))
     return rows

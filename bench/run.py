@@ -6,6 +6,7 @@
                                    # against f16 on the wire: ~15 minutes on 2 idle cores
     python -m bench.run --sections memwall   # section 15: the 1.1B shape's files against llama.cpp (bench.memwall;
                                              # its first run generates and quantizes ~5 GB into bench/models/)
+    python -m bench.run --sections prefill   # section 16: pp128 / pp512, 2 stages against llama.cpp (bench.prefill)
     python -m bench.run --quick    # the 0.9M "small" model and few tokens: a smoke test of the whole bench
     python -m bench.run --sections beam   # PP_BEAM=2 vs without (not in the default run: the first search takes
                                           # minutes, 20+ on a loaded machine; the kernel cache is kept in bench/models/)
@@ -39,6 +40,7 @@ from bench import (
     models,
     moe,
     pipe,
+    prefill,
     quant,
     report,
     reuse,
@@ -55,7 +57,7 @@ from bench.rows import render, summary, to_json, write_results
 
 RESULTS = Path(__file__).resolve().parent / "results"
 SECTIONS = ("solo", "pp2", "pp3", "pinned", "beam", "pp4", "unjit", "wire", "rss", "serve", "q8", "quant", "qrss",
-            "cold", "threads", "servemem", "grammar", "moe", "memwall", "reuse", "links")
+            "cold", "threads", "servemem", "grammar", "moe", "memwall", "reuse", "links", "prefill")
 DEFAULT = tuple(s for s in SECTIONS if s != "beam")  # beam: its first run searches for 20+ minutes
 
 
@@ -90,6 +92,7 @@ class Plan:
     # section 17: prefix reuse in pp-serve, a 5-turn chat with a ~1,000-token first turn on SmolLM2-135M's shape
     reuse: reuse.ReusePlan = reuse.ReusePlan(preset="smol", dtype="Q8_0")
     links: links.LinksPlan = links.LinksPlan()  # section 18: stages behind a delayed link, with and without drafts
+    prefill: prefill.PrefillPlan = prefill.PrefillPlan()  # section 19: pp128 / pp512 against llama.cpp
 
 
 FULL = Plan("bench")
@@ -106,7 +109,8 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              memwall=memwall.MemwallPlan(preset="kq", dtypes=("F16", "Q4_K_M"), avx2_dtypes=("Q4_K_M",), rounds=2,
                                          decode=8),
              reuse=reuse.ReusePlan(),  # the embedded model: its context (256) holds a ~100-token first turn
-             links=links.QUICK)
+             links=links.QUICK,
+             prefill=prefill.PrefillPlan(files=(("kq", "F16"), ("kq", "Q4_K_M")), lengths=(32, 128), rounds=1))
 
 
 
@@ -397,6 +401,7 @@ def measure(b: Bench, sections: tuple[str, ...]) -> dict[str, Any]:
         "grammar": lambda out: out.update(grammar.measure(plan.grammar)),
         "reuse": lambda out: out.update(reuse.measure(plan.reuse)),
         "links": lambda out: out.update(links.measure(plan.links)),
+        "prefill": lambda out: out.update(prefill.measure(plan.prefill)),
     }
     try:
         for key in sections:

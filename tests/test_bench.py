@@ -154,7 +154,17 @@ def fake_raw() -> dict:
                 "call_ms": {"moe": [1.0, 0.9], "dense": [5.0, 4.8]}, "call_ratio": 5.1,
                 "peers_skipped": "llama.cpp not built: run make peers"},
         "memwall": fake_memwall(),
+        "prefill": fake_prefill(),
     }
+
+
+def fake_prefill() -> dict:
+    """Section 16: the small model's F16 file at two prompt lengths, as bench.prefill writes it."""
+    return {"rounds": 3, "threads": 2, "files": {"smol F16": {"name": "smol-s0-F16.gguf", "file_bytes": 260 << 20,
+                                                              "quantizer": "modelgen"}},
+            "rows": {"smol F16": {"build": "avx512", "build_name": "AVX-512 + VNNI", "lengths": {
+                "128": {"ours_s": [0.5, 0.4, 0.6], "peer_s": [0.4, 0.4, 0.3]},
+                "512": {"ours_s": [2.0, 1.0, 1.6], "peer_s": [1.0, 1.5, 2.0]}}}}}
 
 
 def fake_memwall() -> dict:
@@ -197,7 +207,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert by_name["decode hop, 1 in flight, two CPUs"].verdict == "PASS"
     assert by_name["bare pipe echo, 1 in flight, one CPU"].verdict == ""  # context, no target
     assert by_name["4 stages: stage 0"].verdict == "n/a"  # no 4-stage data: not measured, not missed
-    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 19)}
+    assert {r.section.split()[0] for r in rows} == {str(i) for i in range(1, 20)}
     assert by_name["MoE / dense decode"].verdict == "PASS" and "dense / MoE 5.0x" in by_name["MoE / dense decode"].note
     assert by_name["last stage's decode call, dense / MoE, in one process"].value == pytest.approx(5.1)
     no_peer = by_name["MoE 2 stages / llama.cpp"]  # no llama.cpp: n/a with the reason, not a miss
@@ -230,6 +240,14 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     int8 = wall["Q4_K_M avx512 int8: bytes/s / the F16 file's"]  # another tree's row against this tree's F16
     assert int8.value == pytest.approx(600 * 33 / (2000 * 11)) and int8.verdict == "PASS"
     assert report.memwall_rows(None)[0].value is None
+    pp = {r.name.strip(): r for r in rows if r.section.startswith("16 ")}
+    pp512 = pp["smol F16 pp512: 2 stages / llama.cpp"]  # the median of the rounds' ratios: 0.5, 1.5, 1.25
+    assert pp512.value == pytest.approx(1.25) and pp512.target == 1.0 and pp512.verdict == "PASS"
+    assert pp["smol F16 pp128: 2 stages / llama.cpp"].value == pytest.approx(0.8)  # 0.8, 1.0, 0.5: no target
+    assert pp["smol F16 pp128: 2 stages / llama.cpp"].target is None
+    assert pp["smol F16 pp512: 2 stages (modelgen, 260 MiB)"].value == pytest.approx(512 / 1.6)
+    assert pp["smol F16 pp512: llama.cpp one process, AVX-512 + VNNI build"].value == pytest.approx(512 / 1.5)
+    assert "make peers" in report.prefill_rows({"peers_skipped": "llama.cpp not built: run make peers"})[0].note
     assert "make peers" in report.memwall_rows({"peers_skipped": "llama.cpp not built: run make peers"})[0].note
     assert by_name["cold first token / tinygrad's"].value == pytest.approx(0.8)
     assert by_name["restart first token / tinygrad's cold one"].verdict == "MISS"  # 0.3 > 0.2
@@ -362,8 +380,9 @@ def test_run_arguments() -> None:
         run.parse_args(["--sections", "nope"])
     assert "beam" in run.SECTIONS and "beam" not in run.parse_args([]).sections  # opt-in: a long first search
     assert {run.QUICK.preset, run.FULL.preset, run.QUICK.rss.preset, run.FULL.rss.preset} <= set(PRESETS)
-    assert run.SECTIONS[-3:] == ("memwall", "reuse", "links") and run.parse_args(["--sections", "moe"]).sections == (
-        "moe",)  # sections 15, 17 and 18, each runnable alone
+    assert run.SECTIONS[-3:] == ("reuse", "links", "prefill") and run.parse_args(["--sections", "moe"]).sections == (
+        "moe",)  # sections 17 to 19, each runnable alone
+    assert "prefill" in run.parse_args([]).sections and run.FULL.prefill.lengths == (128, 512)
     assert "memwall" in run.parse_args([]).sections and run.FULL.memwall.preset == "tinyllama"
     assert {run.FULL.moe.preset, run.FULL.moe.dense} <= set(PRESETS)
     assert "reuse" in run.parse_args([]).sections and run.FULL.reuse.preset in PRESETS
@@ -605,3 +624,11 @@ def test_links_rows_set_the_issues_targets() -> None:
     assert by_name["25 ms, repetitive, 1 stream(s): ngram / plain"].target is None
     assert by_name["25 ms, free, 8 streams, plain: against 0 ms"].value == pytest.approx(0.9)
     assert links.rows(None)[0].value is None
+
+
+def test_prefill_refuses_an_unknown_file_before_it_builds_anything(capsys) -> None:
+    from bench import prefill
+
+    with pytest.raises(SystemExit) as e:
+        prefill.main(["--files", "smol:F16,smol:none"])
+    assert e.value.code == 2 and "unknown files" in capsys.readouterr().err

@@ -124,6 +124,26 @@ def test_every_build_is_right(ggml_type, build, request):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+@pytest.mark.parametrize("build", ARCH_BUILDS)
+def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
+    """A prefill chunk's products at the edges of the kernel's tiles (the float path takes rows of x in blocks of up
+    to 64, in each 4 at a time with AVX-512 and 2 without, then the rest one by one, against weight rows 4 at a time):
+    1, 7, 8, 33 and 128 rows of x against 37 rows of W, each within float32 rounding of float64, and a row of x the
+    same floats wherever it falls (alone in a tile's last rows, inside a tile of a longer chunk, in a later block)."""
+    request.getfixturevalue(build)
+    n, k = 37, 512
+    raw, w = random_rows(ggml_type, n, k, seed=9)
+    x = np.random.default_rng(10).standard_normal((128, k)).astype(np.float32)
+    chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(chunk, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for b in (1, 7, 8, 33):
+        got = cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy()
+        np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
+        assert b == 1 or np.array_equal(got, chunk[:b])  # one row alone takes the one-row product (row.h)
+
+
 @pytest.mark.parametrize("ggml_type", SIMD, ids=type_name)
 @pytest.mark.parametrize("build", ARCH_BUILDS)
 def test_every_arch_build_decodes_the_generic_floats(ggml_type, build, request):

@@ -64,6 +64,19 @@ def test_the_integer_path_is_ggmls_scheme(ggml_type, n, k, b):
 
 
 @pytest.mark.parametrize("ggml_type", INT8, ids=type_name)
+def test_prefill_chunks_at_the_edges_of_the_blocks(ggml_type):
+    """A chunk of 128 rows of x (four blocks of 32, each weight row passing 8 rows at a time) is ggml's scheme, and
+    each row the same floats as in a chunk of 1, 7, 8 or 33 rows (a row alone, a pass's last rows, a lone last row)."""
+    n, k = 37, 512
+    check(ggml_type, n, k, 128)
+    raw, _ = random_rows(ggml_type, n, k, seed=7)
+    x = np.random.default_rng(9).standard_normal((128, k)).astype(np.float32)
+    chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
+    for b in (1, 7, 8, 33):
+        assert np.array_equal(cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy(), chunk[:b])
+
+
+@pytest.mark.parametrize("ggml_type", INT8, ids=type_name)
 def test_the_generic_integer_dot_products_are_ggmls_scheme(ggml_type, generic):
     check(ggml_type, 13, 512, 3)
 

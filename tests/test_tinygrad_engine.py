@@ -24,7 +24,7 @@ from pp_worker.testing.npref import RefModel
 from pp_worker.worker.compiled.replay import Replay
 from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.model import context_length
-from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, ladder, split
+from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, default_prefill_chunk, ladder, split
 from pp_worker.worker.gguf.header import ModelLoadError, read_header
 from pp_worker.worker.hostio import HostBuffer, InputBuffer, pinned_allocator
 
@@ -193,6 +193,14 @@ def test_ladder_and_split():
     assert ladder(32) == (32, 16, 8, 4, 2, 1) and ladder(48) == (48, 32, 16, 8, 4, 2, 1) and ladder(1) == (1,)
     assert split(37, ladder(32)) == [32, 4, 1] and split(70, ladder(32)) == [32, 32, 4, 2] and split(1, (1,)) == [1]
     assert all(sum(split(n, ladder(c))) == n for c in (1, 5, 32) for n in range(1, 100))
+
+
+def test_the_cpus_prefill_chunk_is_a_page_at_most_half_the_context():
+    # 256 (a KV page) where the context holds it; a power of two at most half a small context, whose warm-up can
+    # then run every size (a call of the whole context would leave no position to decode)
+    assert [default_prefill_chunk("CPU", c) for c in (None, 8192, 512, 511, 96, 64, 3)] == [256, 256, 256, 128, 32,
+                                                                                            32, 1]
+    assert default_prefill_chunk("CUDA", 64) == default_prefill_chunk("CUDA") == 128
 
 
 def test_every_prompt_length_in_flight_matches_the_float64_reference(chain, models):

@@ -71,10 +71,17 @@ COMPILE_GUESS_S = 2.0  # compiling a JIT, until one is timed: a cold stage of th
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
 
 
-def default_prefill_chunk(device: str) -> int:
-    """32 tokens on the CPU (as Transformer.generate). 128 elsewhere: an accelerator reads each weight once per
-    call, so a 512-token prompt costs 4 weight passes instead of 16, and the ladder stays at 8 JITs to warm up."""
-    return 32 if device_kind(device) == "CPU" else 128
+def default_prefill_chunk(device: str, max_context: int | None = None) -> int:
+    """256 tokens on the CPU (a KV page's positions, which a call never crosses): a 512-token prefill of a stage in
+    256-token calls took 1.17-1.42x less time than in 32-token ones (the products' weights read, and every other
+    kernel launched, 8 times less often; bench/NOTES.md, "Prefill"); at most the power of two at or below half of
+    ``max_context`` (a call of the whole context could never be warmed up: its warm-up leaves no position to
+    decode). 128 elsewhere: an accelerator reads each weight once per call, so a 512-token prompt costs 4 weight
+    passes instead of 16, and the ladder stays at 8 JITs to warm up."""
+    if device_kind(device) != "CPU":
+        return 128
+    half = max(1, (max_context or 512) // 2)
+    return min(256, 1 << (half.bit_length() - 1))
 
 
 def ladder(max_chunk: int) -> tuple[int, ...]:
@@ -326,7 +333,8 @@ class TinygradEngine:
         file = self._w.path.resolve().stat()
         ident = (str(self._w.path.resolve()), file.st_size, file.st_mtime_ns, self.device, self.kv_dtype,
                  self._w.kernels, getenv("HALF", 1), self.numerics)
-        self._stage = CompiledStage(self._w, self.kv_pool, prefill_chunk or default_prefill_chunk(self.device),
+        chunk = prefill_chunk or default_prefill_chunk(self.device, self._w.config.max_context)
+        self._stage = CompiledStage(self._w, self.kv_pool, chunk,
                                     self.max_batch, beam, lean, None if root is None else jitcache.Store(root), ident,
                                     table)
         self._stage.every_size = every_size
