@@ -6,7 +6,11 @@ AVX-512, compiled (this CPU may lack it). And the table runner on 1-4 threads, u
 The generic C gives the same floats on every CPU, and so does each arch's decoder (DECODE32): products of several
 rows of x and gathered rows are compared bit for bit (products without FMA: within float32 rounding). A one-row
 product of an arch's own (ROW_DOT) sums in its own order: it is compared with float64 on the `gguf` package's
-values, within float32 rounding."""
+values, within float32 rounding; a baseline x86-64 build's products of several rows (no FMA) likewise, each row.
+
+Attention (with Gemma 3's sliding window and without, over fp16 and fp32 pages) and every type's expert kernel
+(moe.c) are built for aarch64 (run under qemu), a baseline x86-64 CPU, an AVX2 one and this one, and run through
+testing/c/call_main.c against float64."""
 
 from __future__ import annotations
 
@@ -55,13 +59,13 @@ def generic_files(t: GGMLType) -> list[str]:
 
 
 def inputs(folder: Path) -> dict[tuple[int, int], np.ndarray]:
-    """Each kernel pair's input file in ``folder``; returns float64 x @ W^T for x's first row, per (type, K)."""
+    """Each kernel pair's input file in ``folder``; returns float64 x @ W^T (B, N), per (type, K)."""
     want = {}
     for t, k in KERNELS:
         raw, w = random_rows(t, N, k, seed=k)
         x = np.random.default_rng(k + 1).standard_normal((B, k)).astype(np.float32)
         cross.write_input(folder, cross.pair(t, k), raw, x, IDS, T)
-        want[t, k] = x[0].astype(np.float64) @ w.T.astype(np.float64)
+        want[t, k] = x.astype(np.float64) @ w.T.astype(np.float64)
     return want
 
 
@@ -85,7 +89,7 @@ AVX2 = "avx2" in open("/proc/cpuinfo").read()
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> tuple[dict[tuple[int, int], np.ndarray], dict[str, Results]]:
-    """(float64 one-row products, each build's results): this CPU's generic build ("x86"), aarch64's ("neon") and
+    """(float64 products, each build's results): this CPU's generic build ("x86"), aarch64's ("neon") and
     aarch64's generic build ("arm") under qemu, and the builds tinygrad makes on an AVX2 CPU ("avx2", where this CPU
     runs them) and on a baseline x86-64 one, without FMA or F16C ("x86-64"). Built and run once for the module."""
     from concurrent.futures import ThreadPoolExecutor
@@ -128,7 +132,7 @@ def test_aarch64_build_gives_the_generic_floats(ggml_type, runs):
         assert np.array_equal(neon[1], x86[1]) and np.array_equal(neon[1], arm[1]), f"K={k}, rows"
         assert np.array_equal(neon[2], x86[2]) and np.array_equal(neon[2], arm[2]), f"K={k}, gathered"
         if neon_row_dot(ggml_type):
-            assert close(neon[0], want[ggml_type, k]), f"K={k}, one row"
+            assert close(neon[0], want[ggml_type, k][0]), f"K={k}, one row"
         else:
             assert np.array_equal(neon[0], x86[0]), f"K={k}, one row"
 
@@ -139,13 +143,16 @@ def test_aarch64_build_gives_the_generic_floats(ggml_type, runs):
 def test_x86_builds_decode_the_generic_floats(ggml_type, build, runs):
     """The builds for an AVX2 CPU and a baseline x86-64 one (fp16 converted in software, tinygrad's loader links no
     runtime) decode the generic floats: the same gathered rows; the same products of several rows where the CPU
-    has FMA, as this one; without it, and for one row of x, within float32 rounding of float64."""
+    has FMA, as this one; without it (each row of x) and for one row of x, within float32 rounding of float64."""
     want, got = runs
     for k in sizes(ggml_type):
         mine, x86 = got[build][ggml_type, k], got["x86"][ggml_type, k]
         assert np.array_equal(mine[2], x86[2]), f"K={k}, gathered"
-        assert np.array_equal(mine[1], x86[1]) if build == "avx2" else close(mine[1][0], x86[1][0]), f"K={k}, rows"
-        assert close(mine[0], want[ggml_type, k]), f"K={k}, one row"
+        if build == "avx2":
+            assert np.array_equal(mine[1], x86[1]), f"K={k}, rows"
+        for i in range(B if build == "x86-64" else 0):  # each row against its own scale
+            assert close(mine[1][i], want[ggml_type, k][i]), f"K={k}, row {i}"
+        assert close(mine[0], want[ggml_type, k][0]), f"K={k}, one row"
 
 
 def test_neon_code_covers_the_types_asked_for():
@@ -207,3 +214,113 @@ def test_the_runner_gives_the_serial_results_on_threads(runner_program, threads)
     target, program = runner_program
     assert cross.run(program, target, str(threads), "200", "20").split() == \
         ["ok", f"threads={threads}", "tables=220", "asleep=14", "met=20"]
+
+
+# ---------------------------------------------------------------- attention and the expert kernel, run on each CPU
+
+ATTENTION = [  # (shape, start_pos): fp16 pages with Gemma 3's sliding window, its start and its last token across a
+    # page; a window past a chunk of keys and a page; a window longer than the positions; fp32 pages, no window
+    (dict(tokens=8, dtype="float16", window=12), 250), (dict(tokens=1, dtype="float16", window=300), 700),
+    (dict(tokens=3, dtype="float32", window=40), 5), (dict(tokens=1, dtype="float32", window=0), 600),
+]
+ROW, TABLE_ROW, PAGES = 1, 1, [[0, 0, 0], [2, 0, 1]]  # block 1 of session 1, its pages out of the pool's order
+EXPERT_IDS, XDIV = np.array([3, 0, 3, 5, 0, 3], np.int32), 2  # experts 3 and 0: several slots; 5: one
+EXPERTS, EXPERT_N, EXPERT_K, EXPERT_THREADS = 6, 20, 256, 3
+
+
+def attention_shape(tokens: int, dtype: str, window: int):
+    from tinygrad import dtypes
+
+    from pp_worker.worker.cpu import attention
+
+    return attention.Shape(8, 2, 64, tokens, 2, 2 * attention.CHUNK, 3, getattr(dtypes, dtype), 2, window)
+
+
+def attention_reference(q: np.ndarray, pool: np.ndarray, start: int, window: int) -> np.ndarray:
+    """float64: token t of q (T, H, D) over keys [start + t - window + 1 (window > 0), start + t] of block ROW of
+    session TABLE_ROW's pages of pool (pages, rows, 2, KvH, page, D): (T, H, D)."""
+    kv = np.concatenate([pool[p, ROW] for p in PAGES[TABLE_ROW]], axis=2).astype(np.float64)
+    tokens, heads, d = q.shape
+    group = heads // kv.shape[1]
+    out = np.empty((tokens, heads, d))
+    for t in range(tokens):
+        pos = start + t
+        lo = max(0, pos - window + 1) if window else 0
+        for h in range(heads):
+            k, v = kv[0, h // group, lo:pos + 1], kv[1, h // group, lo:pos + 1]
+            s = k @ q[t, h].astype(np.float64) / np.sqrt(d)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ v / p.sum()
+    return out
+
+
+def call_inputs(folder: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    """The sources of the attention kernels of ATTENTION and every type's expert kernel, their inputs in
+    ``folder`` (`cross.write_call`), and the float64 results each must give, by kernel name."""
+    from pp_worker.worker.cpu import attention
+    from pp_worker.worker.cpu.kernels import source
+
+    sources, want = {}, {}
+    for i, (shape, start) in enumerate(ATTENTION):
+        s = attention_shape(**shape)
+        rng = np.random.default_rng(i)
+        pool = (rng.standard_normal((3, s.rows, 2, s.n_kv_heads, s.page, s.head_dim)) * 2).astype(shape["dtype"])
+        q = rng.standard_normal((s.tokens, s.n_heads, s.head_dim)).astype(np.float32)
+        table = np.array(PAGES, np.int32)
+        out = np.zeros(s.tokens * s.n_heads * s.head_dim, np.float32)
+        cross.write_call(folder, s.name, [out, pool, q, table, np.array([ROW, TABLE_ROW], np.int32)], [start],
+                         s.threads)
+        sources[s.name], want[s.name] = attention.source(s), attention_reference(q, pool, start, s.window).ravel()
+    for t in TYPES:
+        name = f"{type_name(t).lower()}_moe"
+        raw, w = random_rows(t, EXPERTS * EXPERT_N, EXPERT_K, seed=t)
+        raw, w = raw.reshape(EXPERTS, EXPERT_N, -1).copy(), w.reshape(EXPERTS, EXPERT_N, EXPERT_K)
+        raw[[e for e in range(EXPERTS) if e not in EXPERT_IDS]] = 0xFF  # NaN scales: a read of them shows
+        x = np.random.default_rng(t + 1).standard_normal((len(EXPERT_IDS) // XDIV, EXPERT_K)).astype(np.float32)
+        out = np.zeros((len(EXPERT_IDS), EXPERT_N), np.float32)
+        dims = np.array([EXPERT_N, len(EXPERT_IDS), XDIV, EXPERTS, EXPERT_THREADS], np.int32)
+        cross.write_call(folder, name, [out, raw, x, EXPERT_IDS, dims], [], EXPERT_THREADS)
+        sources[name] = source("moe", t, EXPERT_K, name)
+        want[name] = np.stack([w[e].astype(np.float64) @ x[m // XDIV] for m, e in enumerate(EXPERT_IDS)]).ravel()
+    return sources, want
+
+
+@pytest.fixture(scope="module")
+def calls(tmp_path_factory) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+    """(the float64 results, each target's results by kernel): attention and the expert kernels built as tinygrad
+    builds them for aarch64 (run under qemu), a baseline x86-64 CPU, an AVX2 one (where this CPU has AVX2) and this
+    one, each run on the same inputs (testing/c/call_main.c)."""
+    tmp = tmp_path_factory.mktemp("calls")
+    (tmp / "in").mkdir()
+    sources, want = call_inputs(tmp / "in")
+    results = {}
+    for target in CALL_TARGETS:
+        t, folder = cross.TARGETS[target], tmp / target
+        objects = cross.compile_units(sources, t, folder / "obj")
+        program = cross.calls_program(list(sources), list(objects.values()), t, folder)
+        (folder / "out").mkdir()
+        cross.run(program, t, str(tmp / "in"), str(folder / "out"))
+        results[target] = {name: cross.read_call(folder / "out", name) for name in sources}
+    return want, results
+
+
+CALL_TARGETS = ["aarch64", "x86-64", *(["avx2"] * AVX2), "native"]
+
+
+@pytest.mark.parametrize("target", CALL_TARGETS)
+@pytest.mark.parametrize("case", range(len(ATTENTION)))
+def test_attention_on_every_cpu_is_the_float64_softmax(calls, target, case):
+    """Each build's attention (its sliding window too: only the last ``window`` positions weigh) against float64."""
+    want, got = calls
+    name = attention_shape(**ATTENTION[case][0]).name
+    np.testing.assert_allclose(got[target][name], want[name], rtol=0, atol=3e-6 * np.abs(want[name]).max())
+
+
+@pytest.mark.parametrize("target", CALL_TARGETS)
+@pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
+def test_the_expert_kernel_on_every_cpu_is_the_float64_product(calls, target, ggml_type):
+    """Each build's expert products (slots of one expert decoded once for all, and a lone slot's one-row product)
+    against float64; unrouted experts are NaN bytes, which a read of them would carry into the products."""
+    want, got = calls
+    name = f"{type_name(ggml_type).lower()}_moe"
+    np.testing.assert_allclose(got[target][name], want[name], rtol=0, atol=1e-5 * np.abs(want[name]).max())

@@ -182,10 +182,11 @@ def test_the_expert_kernel_reads_only_the_routed_experts(ggml_type, ids, xdiv):
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("target", ["avx512", "avx2", "x86-64", "aarch64"])
+@pytest.mark.parametrize("target", ["avx512"])
 def test_the_expert_kernel_compiles_for(target, tmp_path):
-    """Every type's expert kernel for the CPUs the other kernels are built for (run above on this one; here
-    compiled and loaded by tinygrad's loader, `cross.compile_units`)."""
+    """Every type's expert kernel for an AVX-512 CPU (this one may lack it): compiled and loaded by tinygrad's loader
+    (`cross.compile_units`). The builds for aarch64, AVX2 and a baseline x86-64 CPU run against float64 in
+    tests/test_kernel_arches.py."""
     from pp_worker.testing import cross
     from pp_worker.worker.cpu.kernels import source
 

@@ -180,6 +180,26 @@ def read_output(folder: Path, name: str, n: int, b: int, k: int) -> tuple[np.nda
     return got[:n], got[n:n + b * n].reshape(b, n), got[n + b * n:].reshape(-1, k)
 
 
+def calls_program(names: list[str], objects: list[Path], target: Target, out: Path) -> Path:
+    """``testing/c/call_main.c`` linked with ``objects``, which define the kernels ``names``, in folder ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "calls.h").write_text(f"#define CALLS(X){''.join(f' X({n})' for n in names)}\n")
+    return link("call_main.c", objects, target, out / "calls", out)
+
+
+def write_call(folder: Path, name: str, buffers: list[np.ndarray], scalars: list[int], threads: int) -> None:
+    """call_main.c's input for kernel ``name``: called with ``buffers``' addresses (the first: its output), its
+    core_id, then ``scalars``, for core_id 0 .. ``threads`` - 1."""
+    head = np.array([len(buffers), len(scalars), threads], np.int32).tobytes()
+    bufs = b"".join(np.int64(b.nbytes).tobytes() + np.ascontiguousarray(b).tobytes() for b in buffers)
+    (folder / f"{name}.in").write_bytes(head + bufs + np.array(scalars, np.int64).tobytes())
+
+
+def read_call(folder: Path, name: str, dtype: type = np.float32) -> np.ndarray:
+    """call_main.c's output for kernel ``name``: its first buffer after the calls."""
+    return np.fromfile(folder / f"{name}.out", dtype)
+
+
 def run(program: Path, target: Target, *args: str, timeout: float = 120, qemu_args: tuple[str, ...] = ()) -> str:
     """``program``'s stdout, run with ``args`` (under qemu where the target needs it, with ``qemu_args``); raises on
     a failure."""

@@ -44,7 +44,8 @@ class LlamaSpec:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     vocab_size: int = 0  # > 0: the vocabulary padded to this size with reserved control tokens (`padded`)
-    arch: str = "llama"  # or "qwen3moe": Q/K norms, rows in HF order (NEOX rope), experts required
+    arch: str = "llama"  # or, Q/K rows in HF order (NEOX rope): "qwen2" (Q/K/V biases), "qwen3" (Q/K norms),
+    # "qwen3moe" (Q/K norms, experts required)
     n_experts: int = 0  # > 0: a mixture of experts, each of ffn_dim, in place of the dense feed-forward
     n_experts_used: int = 0  # experts routed per token (top-k)
 
@@ -71,6 +72,9 @@ PRESETS: dict[str, tuple[LlamaSpec, int]] = {
     # mixtures of experts (8 experts, top-2): Mixtral-style experts in a llama file, and a qwen3moe
     "moe-llama": (LlamaSpec(ffn_dim=64, n_experts=8, n_experts_used=2), 253),
     "qwen3moe": (LlamaSpec(ffn_dim=64, n_experts=8, n_experts_used=2, arch="qwen3moe"), 253),
+    # dense qwen2 and qwen3 with widths of 256, so that K-quants apply to every matrix
+    "qwen2-kq": (LlamaSpec(dim=256, n_layers=4, ffn_dim=512, arch="qwen2"), 509),
+    "qwen3-kq": (LlamaSpec(dim=256, n_layers=4, ffn_dim=512, arch="qwen3"), 509),
     # widths of 256, so that K-quants apply to every matrix
     "qwen3moe-kq": (LlamaSpec(dim=256, n_layers=4, ffn_dim=256, n_experts=8, n_experts_used=2, arch="qwen3moe"), 509),
     # the bench's: 16 experts, top-2, and the dense model of the same dims and total parameters (ffn 16 x 512)
@@ -102,8 +106,10 @@ def tensor_shapes(spec: LlamaSpec, vocab_size: int) -> dict[str, tuple[int, ...]
             f"blk.{i}.attn_output.weight": (d, d),
             f"blk.{i}.ffn_norm.weight": (d,),
         }
-        if spec.arch == "qwen3moe":
+        if spec.arch in ("qwen3", "qwen3moe"):
             shapes |= {f"blk.{i}.attn_q_norm.weight": (spec.head_dim,), f"blk.{i}.attn_k_norm.weight": (spec.head_dim,)}
+        if spec.arch == "qwen2":
+            shapes |= {f"blk.{i}.attn_q.bias": (d,), f"blk.{i}.attn_k.bias": (kv,), f"blk.{i}.attn_v.bias": (kv,)}
         if spec.n_experts:  # llama.cpp's names: the router, then (E, out, in) tensors
             e = spec.n_experts
             shapes |= {f"blk.{i}.ffn_gate_inp.weight": (e, d), f"blk.{i}.ffn_gate_exps.weight": (e, spec.ffn_dim, d),
@@ -141,7 +147,9 @@ def random_weights(spec: LlamaSpec, vocab_size: int, seed: int) -> dict[str, np.
     rng = np.random.default_rng(seed)
     weights = {}
     for name, shape in tensor_shapes(spec, vocab_size).items():
-        if len(shape) == 1:  # RMSNorm gains: near 1 but not exactly, so a missing gain would show
+        if name.endswith(".bias"):  # qwen2's Q/K/V biases: of the products' own size, so a missing one would show
+            weights[name] = (0.5 * rng.standard_normal(shape)).astype(np.float32)
+        elif len(shape) == 1:  # RMSNorm gains: near 1 but not exactly, so a missing gain would show
             weights[name] = (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
         else:
             weights[name] = (_init_std(name, shape, spec) * rng.standard_normal(shape)).astype(np.float32)

@@ -138,7 +138,7 @@ class RefModel(Forward):
             return reader.fields[key].contents() if key in reader.fields else default
 
         arch = kv("general.architecture")
-        assert arch in ("llama", "qwen3moe"), arch
+        assert arch in ("llama", "qwen2", "qwen3", "qwen3moe"), arch
         weights = {
             t.name: dequantize(t.data, t.tensor_type, tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors
         }
@@ -149,7 +149,7 @@ class RefModel(Forward):
             kv(f"{arch}.attention.head_count_kv"),
             kv(f"{arch}.attention.layer_norm_rms_epsilon"),
             kv(f"{arch}.rope.freq_base"),
-            interleaved_rope=arch == "llama",  # qwen3moe: llama.cpp's NEOX rope (rows as HF stores them)
+            interleaved_rope=arch == "llama",  # qwen's: llama.cpp's NEOX rope (rows as HF stores them)
             rope_scaling=RefModel._rope_scaling(kv, weights.pop("rope_freqs.weight", None)),
             experts_used=kv(f"{arch}.expert_used_count", 0),
             experts_scale=kv(f"{arch}.expert_weights_scale", 0.0) or 1.0,
@@ -183,9 +183,9 @@ class RefModel(Forward):
 
     def _attention(self, i: int, x: np.ndarray) -> np.ndarray:
         w, T = self.weights, x.shape[0]
-        q = (x @ w[f"blk.{i}.attn_q.weight"].T).reshape(T, self.n_heads, -1)  # (T, H, Hd)
-        k = (x @ w[f"blk.{i}.attn_k.weight"].T).reshape(T, self.n_kv_heads, -1)  # (T, KvH, Hd)
-        v = (x @ w[f"blk.{i}.attn_v.weight"].T).reshape(T, self.n_kv_heads, -1)
+        q, k, v = (x @ w[f"blk.{i}.attn_{n}.weight"].T + w.get(f"blk.{i}.attn_{n}.bias", 0.0) for n in "qkv")  # qwen2
+        q = q.reshape(T, self.n_heads, -1)  # (T, H, Hd)
+        k, v = k.reshape(T, self.n_kv_heads, -1), v.reshape(T, self.n_kv_heads, -1)  # (T, KvH, Hd)
         if f"blk.{i}.attn_q_norm.weight" in w:  # qwen3: each head's q and k RMS-normed before the rope
             q = rms_norm(q, w[f"blk.{i}.attn_q_norm.weight"], self.norm_eps)
             k = rms_norm(k, w[f"blk.{i}.attn_k_norm.weight"], self.norm_eps)
