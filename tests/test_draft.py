@@ -5,7 +5,9 @@ must be exactly what they give without a draft (the expected tokens come from th
 from __future__ import annotations
 
 import base64
+import collections
 import io
+import math
 import re
 
 import pytest
@@ -206,3 +208,69 @@ def test_pp_serve_takes_the_draft_flags_to_its_pipeline():
         assert service.pipeline.draft == draft
     finally:
         service.close()
+
+
+# --- unseeded sampling: the drafted text keeps the model's distribution ---------------------------------------------
+# Two prompts, sampled at temperature 1.5: after "Flat is better than" the guess is what followed it before
+# (" nested"), and after that what followed that, where the model goes on otherwise, with some spread: a check that
+# kept guesses it should not (e.g. one that always kept them) would move many samples to the guessed continuation. The
+# passage said twice gives spread in the first token, and after most of them guesses the model keeps.
+SPREAD_PROMPTS = ["Flat is better than nested. Sparse is better than dense. Flat is better than",
+                  f"{PASSAGE} {PASSAGE}"]
+SAMPLES = 300  # per prompt and arm
+P_FAIL = 1e-4  # a correct sampler fails this often by chance
+
+
+def _chi2_homogeneity(a: collections.Counter, b: collections.Counter, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's chi-squared statistic of two samples' category counts coming from one distribution, and its degrees
+    of freedom; categories expected fewer than ``min_expected`` times in the smaller sample are pooled into one (the
+    test's approximation wants about 5 in each cell)."""
+    na, nb = sum(a.values()), sum(b.values())
+    categories = a.keys() | b.keys()
+    common = [c for c in categories if (a[c] + b[c]) * min(na, nb) / (na + nb) >= min_expected]
+    rare = categories - set(common)
+    cells = [(a[c], b[c]) for c in common] + ([(sum(a[c] for c in rare), sum(b[c] for c in rare))] if rare else [])
+    stat = 0.0
+    for ca, cb in cells:
+        for count, n in ((ca, na), (cb, nb)):
+            expected = (ca + cb) * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    return stat, len(cells) - 1
+
+
+def _chi2_tail(stat: float, df: int) -> float:
+    """P(chi-squared with df degrees of freedom > stat), by the Wilson-Hilferty cube-root normal approximation (a few
+    per cent of the tail's value at df >= 3; no scipy in the project)."""
+    h = 2 / (9 * df)
+    z = ((stat / df) ** (1 / 3) - (1 - h)) / math.sqrt(h)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_chi2_tail_matches_known_quantiles():
+    assert _chi2_tail(18.307, 10) == pytest.approx(0.05, rel=0.05)  # tables: the 95th percentile at df 10
+    assert _chi2_tail(29.588, 10) == pytest.approx(0.001, rel=0.1)
+
+
+def test_unseeded_sampling_with_a_draft_keeps_the_models_distribution(pipeline):
+    """The first three tokens sampled without a seed, as sequences (with their prompt), with and without ngram drafts:
+    one distribution by a chi-squared test at P_FAIL. Checked by hand: a last stage that always keeps the guesses
+    fails it with p < 1e-30."""
+    prompts = [p for p in SPREAD_PROMPTS for _ in range(SAMPLES)]
+
+    def first_three(draft: Draft | None) -> tuple[collections.Counter, list]:
+        pipeline.draft = draft
+        try:
+            gens = pipeline.run(make_generations(pipeline, prompts, 3, Sampling(temperature=1.5)), 64).generations
+        finally:
+            pipeline.draft = None
+        return collections.Counter((g.prompt, tuple(g.tokens)) for g in gens), gens
+
+    plain, _ = first_three(None)
+    drafted, gens = first_three(Draft("ngram", 4))
+    proposed, kept = sum(g.draft.proposed for g in gens), sum(g.draft.accepted for g in gens)
+    assert proposed >= SAMPLES // 2 and 0 < kept < proposed  # guesses were checked, some kept and some not
+    assert len(plain) >= 20  # the model spreads there: a distribution to compare, not one answer
+    stat, df = _chi2_homogeneity(plain, drafted)
+    assert df >= 5
+    p = _chi2_tail(stat, df)
+    assert p > P_FAIL, (stat, df, p, plain.most_common(8), drafted.most_common(8))
