@@ -9,14 +9,23 @@ import collections
 import io
 import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import run_requests
 
+import pp_worker
 from pp_worker.driver.draft import Draft, NgramDrafter
+from pp_worker.driver.draft_model import DraftModelError, DraftWorker
 from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
+from pp_worker.testing.bpe import build_vocab
+from pp_worker.testing.modelgen import LlamaSpec, random_weights, write_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from train_demo import zen_text  # noqa: E402  (the embedded model's text: its vocabulary is learned on it)
 
 # --- the drafter (pure) ---------------------------------------------------------------------------------------------
 
@@ -274,3 +283,87 @@ def test_unseeded_sampling_with_a_draft_keeps_the_models_distribution(pipeline):
     assert df >= 5
     p = _chi2_tail(stat, df)
     assert p > P_FAIL, (stat, df, p, plain.most_common(8), drafted.most_common(8))
+
+
+# --- --draft-model: a small model of the same vocabulary guesses ---------------------------------------------------
+ZEN_GGUF = str(Path(pp_worker.__file__).parent / "data" / "zen.gguf")
+
+
+def _zen_vocab_model(path: Path, n_merges: int = 300) -> str:
+    """A tiny random llama (2 blocks, one per draft stage) with the embedded model's vocabulary (the same BPE on the
+    same text, as tools/train_demo.py builds it), or with another one (fewer merges): a draft that guesses badly, or
+    one that cannot guess for the Zen model at all."""
+    spec = LlamaSpec(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, context_length=256)
+    vocab = build_vocab(zen_text(), n_merges)
+    return str(write_gguf(path, spec, random_weights(spec, len(vocab.tokens), 7), vocab, name="zen-draft-test"))
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    worker = DraftWorker(_zen_vocab_model(tmp_path_factory.mktemp("draft") / "random.gguf"))
+    yield worker
+    worker.close()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_greedy_output_with_the_model_as_its_own_draft_is_exactly_the_output_without(pipeline, concurrency):
+    worker = DraftWorker(ZEN_GGUF)
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency)
+        drafted = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency)
+    finally:
+        worker.close()
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert all(g.draft.accepted > g.draft.proposed // 2 for g in drafted)  # the same model: its guesses are kept
+
+
+def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):
+    """Random weights: nearly every guess is rejected, so the draft's session rewinds over them at each step."""
+    plain = _run(pipeline, None, Sampling())
+    drafted = _run(pipeline, Draft("model", 4, random_draft), Sampling())
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert sum(g.draft.proposed for g in drafted) > sum(g.draft.accepted for g in drafted)
+
+
+def test_a_draft_session_the_draft_model_evicted_is_fed_again(pipeline, tmp_path):
+    """Four generations drafting at once on a draft model that holds one session: each guess finds its session
+    evicted by another generation's and feeds the whole context again; the output is still exact."""
+    worker = DraftWorker(_zen_vocab_model(tmp_path / "random.gguf"), env={"PP_MAX_SESSIONS": "1"})
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency=4)
+        drafted = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=4)
+    finally:
+        worker.close()
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert all(g.draft.proposed > 0 for g in drafted)
+
+
+def test_draft_model_flags_and_their_errors(tmp_path, capsys):
+    from pp_worker.driver.cli import main
+    from pp_worker.driver.flags import draft_from, draft_problem
+    from pp_worker.serve.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--stub", "--draft-model", str(tmp_path / "missing.gguf")])
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--stub", "--draft", "ngram", "--draft-model", ZEN_GGUF])
+    assert "--draft and --draft-model: give one" in capsys.readouterr().err
+    other = _zen_vocab_model(tmp_path / "other.gguf", n_merges=100)
+    draft = draft_from(parse_args(["--stub", "--draft-model", other, "--draft-max", "3"]))
+    try:
+        assert draft is not None and draft.kind == "model" and draft.max_k == 3
+        assert "must share the model's vocabulary" in draft_problem(draft, 553)
+        assert draft_problem(draft, draft.worker.vocab_size) == ""
+    finally:
+        draft.worker.close()
+    # pp-pipeline refuses it once the stages say their vocabulary, before any generation
+    assert main(["--stages", "2", "--draft-model", other, "--max-tokens", "2", "Flat is"]) == 2
+    assert "must share the model's vocabulary" in capsys.readouterr().err
+
+
+def test_a_draft_model_that_does_not_load_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(DraftModelError, match="draft model .*bad.gguf: worker exited"):
+        DraftWorker(str(bad))
