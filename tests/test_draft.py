@@ -5,16 +5,27 @@ must be exactly what they give without a draft (the expected tokens come from th
 from __future__ import annotations
 
 import base64
+import collections
 import io
+import math
 import re
+import sys
+from pathlib import Path
 
 import pytest
 from conftest import run_requests
 
+import pp_worker
 from pp_worker.driver.draft import Draft, NgramDrafter
+from pp_worker.driver.draft_model import DraftModelError, DraftWorker
 from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
+from pp_worker.testing.bpe import build_vocab
+from pp_worker.testing.modelgen import LlamaSpec, random_weights, write_gguf
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from train_demo import zen_text  # noqa: E402  (the embedded model's text: its vocabulary is learned on it)
 
 # --- the drafter (pure) ---------------------------------------------------------------------------------------------
 
@@ -206,3 +217,154 @@ def test_pp_serve_takes_the_draft_flags_to_its_pipeline():
         assert service.pipeline.draft == draft
     finally:
         service.close()
+
+
+# --- unseeded sampling: the drafted text keeps the model's distribution ---------------------------------------------
+# Two prompts, sampled at temperature 1.5: after "Flat is better than" the guess is what followed it before
+# (" nested"), and after that what followed that, where the model goes on otherwise, with some spread: a check that
+# kept guesses it should not (e.g. one that always kept them) would move many samples to the guessed continuation. The
+# passage said twice gives spread in the first token, and after most of them guesses the model keeps.
+SPREAD_PROMPTS = ["Flat is better than nested. Sparse is better than dense. Flat is better than",
+                  f"{PASSAGE} {PASSAGE}"]
+SAMPLES = 300  # per prompt and arm
+P_FAIL = 1e-4  # a correct sampler fails this often by chance
+
+
+def _chi2_homogeneity(a: collections.Counter, b: collections.Counter, min_expected: float = 5.0) -> tuple[float, int]:
+    """Pearson's chi-squared statistic of two samples' category counts coming from one distribution, and its degrees
+    of freedom; categories expected fewer than ``min_expected`` times in the smaller sample are pooled into one (the
+    test's approximation wants about 5 in each cell)."""
+    na, nb = sum(a.values()), sum(b.values())
+    categories = a.keys() | b.keys()
+    common = [c for c in categories if (a[c] + b[c]) * min(na, nb) / (na + nb) >= min_expected]
+    rare = categories - set(common)
+    cells = [(a[c], b[c]) for c in common] + ([(sum(a[c] for c in rare), sum(b[c] for c in rare))] if rare else [])
+    stat = 0.0
+    for ca, cb in cells:
+        for count, n in ((ca, na), (cb, nb)):
+            expected = (ca + cb) * n / (na + nb)
+            stat += (count - expected) ** 2 / expected
+    return stat, len(cells) - 1
+
+
+def _chi2_tail(stat: float, df: int) -> float:
+    """P(chi-squared with df degrees of freedom > stat), by the Wilson-Hilferty cube-root normal approximation (a few
+    per cent of the tail's value at df >= 3; no scipy in the project)."""
+    h = 2 / (9 * df)
+    z = ((stat / df) ** (1 / 3) - (1 - h)) / math.sqrt(h)
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_chi2_tail_matches_known_quantiles():
+    assert _chi2_tail(18.307, 10) == pytest.approx(0.05, rel=0.05)  # tables: the 95th percentile at df 10
+    assert _chi2_tail(29.588, 10) == pytest.approx(0.001, rel=0.1)
+
+
+def test_unseeded_sampling_with_a_draft_keeps_the_models_distribution(pipeline):
+    """The first three tokens sampled without a seed, as sequences (with their prompt), with and without ngram drafts:
+    one distribution by a chi-squared test at P_FAIL. Checked by hand: a last stage that always keeps the guesses
+    fails it with p < 1e-30."""
+    prompts = [p for p in SPREAD_PROMPTS for _ in range(SAMPLES)]
+
+    def first_three(draft: Draft | None) -> tuple[collections.Counter, list]:
+        pipeline.draft = draft
+        try:
+            gens = pipeline.run(make_generations(pipeline, prompts, 3, Sampling(temperature=1.5)), 64).generations
+        finally:
+            pipeline.draft = None
+        return collections.Counter((g.prompt, tuple(g.tokens)) for g in gens), gens
+
+    plain, _ = first_three(None)
+    drafted, gens = first_three(Draft("ngram", 4))
+    proposed, kept = sum(g.draft.proposed for g in gens), sum(g.draft.accepted for g in gens)
+    assert proposed >= SAMPLES // 2 and 0 < kept < proposed  # guesses were checked, some kept and some not
+    assert len(plain) >= 20  # the model spreads there: a distribution to compare, not one answer
+    stat, df = _chi2_homogeneity(plain, drafted)
+    assert df >= 5
+    p = _chi2_tail(stat, df)
+    assert p > P_FAIL, (stat, df, p, plain.most_common(8), drafted.most_common(8))
+
+
+# --- --draft-model: a small model of the same vocabulary guesses ---------------------------------------------------
+ZEN_GGUF = str(Path(pp_worker.__file__).parent / "data" / "zen.gguf")
+ZEN_DRAFT_GGUF = str(Path(pp_worker.__file__).parent / "data" / "zen-draft.gguf")  # tools/train_demo.py --draft
+
+
+def _zen_vocab_model(path: Path, n_merges: int = 300) -> str:
+    """A tiny random llama (2 blocks, one per draft stage) with the embedded model's vocabulary (the same BPE on the
+    same text, as tools/train_demo.py builds it), or with another one (fewer merges): a draft that guesses badly, or
+    one that cannot guess for the Zen model at all."""
+    spec = LlamaSpec(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, context_length=256)
+    vocab = build_vocab(zen_text(), n_merges)
+    return str(write_gguf(path, spec, random_weights(spec, len(vocab.tokens), 7), vocab, name="zen-draft-test"))
+
+
+@pytest.fixture(scope="module")
+def random_draft(tmp_path_factory):
+    worker = DraftWorker(_zen_vocab_model(tmp_path_factory.mktemp("draft") / "random.gguf"))
+    yield worker
+    worker.close()
+
+
+@pytest.mark.parametrize("concurrency", [1, 4])
+def test_greedy_output_with_the_zen_draft_model_is_exactly_the_output_without(pipeline, concurrency):
+    worker = DraftWorker(ZEN_DRAFT_GGUF)
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency)
+        drafted = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency)
+    finally:
+        worker.close()
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert all(g.draft.accepted > g.draft.proposed // 2 for g in drafted)  # it learned the same text: kept
+
+
+def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):
+    """Random weights: nearly every guess is rejected, so the draft's session rewinds over them at each step."""
+    plain = _run(pipeline, None, Sampling())
+    drafted = _run(pipeline, Draft("model", 4, random_draft), Sampling())
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert sum(g.draft.proposed for g in drafted) > sum(g.draft.accepted for g in drafted)
+
+
+def test_a_draft_session_the_draft_model_evicted_is_fed_again(pipeline, tmp_path):
+    """Four generations drafting at once on a draft model that holds one session: each guess finds its session
+    evicted by another generation's and feeds the whole context again; the output is still exact."""
+    worker = DraftWorker(_zen_vocab_model(tmp_path / "random.gguf"), env={"PP_MAX_SESSIONS": "1"})
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency=4)
+        drafted = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=4)
+    finally:
+        worker.close()
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert all(g.draft.proposed > 0 for g in drafted)
+
+
+def test_draft_model_flags_and_their_errors(tmp_path, capsys):
+    from pp_worker.driver.cli import main
+    from pp_worker.driver.flags import draft_from, draft_problem
+    from pp_worker.serve.cli import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--stub", "--draft-model", str(tmp_path / "missing.gguf")])
+    assert "no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--stub", "--draft", "ngram", "--draft-model", ZEN_GGUF])
+    assert "--draft and --draft-model: give one" in capsys.readouterr().err
+    other = _zen_vocab_model(tmp_path / "other.gguf", n_merges=100)
+    draft = draft_from(parse_args(["--stub", "--draft-model", other, "--draft-max", "3"]))
+    try:
+        assert draft is not None and draft.kind == "model" and draft.max_k == 3
+        assert "must share the model's vocabulary" in draft_problem(draft, 553)
+        assert draft_problem(draft, draft.worker.vocab_size) == ""
+    finally:
+        draft.worker.close()
+    # pp-pipeline refuses it once the stages say their vocabulary, before any generation
+    assert main(["--stages", "2", "--draft-model", other, "--max-tokens", "2", "Flat is"]) == 2
+    assert "must share the model's vocabulary" in capsys.readouterr().err
+
+
+def test_a_draft_model_that_does_not_load_is_a_clear_error(tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a gguf")
+    with pytest.raises(DraftModelError, match="draft model .*bad.gguf: worker exited"):
+        DraftWorker(str(bad))

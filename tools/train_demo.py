@@ -5,6 +5,7 @@ The vocabulary is a byte-level BPE learned on the Zen itself (it runs out of pai
 Zen word is one token), and the model is trained with tinygrad on random windows of "Zen<eos>Zen<eos>...".
 
     python tools/train_demo.py --out pp_worker/data/zen.gguf [--steps N]
+    python tools/train_demo.py --draft --out pp_worker/data/zen-draft.gguf   # its draft model (--draft-model)
 
 Determinism: the initial weights come from `modelgen.random_weights` (seeded numpy) and the windows from a
 seeded numpy generator; nothing else is random. The same tinygrad version on the same CPU therefore writes a
@@ -35,6 +36,8 @@ from pp_worker.testing.bpe import Vocab, build_vocab  # noqa: E402
 from pp_worker.testing.modelgen import LlamaSpec, random_weights, write_gguf  # noqa: E402
 
 SPEC = LlamaSpec(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, context_length=256)
+# the draft model (pp-pipeline --draft-model): the same vocabulary and text, a fraction of the compute per token
+DRAFT_SPEC = LlamaSpec(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=192, context_length=256)
 N_MERGES = 300  # more than the Zen has pairs for: build_vocab stops at the last one (vocab 550)
 SEED = 0
 # (batch, window) pairs trained together each step. Long windows exceed one "Zen<eos>" (177 tokens), so the
@@ -178,14 +181,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("pp_worker/data/zen.gguf"))
     ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--draft", action="store_true", help="train the smaller draft model (DRAFT_SPEC) instead")
     args = ap.parse_args(argv)
+    spec, name = (DRAFT_SPEC, "pp-worker-zen-draft") if args.draft else (SPEC, "pp-worker-zen")
     vocab = build_vocab(zen_text(), N_MERGES)
     cycle = training_tokens(load_tokenizer(vocab), vocab.eos_id)
     print(f"vocab {len(vocab.tokens)}, Zen<eos> = {len(cycle)} tokens", file=sys.stderr)
-    model = TrainModel(SPEC, random_weights(SPEC, len(vocab.tokens), SEED))
+    model = TrainModel(spec, random_weights(spec, len(vocab.tokens), SEED))
     loss = train(model, cycle, args.steps)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_gguf(args.out, SPEC, export_weights(model), vocab, dtype="F16", name="pp-worker-zen")
+    write_gguf(args.out, spec, export_weights(model), vocab, dtype="F16", name=name)
     print(f"final loss {loss:.4f}; wrote {args.out} ({args.out.stat().st_size} bytes)", file=sys.stderr)
     return 0
 

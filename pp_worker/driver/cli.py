@@ -25,10 +25,12 @@ import sys
 from typing import TextIO
 
 from pp_worker.driver.chat import chat
+from pp_worker.driver.draft_model import DraftModelError
 from pp_worker.driver.flags import (
     add_pipeline_flags,
     check_pipeline_flags,
     draft_from,
+    draft_problem,
     launch_from,
     logit_bias_problem,
     sampling_from,
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         with Pipeline(launch_from(args), load_timeout=args.load_timeout, step_timeout=args.step_timeout,
                       cancel=cancel, echo_stderr=args.verbose, prefill_chunk=args.prefill_chunk,
                       schedule=args.schedule, draft=draft_from(args)) as p:
-            if problem := logit_bias_problem(sampling_from(args), p.vocab_size):
+            if problem := logit_bias_problem(sampling_from(args), p.vocab_size) or draft_problem(p.draft,
+                                                                                                  p.vocab_size):
                 print(f"pp-pipeline: {problem}", file=sys.stderr, flush=True)
                 return 2
             if args.chat:
@@ -137,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         print(f"\npp-pipeline: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except DraftModelError as e:  # it did not load, or failed later
+        print(f"\npp-pipeline: {e}", file=sys.stderr, flush=True)
+        return 2
     except BrokenPipeError:  # stdout's reader left (`| head`); the stages were stopped on the way out
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0

@@ -7,15 +7,19 @@ kept plus the model's next token, so one trip yields 1 to k + 1 tokens and the t
 
 ``ngram`` is prompt lookup: the last few tokens of the text so far (prompt and output) are looked up earlier in
 it, and what followed them there is the guess. No model runs: it costs a dictionary lookup a step, and it guesses
-well where the output repeats or edits the prompt (code, quotes, summaries, a passage retyped).
+well where the output repeats or edits the prompt (code, quotes, summaries, a passage retyped). ``--draft-model``
+guesses with a small model of the same vocabulary instead (driver.draft_model).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-DRAFTS = ("ngram",)
+if TYPE_CHECKING:
+    from pp_worker.driver.draft_model import DraftWorker
+
+DRAFTS = ("ngram",)  # --draft's choices; --draft-model PATH is the kind "model"
 NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it predicts best
 MAX_PAUSE = 16  # steps without a guess after repeated misses, at most (doubling from 1)
 
@@ -29,13 +33,17 @@ class Penalised(Protocol):  # generation.Sampling, named by what is read of it (
 
 @dataclass(frozen=True)
 class Draft:
-    """How to draft (``--draft``, ``--draft-max``): the kind and the most tokens guessed at a step."""
+    """How to draft (``--draft``, ``--draft-model``, ``--draft-max``): the kind, the most tokens guessed at a step,
+    and for the kind "model" the draft model's worker (one for every generation)."""
 
     kind: str = "ngram"
     max_k: int = 4
+    worker: DraftWorker | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.kind not in DRAFTS:
+        if (self.kind == "model") != (self.worker is not None):
+            raise ValueError("a draft of kind 'model' needs the draft model's worker, and only it")
+        if self.kind not in (*DRAFTS, "model"):
             raise ValueError(f"draft must be one of {', '.join(DRAFTS)}, got {self.kind!r}")
         if self.max_k < 1:
             raise ValueError(f"draft-max must be >= 1, got {self.max_k}")
@@ -48,35 +56,41 @@ class Draft:
         penalties = (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty)
         return all(p is None for p in penalties) and sampling.logprobs is None
 
-    def start(self) -> NgramDrafter:
+    def start(self) -> Drafter:
+        if self.worker is not None:
+            from pp_worker.driver.draft_model import ModelDrafter  # it imports this module
+            return ModelDrafter(max_k=self.max_k, worker=self.worker, session=self.worker.new_session())
         return NgramDrafter(self.max_k)
 
 
+class Drafter(Protocol):
+    """A generation's drafter, as the generation uses it."""
+
+    proposed: int
+    accepted: int
+
+    def propose(self, context: list[int], room: int) -> list[int]: ...
+
+    def update(self, proposed: int, kept: int) -> None: ...
+
+
 @dataclass
-class NgramDrafter:
-    """One generation's prompt lookup, and how many tokens it guesses now (``k``, adapted to how many are kept)."""
+class Adaptive:
+    """How many tokens a generation's drafter guesses now (``k``, adapted to how many are kept), and its totals."""
 
     max_k: int
     k: int = 1  # a first guess costs little if it misses; every kept one grows it
     proposed: int = 0  # totals, for the summary
     accepted: int = 0
-    _index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> where its latest occurrence ended
-    _indexed: int = 0  # context positions indexed so far
     _pause: int = 0  # steps left without a guess
     _misses: int = 0  # consecutive steps that kept nothing at k = 1
 
-    def propose(self, context: list[int], room: int) -> list[int]:
-        """Up to min(k, room) tokens that followed the latest earlier occurrence of the context's longest
-        recurring suffix (3, 2, then 1 tokens); [] when none recurs, when paused, or when ``room`` is 0."""
-        self._update_index(context)
+    def _budget(self, room: int) -> int:
+        """How many tokens to guess at this step: min(k, room), or 0 while paused (the pause counts down)."""
         if self._pause:
             self._pause -= 1
-            return []
-        k = min(self.k, room)
-        for n in NGRAM_SIZES:
-            if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
-                return context[end:end + k]
-        return []
+            return 0
+        return min(self.k, room)
 
     def update(self, proposed: int, kept: int) -> None:
         """After a check: grow k by 2 while every guess is kept (up to max_k), shrink it to one past what was kept
@@ -92,6 +106,24 @@ class NgramDrafter:
             self._pause = min(MAX_PAUSE, 1 << (self._misses - 1))
         else:
             self._misses = 0
+
+
+@dataclass
+class NgramDrafter(Adaptive):
+    """One generation's prompt lookup."""
+
+    _index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> where its latest occurrence ended
+    _indexed: int = 0  # context positions indexed so far
+
+    def propose(self, context: list[int], room: int) -> list[int]:
+        """Up to min(k, room) tokens that followed the latest earlier occurrence of the context's longest
+        recurring suffix (3, 2, then 1 tokens); [] when none recurs, when paused, or when ``room`` is 0."""
+        self._update_index(context)
+        k = self._budget(room)
+        for n in NGRAM_SIZES:
+            if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
+                return context[end:end + k]
+        return []
 
     def _update_index(self, context: list[int]) -> None:
         """Index every n-gram that ends before the last token (the suffix looked up must have occurred earlier)."""

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import os
 
 from pp_worker.driver.draft import DRAFTS, Draft
+from pp_worker.driver.draft_model import DraftWorker
 from pp_worker.driver.generation import RECENT_TOKENS, Sampling
 from pp_worker.driver.pipeline import SCHEDULES
 from pp_worker.driver.ray_launch import RAY_LAUNCHER, RayPlacement
@@ -56,6 +59,10 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     help="speculative decoding: 'ngram' guesses the next tokens from earlier text (prompt lookup) and "
                     "the stages check them in one pass, so one trip through the pipeline can yield several tokens; "
                     "the output is exactly the model's (default: off)")
+    ap.add_argument("--draft-model", metavar="PATH",
+                    help="speculative decoding with a small GGUF of the same vocabulary as the model: it runs on this "
+                    "host (one local worker holding all its blocks) and guesses the next tokens greedily; the output "
+                    "is exactly the model's (instead of --draft)")
     ap.add_argument("--draft-max", type=int, default=4, metavar="K",
                     help="the most tokens guessed at a step (default 4; fewer while guesses miss)")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
@@ -95,6 +102,10 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
         ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
     if args.draft_max < 1:
         ap.error("--draft-max must be >= 1")
+    if args.draft and args.draft_model:
+        ap.error("--draft and --draft-model: give one")
+    if args.draft_model and not os.path.isfile(args.draft_model):
+        ap.error(f"--draft-model {args.draft_model}: no such file")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
         ap.error("--prefill-chunk must be >= 0")
     if any("=" not in kv for kv in args.env):
@@ -130,7 +141,22 @@ def launch_from(args: argparse.Namespace) -> Launch:
 
 
 def draft_from(args: argparse.Namespace) -> Draft | None:
+    """The draft the flags ask for; ``--draft-model`` starts its worker here (closed at exit; a model that does not
+    load is a DraftModelError)."""
+    if args.draft_model:
+        worker = DraftWorker(args.draft_model)
+        atexit.register(worker.close)
+        return Draft("model", args.draft_max, worker)
     return Draft(args.draft, args.draft_max) if args.draft else None
+
+
+def draft_problem(draft: Draft | None, vocab_size: int | None) -> str:
+    """Why a draft model cannot guess for these stages (another vocabulary), "" when it can: checked once the
+    stages' ready lines give ``vocab_size``."""
+    if draft is None or draft.worker is None or vocab_size is None or vocab_size == draft.worker.vocab_size:
+        return ""
+    return (f"--draft-model {draft.worker.path}: a vocabulary of {draft.worker.vocab_size} tokens, the model's has "
+            f"{vocab_size}: a draft model must share the model's vocabulary")
 
 
 def sampling_from(args: argparse.Namespace) -> Sampling:

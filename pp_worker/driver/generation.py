@@ -15,7 +15,7 @@ from pp_worker.driver.prefix import PrefixCache, reusable
 from pp_worker.wire import B64
 
 if TYPE_CHECKING:
-    from pp_worker.driver.draft import NgramDrafter
+    from pp_worker.driver.draft import Drafter
 
 RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
 Reply = dict[str, Any]
@@ -79,7 +79,7 @@ class Generation:
     cache_prompt: bool = False
     session: int = -1  # the KV session its forward ops go under: request_id, or a cached one it took (``steps``)
     reused: int = 0  # prompt tokens its session already held (not recomputed)
-    draft: NgramDrafter | None = None  # speculative decoding's guesses (driver.draft; the pipeline sets it)
+    draft: Drafter | None = None  # speculative decoding's guesses (driver.draft; the pipeline sets it)
     prompt_tokens: list[int] = field(default_factory=list)
     tokens: list[int] = field(default_factory=list)
     # with ``sampling.logprobs``: each token's ``logprobs`` from the last stage ({token_id, logprob, text, top})

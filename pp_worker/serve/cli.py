@@ -31,10 +31,12 @@ from types import FrameType
 import uvicorn
 
 from pp_worker.driver.chat import pipeline_chat_format
+from pp_worker.driver.draft_model import DraftModelError
 from pp_worker.driver.flags import (
     add_pipeline_flags,
     check_pipeline_flags,
     draft_from,
+    draft_problem,
     launch_from,
     logit_bias_problem,
     sampling_from,
@@ -150,13 +152,16 @@ def main(argv: list[str] | None = None) -> int:
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    except DraftModelError as e:  # --draft-model did not load
+        print(f"pp-serve: {e}", file=sys.stderr, flush=True)
+        return 2
     except KeyboardInterrupt:
         return 130
     service.model = args.alias or service.model
     try:
         fmt = pipeline_chat_format(service.pipeline, log=lambda msg: print(f"pp-serve: {msg}", file=sys.stderr))
         sampling, vocab_size = sampling_from(args), service.pipeline.vocab_size
-        if problem := logit_bias_problem(sampling, vocab_size):
+        if problem := logit_bias_problem(sampling, vocab_size) or draft_problem(service.pipeline.draft, vocab_size):
             print(f"pp-serve: {problem}", file=sys.stderr, flush=True)
             return 2
         app = build_app(service, fmt, Defaults(args.max_tokens, sampling, vocab_size), keys=args.keys,
