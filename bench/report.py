@@ -567,6 +567,7 @@ def reuse_rows(r: dict[str, Any] | None) -> list[Row]:
             turns = ", ".join(f"{t:.2f}" for t in c["median_ttft_s"])
             rows.append(Row(sec, f"{r['clients']} chats at once, reuse {mode}: wall", c["wall_s"], "s",
                             note=f"median first token per turn: {turns} s"))
+    return rows
 
 
 PREFILL_PEER_TARGETS = {512: 1.0}  # issue 51: pp512 at llama.cpp's speed (its AVX-512 build)

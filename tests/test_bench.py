@@ -240,7 +240,7 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     int8 = wall["Q4_K_M avx512 int8: bytes/s / the F16 file's"]  # another tree's row against this tree's F16
     assert int8.value == pytest.approx(600 * 33 / (2000 * 11)) and int8.verdict == "PASS"
     assert report.memwall_rows(None)[0].value is None
-    pp = {r.name.strip(): r for r in rows if r.section.startswith("16 ")}
+    pp = {r.name.strip(): r for r in rows if r.section.startswith("19 ")}
     pp512 = pp["smol F16 pp512: 2 stages / llama.cpp"]  # the median of the rounds' ratios: 0.5, 1.5, 1.25
     assert pp512.value == pytest.approx(1.25) and pp512.target == 1.0 and pp512.verdict == "PASS"
     assert pp["smol F16 pp128: 2 stages / llama.cpp"].value == pytest.approx(0.8)  # 0.8, 1.0, 0.5: no target

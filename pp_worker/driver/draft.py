@@ -14,10 +14,7 @@ guesses with a small model of the same vocabulary instead (driver.draft_model).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
-
-if TYPE_CHECKING:
-    from pp_worker.driver.draft_model import DraftWorker
+from typing import Protocol
 
 DRAFTS = ("ngram",)  # --draft's choices; --draft-model PATH is the kind "model"
 NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it predicts best
@@ -38,7 +35,7 @@ class Draft:
 
     kind: str = "ngram"
     max_k: int = 4
-    worker: DraftWorker | None = field(default=None, compare=False, repr=False)
+    worker: DraftSource | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.kind == "model") != (self.worker is not None):
@@ -57,10 +54,14 @@ class Draft:
         return all(p is None for p in penalties) and sampling.logprobs is None
 
     def start(self) -> Drafter:
-        if self.worker is not None:
-            from pp_worker.driver.draft_model import ModelDrafter  # it imports this module
-            return ModelDrafter(max_k=self.max_k, worker=self.worker, session=self.worker.new_session())
-        return NgramDrafter(self.max_k)
+        return self.worker.drafter(self.max_k) if self.worker is not None else NgramDrafter(self.max_k)
+
+
+class DraftSource(Protocol):
+    """What makes a generation's drafter from a draft model (driver.draft_model.DraftWorker, which imports this
+    module)."""
+
+    def drafter(self, max_k: int) -> Drafter: ...
 
 
 class Drafter(Protocol):

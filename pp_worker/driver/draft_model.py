@@ -96,8 +96,9 @@ class DraftWorker:
         self.vocab_size: int = ready[1]["vocab_size"]
         self.max_context: int = min(r["max_context"] for r in ready)
 
-    def new_session(self) -> int:
-        return next(self._ids)
+    def drafter(self, max_k: int) -> ModelDrafter:
+        """A generation's drafter, on a session of its own here."""
+        return ModelDrafter(max_k=max_k, worker=self, session=next(self._ids))
 
     def next_token(self, session: int, tokens: list[int], position: int) -> int:
         """The draft model's argmax after ``tokens`` fed at ``position`` of ``session`` (a smaller position than the
