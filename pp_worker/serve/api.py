@@ -56,6 +56,14 @@ class Defaults:
 
 def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
     """POST /v1/completions."""
+    prompt = one_prompt(body)
+    _unsupported(body, echo=False, suffix=None, best_of=1)
+    ask = _ask(body, prompt, defaults, chat=False, max_tokens_field="max_tokens")
+    return replace(ask, grammar=structured.llama_grammar(body))
+
+
+def one_prompt(body: dict[str, Any]) -> str:
+    """A completion's ``prompt``: a string, or an array of exactly one (token ids and batches are refused)."""
     prompt = required(body, "prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -63,9 +71,7 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
         raise ApiError(400, "prompt: one string only (token-id prompts and batches are not supported)", "prompt")
     if not isinstance(prompt, str):
         raise ApiError(422, "prompt: expected a string", "prompt", "invalid_type")
-    _unsupported(body, echo=False, suffix=None, best_of=1)
-    ask = _ask(body, prompt_text(prompt), defaults, chat=False, max_tokens_field="max_tokens")
-    return replace(ask, grammar=structured.llama_grammar(body))
+    return prompt_text(prompt)
 
 
 def render_messages(body: dict[str, Any], fmt: Format) -> str:

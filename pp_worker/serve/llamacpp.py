@@ -25,12 +25,13 @@ from pp_worker.serve.api import (
     MAX_LOGPROBS,
     Ask,
     Defaults,
+    one_prompt,
     render_messages,
     sampling_fields,
     stop_strings,
 )
 from pp_worker.serve.feed import Shape, Update
-from pp_worker.serve.fields import ApiError, boolean, integer, prompt_text, read_body, required
+from pp_worker.serve.fields import ApiError, boolean, integer, read_body
 from pp_worker.serve.logprobs import Entry
 
 Generate = Callable[[Request, Ask, Shape], Awaitable[Response]]
@@ -60,13 +61,7 @@ def llamacpp_routes(defaults: Defaults, fmt: Format, generate: Generate) -> list
 # --- the request ----------------------------------------------------------------------------------------------------
 def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
     """llama-server's names over /v1/completions' checks; the fields it has that change nothing here are ignored."""
-    prompt = required(body, "prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if isinstance(prompt, list):
-        raise ApiError(400, "prompt: one string only (token-id and multiple prompts are not supported)", "prompt")
-    if not isinstance(prompt, str):
-        raise ApiError(422, "prompt: expected a string", "prompt", "invalid_type")
+    prompt = one_prompt(body)
     n_predict = integer(body, "n_predict", -1, UNLIMITED)
     if n_predict == 0:
         raise ApiError(400, "n_predict: 0 (evaluate the prompt only) is not supported; -1 or at least 1", "n_predict")
@@ -74,7 +69,7 @@ def completion_ask(body: dict[str, Any], defaults: Defaults) -> Ask:
     sampling = sampling_fields(body, defaults, repetition_penalty="repeat_penalty",
                                logit_bias=_logit_bias(body.get("logit_bias")))
     max_tokens = UNLIMITED if n_predict == -1 else n_predict or defaults.max_tokens
-    return Ask(prompt_text(prompt), max_tokens, replace(sampling, logprobs=n_probs or None), stop_strings(body),
+    return Ask(prompt, max_tokens, replace(sampling, logprobs=n_probs or None), stop_strings(body),
                bool(boolean(body, "stream")), False, False, grammar=structured.llama_grammar(body),
                cache_prompt=boolean(body, "cache_prompt") is not False)
 
