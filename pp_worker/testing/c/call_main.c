@@ -18,17 +18,10 @@ struct kernel { const char* name; void (*fn)(void); };
 #define ENTRY(name) {#name, name},
 static const struct kernel kernels[] = {CALLS(ENTRY)};
 
-static void* slurp(FILE* f, size_t bytes) {
-  void* p = malloc(bytes ? bytes : 1);
-  if (!p || fread(p, 1, bytes, f) != bytes) { fprintf(stderr, "short input\n"); exit(1); }
-  return p;
-}
+#include "harness.h"
 
 static void run(const char* in, const char* dir, const struct kernel* kn) {
-  char path[4096];
-  snprintf(path, sizeof path, "%s/%s.in", in, kn->name);
-  FILE* f = fopen(path, "rb");
-  if (!f) { perror(path); exit(1); }
+  FILE* f = open_input(in, kn->name);
   int* head = slurp(f, 12), nb = head[0], ns = head[1], t = head[2];
   if (nb < 1 || nb + 1 + ns > MAX_ARGS) { fprintf(stderr, "%s: %d buffers, %d scalars\n", kn->name, nb, ns); exit(1); }
   long args[MAX_ARGS] = {0}, size0 = 0;
@@ -46,16 +39,7 @@ static void run(const char* in, const char* dir, const struct kernel* kn) {
     args[nb] = c;
     ((kernel_fn)kn->fn)(args[0], args[1], args[2], args[3], args[4], args[5], args[6], args[7]);
   }
-  snprintf(path, sizeof path, "%s/%s.out", dir, kn->name);
-  if (!(f = fopen(path, "wb")) || fwrite(bufs[0], 1, size0, f) != (size_t)size0) { perror(path); exit(1); }
-  fclose(f);
+  write_output(dir, kn->name, bufs[0], (size_t)size0);
   for (int i = 0; i < nb; i++) free(bufs[i]);
   free(head), free(scalars);
-}
-
-int main(int argc, char** argv) {
-  if (argc != 3) { fprintf(stderr, "usage: %s IN OUT\n", argv[0]); return 2; }
-  for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) run(argv[1], argv[2], &kernels[i]);
-  printf("ran %d kernels\n", (int)(sizeof kernels / sizeof kernels[0]));
-  return 0;
 }

@@ -24,17 +24,10 @@ struct kernel { const char* name; matmul_fn mm; gather_fn gather; quantize_fn q;
 #define ENTRY(name, k, bytes, xq_bytes) {#name, name##_mm, name##_gather, name##_q, k, bytes, xq_bytes},
 static const struct kernel kernels[] = {KERNELS(ENTRY)};
 
-static void* slurp(FILE* f, size_t bytes) {
-  void* p = malloc(bytes ? bytes : 1);
-  if (!p || fread(p, 1, bytes, f) != bytes) { fprintf(stderr, "short input\n"); exit(1); }
-  return p;
-}
+#include "harness.h"
 
 static void run(const char* in, const char* dir, const struct kernel* kn) {
-  char path[4096];
-  snprintf(path, sizeof path, "%s/%s.in", in, kn->name);
-  FILE* f = fopen(path, "rb");
-  if (!f) { perror(path); exit(1); }
+  FILE* f = open_input(in, kn->name);
   int* head = slurp(f, 16), n = head[0], b = head[1], t = head[2], ni = head[3], k = kn->k;
   unsigned char* w = slurp(f, (size_t)n * kn->row_bytes);
   float* x = slurp(f, sizeof(float) * b * k);
@@ -53,15 +46,6 @@ static void run(const char* in, const char* dir, const struct kernel* kn) {
   for (int c = 0; c < t; c++) kn->mm(out, w, xs, one, c);
   for (int c = 0; c < t; c++) kn->mm(out + n, w, xs, all, c);
   kn->gather(out + n + (size_t)b * n, w, ids, rows, 0);
-  snprintf(path, sizeof path, "%s/%s.out", dir, kn->name);
-  if (!(f = fopen(path, "wb")) || fwrite(out, sizeof(float), outs, f) != outs) { perror(path); exit(1); }
-  fclose(f);
+  write_output(dir, kn->name, out, sizeof(float) * outs);
   free(head), free(w), free(x), free(ids), free(out), free(xq);
-}
-
-int main(int argc, char** argv) {
-  if (argc != 3) { fprintf(stderr, "usage: %s IN OUT\n", argv[0]); return 2; }
-  for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) run(argv[1], argv[2], &kernels[i]);
-  printf("ran %d kernels\n", (int)(sizeof kernels / sizeof kernels[0]));
-  return 0;
 }
