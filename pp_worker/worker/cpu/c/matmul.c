@@ -55,10 +55,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
     int b1 = b0 + XB < B ? b0 + XB : B;
     for (int n = n0; n < n1; n += R) {
       int r_n = n1 - n < R ? n1 - n : R;
-      for (int r = 0; r < r_n; r++)
-        for (int j = 0; j < NB; j++)
-          _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
-            DECODE32(w + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
+      decode_rows(wbuf, w, n, r_n);
       int bi = b0;
       for (; bi + XT <= b1; bi += XT) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, XT);
       for (; bi < b1; bi++) tile(out + (long)bi * N + n, N, wbuf, x + (long)bi * K, r_n, 1);  /* the last rows */

@@ -26,10 +26,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
     f16v wbuf[R][V];  /* several slots: R rows decoded once, each multiplied with every slot's input */
     for (int n = n0; n < n1; n += R) {
       int r_n = n1 - n < R ? n1 - n : R;
-      for (int r = 0; r < r_n; r++)
-        for (int j = 0; j < NB; j++)
-          _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
-            DECODE32(we + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
+      decode_rows(wbuf, we, n, r_n);
       for (int s = 0; s < c; s++) {
         const float* xb = x + (long)(slots[s] / XDIV) * K;
         f16v acc[R] = {0};

@@ -1,6 +1,7 @@
 /* What matmul.c and moe.c share: the type's decoder and one-row product picked (the type's files before give
    decode32_generic, and may give a SIMD DECODE32, and ROW_DOT and PREP_X, or row_dot_generic and prep_x_generic with
-   ROW_DOT_GENERIC), and the products of one row of x with rows [n0, n1) of W. */
+   ROW_DOT_GENERIC), the products of one row of x with rows [n0, n1) of W, and the decoding of a few rows of W into
+   fp16 lanes for products with several rows of x. */
 #ifndef DECODE32
 #define DECODE32 decode32_generic
 #endif
@@ -29,4 +30,15 @@ static inline __attribute__((always_inline)) void row_products(float* restrict o
     out[n] = hsum(acc0 + acc1);
   }
 #endif
+}
+
+/* Rows [n, n + r_n) of W decoded into wbuf (r_n <= the caller's R rows of PP_K / 16 vectors): done once, then used
+   with every row of x the caller has. */
+static inline __attribute__((always_inline)) void decode_rows(f16v (*restrict wbuf)[PP_K / 16],
+                                                              const unsigned char* restrict w, int n, int r_n) {
+  enum { QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = PP_K / QK };
+  for (int r = 0; r < r_n; r++)
+    for (int j = 0; j < NB; j++)
+      _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
+        DECODE32(w + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
 }
