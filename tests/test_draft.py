@@ -368,3 +368,71 @@ def test_a_draft_model_that_does_not_load_is_a_clear_error(tmp_path):
     bad.write_bytes(b"not a gguf")
     with pytest.raises(DraftModelError, match="draft model .*bad.gguf: worker exited"):
         DraftWorker(str(bad))
+
+
+def test_draft_sessions_are_released_when_their_generations_end(pipeline):
+    """Finished, stopped, or cut short by an interrupt: each generation's session on the draft model's stages goes
+    with it (the draft's stages hold none afterwards, rather than one per generation ever run)."""
+    from pp_worker.driver.generation import Generation
+    from pp_worker.driver.pipeline import Interrupted
+
+    worker = DraftWorker(ZEN_DRAFT_GGUF)
+    try:
+        finished = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=4)
+        assert all(g.draft.proposed > 0 for g in finished)
+
+        def stop_at_6(g: Generation) -> None:
+            g.stop_requested = len(g.tokens) >= 6
+        stopped = make_generations(pipeline, PROMPTS[:2], 40, Sampling())
+        for g in stopped:
+            g.on_token = stop_at_6
+        pipeline.draft = Draft("model", 4, worker)
+        pipeline.run(stopped, 2)
+        assert [g.stop_reason for g in stopped] == ["stop", "stop"]
+
+        def interrupt_at_6(g: Generation) -> None:  # as a Ctrl-C in the middle of the run
+            if len(g.tokens) >= 6:
+                raise Interrupted(2)
+        cut = make_generations(pipeline, PROMPTS[:2], 40, Sampling())
+        cut[0].on_token = interrupt_at_6
+        with pytest.raises(Interrupted):
+            pipeline.run(cut, 2)
+        assert all(g.draft.proposed > 0 for g in cut)
+        assert [status["sessions"] for status in worker.status()] == [{}, {}]
+    finally:
+        pipeline.draft = None
+        worker.close()
+
+
+def test_a_generation_steps_on_while_another_waits_for_its_draft_model(pipeline):
+    """The draft model's first guess is held until a generation that drafts nothing has made 3 more tokens: it only
+    can if the pipeline's loop moves it on while the draft model is busy."""
+    import threading
+
+    from pp_worker.driver.generation import Generation
+
+    worker, other_stepped, held, goal = DraftWorker(ZEN_DRAFT_GGUF), threading.Event(), [], []
+    plain_next_token = worker.next_token
+
+    def next_token(*args):
+        if not held:
+            goal.append(len(plain.tokens) + 3)
+            held.append(other_stepped.wait(30))  # a bound so that the failure is False, not a hang
+        return plain_next_token(*args)
+    worker.next_token = next_token
+
+    def stepped(g: Generation) -> None:
+        if goal and len(g.tokens) >= goal[0]:
+            other_stepped.set()
+    drafting = Generation(0, PROMPTS[0], pipeline.new_request_id(), 12, Sampling())
+    # a penalty of 1.0 changes no logit but drafts nothing (Draft.usable): a plain generation beside the drafting one
+    plain = Generation(1, PROMPTS[1], pipeline.new_request_id(), 30, Sampling(repetition_penalty=1.0),
+                       on_token=stepped)
+    pipeline.draft = Draft("model", 4, worker)
+    try:
+        pipeline.run([drafting, plain], 2)
+    finally:
+        pipeline.draft = None
+        worker.close()
+    assert held == [True] and goal[0] <= 30 - 3
+    assert plain.draft is None and drafting.draft.proposed > 0 and len(plain.tokens) == 30

@@ -13,8 +13,9 @@ guesses with a small model of the same vocabulary instead (driver.draft_model).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 DRAFTS = ("ngram",)  # --draft's choices; --draft-model PATH is the kind "model"
 NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it predicts best
@@ -65,14 +66,22 @@ class DraftSource(Protocol):
 
 
 class Drafter(Protocol):
-    """A generation's drafter, as the generation uses it."""
+    """A generation's drafter, as the generation and the pipeline use it. ``off_loop``: its guesses take a model's
+    forwards, so they come from ``propose_later`` on a thread of their own (the pipeline's loop goes on meanwhile);
+    else from ``propose``, at once."""
 
     proposed: int
     accepted: int
+    off_loop: ClassVar[bool]
 
     def propose(self, context: list[int], room: int) -> list[int]: ...
 
+    def propose_later(self, context: list[int], room: int, then: Callable[[list[int] | Exception], None]) -> None:
+        ...
+
     def update(self, proposed: int, kept: int) -> None: ...
+
+    def end(self) -> None: ...
 
 
 @dataclass
@@ -113,6 +122,8 @@ class Adaptive:
 class NgramDrafter(Adaptive):
     """One generation's prompt lookup."""
 
+    off_loop: ClassVar[bool] = False  # a dictionary lookup: at once, on the pipeline's loop
+
     _index: dict[tuple[int, ...], int] = field(default_factory=dict)  # n-gram -> where its latest occurrence ended
     _indexed: int = 0  # context positions indexed so far
 
@@ -125,6 +136,12 @@ class NgramDrafter(Adaptive):
             if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
                 return context[end:end + k]
         return []
+
+    def propose_later(self, context: list[int], room: int, then: Callable[[list[int] | Exception], None]) -> None:
+        then(self.propose(context, room))
+
+    def end(self) -> None:
+        """Nothing to free: the index goes with the drafter."""
 
     def _update_index(self, context: list[int]) -> None:
         """Index every n-gram that ends before the last token (the suffix looked up must have occurred earlier)."""

@@ -17,6 +17,7 @@ from pp_worker.wire import B64
 if TYPE_CHECKING:
     from pp_worker.driver.draft import Drafter
 
+DRAFT = -1  # a Call's "stage" for a draft model's guesses (fields: context, room), made off the pipeline's loop
 RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
 Reply = dict[str, Any]
 
@@ -152,7 +153,7 @@ class Generation:
                 break
             if self.on_text and not self._streaming:
                 yield self._stream_call(num_stages - 1)
-            drafted = self._guess(position, max_context)
+            drafted = yield from self._guess(position, max_context)
             if drafted:  # the token and the guesses after it, checked by the last stage in one pass
                 op, feed, seq_len = "embed_and_forward", {"tokens": [token, *drafted]}, 1 + len(drafted)
             else:
@@ -202,15 +203,19 @@ class Generation:
             self.on_token(self)
         return token in eos or len(self.tokens) >= self.max_tokens or self.stop_requested
 
-    def _guess(self, position: int, max_context: int | None) -> list[int]:
+    def _guess(self, position: int, max_context: int | None) -> Generator[Call, Reply | None, list[int]]:
         """The draft's guesses for the tokens after the one at ``position`` (none without a draft): never past
-        max_tokens nor past max_context, so a check never asks for what the generation would not keep."""
+        max_tokens nor past max_context, so a check never asks for what the generation would not keep. A draft
+        model's come back as the reply to a ``DRAFT`` call, which the pipeline has made off its loop."""
         if self.draft is None:
             return []
         room = self.max_tokens - len(self.tokens) - 1
         if max_context is not None:
             room = min(room, max_context - position - 1)
-        return self.draft.propose(self.prompt_tokens + self.tokens, room)
+        context = self.prompt_tokens + self.tokens
+        if not self.draft.off_loop:
+            return self.draft.propose(context, room)
+        return (yield Call(DRAFT, "propose", {"context": context, "room": room}))["tokens"]
 
     def _grammar(self, first: bool) -> dict[str, Any]:
         """The first step (the prompt's last forward, before any token: a drafted check is an embed_and_forward too)

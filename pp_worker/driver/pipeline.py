@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterable
@@ -23,7 +24,7 @@ from typing import Any, TextIO
 
 from pp_worker.driver import split
 from pp_worker.driver.draft import Draft
-from pp_worker.driver.generation import Call, Generation, Reply, Sampling, TextSink
+from pp_worker.driver.generation import DRAFT, Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.prefix import PrefixCache
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import B64, parse_object
@@ -75,6 +76,48 @@ class Cancel:
                 pass
         if self.signum is not None:
             raise Interrupted(self.signum)
+
+
+class Mailbox:
+    """Work other threads hand to the loop (a draft model's guesses, driver.draft_model): a queue, and a pipe that
+    wakes the loop's select."""
+
+    def __init__(self) -> None:
+        self._work: deque[Callable[[], None]] = deque()
+        self._lock = threading.Lock()  # post and close: no write to a closed pipe (its fd may be another file's)
+        self.wake_fd, self._write_fd = os.pipe()
+        for fd in (self.wake_fd, self._write_fd):
+            os.set_blocking(fd, False)
+
+    def post(self, work: Callable[[], None]) -> None:
+        """Queue ``work`` for the loop's thread (from any thread); nothing once closed."""
+        with self._lock:
+            if self._write_fd < 0:
+                return
+            self._work.append(work)
+            try:
+                os.write(self._write_fd, b"!")
+            except BlockingIOError:  # the pipe is full of wake-ups already
+                pass
+
+    def take(self) -> list[Callable[[], None]]:
+        """What was posted so far (the loop's thread)."""
+        try:
+            while os.read(self.wake_fd, 4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+        work = []
+        while self._work:
+            work.append(self._work.popleft())
+        return work
+
+    def close(self) -> None:
+        with self._lock:
+            if self._write_fd >= 0:
+                os.close(self._write_fd)
+                os.close(self.wake_fd)
+                self._write_fd = -1
 
 
 @dataclass
@@ -137,6 +180,7 @@ class Pipeline:
         self._outbox: list[tuple[int, Call, _Pending]] = []  # calls of this round, sent by _flush, batched if they may
         self._active: dict[int, tuple[Generation, Generator[Call, Reply | None, None]]] = {}  # by request_id
         self._kept: set[int] = set()  # sessions left on the stages between runs (a chat's conversation)
+        self._mail = Mailbox()  # a draft model's guesses, from its thread
         # sessions finished cache_prompt generations left (docs/serve.md, Prefix reuse); None: no reuse. By default
         # on where the stages hold KV (not the stub, whose outputs depend on how a prompt is cut into calls)
         self.prefixes: PrefixCache | None = None
@@ -229,8 +273,12 @@ class Pipeline:
         """Shut every stage down and reap it (idempotent). After a failure a stage may be hung, so it gets a
         shorter grace before SIGTERM; a second Ctrl-C skips the grace altogether."""
         self._flush()  # e.g. the releases of an interrupted run, ahead of the shutdown
+        for g, _ in self._active.values():  # generations cut short (pp-serve's failed pipeline): their draft sessions
+            if g.draft:
+                g.draft.end()
         stop_all(self.stages, grace_s=2.0 if failed else 5.0,
                  hurry=lambda: self.cancel is not None and self.cancel.count >= 2)
+        self._mail.close()
 
     # --- running generations ------------------------------------------------------------------------------------
     def run(self, gens: Iterable[Generation], concurrency: int = 1) -> RunStats:
@@ -251,6 +299,8 @@ class Pipeline:
         except Interrupted:
             for g, _ in self._active.values():  # their sessions are released before the stages are shut down
                 self._release(g.session)
+                if g.draft:
+                    g.draft.end()
             raise
         finally:
             self._active.clear()
@@ -305,9 +355,14 @@ class Pipeline:
             while not call.wait:
                 self._send(g.session, call, call.on_reply)
                 call = coro.send(None)
-            self._send(g.session, call, rid)
+            if call.stage == DRAFT:
+                self._propose(rid, g, call)
+            else:
+                self._send(g.session, call, rid)
         except StopIteration:
             del self._active[rid]
+            if g.draft:
+                g.draft.end()
             if g.keep_session:
                 self._kept.add(rid)
             elif g.cache_prompt and g.tokens and self.prefixes is not None:
@@ -316,6 +371,21 @@ class Pipeline:
                 self._release(g.session)
         except (KeyError, TypeError, ValueError) as e:  # a reply without its field, or a payload that is not base64
             raise PipelineError(f"request {rid}: malformed reply {reply!r:.200}: {type(e).__name__} {e}") from e
+
+    def _propose(self, rid: int, g: Generation, call: Call) -> None:
+        """A draft model's guesses for ``g``: made on the draft model's thread, while this loop moves the other
+        generations on; the reply comes back through the mailbox."""
+        def then(guesses: list[int] | Exception) -> None:  # on the draft model's thread
+            self._mail.post(lambda: self._proposed(rid, g, guesses))
+        assert g.draft is not None
+        g.draft.propose_later(call.fields["context"], call.fields["room"], then)
+
+    def _proposed(self, rid: int, g: Generation, guesses: list[int] | Exception) -> None:
+        if self._active.get(rid, (None,))[0] is not g:  # it ended meanwhile (an interrupted run): nothing waits
+            return
+        if isinstance(guesses, Exception):
+            raise PipelineError(f"request {rid}: no draft: {type(guesses).__name__}: {guesses}") from guesses
+        self._advance(rid, {"tokens": guesses})
 
     def cached_sessions(self) -> dict[int, int]:
         """The sessions left as cache for prefix reuse -> the tokens each holds (a copy, for any thread)."""
@@ -432,10 +502,13 @@ class Pipeline:
         signals and timeouts."""
         self._flush()
         alive = [st for st in self.stages if not st.eof]
-        wake = [self.cancel.wake_fd] if self.cancel else []
+        wake = [self._mail.wake_fd] + ([self.cancel.wake_fd] if self.cancel else [])
         r = wait_io(alive, max(0.0, min(deadline - time.monotonic(), 1.0)), wake)
         if self.cancel:
             self.cancel.check(r)
+        if self._mail.wake_fd in r:
+            for work in self._mail.take():
+                work()
         for st in alive:
             if st.out_fd in r:
                 for line in st.read_lines():
