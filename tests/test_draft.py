@@ -370,37 +370,45 @@ def test_a_draft_model_that_does_not_load_is_a_clear_error(tmp_path):
         DraftWorker(str(bad))
 
 
-def test_draft_sessions_are_released_when_their_generations_end(pipeline):
+def test_draft_sessions_are_released_when_their_generations_end():
     """Finished, stopped, or cut short by an interrupt: each generation's session on the draft model's stages goes
-    with it (the draft's stages hold none afterwards, rather than one per generation ever run)."""
+    with it (the draft's stages hold none afterwards, rather than one per generation ever run). A pipeline of its
+    own: an interrupted run leaves replies in flight that a later run must not meet."""
     from pp_worker.driver.generation import Generation
     from pp_worker.driver.pipeline import Interrupted
 
-    worker = DraftWorker(ZEN_DRAFT_GGUF)
+    worker, batches = DraftWorker(ZEN_DRAFT_GGUF), []
+    plain_next_tokens = worker.next_tokens
+
+    def next_tokens(asks):
+        batches.append(len(asks))
+        return plain_next_tokens(asks)
+    worker.next_tokens = next_tokens
+
+    def stop_at_6(g: Generation) -> None:
+        g.stop_requested = len(g.tokens) >= 6
+
+    def interrupt_at_6(g: Generation) -> None:  # as a Ctrl-C in the middle of the run
+        if len(g.tokens) >= 6:
+            raise Interrupted(2)
     try:
-        finished = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=4)
-        assert all(g.draft.proposed > 0 for g in finished)
-
-        def stop_at_6(g: Generation) -> None:
-            g.stop_requested = len(g.tokens) >= 6
-        stopped = make_generations(pipeline, PROMPTS[:2], 40, Sampling())
-        for g in stopped:
-            g.on_token = stop_at_6
-        pipeline.draft = Draft("model", 4, worker)
-        pipeline.run(stopped, 2)
-        assert [g.stop_reason for g in stopped] == ["stop", "stop"]
-
-        def interrupt_at_6(g: Generation) -> None:  # as a Ctrl-C in the middle of the run
-            if len(g.tokens) >= 6:
-                raise Interrupted(2)
-        cut = make_generations(pipeline, PROMPTS[:2], 40, Sampling())
-        cut[0].on_token = interrupt_at_6
-        with pytest.raises(Interrupted):
-            pipeline.run(cut, 2)
-        assert all(g.draft.proposed > 0 for g in cut)
+        with Pipeline(Launch(2, env={"MAX_CONTEXT": "160"}), log=None) as p:
+            finished = _run(p, Draft("model", 4, worker), Sampling(), concurrency=4)
+            assert all(g.draft.proposed > 0 for g in finished)
+            assert max(batches) > 1  # guesses of generations drafting at once went to the draft model together
+            stopped = make_generations(p, PROMPTS[:2], 40, Sampling())
+            for g in stopped:
+                g.on_token = stop_at_6
+            p.draft = Draft("model", 4, worker)
+            p.run(stopped, 2)
+            assert [g.stop_reason for g in stopped] == ["stop", "stop"]
+            cut = make_generations(p, PROMPTS[:2], 40, Sampling())
+            cut[0].on_token = interrupt_at_6
+            with pytest.raises(Interrupted):
+                p.run(cut, 2)
+            assert all(g.draft.proposed > 0 for g in cut)
         assert [status["sessions"] for status in worker.status()] == [{}, {}]
     finally:
-        pipeline.draft = None
         worker.close()
 
 
@@ -412,14 +420,14 @@ def test_a_generation_steps_on_while_another_waits_for_its_draft_model(pipeline)
     from pp_worker.driver.generation import Generation
 
     worker, other_stepped, held, goal = DraftWorker(ZEN_DRAFT_GGUF), threading.Event(), [], []
-    plain_next_token = worker.next_token
+    plain_next_tokens = worker.next_tokens
 
-    def next_token(*args):
-        if not held:
+    def next_tokens(asks):
+        if not held and asks[0][1][1] > 0:  # the first guess (not the prompt's feed, made as the prefill starts)
             goal.append(len(plain.tokens) + 3)
             held.append(other_stepped.wait(30))  # a bound so that the failure is False, not a hang
-        return plain_next_token(*args)
-    worker.next_token = next_token
+        return plain_next_tokens(asks)
+    worker.next_tokens = next_tokens
 
     def stepped(g: Generation) -> None:
         if goal and len(g.tokens) >= goal[0]:
@@ -436,3 +444,19 @@ def test_a_generation_steps_on_while_another_waits_for_its_draft_model(pipeline)
         worker.close()
     assert held == [True] and goal[0] <= 30 - 3
     assert plain.draft is None and drafting.draft.proposed > 0 and len(plain.tokens) == 30
+
+
+def test_a_draft_model_with_less_context_than_the_text_guesses_from_its_last_tokens(pipeline):
+    """The draft model holds 40 positions, the repeated passage's prompt is longer: its session is fed the prompt's
+    last WINDOW tokens, and starts again from the last WINDOW when it runs out of room; the output is still exact."""
+    from pp_worker.driver.draft_model import WINDOW
+
+    worker = DraftWorker(ZEN_DRAFT_GGUF, env={"MAX_CONTEXT": "40"})
+    try:
+        plain = _run(pipeline, None, Sampling(), max_tokens=50)
+        drafted = _run(pipeline, Draft("model", 4, worker), Sampling(), max_tokens=50)
+    finally:
+        worker.close()
+    assert len(drafted[0].prompt_tokens) > 40 > WINDOW and len(drafted[1].prompt_tokens) + 50 > 40
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert all(g.draft.accepted > 0 for g in drafted)

@@ -66,15 +66,15 @@ class DraftSource(Protocol):
 
 
 class Drafter(Protocol):
-    """A generation's drafter, as the generation and the pipeline use it. ``off_loop``: its guesses take a model's
-    forwards, so they come from ``propose_later`` on a thread of their own (the pipeline's loop goes on meanwhile);
-    else from ``propose``, at once."""
+    """A generation's drafter, as the generation and the pipeline use it: ``propose_later`` hands the guesses to
+    ``then``, at once, or, ``off_loop``, later from a thread of its own (a model's forwards: the pipeline's loop goes
+    on meanwhile)."""
 
     proposed: int
     accepted: int
     off_loop: ClassVar[bool]
 
-    def propose(self, context: list[int], room: int) -> list[int]: ...
+    def begin(self, prompt: list[int]) -> None: ...
 
     def propose_later(self, context: list[int], room: int, then: Callable[[list[int] | Exception], None]) -> None:
         ...
@@ -136,6 +136,9 @@ class NgramDrafter(Adaptive):
             if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
                 return context[end:end + k]
         return []
+
+    def begin(self, prompt: list[int]) -> None:
+        """Nothing to prepare: the prompt is indexed at the first guess."""
 
     def propose_later(self, context: list[int], room: int, then: Callable[[list[int] | Exception], None]) -> None:
         then(self.propose(context, room))

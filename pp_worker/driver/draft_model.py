@@ -3,10 +3,12 @@
 The draft model runs on the driver's host as a two-stage pipeline of local worker processes, driven by a thread of
 its own: a generation's guesses are a job queued to that thread, whose result the pipeline's loop gets back through
 its mailbox (pipeline.Mailbox), so while one generation waits for its guesses the others' steps go on. The thread
-runs one job at a time, in order. Each generation keeps a KV session there; to guess, it feeds what the session does
-not hold yet (the tokens kept since, the model's own token) and takes k argmax tokens, one forward each; a guess
-the pipeline did not keep is rewound over by the next feed (a forward at a smaller position rewinds,
-docs/protocol.md). When the generation ends its session is released there (``ModelDrafter.end``).
+takes every generation's guesses queued at that moment together: each of their forwards goes in one ``batch`` line
+per stage (the one-token ones share a forward), so 8 streams cost the draft model little more than one. Each
+generation keeps a KV session there, fed its prompt while the pipeline prefills it (``begin``); to guess, it feeds
+what the session does not hold yet (the tokens kept since, the model's own token) and takes k argmax tokens, one
+forward each; a guess the pipeline did not keep is rewound over by the next feed (a forward at a smaller position
+rewinds, docs/protocol.md). When the generation ends its session is released there (``end``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import subprocess
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -58,6 +60,10 @@ class _Process:
             raise DraftModelError(f"draft model {self.path}: {reply['error']}")
         return reply
 
+    def batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several requests in one ``batch`` line -> their replies, in order (each may be an error of its own)."""
+        return self.call({"op": "batch", "request_id": 0, "requests": requests})["replies"]
+
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
@@ -85,14 +91,14 @@ class _Process:
 class DraftWorker:
     """The draft model, on this host: two local worker processes (a worker is a stage of at least two: the first
     holds the embedding and the first half of the blocks, the second the rest and the head), called by one thread
-    of their own, one job at a time (``submit``)."""
+    of their own (``submit``)."""
 
     def __init__(self, path: str, env: dict[str, str] | None = None):
         if not os.path.isfile(path):
             raise DraftModelError(f"draft model {path!r}: no such file")
         launch = Launch(2, model=path, env=env or {})  # env: extra variables for its workers
         self.path, self._ids = path, itertools.count(1)
-        self._jobs: deque[Callable[[], None]] = deque()
+        self._jobs: deque[Callable[[], None] | Guess] = deque()
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
@@ -111,8 +117,9 @@ class DraftWorker:
         """A generation's drafter, on a session of its own here."""
         return ModelDrafter(max_k=max_k, worker=self, session=next(self._ids))
 
-    def submit(self, job: Callable[[], None]) -> None:
-        """Run ``job`` on the draft model's thread, after the jobs queued before it (none once closed)."""
+    def submit(self, job: Callable[[], None] | Guess) -> None:
+        """Run ``job`` on the draft model's thread, after the jobs queued before it (none once closed); the guesses
+        queued at the moment run together (``_guess_together``)."""
         with self._wake:
             if not self._closing:
                 self._jobs.append(job)
@@ -135,15 +142,18 @@ class DraftWorker:
             raise failed[0]
         return replies
 
-    def next_token(self, session: int, tokens: list[int], position: int) -> int:
-        """The draft model's argmax after ``tokens`` fed at ``position`` of ``session`` (a smaller position than the
-        session holds rewinds it). On the draft model's thread only."""
+    def next_tokens(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError]:
+        """The draft model's argmax after each ask (session, (tokens, position)): its tokens fed at that position of
+        its session (a smaller position than the session holds rewinds it), every ask in one ``batch`` line per
+        stage. An ask that failed (e.g. its session was evicted) gets its error. On the draft model's thread only."""
         first, last = self._stages
-        reply = first.call({"op": "embed_and_forward", "request_id": session, "tokens": tokens, "position": position})
-        hop = {"hidden_b64": reply["hidden_b64"], "position": position, "seq_len": len(tokens)}
-        if "hidden_dtype" in reply:
-            hop["hidden_dtype"] = reply["hidden_dtype"]
-        return last.call({"op": "forward_and_sample", "request_id": session, **hop})["token_id"]
+        hidden = first.batch([{"op": "embed_and_forward", "request_id": session, "tokens": tokens,
+                               "position": position} for session, (tokens, position) in asks])
+        hops = [{"op": "forward_and_sample", "request_id": session, "hidden_b64": reply["hidden_b64"],
+                 "position": position, "seq_len": len(tokens), **_dtype(reply)}
+                for (session, (tokens, position)), reply in zip(asks, hidden, strict=True) if "error" not in reply]
+        sampled = iter(last.batch(hops) if hops else [])
+        return [self._answer(reply if "error" in reply else next(sampled)) for reply in hidden]
 
     def release(self, session: int) -> None:
         """Drop ``session`` on both stages. On the draft model's thread only."""
@@ -161,6 +171,9 @@ class DraftWorker:
         if self._thread is not None:
             self._thread.join()
 
+    def _answer(self, reply: dict[str, Any]) -> int | DraftModelError:
+        return DraftModelError(f"draft model {self.path}: {reply['error']}") if "error" in reply else reply["token_id"]
+
     def _serve(self) -> None:
         while True:
             with self._wake:
@@ -169,7 +182,63 @@ class DraftWorker:
                 if self._closing:
                     return
                 job = self._jobs.popleft()
-            job()
+                guesses = [job, *(j for j in self._jobs if isinstance(j, Guess))] if isinstance(job, Guess) else []
+                if guesses:  # every generation's guesses queued now go together: one batch a forward
+                    self._jobs = deque(j for j in self._jobs if not isinstance(j, Guess))
+            if guesses:
+                self._guess_together(guesses)  # type: ignore[arg-type]
+            else:
+                job()  # type: ignore[operator]
+
+    def _guess_together(self, guesses: list[Guess]) -> None:
+        """Advance several generations' guesses in rounds: each round feeds every one of them its next tokens, one
+        batch per stage, until each has its guesses (or its error)."""
+        running = [g for g in guesses if g.advance(None)]
+        while running:
+            try:
+                answers: list[int | DraftModelError] = self.next_tokens([(g.session, g.ask) for g in running])
+            except DraftModelError as e:  # the draft model died: each of them gets the error
+                answers = [e] * len(running)
+            running = [g for g, answer in zip(running, answers, strict=True) if g.advance(answer)]
+
+
+def _dtype(reply: dict[str, Any]) -> dict[str, Any]:
+    """A hidden state's dtype field, handed on with its payload (float32 past float16's range)."""
+    return {"hidden_dtype": reply["hidden_dtype"]} if "hidden_dtype" in reply else {}
+
+
+Ask = tuple[list[int], int]  # tokens to feed a session, at this position
+# The most tokens of a prompt a draft session is fed: a small model guesses the next few tokens from the last few
+# dozen about as well as from all, and a long prompt's feed would cost the draft model more than the guesses save
+# (bench/NOTES.md, Speculative decoding)
+WINDOW = 32
+
+
+@dataclass
+class Guess:
+    """One generation's guesses (or its prompt's feed) as the forwards they take: ``steps`` yields an ``Ask``, is
+    sent the argmax after it (or has the error thrown in), and returns the guesses, which go to ``then``."""
+
+    session: int
+    steps: Generator[Ask, int, list[int]]
+    then: Callable[[list[int] | Exception], None]
+    ask: Ask = ([], 0)
+
+    def advance(self, answer: int | DraftModelError | None) -> bool:
+        """Hand it the last ask's answer (None: start it); True while it asks for another forward (``ask``)."""
+        try:
+            if answer is None:
+                self.ask = next(self.steps)
+            elif isinstance(answer, DraftModelError):
+                self.ask = self.steps.throw(answer)
+            else:
+                self.ask = self.steps.send(answer)
+            return True
+        except StopIteration as stop:
+            self.then(stop.value)
+        except Exception as e:  # a dead draft worker, or a bug: the pipeline reports it, the thread lives on
+            self.then(e)
+        return False
 
 
 @dataclass(kw_only=True)
@@ -179,21 +248,29 @@ class ModelDrafter(Adaptive):
     off_loop: ClassVar[bool] = True  # guesses come from ``propose_later``, on the draft model's thread
     worker: DraftWorker
     session: int = 0
-    _held: list[int] = field(default_factory=list)
-    _opened: bool = False  # the session exists on the draft's stages (a guess was asked for), until ``end``
+    _held: list[int] = field(default_factory=list)  # read and written on the draft model's thread (once begun)
+    _origin: int = 0  # where in the generation's tokens (prompt and output) the session's position 0 is
+    _opened: bool = False  # the session exists on the draft's stages (a feed was queued), until ``end``
+
+    def begin(self, prompt: list[int]) -> None:
+        """Feed the prompt's last WINDOW tokens to the session now, while the pipeline prefills the prompt, so the
+        first guess feeds one token."""
+        self._origin = max(0, len(prompt) - WINDOW)
+        if self._origin < len(prompt) < self.worker.max_context + self._origin:
+            self._opened = True
+            self._held = prompt[self._origin:]  # before the job: a guess queued behind it in the batch starts from it
+
+            def feed() -> Generator[Ask, int, list[int]]:
+                yield self._held, 0
+                return []
+            self.worker.submit(Guess(self.session, feed(), lambda _: None))  # an error shows at the first guess
 
     def propose_later(self, context: list[int], room: int, then: Callable[[list[int] | Exception], None]) -> None:
-        """``propose`` on the draft model's thread; ``then`` gets the guesses, or the error that stopped them (on
-        that thread: it posts them to the pipeline's loop)."""
+        """min(k, room) argmax tokens of the draft model after ``context`` ([] when paused or without room), made
+        on the draft model's thread; ``then`` gets them, or the error that stopped them (on that thread: it posts
+        them to the pipeline's loop)."""
         self._opened = True  # here, not on the thread: an ``end`` that comes meanwhile must release it
-
-        def job() -> None:
-            try:
-                guesses: list[int] | Exception = self.propose(context, room)
-            except Exception as e:  # a dead draft worker, or a bug: the pipeline reports it, the thread lives on
-                guesses = e
-            then(guesses)
-        self.worker.submit(job)
+        self.worker.submit(Guess(self.session, self._guesses(context, room), then))
 
     def end(self) -> None:
         """The generation is over: release its session on the draft's stages (queued after its last guess)."""
@@ -207,24 +284,32 @@ class ModelDrafter(Adaptive):
                     pass  # the draft worker died: its sessions went with it (the next guess reports it)
             self.worker.submit(release)
 
-    def propose(self, context: list[int], room: int) -> list[int]:
-        """min(k, room) argmax tokens of the draft model after ``context`` ([] when paused or without room)."""
-        k = min(self._budget(room), self.worker.max_context - len(context))
+    def _guesses(self, context: list[int], room: int) -> Generator[Ask, int, list[int]]:
+        """The guesses as the forwards they take: each feeds what the session does not hold yet and gets one. The
+        session holds the context from ``_origin`` on; where it has no room left for k more, it starts again with
+        the last WINDOW tokens."""
+        k = self._budget(room)
+        if len(context) - self._origin + k > self.worker.max_context:
+            self._origin, self._held = max(0, len(context) - WINDOW), []  # a feed at position 0 rewinds the session
+        context = context[self._origin:]
+        k = min(k, self.worker.max_context - len(context))
         if k <= 0:
             return []
-        common = 0  # the session's tokens that are still the context's (a guess not kept is not)
+        guesses: list[int] = []
+        fed = 0  # the session's tokens that are still the context's (a guess not kept is not)
         for held, token in zip(self._held, context[:-1], strict=False):  # the last token is always fed
             if held != token:
                 break
-            common += 1
-        try:
-            guesses = [self.worker.next_token(self.session, context[common:], common)]
-        except DraftModelError:
-            if common == 0:
-                raise
-            # the draft's stages evict the least recently used session when they need room: feed it all again
-            guesses = [self.worker.next_token(self.session, context, 0)]
-        for position in range(len(context), len(context) + k - 1):
-            guesses.append(self.worker.next_token(self.session, guesses[-1:], position))
+            fed += 1
+        while len(guesses) < k:
+            want = context + guesses
+            try:
+                guesses.append((yield want[fed:], fed))
+            except DraftModelError:
+                if fed == 0:
+                    raise
+                fed = 0  # the draft's stages evict the least recently used session when they need room: all again
+                continue
+            fed = len(want)
         self._held = context + guesses[:-1]
         return guesses

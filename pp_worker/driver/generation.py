@@ -131,6 +131,8 @@ class Generation:
             self.stop_reason = "error"
             self._finish("")
             return
+        if self.draft:  # a draft model takes the prompt in while the stages do
+            self.draft.begin(self.prompt_tokens)
         if self.cache_prompt and prefixes is not None:
             yield from self._take_prefix(prefixes, num_stages)
         start = self.reused = reusable(self.cached, self.prompt_tokens)  # only what is new is computed
@@ -213,8 +215,10 @@ class Generation:
         if max_context is not None:
             room = min(room, max_context - position - 1)
         context = self.prompt_tokens + self.tokens
-        if not self.draft.off_loop:
-            return self.draft.propose(context, room)
+        if not self.draft.off_loop:  # a lookup: the guesses are there at once
+            guesses: list[list[int] | Exception] = []
+            self.draft.propose_later(context, room, guesses.append)
+            return guesses[0]  # type: ignore[return-value]
         return (yield Call(DRAFT, "propose", {"context": context, "room": room}))["tokens"]
 
     def _grammar(self, first: bool) -> dict[str, Any]:
