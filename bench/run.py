@@ -91,7 +91,7 @@ class Plan:
     grammar: grammar.GrammarPlan = grammar.GrammarPlan()  # section 16: a grammar's mask at a 150K vocabulary
     # section 17: prefix reuse in pp-serve, a 5-turn chat with a ~1,000-token first turn on SmolLM2-135M's shape
     reuse: reuse.ReusePlan = reuse.ReusePlan(preset="smol", dtype="Q8_0")
-    links: links.LinksPlan = links.LinksPlan()  # section 18: stages behind a delayed link, with and without drafts
+    links: links.LinksPlan = links.FULL  # section 18: stages behind a delayed link, with and without drafts; smol
     prefill: prefill.PrefillPlan = prefill.PrefillPlan()  # section 19: pp128 / pp512 against llama.cpp
 
 

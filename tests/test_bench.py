@@ -612,17 +612,26 @@ def test_the_relay_hands_bytes_through_both_ways_and_the_commands_exit_status() 
 
 
 def test_links_rows_set_the_issues_targets() -> None:
-    def runs(plain: float, ngram: float) -> dict:
-        return {"plain": {"tok_s": plain, "drafted": 0, "kept": 0}, "ngram": {"tok_s": ngram, "drafted": 9, "kept": 6}}
+    def runs(plain: float, ngram: float, model: float | None = None) -> dict:
+        out = {"plain": {"tok_s": plain, "drafted": 0, "kept": 0}, "ngram": {"tok_s": ngram, "drafted": 9, "kept": 6}}
+        return out | ({"model": {"tok_s": model, "drafted": 9, "kept": 9}} if model is not None else {})
 
-    raw = {"delays": {"0": {"repetitive": {"1": runs(100, 160)}, "free": {"8": runs(400, 300)}},
-                      "25": {"repetitive": {"1": runs(10, 30)}, "free": {"8": runs(360, 380)}}}}
+    smol = {"plan": {"model": "/x/smol-s0-F16.gguf"}, "delays": {"0": {"repetitive": {"8": runs(100, 200)}},
+                                                                 "25": {"repetitive": {"8": runs(40, 90)}}}}
+    raw = {"delays": {"0": {"repetitive": {"1": runs(100, 160, 120)}, "free": {"8": runs(400, 300, 390)}},
+                      "25": {"repetitive": {"1": runs(10, 30, 20)}, "free": {"8": runs(360, 380, 370)}}},
+           "then": smol}
     by_name = {r.name: r for r in links.rows(raw)}
     assert (by_name["0 ms, repetitive, 1 stream(s): ngram / plain"].value, by_name[
         "0 ms, repetitive, 1 stream(s): ngram / plain"].verdict) == (1.6, "PASS")
+    assert by_name["0 ms, repetitive, 1 stream(s): model / plain"].verdict == "MISS"  # 1.2 < 1.3
     assert by_name["0 ms, free, 8 stream(s): ngram / plain"].verdict == "MISS"  # 0.75 < 0.95
+    assert by_name["0 ms, free, 8 stream(s): model / plain"].verdict == "PASS"  # 0.975 >= 0.95
     assert by_name["25 ms, repetitive, 1 stream(s): ngram / plain"].target is None
-    assert by_name["25 ms, free, 8 streams, plain: against 0 ms"].value == pytest.approx(0.9)
+    assert by_name["25 ms, free, 8 streams, plain: against plain at 0 ms"].value == pytest.approx(0.9)
+    assert by_name["25 ms, free, 8 streams, model: against plain at 0 ms"].value == pytest.approx(370 / 400)
+    assert by_name["smol-s0-F16.gguf, 25 ms, repetitive, 8 streams, ngram: against plain at 0 ms"].value == 0.9
+    assert "smol-s0-F16.gguf, 0 ms, repetitive, 8 stream(s): model / plain" not in by_name  # no draft model there
     assert links.rows(None)[0].value is None
 
 
