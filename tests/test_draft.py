@@ -460,3 +460,40 @@ def test_a_draft_model_with_less_context_than_the_text_guesses_from_its_last_tok
     assert len(drafted[0].prompt_tokens) > 40 > WINDOW and len(drafted[1].prompt_tokens) + 50 > 40
     assert [g.tokens for g in drafted] == [g.tokens for g in plain]
     assert all(g.draft.accepted > 0 for g in drafted)
+
+
+def test_a_failed_pp_serve_pipeline_releases_its_generations_draft_sessions():
+    """pp-serve's pipeline loses a stage while two generations draft: they end with the failure, and their sessions
+    on the draft model (which outlives the pipeline) go too."""
+    import signal
+    import threading
+
+    from pp_worker.driver.generation import Generation
+    from pp_worker.driver.service import PipelineService, ServedGeneration
+
+    worker, ended = DraftWorker(ZEN_DRAFT_GGUF), []
+    all_ended = threading.Event()
+
+    def on_end(g: ServedGeneration) -> None:
+        ended.append(g)
+        if len(ended) == 2:
+            all_ended.set()
+
+    def kill_at_6(g: Generation) -> None:  # the pipeline thread: the stage dies between two of its steps
+        if len(g.tokens) == 6:
+            service.pipeline.stages[1].signal(signal.SIGKILL)
+    try:
+        service = PipelineService(Launch(2), concurrency=2, log=None, draft=Draft("model", 4, worker))
+        try:
+            gens = [ServedGeneration(i, p, service.new_request_id(), 100, on_end=on_end)
+                    for i, p in enumerate(PROMPTS[:2])]
+            gens[0].on_token = kill_at_6
+            for g in gens:
+                service.submit(g)
+            assert all_ended.wait(60)
+        finally:
+            service.close()
+        assert all("pipeline failed" in g.error for g in gens) and all(g.draft.proposed > 0 for g in gens)
+        assert [status["sessions"] for status in worker.status()] == [{}, {}]
+    finally:
+        worker.close()
