@@ -351,9 +351,11 @@ def test_draft_model_flags_and_their_errors(tmp_path, capsys):
         parse_args(["--stub", "--draft", "ngram", "--draft-model", ZEN_GGUF])
     assert "--draft and --draft-model: give one" in capsys.readouterr().err
     other = _zen_vocab_model(tmp_path / "other.gguf", n_merges=100)
-    draft = draft_from(parse_args(["--stub", "--draft-model", other, "--draft-max", "3"]))
+    draft = draft_from(parse_args(["--stub", "--draft-model", other, "--draft-max", "3", "--concurrency", "3"]))
     try:
         assert draft is not None and draft.kind == "model" and draft.max_k == 3
+        # a draft session for each generation in flight, as the stages hold theirs
+        assert [status["max_sessions"] for status in draft.worker.status()] == [3, 3]
         assert "must share the model's vocabulary" in draft_problem(draft, 553)
         assert draft_problem(draft, draft.worker.vocab_size) == ""
     finally:

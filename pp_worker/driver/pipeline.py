@@ -4,7 +4,9 @@ A generation is a small coroutine (``Generation.steps``) that yields one ``Call`
 through every stage, decode steps, detokenize - and gets each reply back. One thread runs every generation: it
 writes a call to its stage without waiting for that stage's earlier replies and matches replies by request_id,
 so with K generations in flight stage s computes one while stage s+1 computes another. The worker serves its
-stdin in order, so several calls queued on one stage simply run one after the other.
+stdin in order, so several calls queued on one stage simply run one after the other. A draft model's guesses
+(``--draft-model``) are the one call made elsewhere: on the draft model's own thread, whose answer comes back
+through the loop's ``Mailbox``.
 
 The command line is ``cli`` (``pp-pipeline``, ``python -m pp_worker.driver``), the interactive chat ``chat``.
 """
