@@ -158,8 +158,7 @@ def measure(plan: MemwallPlan, avx2: bool = True) -> dict[str, Any]:
             out["files"].setdefault(dt, {"name": path.name, "file_bytes": path.stat().st_size,
                                          "streamed_bytes": streamed_bytes(path), "quantizer": maker})
             with tempfile.TemporaryDirectory(prefix="pp-memwall-avx2-") as cache:
-                # a fresh cache: tinygrad's compiled kernels and pp_worker's forwards are keyed by source, not flags
-                env2 = env | {"CC": str(NO_AVX512_CC), "XDG_CACHE_HOME": cache, "PP_CACHE_DIR": f"{cache}/pp_worker"}
+                env2 = env | no_avx512_env(cache)
                 say(f"memwall: {dt}, 2 stages compiled without AVX-512 and llama.cpp's AVX2 build")
                 out["rows"][_key(dt, "avx2", plan.label)] = (measure_row(path, "avx2", env2, plan, prompt, ids)
                                                             | {"dtype": dt, "clang": "no-avx512",
@@ -167,6 +166,12 @@ def measure(plan: MemwallPlan, avx2: bool = True) -> dict[str, Any]:
     elif avx2 and plan.avx2_dtypes:
         out["avx2_skipped"] = "llama.cpp's AVX2 build (.venv-peers) not built: run make peers"
     return out
+
+
+def no_avx512_env(cache: str) -> dict[str, str]:
+    """A pipeline's environment for kernels compiled as on an AVX2-only CPU, with ``cache`` (a fresh folder) as its
+    caches: tinygrad's compiled kernels and pp_worker's forwards are keyed by source, not flags."""
+    return {"CC": str(NO_AVX512_CC), "XDG_CACHE_HOME": cache, "PP_CACHE_DIR": f"{cache}/pp_worker"}
 
 
 def _key(dtype: str, build: str, label: str) -> str:
