@@ -38,7 +38,8 @@ from bench.quant import say
 from pp_worker.worker.gguf.header import read_header
 
 REPO = Path(__file__).resolve().parent.parent
-NO_AVX512_CC = REPO.parent / "shared" / "tools" / "clang-no-avx512"
+# the AVX2 rows' compiler: beside the checkout (shared/tools), or where PP_NO_AVX512_CC says (a worktree elsewhere)
+NO_AVX512_CC = Path(os.environ.get("PP_NO_AVX512_CC") or REPO.parent / "shared" / "tools" / "clang-no-avx512")
 # llama.cpp's llama_ftype for each file type (llama.h)
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30}
 # modelgen's stand-in where llama.cpp is not built: its own mixes, a whole-file type where it has no mix

@@ -92,6 +92,8 @@ def measure(plan: PrefillPlan, avx2: bool = True) -> dict[str, Any]:
         out["rows"][key] = measure_file(path, build, plan)
     if avx2 and plan.avx2_files and not peer.available("avx2"):
         out["avx2_skipped"] = "llama.cpp's AVX2 build (.venv-peers) not built: run make peers"
+    elif avx2 and plan.avx2_files and not memwall.NO_AVX512_CC.exists():
+        out["avx2_skipped"] = f"no {memwall.NO_AVX512_CC} (set PP_NO_AVX512_CC to the clang-no-avx512 wrapper)"
     elif avx2:
         for preset, dt in plan.avx2_files:
             key, path = _file(out, preset, dt, " avx2")

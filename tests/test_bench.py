@@ -651,15 +651,19 @@ def test_prefills_avx2_rows_compile_without_avx512_against_llamacpps_avx2_build(
         "build": build})
     monkeypatch.setattr(prefill.peer, "default_build", lambda: "avx512")
     monkeypatch.setattr(prefill.peer, "available", lambda build=None: True)
+    monkeypatch.setattr(prefill.memwall, "NO_AVX512_CC", model)  # a file that is there
     plan = prefill.PrefillPlan(files=(("smol", "F16"),), avx2_files=(("tinyllama", "Q4_K_M"),))
     out = prefill.measure(plan)
     assert list(out["rows"]) == ["smol F16", "tinyllama Q4_K_M avx2"] and set(out["files"]) == set(out["rows"])
     (build, env), (build2, env2) = runs
     assert build == "avx512" and not env
-    assert build2 == "avx2" and env2["CC"].endswith("clang-no-avx512") and out["rows"]["tinyllama Q4_K_M avx2"][
+    assert build2 == "avx2" and env2["CC"] == str(model) and out["rows"]["tinyllama Q4_K_M avx2"][
         "clang"] == "no-avx512"
     assert env2["XDG_CACHE_HOME"] and env2["PP_CACHE_DIR"].startswith(env2["XDG_CACHE_HOME"])  # fresh caches
     runs.clear()
     assert list(prefill.measure(plan, avx2=False)["rows"]) == ["smol F16"]  # --no-avx2
     monkeypatch.setattr(prefill.peer, "available", lambda build=None: build != "avx2")
     assert "make peers" in prefill.measure(plan)["avx2_skipped"]
+    monkeypatch.setattr(prefill.peer, "available", lambda build=None: True)
+    monkeypatch.setattr(prefill.memwall, "NO_AVX512_CC", tmp_path / "none")
+    assert "PP_NO_AVX512_CC" in prefill.measure(plan)["avx2_skipped"] and not runs
