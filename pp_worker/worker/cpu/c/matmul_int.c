@@ -1,6 +1,7 @@
 /* out (B, N) = x (B, K) @ W (N, K)^T on the integer path (PP_EXACT unset; q8.h), x given as its int8 blocks
    (xq: B rows of K / BLOCK_VALUES blocks of XB bytes, quantize.c's), each weight row's integer products with BT rows
-   of them at a time, or (32-value blocks) tiles of WR weight rows against XR rows of x. dims = {N, B, parts}; rows of W split over the parts as in matmul.c. The type's generic file
+   of them at a time, or (32-value blocks) tiles of WR weight rows against XR rows of x. dims = {N, B, parts}; rows
+   of W split over the parts as in matmul.c. The type's generic file
    gives iq32 (a 32-value group of a block as unsigned, or signed with IQ_SIGNED, bytes) and iscales: for 256-value
    blocks, per 16 values an integer scale s and offset m, and the block's floats D and M: weight value = D s u - M m.
    So a block's product with x's block is dx (D sum_j s_j (u . q)_j - M sum_j m_j bsums_j), the sums in int32 as
@@ -9,9 +10,9 @@
    dx M sum q. */
 enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (prefill, batched decode) */
 /* a tile's weight rows and rows of x (WR x XR sums in registers: AVX-512 has 32, AVX2 16). XR divides the block of
-   x (32 rows) and WR a part's rows (4 n); one thread, B 32, the x and y of the 1.1B shape's products, Q8_0 and Q4_0,
-   G multiply-adds/s: AVX-512 2x8 ~1.1x 4x4 (which spills) and 3x4, AVX2 2x4 1.07-1.2x the one-row passes
-   (bench/NOTES.md, "Prefill") */
+   x (32 rows) and WR a part's rows (4 n). One thread, B 32, Q8_0 and Q4_0 at the 1.1B shape's widths: AVX-512 2x8
+   0.99-1.17x 4x4 (which spills) and 3x4; AVX2 2x4 1.07-1.2x the passes of one weight row (bench/NOTES.md,
+   "Prefill") */
 #ifndef WR
 #if defined(__AVX512F__)
 #define WR 2
