@@ -38,7 +38,8 @@ from bench.quant import say
 from pp_worker.worker.gguf.header import read_header
 
 REPO = Path(__file__).resolve().parent.parent
-NO_AVX512_CC = REPO.parent / "shared" / "tools" / "clang-no-avx512"
+# the AVX2 rows' compiler: beside the checkout (shared/tools), or where PP_NO_AVX512_CC says (a worktree elsewhere)
+NO_AVX512_CC = Path(os.environ.get("PP_NO_AVX512_CC") or REPO.parent / "shared" / "tools" / "clang-no-avx512")
 # llama.cpp's llama_ftype for each file type (llama.h)
 FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30}
 # modelgen's stand-in where llama.cpp is not built: its own mixes, a whole-file type where it has no mix
@@ -158,8 +159,7 @@ def measure(plan: MemwallPlan, avx2: bool = True) -> dict[str, Any]:
             out["files"].setdefault(dt, {"name": path.name, "file_bytes": path.stat().st_size,
                                          "streamed_bytes": streamed_bytes(path), "quantizer": maker})
             with tempfile.TemporaryDirectory(prefix="pp-memwall-avx2-") as cache:
-                # a fresh cache: tinygrad's compiled kernels and pp_worker's forwards are keyed by source, not flags
-                env2 = env | {"CC": str(NO_AVX512_CC), "XDG_CACHE_HOME": cache, "PP_CACHE_DIR": f"{cache}/pp_worker"}
+                env2 = env | no_avx512_env(cache)
                 say(f"memwall: {dt}, 2 stages compiled without AVX-512 and llama.cpp's AVX2 build")
                 out["rows"][_key(dt, "avx2", plan.label)] = (measure_row(path, "avx2", env2, plan, prompt, ids)
                                                             | {"dtype": dt, "clang": "no-avx512",
@@ -167,6 +167,12 @@ def measure(plan: MemwallPlan, avx2: bool = True) -> dict[str, Any]:
     elif avx2 and plan.avx2_dtypes:
         out["avx2_skipped"] = "llama.cpp's AVX2 build (.venv-peers) not built: run make peers"
     return out
+
+
+def no_avx512_env(cache: str) -> dict[str, str]:
+    """A pipeline's environment for kernels compiled as on an AVX2-only CPU, with ``cache`` (a fresh folder) as its
+    caches: tinygrad's compiled kernels and pp_worker's forwards are keyed by source, not flags."""
+    return {"CC": str(NO_AVX512_CC), "XDG_CACHE_HOME": cache, "PP_CACHE_DIR": f"{cache}/pp_worker"}
 
 
 def _key(dtype: str, build: str, label: str) -> str:

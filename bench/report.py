@@ -582,6 +582,12 @@ def tokens_per_s(n: int, seconds: list[float]) -> float | None:
     return n / statistics.median(seconds) if seconds else None
 
 
+def _prefill_target(r: dict[str, Any]) -> bool:
+    """Whether a prefill row has issue 51's target: against llama.cpp's AVX-512 build, or an AVX2 row (its kernels
+    compiled without AVX-512, against llama.cpp's AVX2 build)."""
+    return r["build"] == "avx512" or r.get("clang") == "no-avx512"
+
+
 def prefill_rows(m: dict[str, Any] | None) -> list[Row]:
     """Section 19 (issue 51): each file's prompt lengths, the pipeline's tokens/s of prefill against llama.cpp's,
     the ratio the median of the rounds' ratios."""
@@ -598,6 +604,6 @@ def prefill_rows(m: dict[str, Any] | None) -> list[Row]:
             rows.append(Row(S19, f"  {key} pp{n}: llama.cpp one process, {r['build_name']} build", theirs, "tok/s"))
             rs = prefill_ratios(t)
             rows.append(Row(S19, f"  {key} pp{n}: 2 stages / llama.cpp", statistics.median(rs) if rs else None, "x",
-                            PREFILL_PEER_TARGETS.get(int(n)) if r["build"] == "avx512" else None,
+                            PREFILL_PEER_TARGETS.get(int(n)) if _prefill_target(r) else None,
                             note="median of the rounds' ratios, the same prompt in turn"))
     return rows

@@ -110,7 +110,8 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
                                          decode=8),
              reuse=reuse.ReusePlan(),  # the embedded model: its context (256) holds a ~100-token first turn
              links=links.QUICK,
-             prefill=prefill.PrefillPlan(files=(("kq", "F16"), ("kq", "Q4_K_M")), lengths=(32, 128), rounds=1))
+             prefill=prefill.PrefillPlan(files=(("kq", "F16"), ("kq", "Q4_K_M")), lengths=(32, 128), rounds=1,
+                                         avx2_files=(("kq", "Q4_K_M"),)))
 
 
 

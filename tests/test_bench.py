@@ -159,12 +159,14 @@ def fake_raw() -> dict:
 
 
 def fake_prefill() -> dict:
-    """Section 16: the small model's F16 file at two prompt lengths, as bench.prefill writes it."""
-    return {"rounds": 3, "threads": 2, "files": {"smol F16": {"name": "smol-s0-F16.gguf", "file_bytes": 260 << 20,
-                                                              "quantizer": "modelgen"}},
+    """Section 19: the small model's F16 file at two prompt lengths, and an AVX2 row, as bench.prefill writes them."""
+    smol = {"name": "smol-s0-F16.gguf", "file_bytes": 260 << 20, "quantizer": "modelgen"}
+    return {"rounds": 3, "threads": 2, "files": {"smol F16": smol, "smol F16 avx2": smol},
             "rows": {"smol F16": {"build": "avx512", "build_name": "AVX-512 + VNNI", "lengths": {
                 "128": {"ours_s": [0.5, 0.4, 0.6], "peer_s": [0.4, 0.4, 0.3]},
-                "512": {"ours_s": [2.0, 1.0, 1.6], "peer_s": [1.0, 1.5, 2.0]}}}}}
+                "512": {"ours_s": [2.0, 1.0, 1.6], "peer_s": [1.0, 1.5, 2.0]}}},
+                "smol F16 avx2": {"build": "avx2", "build_name": "AVX2", "clang": "no-avx512", "lengths": {
+                    "512": {"ours_s": [2.0, 2.0], "peer_s": [1.0, 3.0]}}}}}
 
 
 def fake_memwall() -> dict:
@@ -247,6 +249,9 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert pp["smol F16 pp128: 2 stages / llama.cpp"].target is None
     assert pp["smol F16 pp512: 2 stages (modelgen, 260 MiB)"].value == pytest.approx(512 / 1.6)
     assert pp["smol F16 pp512: llama.cpp one process, AVX-512 + VNNI build"].value == pytest.approx(512 / 1.5)
+    pp_avx2 = pp["smol F16 avx2 pp512: 2 stages / llama.cpp"]  # 0.5, 1.5: issue 51's target on the AVX2 build too
+    assert pp_avx2.value == pytest.approx(1.0) and pp_avx2.target == 1.0
+    assert pp["smol F16 avx2 pp512: llama.cpp one process, AVX2 build"].value == pytest.approx(512 / 2.0)
     assert "make peers" in report.prefill_rows({"peers_skipped": "llama.cpp not built: run make peers"})[0].note
     assert "make peers" in report.memwall_rows({"peers_skipped": "llama.cpp not built: run make peers"})[0].note
     assert by_name["cold first token / tinygrad's"].value == pytest.approx(0.8)
@@ -638,6 +643,37 @@ def test_links_rows_set_the_issues_targets() -> None:
 def test_prefill_refuses_an_unknown_file_before_it_builds_anything(capsys) -> None:
     from bench import prefill
 
-    with pytest.raises(SystemExit) as e:
-        prefill.main(["--files", "smol:F16,smol:none"])
-    assert e.value.code == 2 and "unknown files" in capsys.readouterr().err
+    for args in (["--files", "smol:F16,smol:none"], ["--files", "", "--avx2-files", "smol"]):
+        with pytest.raises(SystemExit) as e:
+            prefill.main(args)
+        assert e.value.code == 2 and "unknown files" in capsys.readouterr().err
+
+
+def test_prefills_avx2_rows_compile_without_avx512_against_llamacpps_avx2_build(monkeypatch, tmp_path) -> None:
+    from bench import prefill
+
+    runs = []
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"x")
+    monkeypatch.setattr(prefill.memwall, "ensure_file", lambda preset, dt: (model, "llama.cpp"))
+    monkeypatch.setattr(prefill, "measure_file", lambda path, build, plan, env=None: runs.append((build, env)) or {
+        "build": build})
+    monkeypatch.setattr(prefill.peer, "default_build", lambda: "avx512")
+    monkeypatch.setattr(prefill.peer, "available", lambda build=None: True)
+    monkeypatch.setattr(prefill.memwall, "NO_AVX512_CC", model)  # a file that is there
+    plan = prefill.PrefillPlan(files=(("smol", "F16"),), avx2_files=(("tinyllama", "Q4_K_M"),))
+    out = prefill.measure(plan)
+    assert list(out["rows"]) == ["smol F16", "tinyllama Q4_K_M avx2"] and set(out["files"]) == set(out["rows"])
+    (build, env), (build2, env2) = runs
+    assert build == "avx512" and not env
+    assert build2 == "avx2" and env2["CC"] == str(model) and out["rows"]["tinyllama Q4_K_M avx2"][
+        "clang"] == "no-avx512"
+    assert env2["XDG_CACHE_HOME"] and env2["PP_CACHE_DIR"].startswith(env2["XDG_CACHE_HOME"])  # fresh caches
+    runs.clear()
+    assert list(prefill.measure(plan, avx2=False)["rows"]) == ["smol F16"]  # --no-avx2
+    monkeypatch.setattr(prefill.peer, "available", lambda build=None: build != "avx2")
+    assert "make peers" in prefill.measure(plan)["avx2_skipped"]
+    monkeypatch.setattr(prefill.peer, "available", lambda build=None: True)
+    monkeypatch.setattr(prefill.memwall, "NO_AVX512_CC", tmp_path / "none")
+    runs.clear()
+    assert "PP_NO_AVX512_CC" in prefill.measure(plan)["avx2_skipped"] and [b for b, _ in runs] == ["avx512"]

@@ -65,8 +65,10 @@ def test_the_integer_path_is_ggmls_scheme(ggml_type, n, k, b):
 
 @pytest.mark.parametrize("ggml_type", INT8, ids=type_name)
 def test_prefill_chunks_at_the_edges_of_the_blocks(ggml_type):
-    """A chunk of 128 rows of x (four blocks of 32, each weight row passing 8 rows at a time) is ggml's scheme, and
-    each row the same floats as in a chunk of 1, 7, 8 or 33 rows (a row alone, a pass's last rows, a lone last row)."""
+    """A chunk of 128 rows of x (four blocks of 32, tiles of a few weight rows against a few rows of x, 37 weight rows:
+    not a multiple of a tile) is ggml's scheme, and each row the same floats as in a chunk of 1, 7, 8 or 33 rows (a
+    row alone, a tile's or a pass's last rows, a lone last row) and as alone (the one-row product: a row at a tile's
+    first, middle or last place, or past the tiles)."""
     n, k = 37, 512
     check(ggml_type, n, k, 128)
     raw, _ = random_rows(ggml_type, n, k, seed=7)
@@ -74,6 +76,12 @@ def test_prefill_chunks_at_the_edges_of_the_blocks(ggml_type):
     chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
     for b in (1, 7, 8, 33):
         assert np.array_equal(cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy(), chunk[:b])
+    for i in (3, 8, 31, 32, 127):
+        one = cpu_kernels.matmul(Tensor(x[i:i + 1]), Tensor(raw), ggml_type, n, k).numpy()
+        assert np.array_equal(one[0], chunk[i]), i
+    for b in (7, 33):  # the chunks' own last rows, past their tiles
+        assert np.array_equal(cpu_kernels.matmul(Tensor(x[128 - b:]), Tensor(raw), ggml_type, n, k).numpy(),
+                              chunk[128 - b:])
 
 
 @pytest.mark.parametrize("ggml_type", INT8, ids=type_name)

@@ -2,7 +2,7 @@
 aarch64 (the generic integer dot products, NEON files included) under qemu-user, an AVX2 CPU (vpmaddubsw), a baseline
 x86-64 one (generic, no F16C) and this CPU's build (VNNI where it has it), each against the numpy model of ggml's
 scheme (testing/ggml_int8.py) on the same inputs: the same int8 blocks and integer sums, floats combined in
-another order. One row of x (the one-row call) and B rows (quantized BT at a time, then the rest)."""
+another order. One row of x (the one-row call) and B rows (in tiles, then the rest)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from pp_worker.worker.gguf.types import type_name
 pytestmark = pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
                                 reason="these builds cross from a Linux x86-64 machine (and run aarch64 under qemu)")
 INT8 = sorted(t.id for t in TABLE.values() if t.int8)
-N, B, T = 37, 11, 3  # rows of W, rows of x (more than the kernel's 8 quantized per pass), parts
+N, B, T = 37, 35, 3  # rows of W, rows of x (a block of 32 in tiles, then 3 more), parts
 IDS = np.array([7, 0], np.int32)
 KERNELS = [(t, 2 * TABLE[t].kernel_block if TABLE[t].kernel_block > 32 else 9 * 32) for t in INT8]
 AVX2 = "avx2" in open("/proc/cpuinfo").read()

@@ -1,6 +1,7 @@
 /* out (B, N) = x (B, K) @ W (N, K)^T on the integer path (PP_EXACT unset; q8.h), x given as its int8 blocks
    (xq: B rows of K / BLOCK_VALUES blocks of XB bytes, quantize.c's), each weight row's integer products with BT rows
-   of them at a time. dims = {N, B, parts}; rows of W split over the parts as in matmul.c. The type's generic file
+   of them at a time, or (32-value blocks) tiles of WR weight rows against XR rows of x. dims = {N, B, parts}; rows
+   of W split over the parts as in matmul.c. The type's generic file
    gives iq32 (a 32-value group of a block as unsigned, or signed with IQ_SIGNED, bytes) and iscales: for 256-value
    blocks, per 16 values an integer scale s and offset m, and the block's floats D and M: weight value = D s u - M m.
    So a block's product with x's block is dx (D sum_j s_j (u . q)_j - M sum_j m_j bsums_j), the sums in int32 as
@@ -8,6 +9,19 @@
    code). For 32-value blocks, D (and M, with IQ_MIN: Q4_1, Q5_1's min, times the block's sum of q): dx D (w . q) -
    dx M sum q. */
 enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (prefill, batched decode) */
+/* a tile's weight rows and rows of x (WR x XR sums in registers: AVX-512 has 32, AVX2 16). XR divides the block of
+   x (32 rows) and WR a part's rows (4 n). One thread, B 32, Q8_0 and Q4_0 at the 1.1B shape's widths: AVX-512 2x8
+   0.99-1.17x 4x4 (which spills) and 3x4; AVX2 2x4 1.07-1.2x the passes of one weight row (bench/NOTES.md,
+   "Prefill") */
+#ifndef WR
+#if defined(__AVX512F__)
+#define WR 2
+#define XR 8
+#else
+#define WR 2
+#define XR 4
+#endif
+#endif
 /* the weights INT_AHEAD bytes ahead asked for, a line at a time: a matrix from memory waits on its lines otherwise */
 #ifndef INT_AHEAD
 #define INT_AHEAD 8192
@@ -108,7 +122,8 @@ static inline void rows_dot_q8(float* restrict out, long stride, const unsigned 
 #if defined(__AVX512F__)
 typedef f16v facc;
 enum { BPS = 2 };  /* blocks a step */
-#define STEP_DOT(w, xb) IDOT64(w, i8x64_pair(xb))
+#define STEP_XV i8x64_pair
+#define STEP_DOT_X IDOT64
 #define STEP_W(b) CAT64(iq32(b, 0), iq32((b) + BLOCK_BYTES, 0))
 #define STEP_SCALES(s) CAT16((f8v)(s)[0], (f8v)(s)[1])
 #define LAST(v) CAT16(v, (f8v)0)  /* an odd block last: lanes 0-7 */
@@ -117,12 +132,14 @@ static inline float fold_acc(f16v a) { return hsum_f8(LO8(a) + HI8(a)); }
 #else
 typedef f8v facc;
 enum { BPS = 1 };
-#define STEP_DOT(w, xb) IDOT(w, i8x32_at(xb))
+#define STEP_XV i8x32_at
+#define STEP_DOT_X IDOT
 #define STEP_W(b) iq32(b, 0)
 #define STEP_SCALES(s) ((f8v)(s)[0])
 #define LAST(v) (v)
 static inline float fold_acc(f8v a) { return hsum_f8(a); }
 #endif
+#define STEP_DOT(w, xb) STEP_DOT_X(w, STEP_XV(xb))
 /* a step's n blocks' D and M (read once for every row of x), then against a row of x's: s = dx D each, and the
    offsets (dx M sum q, IQ_MIN) added to off */
 static inline void w_scales(const unsigned char* b, int n, float* D, float* M) {
@@ -182,6 +199,67 @@ static inline void rows_dot_q8(float* restrict out, long stride, const unsigned 
   }
   for (int i = 0; i < nbt; i++) out[i * stride] = fold_acc(acc[i]) - off[i];
 }
+#if !IQ_MIN  /* a tile (prefill): WR weight rows against XR rows of x, WR x XR sums in registers. A step's x (loaded,
+   its scales) serves WR weight rows, each row's unpacked weights and scales XR rows of x; each (row, x) sum in
+   rows_dot_q8's order (s = dx D, the same float), so the same results. Q4_1 and Q5_1 (IQ_MIN) pass rows one at a
+   time. */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && IQ_SIGNED
+/* signed weights: x + 128 (unsigned) times w by vpdpbusd, from -128 sum w (once a weight step): the same int32
+   lanes as |w| times x with w's sign, without that sign taken per (row, x) */
+typedef i8x64 tile_x;
+typedef i32x16 tile_bias;
+static inline i8x64 tile_xv(const unsigned char* xb) { return (i8x64)((u8x64)i8x64_pair(xb) ^ 0x80); }
+static inline i32x16 tile_bias_of(i8x64 w) {
+  return (i32x16)0 - (i32x16)__builtin_ia32_vpdpbusd512((i32x16)0, (i32x16)(u8x64)0x80, (i32x16)w); }
+static inline i32x16 tile_dot(i32x16 bias, i8x64 w, i8x64 xu) {
+  return (i32x16)__builtin_ia32_vpdpbusd512(bias, (i32x16)xu, (i32x16)w); }
+#else
+typedef __typeof__(STEP_XV((const unsigned char*)0)) tile_x;
+typedef int tile_bias;
+static inline tile_x tile_xv(const unsigned char* xb) { return STEP_XV(xb); }
+#define tile_bias_of(w) 0
+#define tile_dot(bias, w, x) (STEP_DOT_X(w, x))
+#endif
+static inline void tile_dot_q8(float* restrict out, long stride, const unsigned char* restrict w,
+                               const unsigned char* restrict xq, int nb) {
+  facc acc[WR][XR];
+  _Pragma("clang loop unroll(full)") for (int r = 0; r < WR; r++)
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < XR; i++) acc[r][i] = 0;
+  int j = 0;
+  for (; j + BPS <= nb; j += BPS) {
+    __typeof__(STEP_W(w)) wv[WR]; tile_bias bias[WR]; facc dw[WR];
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < WR; r++) {
+      const unsigned char* b = w + ((long)r * nb + j) * BLOCK_BYTES;
+      float D[BPS], M[BPS];
+      AHEAD_N(b, BPS * BLOCK_BYTES);
+      w_scales(b, BPS, D, M);
+      wv[r] = STEP_W(b); bias[r] = tile_bias_of(wv[r]); dw[r] = STEP_SCALES(D);
+    }
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < XR; i++) {
+      const unsigned char* xb = xq + ((long)i * nb + j) * XB;
+      float dx[BPS];
+      _Pragma("clang loop unroll(full)") for (int k = 0; k < BPS; k++) __builtin_memcpy(&dx[k], xb + k * XB + X_D, 4);
+      tile_x xv = tile_xv(xb); facc dxv = STEP_SCALES(dx);
+      _Pragma("clang loop unroll(full)") for (int r = 0; r < WR; r++)
+        acc[r][i] += __builtin_convertvector(tile_dot(bias[r], wv[r], xv), facc) * (dxv * dw[r]);
+    }
+  }
+  for (; j < nb; j++)  /* an odd block last (AVX-512's steps of two) */
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < WR; r++) {
+      const unsigned char* b = w + ((long)r * nb + j) * BLOCK_BYTES;
+      __auto_type wb = iq32(b, 0); float D, M;
+      iscales(b, &D, &M);
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < XR; i++) {
+        const unsigned char* xb = xq + ((long)i * nb + j) * XB;
+        float dx; __builtin_memcpy(&dx, xb + X_D, 4);
+        acc[r][i] += LAST(__builtin_convertvector(IDOT(wb, i8x32_at(xb)), f8v) * (dx * D));
+      }
+    }
+  _Pragma("clang loop unroll(full)") for (int r = 0; r < WR; r++)
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < XR; i++) out[i * stride + r] = fold_acc(acc[r][i]);
+}
+#define TILES 1
+#endif
 #endif
 /* rows of x per block (a multiple of BT, at most 32, its int8 blocks at most 512 KiB: half an L2): each weight row
    passes every BT rows of a block while it is in L1, so a chunk streams the weights once per block, not once per BT
@@ -189,6 +267,17 @@ static inline void rows_dot_q8(float* restrict out, long stride, const unsigned 
    with the row, one of 64 did not (a stage's 512-token prefill 8% slower) */
 enum { X_FIT = (512 << 10) / (PP_K / BLOCK_VALUES * XB) / BT * BT,
        XBLOCK = X_FIT < BT ? BT : X_FIT > 32 ? 32 : X_FIT };
+/* weight row n's products with rows [b0, b1) of x, BT at a time */
+static inline void rows_pass(float* restrict out, const unsigned char* restrict row, const unsigned char* restrict xq,
+                             int N, int n, int b0, int b1) {
+  enum { NB = PP_K / BLOCK_VALUES };
+  for (; b0 < b1; b0 += BT) {
+    int nbt = b1 - b0 < BT ? b1 - b0 : BT;
+    const unsigned char* xb = xq + (long)b0 * NB * XB;
+    if (nbt == 1) out[(long)b0 * N + n] = row_dot_q8(row, xb, NB);
+    else rows_dot_q8(out + (long)b0 * N + n, N, row, xb, NB, nbt);
+  }
+}
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
@@ -196,14 +285,15 @@ void NAME(float* restrict out, const unsigned char* restrict w, const unsigned c
   int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
   for (int c0 = 0; c0 < B; c0 += XBLOCK) {
     int c1 = c0 + XBLOCK < B ? c0 + XBLOCK : B;
-    for (int n = n0; n < n1; n++) {
-      const unsigned char* row = w + (long)n * NB * BLOCK_BYTES;
-      for (int b0 = c0; b0 < c1; b0 += BT) {
-        int nbt = c1 - b0 < BT ? c1 - b0 : BT;
-        const unsigned char* xb = xq + (long)b0 * NB * XB;
-        if (nbt == 1) out[(long)b0 * N + n] = row_dot_q8(row, xb, NB);
-        else rows_dot_q8(out + (long)b0 * N + n, N, row, xb, NB, nbt);
-      }
+    int n = n0;
+#ifdef TILES
+    for (; n + WR <= n1 && c1 - c0 >= XR; n += WR) {  /* whole tiles, then the last rows of x one weight row a pass */
+      const unsigned char* rows = w + (long)n * NB * BLOCK_BYTES;
+      int b0 = c0;
+      for (; b0 + XR <= c1; b0 += XR) tile_dot_q8(out + (long)b0 * N + n, N, rows, xq + (long)b0 * NB * XB, NB);
+      for (int r = 0; r < WR; r++) rows_pass(out, rows + (long)r * NB * BLOCK_BYTES, xq, N, n + r, b0, c1);
     }
+#endif
+    for (; n < n1; n++) rows_pass(out, w + (long)n * NB * BLOCK_BYTES, xq, N, n, c0, c1);
   }
 }
