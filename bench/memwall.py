@@ -103,8 +103,10 @@ def streamed_bytes(path: Path) -> int:
 
 def _tree_env(plan: MemwallPlan) -> dict[str, str]:
     env = dict(plan.extra_env)
-    if plan.tree:  # its pp_worker first on the workers' path (ahead of this checkout's editable install)
+    if plan.tree:  # its pp_worker first on the workers' path (ahead of this checkout's editable install), and
+        # PYTHONSAFEPATH so `python -m pp_worker` does not put the directory it starts in (this checkout) before it
         env["PYTHONPATH"] = os.pathsep.join(p for p in (plan.tree, os.environ.get("PYTHONPATH")) if p)
+        env["PYTHONSAFEPATH"] = "1"
     return env
 
 

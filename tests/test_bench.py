@@ -13,7 +13,7 @@ import pytest
 from conftest import REPO
 from test_cuda_graph import tinygrads_own_count
 
-from bench import gpu, links, models, pipe, report, reuse, run, solo, wire
+from bench import gpu, links, memwall, models, pipe, report, reuse, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
 from pp_worker.driver.pipeline import Pipeline
@@ -677,3 +677,15 @@ def test_prefills_avx2_rows_compile_without_avx512_against_llamacpps_avx2_build(
     monkeypatch.setattr(prefill.memwall, "NO_AVX512_CC", tmp_path / "none")
     runs.clear()
     assert "PP_NO_AVX512_CC" in prefill.measure(plan)["avx2_skipped"] and [b for b, _ in runs] == ["avx512"]
+
+
+def test_a_memwall_tree_is_the_package_its_workers_import(tmp_path: Path) -> None:
+    """``--tree``: a worker started as the pipelines start theirs (``python -m pp_worker``, in this checkout) runs
+    the other tree's package, not this checkout's, which ``-m`` would otherwise put first on the path."""
+    (tmp_path / "pp_worker").mkdir()
+    (tmp_path / "pp_worker" / "__init__.py").write_text("")
+    (tmp_path / "pp_worker" / "__main__.py").write_text("import pp_worker; print(pp_worker.__file__)\n")
+    env = {**os.environ, **memwall._tree_env(memwall.MemwallPlan(tree=str(tmp_path)))}
+    proc = subprocess.run([sys.executable, "-m", "pp_worker"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.stdout.strip() == str(tmp_path / "pp_worker" / "__init__.py"), proc.stdout + proc.stderr[-500:]
