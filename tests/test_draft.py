@@ -551,7 +551,7 @@ def test_a_draft_worker_frozen_past_the_step_timeout_is_killed_and_the_generatio
         thaw.cancel()
         worker.close()
     assert [g.tokens for g in held] == [g.tokens for g in plain]
-    assert "gave no reply within --step-timeout 5 s (killed)" in log.getvalue()
+    assert "gave no reply within --step-timeout 5 s, killed (-9)" in log.getvalue()
 
 
 def test_a_draft_model_that_fails_past_its_restarts_stays_off(pipeline):
@@ -565,7 +565,7 @@ def test_a_draft_model_that_fails_past_its_restarts_stays_off(pipeline):
     finally:
         worker.close()
     assert [g.tokens for g in killed] == [g.tokens for g in later] == [g.tokens for g in plain]
-    assert "draft model: drafting stays off (0 restarts spent)" in log.getvalue() and worker.down == "off"
+    assert "draft model: drafting stays off after 0 restarts" in log.getvalue() and worker.down == "off"
     assert all(g.draft.proposed == 0 for g in later)
 
 

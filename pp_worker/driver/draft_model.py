@@ -112,13 +112,14 @@ class _Process:
         left = None if deadline is None else max(0.0, deadline - time.monotonic())
         if not any(select.select([] if write else [fd], [fd] if write else [], [], left)):
             self.kill()
-            raise self._down(f"gave no reply within --step-timeout {self.timeout:g} s (killed)")
+            raise self._down(f"gave no reply within --step-timeout {self.timeout:g} s, killed")
 
     def _down(self, what: str) -> DraftModelError:
         self.proc.wait()
         self._stderr.seek(0)
         tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-3:]
-        return DraftModelError(f"draft model {self.path}: worker {what} ({self.proc.returncode}): " + " | ".join(tail))
+        return DraftModelError(f"draft model {self.path}: worker {what} ({self.proc.returncode})"
+                               + (f": {' | '.join(tail)}" if tail else ""))
 
 
 class DraftWorker:
@@ -281,7 +282,7 @@ class DraftWorker:
         self._say(f"draft model failed: {type(error).__name__}: {error}\n" + (
             f"draft model: restarting it in {delay:g} s (restart {self.failures} of {self.restarts}); "
             "generations go on without guesses meanwhile" if retry else
-            f"draft model: drafting stays off ({self.restarts} restarts spent); generations go on without guesses"))
+            f"draft model: drafting stays off after {self.restarts} restarts; generations go on without guesses"))
         if retry:
             self._restart(delay)
 
