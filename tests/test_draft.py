@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import collections
 import io
+import json
 import math
 import re
 import sys
@@ -351,9 +352,11 @@ def test_draft_model_flags_and_their_errors(tmp_path, capsys):
         parse_args(["--stub", "--draft", "ngram", "--draft-model", ZEN_GGUF])
     assert "--draft and --draft-model: give one" in capsys.readouterr().err
     other = _zen_vocab_model(tmp_path / "other.gguf", n_merges=100)
-    draft = draft_from(parse_args(["--stub", "--draft-model", other, "--draft-max", "3", "--concurrency", "3"]))
+    draft = draft_from(parse_args(["--stub", "--draft-model", other, "--draft-max", "3", "--concurrency", "3",
+                                   "--step-timeout", "7"]))
     try:
         assert draft is not None and draft.kind == "model" and draft.max_k == 3
+        assert draft.worker.step_timeout == 7  # the deadline of each of its calls
         # a draft session for each generation in flight, as the stages hold theirs
         assert [status["max_sessions"] for status in draft.worker.status()] == [3, 3]
         assert "must share the model's vocabulary" in draft_problem(draft, 553)
@@ -499,3 +502,105 @@ def test_a_failed_pp_serve_pipeline_releases_its_generations_draft_sessions():
         assert [status["sessions"] for status in worker.status()] == [{}, {}]
     finally:
         worker.close()
+
+
+# --- a draft model that fails: the generations go on without guesses, and it is started again -----------------------
+def _fail_at_first_guess(worker: DraftWorker, fail) -> None:
+    """Call ``fail`` on the draft model's thread just before its first guess (not a prompt's feed), once."""
+    plain_next_tokens, failed = worker.next_tokens, []
+
+    def next_tokens(asks):
+        if not failed and any(position > 0 for _, (_, position) in asks):
+            failed.append(fail())
+        return plain_next_tokens(asks)
+    worker.next_tokens = next_tokens
+
+
+def test_a_draft_worker_killed_mid_generation_is_restarted_and_the_output_is_unchanged(pipeline):
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, log=log)
+    _fail_at_first_guess(worker, lambda: worker.stages[1].proc.kill())
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency=2)
+        killed = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
+        worker.status()  # queued behind the restart: the draft model has loaded again
+        again = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
+    finally:
+        worker.close()
+    assert [g.tokens for g in killed] == [g.tokens for g in plain] == [g.tokens for g in again]
+    assert "draft model failed" in log.getvalue() and "worker exited (-9)" in log.getvalue()
+    assert "draft model: restarted, drafting again" in log.getvalue() and worker.failures == 1
+    assert all(g.draft.proposed > 0 for g in again)
+
+
+def test_a_draft_worker_frozen_past_the_step_timeout_is_killed_and_the_generation_goes_on(pipeline):
+    import signal
+    import threading
+
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, step_timeout=5, backoff_s=0, log=log)
+    frozen = worker.stages[1].proc
+    _fail_at_first_guess(worker, lambda: frozen.send_signal(signal.SIGSTOP))
+    # without a deadline the guess waits for ever: thawed later, the test fails rather than hangs
+    thaw = threading.Timer(60, lambda: frozen.send_signal(signal.SIGCONT))
+    thaw.start()
+    try:
+        plain = _run(pipeline, None, Sampling(), max_tokens=20)
+        held = _run(pipeline, Draft("model", 4, worker), Sampling(), max_tokens=20)
+    finally:
+        thaw.cancel()
+        worker.close()
+    assert [g.tokens for g in held] == [g.tokens for g in plain]
+    assert "gave no reply within --step-timeout 5 s, killed (-9)" in log.getvalue()
+
+
+def test_a_draft_model_that_fails_past_its_restarts_stays_off(pipeline):
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, restarts=0, log=log)
+    _fail_at_first_guess(worker, lambda: worker.stages[0].proc.kill())
+    try:
+        plain = _run(pipeline, None, Sampling(), max_tokens=20)
+        killed = _run(pipeline, Draft("model", 4, worker), Sampling(), max_tokens=20)
+        later = _run(pipeline, Draft("model", 4, worker), Sampling(), max_tokens=20)
+    finally:
+        worker.close()
+    assert [g.tokens for g in killed] == [g.tokens for g in later] == [g.tokens for g in plain]
+    assert "draft model: drafting stays off after 0 restarts" in log.getvalue() and worker.down == "off"
+    assert all(g.draft.proposed == 0 for g in later)
+
+
+def test_pp_serve_goes_on_when_its_draft_worker_dies_and_drafts_again_after_the_restart(pipeline):
+    import threading
+
+    from pp_worker.driver.service import PipelineService, ServedGeneration
+    from pp_worker.serve.app import _health
+
+    def serve(prompts: list[str]) -> list[ServedGeneration]:
+        ended = threading.Semaphore(0)
+        gens = [ServedGeneration(i, p, service.new_request_id(), 30, on_end=lambda g: ended.release())
+                for i, p in enumerate(prompts)]
+        for g in gens:
+            service.submit(g)
+        assert all(ended.acquire(timeout=120) for _ in gens)
+        return gens
+
+    plain = _run(pipeline, None, Sampling(), max_tokens=30)[:2]
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, log=log)
+    _fail_at_first_guess(worker, lambda: worker.stages[0].proc.kill())
+    try:
+        service = PipelineService(Launch(2, env={"PP_WIRE_DTYPE": "f32", "MAX_CONTEXT": "160"}), concurrency=2,
+                                  log=log, draft=Draft("model", 4, worker))  # the module pipeline's model
+        try:
+            killed = serve(PROMPTS[:2])
+            worker.status()  # queued behind the restart
+            later = serve(PROMPTS[:2])
+            health = json.loads(_health(service).body)
+        finally:
+            service.close()
+    finally:
+        worker.close()
+    assert [g.error for g in killed + later] == [""] * 4 and service.restarted == 0  # the pipeline never failed
+    assert [g.tokens for g in killed] == [g.tokens for g in later] == [g.tokens for g in plain]
+    assert "draft model failed" in log.getvalue() and all(g.draft.proposed > 0 for g in later)
+    assert health["draft_model"] == {"status": "ok", "failures": 1}

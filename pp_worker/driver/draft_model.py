@@ -9,6 +9,9 @@ generation keeps a KV session there, fed its prompt while the pipeline prefills 
 what the session does not hold yet (the tokens kept since, the model's own token) and takes k argmax tokens, one
 forward each; a guess the pipeline did not keep is rewound over by the next feed (a forward at a smaller position
 rewinds, docs/protocol.md). When the generation ends its session is released there (``end``).
+
+Guesses are an optimisation: a draft worker that dies or gives no reply within the step timeout fails no generation.
+Those waiting get no guesses, and the draft model is started again a few times (``DraftWorker._failed``).
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import select
 import subprocess
+import sys
 import tempfile
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TextIO
 
 from pp_worker.driver.draft import Adaptive
 from pp_worker.driver.stage_proc import Launch
@@ -32,30 +38,42 @@ class DraftModelError(RuntimeError):
     pass
 
 
-class _Process:
-    """One of the draft model's worker processes, and a blocking request -> reply over its pipes."""
+RESTARTS = 3  # times a failed draft model is started again (after 1, 2, 4 s) before drafting stays off
 
-    def __init__(self, launch: Launch, stage: int, path: str):
-        self.path, self._stderr = path, tempfile.TemporaryFile()
+
+class _Process:
+    """One of the draft model's worker processes, and a blocking request -> reply over its pipes, within ``timeout``
+    seconds a reply (None: no limit)."""
+
+    def __init__(self, launch: Launch, stage: int, path: str, timeout: float | None):
+        self.path, self.timeout, self._stderr = path, timeout, tempfile.TemporaryFile()
         self.proc = subprocess.Popen(launch.argv(stage), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._stderr, env={**os.environ, **launch.worker_env(stage)})
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        # both pipes waited on with select, so that a frozen worker fails a call at its deadline (it would block a
+        # write as well as a read): the reads straight from the descriptor, the writes to the unbuffered file
+        os.set_blocking(self.proc.stdin.fileno(), False)
+        self._in = self.proc.stdin.raw  # type: ignore[attr-defined]
+        self._out_fd, self._buffer = self.proc.stdout.fileno(), bytearray()
 
     def ready(self) -> dict[str, Any]:
-        line = self._line()
+        line = self._line(None)  # loading has no deadline of its own: the driver's stages load meanwhile
         while line.get("status") != "ready":  # load progress events may come before it
-            line = self._line()
+            line = self._line(None)
         return line
 
     def call(self, obj: dict[str, Any]) -> dict[str, Any]:
-        assert self.proc.stdin is not None
+        deadline = None if self.timeout is None else time.monotonic() + self.timeout
+        line = memoryview(json.dumps(obj).encode() + b"\n")
         try:
-            self.proc.stdin.write(json.dumps(obj).encode() + b"\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, ValueError):  # it died, or close() ended it under this call (a closed pipe)
-            raise self._died() from None
-        reply = self._line()
+            while line:
+                self._wait(deadline, self._in.fileno(), write=True)
+                line = line[self._in.write(line) or 0:]  # None: the pipe is full after all
+        except (OSError, ValueError):  # it died (a broken pipe), or close() ended it under this call (a closed pipe)
+            raise self._down("exited") from None
+        reply = self._line(deadline)
         while "event" in reply:  # pp_worker_ready after the ready line, progress...: not the reply
-            reply = self._line()
+            reply = self._line(deadline)
         if "error" in reply:
             raise DraftModelError(f"draft model {self.path}: {reply['error']}")
         return reply
@@ -71,21 +89,37 @@ class _Process:
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                self.kill()
 
-    def _line(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise self._died()
+    def kill(self) -> None:
+        """SIGKILL: a frozen worker (SIGSTOP) would answer neither EOF nor SIGTERM."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+    def _line(self, deadline: float | None) -> dict[str, Any]:
+        while b"\n" not in self._buffer:
+            self._wait(deadline, self._out_fd)
+            chunk = os.read(self._out_fd, 1 << 16)
+            if not chunk:
+                raise self._down("exited")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
         return json.loads(line)
 
-    def _died(self) -> DraftModelError:
+    def _wait(self, deadline: float | None, fd: int, write: bool = False) -> None:
+        """Until ``fd`` can be read (written); past ``deadline`` the worker is hung or frozen: it is killed."""
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not any(select.select([] if write else [fd], [fd] if write else [], [], left)):
+            self.kill()
+            raise self._down(f"gave no reply within --step-timeout {self.timeout:g} s, killed")
+
+    def _down(self, what: str) -> DraftModelError:
         self.proc.wait()
         self._stderr.seek(0)
         tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-3:]
-        return DraftModelError(f"draft model {self.path}: worker exited ({self.proc.returncode}): " + " | ".join(tail))
+        return DraftModelError(f"draft model {self.path}: worker {what} ({self.proc.returncode})"
+                               + (f": {' | '.join(tail)}" if tail else ""))
 
 
 class DraftWorker:
@@ -93,25 +127,34 @@ class DraftWorker:
     holds the embedding and the first half of the blocks, the second the rest and the head), called by one thread
     of their own (``submit``)."""
 
-    def __init__(self, path: str, env: dict[str, str] | None = None):
+    def __init__(self, path: str, env: dict[str, str] | None = None, *, step_timeout: float | None = 120.0,
+                 restarts: int = RESTARTS, backoff_s: float = 1.0, log: TextIO | None = sys.stderr):
         if not os.path.isfile(path):
             raise DraftModelError(f"draft model {path!r}: no such file")
-        launch = Launch(2, model=path, env=env or {})  # env: extra variables for its workers
-        self.path, self._ids = path, itertools.count(1)
+        self._launch = Launch(2, model=path, env=env or {})  # env: extra variables for its workers
+        self.path, self._ids, self.step_timeout, self.log = path, itertools.count(1), step_timeout, log
+        self.restarts, self.backoff_s, self.failures = restarts, backoff_s, 0
+        self.down = ""  # why it guesses nothing now: "restarting" after a failure, or "off" once restarts are spent
         self._jobs: deque[Callable[[], None] | Guess] = deque()
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
-        self._stages = [_Process(launch, stage, path) for stage in range(2)]
+        self.stages = self._start()  # its two worker processes (a restart replaces them)
+        self._thread = threading.Thread(target=self._serve, daemon=True, name="draft-model")
+        self._thread.start()
+
+    def _start(self) -> list[_Process]:
+        """Start both workers and wait for their ready lines (a DraftModelError if they do not load)."""
+        stages = [_Process(self._launch, stage, self.path, self.step_timeout) for stage in range(2)]
         try:
-            ready = [stage.ready() for stage in self._stages]
+            ready = [stage.ready() for stage in stages]
         except DraftModelError:
-            self.close()
+            for stage in stages:
+                stage.kill()
             raise
         self.vocab_size: int = ready[1]["vocab_size"]
         self.max_context: int = min(r["max_context"] for r in ready)
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="draft-model")
-        self._thread.start()
+        return stages
 
     def drafter(self, max_k: int) -> ModelDrafter:
         """A generation's drafter, on a session of its own here."""
@@ -119,11 +162,16 @@ class DraftWorker:
 
     def submit(self, job: Callable[[], None] | Guess) -> None:
         """Run ``job`` on the draft model's thread, after the jobs queued before it (none once closed); the guesses
-        queued at the moment run together (``_guess_together``)."""
+        queued at the moment run together (``_guess_together``). While the draft model is ``down`` a guess gets none,
+        at once: the generation goes on without."""
         with self._wake:
-            if not self._closing:
+            if self._closing:
+                return
+            if not (self.down and isinstance(job, Guess)):
                 self._jobs.append(job)
                 self._wake.notify()
+                return
+        job.then([])
 
     def status(self, timeout: float = 60.0) -> list[dict[str, Any]]:
         """Each draft stage's ``status`` reply, once every job queued before has run (e.g. the sessions it holds)."""
@@ -131,10 +179,12 @@ class DraftWorker:
 
         def ask() -> None:
             try:
-                replies.extend(stage.call({"op": "status", "request_id": 0}) for stage in self._stages)
-            except DraftModelError as e:
+                replies.extend(stage.call({"op": "status", "request_id": 0}) for stage in self.stages)
+            except Exception as e:
                 failed.append(e)
-            done.set()
+                raise  # the draft thread's: a failure of the draft model
+            finally:
+                done.set()
         self.submit(ask)
         if not done.wait(timeout):
             raise DraftModelError(f"draft model {self.path}: no status within {timeout:g} s")
@@ -142,11 +192,15 @@ class DraftWorker:
             raise failed[0]
         return replies
 
+    def state(self) -> dict[str, Any]:
+        """For pp-serve's /health: ``status`` ok, restarting or off (``down``), and ``failures`` so far."""
+        return {"status": self.down or "ok", "failures": self.failures}
+
     def next_tokens(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError]:
         """The draft model's argmax after each ask (session, (tokens, position)): its tokens fed at that position of
         its session (a smaller position than the session holds rewinds it), every ask in one ``batch`` line per
         stage. An ask that failed (e.g. its session was evicted) gets its error. On the draft model's thread only."""
-        first, last = self._stages
+        first, last = self.stages
         hidden = first.batch([{"op": "embed_and_forward", "request_id": session, "tokens": tokens,
                                "position": position} for session, (tokens, position) in asks])
         hops = [{"op": "forward_and_sample", "request_id": session, "hidden_b64": reply["hidden_b64"],
@@ -157,7 +211,7 @@ class DraftWorker:
 
     def release(self, session: int) -> None:
         """Drop ``session`` on both stages. On the draft model's thread only."""
-        for stage in self._stages:
+        for stage in self.stages:
             stage.call({"op": "release", "request_id": session})
 
     def close(self) -> None:
@@ -166,7 +220,7 @@ class DraftWorker:
             self._closing = True
             self._jobs.clear()
             self._wake.notify()
-        for stage in self._stages:
+        for stage in self.stages:
             stage.close()
         if self._thread is not None:
             self._thread.join()
@@ -185,21 +239,75 @@ class DraftWorker:
                 guesses = [job, *(j for j in self._jobs if isinstance(j, Guess))] if isinstance(job, Guess) else []
                 if guesses:  # every generation's guesses queued now go together: one batch a forward
                     self._jobs = deque(j for j in self._jobs if not isinstance(j, Guess))
-            if guesses:
-                self._guess_together(guesses)  # type: ignore[arg-type]
-            else:
-                job()  # type: ignore[operator]
+            try:
+                if guesses:
+                    self._guess_together(guesses)  # type: ignore[arg-type]
+                else:
+                    job()  # type: ignore[operator]
+            except Exception as e:  # a worker died, froze or answered nonsense; or a bug: the thread lives on
+                self._failed(e)
 
     def _guess_together(self, guesses: list[Guess]) -> None:
         """Advance several generations' guesses in rounds: each round feeds every one of them its next tokens, one
-        batch per stage, until each has its guesses (or its error)."""
+        batch per stage, until each has its guesses (or its error). Where the draft model fails, the ones left get
+        no guesses (they go on without) and the failure goes on to ``_serve``."""
         running = [g for g in guesses if g.advance(None)]
         while running:
             try:
                 answers: list[int | DraftModelError] = self.next_tokens([(g.session, g.ask) for g in running])
-            except DraftModelError as e:  # the draft model died: each of them gets the error
-                answers = [e] * len(running)
+            except Exception:
+                for g in running:
+                    g.then([])
+                raise
             running = [g for g, answer in zip(running, answers, strict=True) if g.advance(answer)]
+
+    def _failed(self, error: Exception) -> None:
+        """The draft model failed: kill its workers, give the guesses queued none, and start it again after 1, 2,
+        4... x ``backoff_s`` (``restarts`` times in all, a failed load counting too); until then, and for good after
+        that, generations get no guesses (``down``). Its sessions went with its workers: the drafters feed theirs
+        again (an error for a session it does not hold, as after an eviction)."""
+        if self._closing or self.down == "off":  # close() ended a call; or its workers are gone for good
+            return
+        self.failures += 1
+        retry = self.failures <= self.restarts
+        with self._wake:
+            self.down = "restarting" if retry else "off"
+            queued = [j for j in self._jobs if isinstance(j, Guess)]
+            self._jobs = deque(j for j in self._jobs if not isinstance(j, Guess))
+        for guess in queued:
+            guess.then([])
+        for stage in self.stages:
+            stage.kill()
+        delay = self.backoff_s * 2 ** (self.failures - 1)
+        self._say(f"draft model failed: {type(error).__name__}: {error}\n" + (
+            f"draft model: restarting it in {delay:g} s (restart {self.failures} of {self.restarts}); "
+            "generations go on without guesses meanwhile" if retry else
+            f"draft model: drafting stays off after {self.restarts} restarts; generations go on without guesses"))
+        if retry:
+            self._restart(delay)
+
+    def _restart(self, delay: float) -> None:
+        with self._wake:
+            if self._wake.wait_for(lambda: self._closing, delay):
+                return
+        try:
+            stages = self._start()
+        except DraftModelError as e:
+            self._failed(e)
+            return
+        with self._wake:
+            closing = self._closing
+            if not closing:
+                self.stages, self.down = stages, ""
+        if closing:  # close() came while they loaded
+            for stage in stages:
+                stage.kill()
+            return
+        self._say("draft model: restarted, drafting again")
+
+    def _say(self, text: str) -> None:
+        if self.log:
+            print(text, file=self.log, flush=True)
 
 
 def _dtype(reply: dict[str, Any]) -> dict[str, Any]:
@@ -236,7 +344,7 @@ class Guess:
             return True
         except StopIteration as stop:
             self.then(stop.value)
-        except Exception as e:  # a dead draft worker, or a bug: the pipeline reports it, the thread lives on
+        except Exception as e:  # a refused ask, or a bug: that step goes without guesses, the thread lives on
             self.then(e)
         return False
 
@@ -277,12 +385,7 @@ class ModelDrafter(Adaptive):
         if self._opened:
             self._opened = False
 
-            def release() -> None:
-                try:
-                    self.worker.release(self.session)
-                except DraftModelError:
-                    pass  # the draft worker died: its sessions went with it (the next guess reports it)
-            self.worker.submit(release)
+            self.worker.submit(lambda: self.worker.release(self.session))
 
     def _guesses(self, context: list[int], room: int) -> Generator[Ask, int, list[int]]:
         """The guesses as the forwards they take: each feeds what the session does not hold yet and gets one. The

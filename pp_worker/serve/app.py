@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
 from pp_worker.driver.chat import Format
+from pp_worker.driver.draft_model import DraftWorker
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
 from pp_worker.serve import tools
 from pp_worker.serve.access import RequireKey, cors
@@ -276,8 +277,10 @@ def _health(service: PipelineService) -> Response:
     if status in ("down", "recovering"):
         return JSONResponse({"status": status, "error": service.failure or service.recovering}, 503)
     running, waiting = service.load
+    worker = service.pipeline.draft.worker if service.pipeline.draft else None
+    draft = {"draft_model": worker.state()} if isinstance(worker, DraftWorker) else {}  # --draft-model's
     return JSONResponse({"status": status, "model": service.model, "stages": len(service.pipeline.stages),
-                         "running": running, "waiting": waiting, "concurrency": service.concurrency},
+                         "running": running, "waiting": waiting, "concurrency": service.concurrency, **draft},
                         200 if status == "ok" else 503)
 
 
