@@ -114,3 +114,23 @@ def test_integer_products_use_the_byte_instructions(tmp_path, target):
             block = next(TABLE[g].kernel_block for g, k in KERNELS if name.startswith(cross.pair(g, k)))
             wide = "vpmaddubsw" if block == 256 else "vpdpbusd"
             assert any(op[0] == wide and "%zmm" in op[-1] for op in lines), name
+
+
+BROADCAST_UNPACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"]  # x86/pairs512.h's one-row step
+
+
+def test_avx512s_one_row_step_unpacks_a_block_without_a_shuffle(tmp_path):
+    """With AVX-512 (BW, VL) and VNNI, the 32-value block types' one-row products read a block's nibbles into both
+    128-bit lanes at once and shift the second down a nibble (vbroadcasti128, vpsrlvw on 256 bits), its d into 8
+    lanes (vpbroadcastw): about half the instructions of the generic unpacking and a scale a block (bench/NOTES.md)."""
+    t = cross.TARGETS["avx512"]
+    names = [cross.pair(g, k) for g, k in KERNELS if TABLE[g].name in BROADCAST_UNPACKED]
+    units = {n: s for n, s in cross.kernel_units(KERNELS, cpu_kernels.type_files, int8=True).items()
+             if n.endswith("_mm") and any(n.startswith(p) for p in names)}
+    assert len(units) == len(BROADCAST_UNPACKED)
+    for name, source in units.items():
+        out = tmp_path / f"{name}.s"
+        cross.clang("-S", "-x", "c", *t.kernel_flags(), "-", "-o", str(out), source=source)
+        lines = [line.split("#")[0].split() for line in out.read_text().splitlines() if line.startswith("\t")]
+        ops = {(op[0], "%ymm" in op[-1]) for op in lines if op}
+        assert {("vbroadcasti128", True), ("vpsrlvw", True), ("vpbroadcastw", False)} <= ops, name
