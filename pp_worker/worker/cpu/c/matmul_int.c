@@ -60,7 +60,11 @@ static inline i32x8 fold(i32x8 s) { return s; }
 #else
 #define PAIRS PAIRS_U
 #endif
+#ifdef IQ_PAIRS64  /* the type's own pair products of a 512-bit step with x (its x86 file) */
+#define ROW_STEP(c) s = STEP_ACC(s, IQ_PAIRS64(b, c, STEP_X(xb + STEP_BYTES * (c))), STEP_SCALES(c));
+#else
 #define ROW_STEP(c) s = STEP_ACC(s, PAIRS(STEP_W(c), STEP_X(xb + STEP_BYTES * (c))), STEP_SCALES(c));
+#endif
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   f8v acc = 0;  /* each block's int32 sums scaled in 8 float lanes, summed once a row */
   for (int j = 0; j < nb; j++) {
@@ -71,7 +75,12 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
     __builtin_memcpy(&dx, xb + X_D, 4); __builtin_memcpy(&bs, xb + X_SUMS, 32);
     isum s = 0;
     STEPS(ROW_STEP)
+#if IQ_NO_MIN  /* M and m are 0 (IQ4_XS): the offsets' term is a zero, the products' term rounded alone as above */
+    f8v p = __builtin_convertvector(fold(s), f8v) * (dx * D);
+    acc += p;
+#else
     acc += __builtin_convertvector(fold(s), f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
+#endif
   }
   return hsum_f8(acc);
 }
