@@ -144,8 +144,10 @@ def test_avx512s_one_row_step_unpacks_a_block_without_a_shuffle(tmp_path):
         assert {("vbroadcasti128", True), ("vpsrlvw", True), ("vpbroadcastw", False)} <= ops, name
 
 
-def test_avx512s_iq4_xs_step_takes_the_sign_from_the_index(tmp_path):
-    """IQ4_XS's one-row step looks |level| up and negates x where the index is below 8 (vptestnmb), one instruction
-    fewer a step than the levels' abs and their sign bits taken apart (vpmovb2m)."""
-    (ops,) = avx512_ops(["IQ4_XS"], tmp_path).values()
+@pytest.mark.parametrize("name", ["IQ4_XS", "IQ4_NL"])
+def test_avx512s_iq4_step_takes_the_sign_from_the_index(tmp_path, name):
+    """IQ4's one-row step looks |level| up and negates x where the index is below 8 (vptestnmb): one instruction fewer
+    a step than the levels' abs and their sign bits taken apart (IQ4_XS's vpmovb2m), one multiply fewer a block than
+    the levels + 128 and x's sums times 128 (IQ4_NL's second vpdpbusd)."""
+    (ops,) = avx512_ops([name], tmp_path).values()
     assert ("vptestnmb", False) in ops

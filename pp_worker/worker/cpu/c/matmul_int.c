@@ -145,12 +145,14 @@ static inline void x_scales(const unsigned char* xb, int n, const float* D, cons
 #endif
     s[k] = dx * D[k];
   } }
-#ifdef IQ_U  /* AVX-512 (BW, VL) and VNNI: a block a 256-bit step, its weights unpacked and its d widened with no
-   shuffle (the type's x86 file, pairs512.h), the signed types' IQ_U taken off each lane by x's 4-value sums times it
-   (a second vpdpbusd); even blocks in one sum, odd ones in another: the same int32 lanes and float steps as the
-   loop below (its 16 lanes: lanes 0-7 even blocks, 8-15 odd ones), so the same floats, in about half the
-   instructions (bench/NOTES.md) */
-#if IQ_U
+#if defined(IQ_U) || defined(IQ_DOT32)  /* AVX-512 (BW, VL) and VNNI: a block a 256-bit step, its weights unpacked and
+   its d widened with no shuffle (the type's x86 file, pairs512.h), the signed types' IQ_U taken off each lane by x's
+   4-value sums times it (a second vpdpbusd), or the type's own products (IQ_DOT32); even blocks in one sum, odd ones
+   in another: the same int32 lanes and float steps as the loop below (its 16 lanes: lanes 0-7 even blocks, 8-15 odd
+   ones), so the same floats, in about half the instructions (bench/NOTES.md) */
+#ifdef IQ_DOT32  /* the type's own (its x86 file) */
+#define BLOCK_DOT(b, x) IQ_DOT32(b, x)
+#elif IQ_U
 #define BLOCK_DOT(b, x) (dot32u(iq32u(b), x) - dot32u((u8x32)(unsigned char)IQ_U, x))
 #else
 #define BLOCK_DOT(b, x) dot32u(iq32u(b), x)

@@ -2,8 +2,9 @@
    VL) and VNNI, one block in 256 bits without a shuffle: its 16 bytes of nibbles read into both 128-bit lanes at once
    (vbroadcasti128), the second lane shifted down a nibble (vpsrlvw) and both masked, so a block's low nibbles then
    its high ones (iq32's order) as unsigned bytes; its d read into 8 lanes (vpbroadcastw) and converted. The including
-   type file defines IQ_U (what its unsigned bytes hold above the values: 8, 16, 128 or 0) and iq32u (a block's 32
-   unsigned bytes); matmul_int.c's row_dot_q8 takes it from there (bench/NOTES.md). */
+   type file defines IQ_U (what its unsigned bytes hold above the values: 8, 16 or 0) and iq32u (a block's 32
+   unsigned bytes), or IQ_DOT32 (a block's products with x: IQ4_NL's); matmul_int.c's row_dot_q8 takes it from there
+   (bench/NOTES.md). */
 #if defined(PP_INT) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 static inline u8x32 block_nibbles(const unsigned char* q) {  /* the 16 bytes at q: low nibbles, then high */
   u8x16 v = u8_at(q);
