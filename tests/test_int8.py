@@ -125,14 +125,10 @@ def test_pp_exact_selects_the_float_path(monkeypatch):
     assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()  # the integer path, not the float one
 
 
-@pytest.mark.parametrize("vnni", [False, True], ids=["avx2", "avx512-vnni"])
-def test_by_default_only_the_types_where_it_pays_take_the_integer_path(monkeypatch, vnni):
-    """Q4_1 and Q5_1 too where the CPU has AVX-512 VNNI (their one-row step there beats the float path)."""
+def test_by_default_only_the_types_where_it_pays_take_the_integer_path(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "INT8_EVERY_TYPE", False)
-    monkeypatch.setattr(cpu_kernels, "avx512_vnni", lambda: vnni)
     taken = {TYPES[t].name for t in INT8 if cpu_kernels.uses_int8("matmul", t)}
-    assert taken == {"Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS",
-                     *(["Q4_1", "Q5_1"] if vnni else [])}
+    assert taken == {"Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     assert not cpu_kernels.uses_int8("gather", 12)
     monkeypatch.setenv("PP_EXACT", "1")
     assert not any(cpu_kernels.uses_int8("matmul", t) for t in INT8)

@@ -86,29 +86,14 @@ def numerics() -> str:
 INT8_EVERY_TYPE = False  # True: every type with integer code takes it (the tests of that code), not only the defaults
 
 
-@functools.cache
-def avx512_vnni() -> bool:
-    """Whether this CPU has AVX-512 BW, VL and VNNI (the flags of Linux's /proc/cpuinfo; False where there are none):
-    the kernels are compiled for the CPU they run on (``-march=native``), and there the integer path's one-row step
-    of Q4_1 and Q5_1 (``c/x86/pairs512.h``) beats their float path."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[-1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return {"avx512bw", "avx512vl", "avx512_vnni"} <= set(flags)
-
-
 def uses_int8(kind: str, ggml_type: int) -> bool:
     """Whether a ``kind`` kernel of ``ggml_type`` runs the integer path now (`numerics`; only products have one):
     the types whose row says ``int8_default`` (where it measured faster than the float path here, bench/NOTES.md:
-    Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), those whose row says ``int8_avx512`` (Q4_1,
-    Q5_1) where the CPU has AVX-512 VNNI (`avx512_vnni`; with AVX2 their float path is as fast or faster), or with
-    `INT8_EVERY_TYPE` every type with integer code."""
+    Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), or with `INT8_EVERY_TYPE` every type with
+    integer code (Q4_1 and Q5_1 too)."""
     if kind != "matmul" or not has_int8(ggml_type) or numerics() != "int8":
         return False
-    t = TYPES[ggml_type]
-    return INT8_EVERY_TYPE or t.int8_default or (t.int8_avx512 and avx512_vnni())
+    return INT8_EVERY_TYPE or TYPES[ggml_type].int8_default
 
 
 def source(kind: str, ggml_type: int, k: int, name: str) -> str:
