@@ -41,9 +41,11 @@ REPO = Path(__file__).resolve().parent.parent
 # the AVX2 rows' compiler: beside the checkout (shared/tools), or where PP_NO_AVX512_CC says (a worktree elsewhere)
 NO_AVX512_CC = Path(os.environ.get("PP_NO_AVX512_CC") or REPO.parent / "shared" / "tools" / "clang-no-avx512")
 # llama.cpp's llama_ftype for each file type (llama.h)
-FTYPES = {"Q4_0": 2, "Q8_0": 7, "Q4_K_M": 15, "Q5_K_M": 17, "Q6_K": 18, "IQ4_XS": 30}
+FTYPES = {"Q4_0": 2, "Q4_1": 3, "Q8_0": 7, "Q5_0": 8, "Q5_1": 9, "Q2_K": 10, "Q3_K_M": 12, "Q4_K_M": 15, "Q5_K_M": 17,
+          "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
 # modelgen's stand-in where llama.cpp is not built: its own mixes, a whole-file type where it has no mix
-MODELGEN_DTYPES = {"Q4_0": "Q4_0", "Q8_0": "Q8_0", "Q4_K_M": "Q4_K_M", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K",
+MODELGEN_DTYPES = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q8_0": "Q8_0", "Q5_0": "Q5_0", "Q5_1": "Q5_1", "Q2_K": "Q2_K",
+                   "Q3_K_M": "Q3_K_M", "Q4_K_M": "Q4_K_M", "Q5_K_M": "Q5_K", "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL",
                    "IQ4_XS": "IQ4_XS"}
 
 

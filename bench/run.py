@@ -103,7 +103,7 @@ QUICK = Plan("small", warm=3, decode=12, side_rounds=2, unjit_decode=2, k_decode
              quant=quant.QuantPlan(preset="kq", decode=12, rounds=2, load_rounds=1, prefill_reps=1,
                                    rss_preset="bench", rss_stages=(2,)),
              cold=cold.ColdPlan(decode=12, streams=8, stream_tokens=8),
-             threads=threads.ThreadsPlan(preset="bench", rounds=2, calls=6),
+             threads=threads.ThreadsPlan(preset="bench", dtypes=("F16", "Q4_K_M"), rounds=2, calls=6),
              servemem=servemem.ServeMemPlan(preset="bench", dtype="Q8_0", tokens=8, on_demand=False),
              moe=moe.MoePlan(decode=8, rounds=2),
              memwall=memwall.MemwallPlan(preset="kq", dtypes=("F16", "Q4_K_M"), avx2_dtypes=("Q4_K_M",), rounds=2,

@@ -3,7 +3,8 @@
 The model is the DRAM-bound one (TinyLlama-1.1B's shape), as its F16 file (2.2 GB) and as llama.cpp's Q4_K_M of it
 (`memwall.ensure_file`, the file people download): a stage's share streams from memory at every token, so this
 measures what more threads buy where bandwidth, not L3, feeds the kernels. One thread already streams F16 near what
-two can (its products do little per byte), so the F16 file shows the memory's limit and Q4_K_M what threads buy.
+two can (its products do little per byte), so the F16 file shows the memory's limit and Q4_K_M what threads buy; the
+other packed types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS, Q3_K_M, Q2_K) how near F16's bytes/s each comes.
 Each file and thread count runs in a process of its own (tinygrad's CPU_COUNT is process-wide and shapes the
 compiled kernels), all loaded side by side; the rounds go through all of them, so all see the same load, and each
 round's ratios are taken within the round: a count's against the first count, a file's bytes/s against the first
@@ -35,7 +36,10 @@ from bench.quant import say
 @dataclass(frozen=True)
 class ThreadsPlan:
     preset: str = "tinyllama"
-    dtypes: tuple[str, ...] = ("F16", "Q4_K_M")  # each file a row (memwall.ensure_file: llama.cpp's quantizer)
+    # each file a row (memwall.ensure_file: llama.cpp's quantizer), F16 first: every packed type's bytes/s against
+    # F16's (the memory's rate) in the same rounds (issue 51)
+    dtypes: tuple[str, ...] = ("F16", "Q8_0", "Q4_K_M", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS", "Q3_K_M",
+                               "Q2_K")
     counts: tuple[int, ...] = (1, 2)  # PP_THREADS; 2 is every core of this machine
     rounds: int = 7
     calls: int = 12  # decode calls timed per round and thread count
@@ -122,7 +126,7 @@ def summary(plan: ThreadsPlan, model: Path, lines: dict[int, dict[str, Any]], me
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.threads", description=__doc__.split("\n\n")[0])
     ap.add_argument("--counts", default="1,2", help="PP_THREADS values, the first the baseline (default 1,2)")
-    ap.add_argument("--dtypes", default="F16,Q4_K_M", help="the files, as memwall names them")
+    ap.add_argument("--dtypes", default=",".join(ThreadsPlan.dtypes), help="the files, as memwall names them")
     ap.add_argument("--rounds", type=int, default=ThreadsPlan.rounds)
     ap.add_argument("--calls", type=int, default=ThreadsPlan.calls)
     args = ap.parse_args(argv)

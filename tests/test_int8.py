@@ -136,7 +136,7 @@ def test_pp_exact_selects_the_float_path(monkeypatch):
 def test_by_default_only_the_types_where_it_pays_take_the_integer_path(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "INT8_EVERY_TYPE", False)
     taken = {TYPES[t].name for t in INT8 if cpu_kernels.uses_int8("matmul", t)}
-    assert taken == {"Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+    assert taken == {"Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     assert not cpu_kernels.uses_int8("gather", 12)
     monkeypatch.setenv("PP_EXACT", "1")
     assert not any(cpu_kernels.uses_int8("matmul", t) for t in INT8)

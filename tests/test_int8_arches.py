@@ -114,3 +114,40 @@ def test_integer_products_use_the_byte_instructions(tmp_path, target):
             block = next(TABLE[g].kernel_block for g, k in KERNELS if name.startswith(cross.pair(g, k)))
             wide = "vpmaddubsw" if block == 256 else "vpdpbusd"
             assert any(op[0] == wide and "%zmm" in op[-1] for op in lines), name
+
+
+BROADCAST_UNPACKED = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL"]  # x86/pairs512.h's one-row step
+
+
+def avx512_ops(names: list[str], tmp: Path) -> dict[str, set[tuple[str, bool]]]:
+    """The instructions of the integer matmuls of the types ``names`` built for an AVX-512 CPU: per kernel, each
+    (mnemonic, whether its destination is a ymm register)."""
+    t = cross.TARGETS["avx512"]
+    pairs = [cross.pair(g, k) for g, k in KERNELS if TABLE[g].name in names]
+    units = {n: s for n, s in cross.kernel_units(KERNELS, cpu_kernels.type_files, int8=True).items()
+             if n.endswith("_mm") and any(n.startswith(p) for p in pairs)}
+    assert len(units) == len(names)
+    ops = {}
+    for name, source in units.items():
+        out = tmp / f"{name}.s"
+        cross.clang("-S", "-x", "c", *t.kernel_flags(), "-", "-o", str(out), source=source)
+        lines = [line.split("#")[0].split() for line in out.read_text().splitlines() if line.startswith("\t")]
+        ops[name] = {(op[0], "%ymm" in op[-1]) for op in lines if op}
+    return ops
+
+
+def test_avx512s_one_row_step_unpacks_a_block_without_a_shuffle(tmp_path):
+    """With AVX-512 (BW, VL) and VNNI, the 32-value block types' one-row products read a block's nibbles into both
+    128-bit lanes at once and shift the second down a nibble (vbroadcasti128, vpsrlvw on 256 bits), its d into 8
+    lanes (vpbroadcastw): about half the instructions of the generic unpacking and a scale a block (bench/NOTES.md)."""
+    for name, ops in avx512_ops(BROADCAST_UNPACKED, tmp_path).items():
+        assert {("vbroadcasti128", True), ("vpsrlvw", True), ("vpbroadcastw", False)} <= ops, name
+
+
+@pytest.mark.parametrize("name", ["IQ4_XS", "IQ4_NL"])
+def test_avx512s_iq4_step_takes_the_sign_from_the_index(tmp_path, name):
+    """IQ4's one-row step looks |level| up and negates x where the index is below 8 (vptestnmb): one instruction fewer
+    a step than the levels' abs and their sign bits taken apart (IQ4_XS's vpmovb2m), one multiply fewer a block than
+    the levels + 128 and x's sums times 128 (IQ4_NL's second vpdpbusd)."""
+    (ops,) = avx512_ops([name], tmp_path).values()
+    assert ("vptestnmb", False) in ops

@@ -74,7 +74,11 @@ static inline i32x8 fold(i32x8 s) { return s; }
 #else
 #define PAIRS PAIRS_U
 #endif
+#ifdef IQ_PAIRS64  /* the type's own pair products of a 512-bit step with x (its x86 file) */
+#define ROW_STEP(c) s = STEP_ACC(s, IQ_PAIRS64(b, c, STEP_X(xb + STEP_BYTES * (c))), STEP_SCALES(c));
+#else
 #define ROW_STEP(c) s = STEP_ACC(s, PAIRS(STEP_W(c), STEP_X(xb + STEP_BYTES * (c))), STEP_SCALES(c));
+#endif
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   f8v acc = 0;  /* each block's int32 sums scaled in 8 float lanes, summed once a row */
   for (int j = 0; j < nb; j++) {
@@ -85,7 +89,12 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
     __builtin_memcpy(&dx, xb + X_D, 4); __builtin_memcpy(&bs, xb + X_SUMS, 32);
     isum s = 0;
     STEPS(ROW_STEP)
+#if IQ_NO_MIN  /* M and m are 0 (IQ4_XS): the offsets' term is a zero, the products' term rounded alone as above */
+    f8v p = __builtin_convertvector(fold(s), f8v) * (dx * D);
+    acc += p;
+#else
     acc += __builtin_convertvector(fold(s), f8v) * (dx * D) - __builtin_convertvector(madd16(m, bs), f8v) * (dx * M);
+#endif
   }
   return hsum_f8(acc);
 }
@@ -153,6 +162,42 @@ static inline void x_scales(const unsigned char* xb, int n, const float* D, cons
 #endif
     s[k] = dx * D[k];
   } }
+#if defined(IQ_U) || defined(IQ_DOT32)  /* AVX-512 (BW, VL) and VNNI: a block a 256-bit step, its weights unpacked and
+   its d widened with no shuffle (the type's x86 file, pairs512.h), the signed types' IQ_U taken off each lane by x's
+   4-value sums times it (a second vpdpbusd), or the type's own products (IQ_DOT32); even blocks in one sum, odd ones
+   in another: the same int32 lanes and float steps as the loop below (its 16 lanes: lanes 0-7 even blocks, 8-15 odd
+   ones), so the same floats, in about half the instructions (bench/NOTES.md) */
+#ifdef IQ_DOT32  /* the type's own (its x86 file) */
+#define BLOCK_DOT(b, x) IQ_DOT32(b, x)
+#elif IQ_U
+#define BLOCK_DOT(b, x) (dot32u(iq32u(b), x) - dot32u((u8x32)(unsigned char)IQ_U, x))
+#else
+#define BLOCK_DOT(b, x) dot32u(iq32u(b), x)
+#endif
+#define BLOCK_STEP(acc, b, xb) { \
+  i8x32 x = i8x32_at(xb); float dx; __builtin_memcpy(&dx, (xb) + X_D, 4); \
+  acc += __builtin_convertvector(BLOCK_DOT(b, x), f8v) * ((f8v)dx * block_d(b)); }
+static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
+  f8v even = 0, odd = 0; float off = 0, s[2], D[2], M[2];
+  int j = 0;
+  for (; j + 2 <= nb; j += 2) {
+    const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
+    AHEAD_N(b, 2 * BLOCK_BYTES);
+    BLOCK_STEP(even, b, xb)
+    BLOCK_STEP(odd, b + BLOCK_BYTES, xb + XB)
+#if IQ_MIN
+    w_scales(b, 2, D, M); x_scales(xb, 2, D, M, s, &off);  /* the offsets, in the loop below's order */
+#endif
+  }
+  f16v acc = CAT16(even, odd);
+  for (; j < nb; j++) {
+    const unsigned char* b = row + j * BLOCK_BYTES; const unsigned char* xb = xq + j * XB;
+    w_scales(b, 1, D, M); x_scales(xb, 1, D, M, s, &off);
+    acc += LAST(__builtin_convertvector(IDOT(iq32(b, 0), i8x32_at(xb)), f8v) * s[0]);
+  }
+  return fold_acc(acc) - off;
+}
+#else
 static inline float row_dot_q8(const unsigned char* restrict row, const unsigned char* restrict xq, int nb) {
   facc acc = 0; float off = 0, s[BPS], D[BPS], M[BPS];
   int j = 0;
@@ -169,6 +214,7 @@ static inline float row_dot_q8(const unsigned char* restrict row, const unsigned
   }
   return fold_acc(acc) - off;
 }
+#endif
 /* one weight row's products with nbt (at most BT) rows of x: each step's weights unpacked once for all of them, each
    row's floats in row_dot_q8's order, so the same results */
 static inline void rows_dot_q8(float* restrict out, long stride, const unsigned char* restrict row,

@@ -29,6 +29,7 @@ static inline i8x32 iq32(const unsigned char* b, int g) {
   return __builtin_shufflevector(lo, hi, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21,
                                  22, 23, 24, 25, 26, 27, 28, 29, 30, 31); }
 #if IQ4_XS
+#define IQ_NO_MIN 1  /* m and M are 0: matmul_int.c's one-row product skips their term */
 static inline void iscales(const unsigned char* b, i16x16* sl, i16x16* m, float* D, float* M) {
   /* sub-block g's 6 bits: nibble g of scales_l[4] (bytes 4-7), bits 2g.. of scales_h (bytes 2-3); both halves of
      group g take it */

@@ -86,3 +86,16 @@ static inline i8x64 iq64(const unsigned char* b, int c) {
   i8x64 levels = __builtin_shufflevector(KV4_INT, KV4_INT, S16(0), S16(0), S16(0), S16(0));
   return (i8x64)__builtin_ia32_pshufb512((v64qi_t)levels, (v64qi_t)n); }
 #endif
+#if defined(PP_INT) && defined(__AVX512BW__)  /* the one-row step's pair products: each value's |level| looked up
+   (vpshufb), x negated where the level is negative (its index below 8: one vptestnmb), in place of the levels' abs
+   and their sign bits taken apart afterwards; the same 16-bit sums */
+#define IQ_PAIRS64 iq_pairs64
+static inline i16x32 iq_pairs64(const unsigned char* b, int c, i8x64 x) {
+  u8x32 q = u8x32_at(b + 8 + 32 * c);
+  u8x64 t = __builtin_shufflevector(q, q, S16(0), S16(0), S16(16), S16(16));
+  const u16x32 at = {S8(0), S8(4), S8(0), S8(4)};
+  u8x64 n = (u8x64)((u16x32)t >> at) & 15;
+  i8x16 mag16 = __builtin_elementwise_abs(KV4_INT);
+  u8x64 mag = (u8x64)__builtin_shufflevector(mag16, mag16, S16(0), S16(0), S16(0), S16(0));
+  return pairs64_u((u8x64)__builtin_ia32_pshufb512((v64qi_t)mag, (v64qi_t)n), (n & 8) == 0 ? -x : x); }
+#endif

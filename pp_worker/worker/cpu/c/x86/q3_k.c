@@ -17,3 +17,16 @@ static const f16v TABLE = {-4, -3, -2, -1, 0, 1, 2, 3, -4, -3, -2, -1, 0, 1, 2, 
        * half_at(b + 108);
 #include "k23_lanes.h"
 #endif
+#if defined(PP_INT) && defined(__AVX512BW__)  /* the integer path's 512-bit step (matmul_int.c): as Q2_K's, the bit
+   pairs of groups 2c and 2c + 1 from their 32 bytes read once, and hmask's bits 2c and 2c + 1 brought to bit 2 by one
+   rotate of 32-bit lanes (vprorvd: right by g - 2, left where g < 2; a byte's bit stays in its byte, the bits that
+   wrap fall outside the mask) */
+#define IQ64
+static inline u8x64 iq64(const unsigned char* b, int c) {
+  u8x32 q = u8x32_at(b + 32 + 32 * (c >> 1)), h = u8x32_at(b);
+  const int a = 4 * (c & 1);
+  const u16x32 at = {S8(a), S8(a), S8(a + 2), S8(a + 2)};
+  const u32x16 r = {S8((2 * c + 30) % 32), S8((2 * c + 31) % 32)};  /* g - 2, mod 32 */
+  u32x16 hv = (u32x16)CAT64(h, h);
+  return ((u8x64)((u16x32)CAT64(q, q) >> at) & 3) | ((u8x64)((hv >> r) | (hv << ((32 - r) & 31))) & 4); }
+#endif

@@ -13,3 +13,9 @@ static inline void decode32_avx512(const unsigned char* b, int g, f16v* w) {
 #define P_LEVELS 0
 #include "pairs_avx2.h"
 #endif
+#include "pairs512.h"
+#if defined(PP_INT) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
+#define IQ_U 0  /* the one-row step's bytes: q */
+static inline u8x32 iq32u(const unsigned char* b) {
+  return block_nibbles(b + 4); }
+#endif
