@@ -11,8 +11,9 @@ enum { XT = 4, H = 1 };  /* H: the passes over K a tile makes, each on 16 / H la
 typedef f16v lanes;
 #else
 /* 16 registers of 8 floats: a pass takes the low 8 lanes of every 16 values, a second the high 8, each with R x XT
-   accumulators of 8 (a lane's sums are the same operations either way) */
-enum { XT = 2, H = 2 };
+   accumulators of 8 (a lane's sums are the same operations either way): 12 accumulators, 3 x vectors and one weight
+   vector, 7 loads for 12 multiply-adds */
+enum { XT = 3, H = 2 };
 typedef f8v lanes;
 #endif
 /* rows of x per block: a block is read again for every R weight rows, so it is held to 512 KiB (half an L2 of 1 MiB;
@@ -29,12 +30,15 @@ static inline __attribute__((always_inline)) void tile(float* restrict out, int 
     lanes acc[XT][R];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
       _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) acc[i][r] = 0;
-    for (int v = 0; v < V; v++)
-      _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) {
-        lanes xv = lanes_at(x + (long)i * K + 16 * v + 16 / H * h);
-        _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
-          acc[i][r] += lanes_at((const float*)&wbuf[r][v] + 16 / H * h) * xv;
+    for (int v = 0; v < V; v++) {  /* the tile's x vectors held, then each weight vector loaded once for all */
+      lanes xv[XT];
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
+        if (i < nx) xv[i] = lanes_at(x + (long)i * K + 16 * v + 16 / H * h);
+      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) {
+        lanes wv = lanes_at((const float*)&wbuf[r][v] + 16 / H * h);
+        _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) acc[i][r] += wv * xv[i];
       }
+    }
     _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
       _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
         __builtin_memcpy(&sums[i][r][16 / H * h], &acc[i][r], sizeof(lanes));
