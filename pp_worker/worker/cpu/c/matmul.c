@@ -21,28 +21,34 @@ typedef f8v lanes;
    one of 128), and each weight row is decoded once a block */
 enum { XB_FIT = (512 << 10) / (4 * K) / XT * XT, XB = XB_FIT < XT ? XT : XB_FIT > 64 ? 64 : XB_FIT };
 static inline lanes lanes_at(const float* p) { lanes v; __builtin_memcpy(&v, p, sizeof v); return v; }
+/* v steps a tile takes per pass before the next pass: with H passes each reads half of every cache line of its
+   weight and x rows, so a pass over the whole K (R + XT rows of 8 KiB at K 2048, past the L1) fetched every line
+   from the L2 twice; a chunk of 32 steps of the R + XT rows (14 KiB) stays in the L1 for the next pass */
+enum { VC = H == 1 ? V : 32 };
 /* the R decoded rows' products with nx rows of x (nx a constant where it is inlined), each (row, x) summed in 16
    lanes over K in order, then hsum: whatever the tile, the floats of one row of x at a time */
 static inline __attribute__((always_inline)) void tile(float* restrict out, int N, const f16v (*restrict wbuf)[V],
                                                        const float* restrict x, int r_n, int nx) {
   float sums[XT][R][16] __attribute__((aligned(64)));
-  _Pragma("clang loop unroll(full)") for (int h = 0; h < H; h++) {
-    lanes acc[XT][R];
-    _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
-      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) acc[i][r] = 0;
-    for (int v = 0; v < V; v++) {  /* the tile's x vectors held, then each weight vector loaded once for all */
-      lanes xv[XT];
+  for (int v0 = 0; v0 < V; v0 += VC)
+    _Pragma("clang loop unroll(full)") for (int h = 0; h < H; h++) {
+      lanes acc[XT][R];  /* a lane's sum so far (the chunks before), carried through sums */
       _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
-        if (i < nx) xv[i] = lanes_at(x + (long)i * K + 16 * v + 16 / H * h);
-      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) {
-        lanes wv = lanes_at((const float*)&wbuf[r][v] + 16 / H * h);
-        _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) acc[i][r] += wv * xv[i];
+        _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
+          acc[i][r] = v0 == 0 ? 0 : lanes_at(&sums[i][r][16 / H * h]);
+      for (int v = v0; v < V && v < v0 + VC; v++) {  /* the tile's x vectors held, each weight vector loaded once */
+        lanes xv[XT];
+        _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
+          if (i < nx) xv[i] = lanes_at(x + (long)i * K + 16 * v + 16 / H * h);
+        _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) {
+          lanes wv = lanes_at((const float*)&wbuf[r][v] + 16 / H * h);
+          _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) acc[i][r] += wv * xv[i];
+        }
       }
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
+        _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
+          __builtin_memcpy(&sums[i][r][16 / H * h], &acc[i][r], sizeof(lanes));
     }
-    _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
-      _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
-        __builtin_memcpy(&sums[i][r][16 / H * h], &acc[i][r], sizeof(lanes));
-  }
   for (int i = 0; i < nx; i++)
     for (int r = 0; r < r_n; r++) out[(long)i * N + r] = hsum(f_at(sums[i][r]));
 }
