@@ -19,10 +19,8 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import select
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -31,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, TextIO
 
 from pp_worker.driver.draft import Adaptive
-from pp_worker.driver.stage_proc import Launch
+from pp_worker.driver.stage_proc import Launch, Stage, wait_io
 
 
 class DraftModelError(RuntimeError):
@@ -42,19 +40,14 @@ RESTARTS = 3  # times a failed draft model is started again (after 1, 2, 4 s) be
 
 
 class _Process:
-    """One of the draft model's worker processes, and a blocking request -> reply over its pipes, within ``timeout``
-    seconds a reply (None: no limit)."""
+    """One of the draft model's worker processes (a driver ``Stage``: its pipes and stderr tail), and a blocking
+    request -> reply over it, within ``timeout`` seconds a reply (None: no limit)."""
 
     def __init__(self, launch: Launch, stage: int, path: str, timeout: float | None):
-        self.path, self.timeout, self._stderr = path, timeout, tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(launch.argv(stage), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self._stderr, env={**os.environ, **launch.worker_env(stage)})
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        # both pipes waited on with select, so that a frozen worker fails a call at its deadline (it would block a
-        # write as well as a read): the reads straight from the descriptor, the writes to the unbuffered file
-        os.set_blocking(self.proc.stdin.fileno(), False)
-        self._in = self.proc.stdin.raw  # type: ignore[attr-defined]
-        self._out_fd, self._buffer = self.proc.stdout.fileno(), bytearray()
+        self.path, self.timeout = path, timeout
+        self.stage = Stage(stage, launch)
+        self.proc = self.stage.proc
+        self._lines: deque[bytes] = deque()
 
     def ready(self) -> dict[str, Any]:
         line = self._line(None)  # loading has no deadline of its own: the driver's stages load meanwhile
@@ -64,16 +57,11 @@ class _Process:
 
     def call(self, obj: dict[str, Any]) -> dict[str, Any]:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
-        line = memoryview(json.dumps(obj).encode() + b"\n")
-        try:
-            while line:
-                self._wait(deadline, self._in.fileno(), write=True)
-                line = line[self._in.write(line) or 0:]  # None: the pipe is full after all
-        except (OSError, ValueError):  # it died (a broken pipe), or close() ended it under this call (a closed pipe)
-            raise self._down("exited") from None
+        self.stage.send(obj)  # what the pipe takes now; the rest as it drains, while the reply is awaited
         reply = self._line(deadline)
         while "event" in reply:  # pp_worker_ready after the ready line, progress...: not the reply
             reply = self._line(deadline)
+        self.stage.replied()
         if "error" in reply:
             raise DraftModelError(f"draft model {self.path}: {reply['error']}")
         return reply
@@ -84,8 +72,7 @@ class _Process:
 
     def close(self) -> None:
         if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()  # PP_EXIT_ON_EOF: the worker ends
+            self.stage.close_stdin()  # PP_EXIT_ON_EOF: the worker ends
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -98,26 +85,22 @@ class _Process:
         self.proc.wait()
 
     def _line(self, deadline: float | None) -> dict[str, Any]:
-        while b"\n" not in self._buffer:
-            self._wait(deadline, self._out_fd)
-            chunk = os.read(self._out_fd, 1 << 16)
-            if not chunk:
-                raise self._down("exited")
-            self._buffer += chunk
-        line, _, self._buffer = self._buffer.partition(b"\n")
-        return json.loads(line)
-
-    def _wait(self, deadline: float | None, fd: int, write: bool = False) -> None:
-        """Until ``fd`` can be read (written); past ``deadline`` the worker is hung or frozen: it is killed."""
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        if not any(select.select([] if write else [fd], [fd] if write else [], [], left)):
-            self.kill()
-            raise self._down(f"gave no reply within --step-timeout {self.timeout:g} s, killed")
+        """The next stdout line; both pipes waited on with select (``wait_io``), so that a frozen worker fails a call
+        at its deadline (it would block a write as well as a read): past it the worker is killed."""
+        while not self._lines:
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                self.kill()
+                raise self._down(f"gave no reply within --step-timeout {self.timeout:g} s, killed")
+            if self.stage.out_fd in wait_io([self.stage], left):
+                self._lines.extend(self.stage.read_lines())
+                if self.stage.eof:  # what came with the end is a line cut short, if anything
+                    raise self._down("exited")
+        return json.loads(self._lines.popleft())
 
     def _down(self, what: str) -> DraftModelError:
         self.proc.wait()
-        self._stderr.seek(0)
-        tail = self._stderr.read().decode(errors="replace").strip().splitlines()[-3:]
+        tail = [line for line in self.stage.stderr_lines() if line.strip()][-3:]
         return DraftModelError(f"draft model {self.path}: worker {what} ({self.proc.returncode})"
                                + (f": {' | '.join(tail)}" if tail else ""))
 
@@ -384,7 +367,6 @@ class ModelDrafter(Adaptive):
         """The generation is over: release its session on the draft's stages (queued after its last guess)."""
         if self._opened:
             self._opened = False
-
             self.worker.submit(lambda: self.worker.release(self.session))
 
     def _guesses(self, context: list[int], room: int) -> Generator[Ask, int, list[int]]:

@@ -233,9 +233,12 @@ class Stage:
             return f"was killed by {signal.Signals(-code).name} (exit code {code})"
         return f"exited with code {code}"
 
-    def stderr_tail(self) -> str:
+    def stderr_lines(self) -> list[str]:
         self._stderr_thread.join(1.0)  # the last lines may still be in flight after the process ended
-        return "\n".join(f"  | {line}" for line in self.tail) or "  | (no stderr output)"
+        return list(self.tail)
+
+    def stderr_tail(self) -> str:
+        return "\n".join(f"  | {line}" for line in self.stderr_lines()) or "  | (no stderr output)"
 
 
 def stop_all(stages: list[Stage], grace_s: float = 5.0, term_s: float = 2.0,
