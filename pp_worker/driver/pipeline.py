@@ -52,15 +52,21 @@ class Interrupted(PipelineError):
         self.exit_code = 128 + signum
 
 
+def wake_pipe() -> tuple[int, int]:
+    """A pipe whose read end wakes the loop's select (both ends non-blocking: a full pipe is already a wake-up)."""
+    read_fd, write_fd = os.pipe()
+    for fd in (read_fd, write_fd):
+        os.set_blocking(fd, False)
+    return read_fd, write_fd
+
+
 class Cancel:
     """SIGINT/SIGTERM set a flag and wake the select loop through a pipe; the loop then stops in order."""
 
     def __init__(self) -> None:
         self.signum: int | None = None
         self.count = 0
-        self.wake_fd, write_fd = os.pipe()
-        for fd in (self.wake_fd, write_fd):
-            os.set_blocking(fd, False)
+        self.wake_fd, write_fd = wake_pipe()
         signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, self._on_signal)
@@ -87,9 +93,7 @@ class Mailbox:
     def __init__(self) -> None:
         self._work: deque[Callable[[], None]] = deque()
         self._lock = threading.Lock()  # post and close: no write to a closed pipe (its fd may be another file's)
-        self.wake_fd, self._write_fd = os.pipe()
-        for fd in (self.wake_fd, self._write_fd):
-            os.set_blocking(fd, False)
+        self.wake_fd, self._write_fd = wake_pipe()
 
     def post(self, work: Callable[[], None]) -> None:
         """Queue ``work`` for the loop's thread (from any thread); nothing once closed."""
