@@ -555,8 +555,11 @@ def test_a_draft_worker_frozen_past_the_step_timeout_is_killed_and_the_generatio
 
 
 def test_a_draft_model_that_fails_past_its_restarts_stays_off(pipeline):
+    """Stage 0 killed at a guess, no restart: the sessions' releases that follow go to workers already gone and
+    must fail at once (no step timeout here: a call that waited for one on a pipe that ended would hang until the
+    suite's own timeout; it waited 120 s before)."""
     log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, restarts=0, log=log)
+    worker = DraftWorker(ZEN_DRAFT_GGUF, restarts=0, log=log, step_timeout=None)
     _fail_at_first_guess(worker, lambda: worker.stages[0].proc.kill())
     try:
         plain = _run(pipeline, None, Sampling(), max_tokens=20)

@@ -88,6 +88,8 @@ class _Process:
         """The next stdout line; both pipes waited on with select (``wait_io``), so that a frozen worker fails a call
         at its deadline (it would block a write as well as a read): past it the worker is killed."""
         while not self._lines:
+            if self.stage.eof:  # ended before (e.g. killed): select would wait for the deadline on no pipe at all
+                raise self._down("exited")
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self.kill()
