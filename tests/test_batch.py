@@ -164,7 +164,8 @@ def bare_pipeline(stages: int, in_flight: int, max_batch: int = 8) -> Pipeline:
     """A Pipeline's send path on fake stages that record what they are sent."""
     p = Pipeline.__new__(Pipeline)
     p.stages = [FakeStage(i, max_batch) for i in range(stages)]  # type: ignore[list-item]
-    p._pending, p._outbox, p.trace, p.batch, p.lockstep, p._stepping = {}, [], None, True, False, set()
+    p._pending, p._outbox, p.trace, p.batch, p.schedule, p._stepping = {}, [], None, True, "overlap", set()
+    p._group_of = {}
     p._active = dict.fromkeys(range(100, 100 + in_flight))  # type: ignore[arg-type]
     return p
 
@@ -190,7 +191,7 @@ def test_the_driver_sends_a_rounds_steps_for_a_stage_as_one_batch() -> None:
 
 def test_lockstep_holds_the_next_tokens_until_no_generation_is_mid_token() -> None:
     p = bare_pipeline(2, in_flight=5)
-    p.lockstep = True
+    p.schedule = "lockstep"
     step = {"token_id": 1, "position": 5}
     after = Call(0, "decode_step", {"token_id": 3, "position": 6})  # generation 9's next token, once this one is done
     hop = Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}, on_reply=lambda r: after)
@@ -221,6 +222,32 @@ def test_overlap_starts_each_token_as_soon_as_it_can() -> None:
         p._send(rid, Call(0, "decode_step", step), None)
     p._flush()
     assert sent(p, 0) == [("decode_step", [9]), ("batch", [1, 2, 3, 4])]
+
+
+def test_groups_step_as_batches_of_their_own_and_each_waits_only_for_its_own_group() -> None:
+    """``groups`` on 2 stages: two groups, each in lock-step within itself; a newcomer joins the smaller one."""
+    p = bare_pipeline(2, in_flight=5)
+    p.schedule = "groups"
+    step = {"token_id": 1, "position": 5}
+    after = Call(0, "decode_step", {"token_id": 3, "position": 6})
+    hop = Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}, on_reply=lambda r: after)
+    p._send(9, Call(0, "decode_step", step), lambda reply: hop)
+    p._flush()  # 9 is group 0's, and in the middle of a token
+    for rid in (1, 2, 3, 4):  # in turn to the smaller group (the first on a tie): 1 and 3 to group 1, 2 and 4 to 0
+        p._send(rid, Call(0, "decode_step", step), None)
+    p._flush()
+    assert sent(p, 0) == [("decode_step", [9]), ("batch", [1, 3])]  # group 1 goes; group 0's wait for 9
+    p._send(5, Call(0, "tokenize", {"prompt": "x"}), None)
+    p._on_reply(p.stages[0], {"request_id": 9, "hidden_b64": "AAAA", "seq_len": 1}, counted=False)
+    p._flush()
+    assert sent(p, 1) == [("forward_and_sample", [9])] and sent(p, 0)[2:] == [("tokenize", [5])]
+    p._on_reply(p.stages[1], {"request_id": 9, "token_id": 3}, counted=False)
+    p._flush()  # group 0 is between tokens: its held steps go with 9's next one, while group 1 is still on stage 0
+    assert sent(p, 0)[3:] == [("batch", [2, 4, 9])] and p._group_of == {9: 0, 1: 1, 2: 0, 3: 1, 4: 0}
+    for rid in (6, 7, 8, 10):  # newcomers alternate (group 1 is the smaller): one batch request per group
+        p._send(rid, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}), None)
+    p._flush()
+    assert sent(p, 1)[1:] == [("batch", [6, 8]), ("batch", [7, 10])]
 
 
 def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:
