@@ -75,6 +75,35 @@ def test_a_run_stops_at_a_repeated_session_and_at_max_batch() -> None:
     assert small.engine.batches == [2]  # type: ignore[attr-defined]  # then session 3 alone
 
 
+def check(rid: int, position: int, guesses: list[int]) -> dict[str, Any]:
+    """The last stage's check of ``guesses`` (2 stages): rows seeded as ``step``'s at those positions."""
+    rows = b"".join(base64.b64decode(step(1, 2, rid, position + i)["hidden_b64"]) for i in range(len(guesses) + 1))
+    return {"op": "forward_and_sample", "request_id": rid, "hidden_b64": base64.b64encode(rows).decode(),
+            "position": position, "seq_len": len(guesses) + 1, "verify": guesses}
+
+
+def test_queued_checks_of_distinct_sessions_run_row_by_row_as_batched_steps() -> None:
+    """Checks (speculative decoding's ``verify``) of three sessions: row i of the checks still going is one batched
+    step; every reply, and what each session holds after, is its check's alone."""
+    rids = [3, 5, 8]
+    prefills = [prefill(1, 2, rid, 2) for rid in rids]
+    plain = {rid: [r["token_id"] for r in run_requests(1, 2, [prefill(1, 2, rid, 2)] + [step(1, 2, rid, 2 + i)
+                                                                                      for i in range(4)])[1:]]
+             for rid in rids}  # the tokens one-token steps sample at those rows
+    guesses = {3: plain[3][:3], 5: [plain[5][0], (plain[5][1] + 1) % 32, plain[5][2]], 8: [(plain[8][0] + 1) % 32]}
+    status = {"op": "status", "request_id": 99}
+    requests = prefills + [check(rid, 2, guesses[rid]) for rid in rids]
+    worker = make_worker(1, 2)
+    got = served(worker, [*requests, status])
+    assert got[:-1] == alone(1, 2, requests)
+    assert [r.get("accepted") for r in got[3:6]] == [3, 1, 0]  # all kept, the second one wrong, the first one wrong
+    assert worker.engine.batches == [3, 2, 1, 1]  # type: ignore[attr-defined]  # rows 0..3: fewer as checks end
+    assert got[-1]["sessions"] == {"3": 6, "5": 4, "8": 3} and got[-1]["batched_requests"] == 3
+    mixed = make_worker(1, 2)  # a step between checks: a run of each kind, never one run of both
+    requests = prefills + [check(3, 2, guesses[3]), check(5, 2, guesses[5]), step(1, 2, 8, 2)]
+    assert served(mixed, requests) == alone(1, 2, requests) and mixed.engine.batches == [2, 2, 1, 1]  # type: ignore[attr-defined]
+
+
 def test_steps_that_do_not_append_run_alone_with_their_own_replies() -> None:
     requests = [prefill(0, 2, 1, 3), prefill(0, 2, 2, 3),
                 step(0, 2, 1, 1),  # a rewind
