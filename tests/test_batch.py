@@ -279,6 +279,29 @@ def test_groups_step_as_batches_of_their_own_and_each_waits_only_for_its_own_gro
     assert sent(p, 1)[1:] == [("batch", [6, 8]), ("batch", [7, 10])]
 
 
+def test_a_check_of_drafted_tokens_is_held_and_batched_as_a_step() -> None:
+    """A check (``Call.check``: the token and its guesses, a multi-token forward) starts a token as a decode step
+    does: held while another generation is mid-token, then sent in the same batch request (steps first); its next
+    stages' calls batch too. A prefill is no check and goes at once."""
+    p = bare_pipeline(2, in_flight=4)
+    p.schedule = "lockstep"
+    p._send(9, Call(0, "decode_step", {"token_id": 1, "position": 5}), None)
+    p._flush()
+    p._send(1, Call(0, "embed_and_forward", {"tokens": [1, 2, 3], "position": 5}, check=True), None)
+    p._send(2, Call(0, "decode_step", {"token_id": 1, "position": 5}), None)
+    p._send(3, Call(0, "embed_and_forward", {"tokens": [4, 5, 6], "position": 0}), None)
+    p._flush()
+    assert sent(p, 0) == [("decode_step", [9]), ("embed_and_forward", [3])]
+    p._on_reply(p.stages[0], {"request_id": 9, "hidden_b64": "AAAA", "seq_len": 1}, counted=False)
+    p._flush()
+    assert sent(p, 0)[2:] == [("batch", [2, 1])] and p._stepping == {1, 2}
+    for rid in (1, 4):
+        p._send(rid, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 3,
+                                                    "verify": [2, 3]}, check=True), None)
+    p._flush()
+    assert sent(p, 1) == [("batch", [1, 4])]
+
+
 def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:
     p = bare_pipeline(3, in_flight=6, max_batch=1)
     for rid in (1, 2):

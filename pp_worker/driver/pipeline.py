@@ -146,7 +146,7 @@ class _Pending:
     op: str
     sent: float
     waiter: Waiter  # a callback may answer with the next call to send (a prefill chunk's next stage)
-    step: bool = False  # a one-token step (what a batch can hold)
+    step: bool = False  # a token's step: one token, or a check of drafted ones (what a batch request holds)
     one_token: bool = False  # a one-token forward of any kind: what a worker batches with others queued behind it
 
 
@@ -159,6 +159,12 @@ SCHEDULES = ("auto", "lockstep", "groups", "overlap")  # how generations in flig
 
 def is_step(call: Call) -> bool:
     return call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
+
+
+def is_token(call: Call) -> bool:
+    """A decoding generation's step: one token, or a check of drafted tokens (on the last stage the worker runs
+    the checks of one batch row by row as batched steps; docs/protocol.md)."""
+    return is_step(call) or call.check
 
 
 def is_one_token(call: Call) -> bool:
@@ -416,15 +422,15 @@ class Pipeline:
 
     def _send(self, rid: int, call: Call, waiter: Waiter) -> None:
         """Queue a call; the next round's `_flush` writes it (with the others of this round: a batch can form)."""
-        pending = _Pending(call.op, time.monotonic(), waiter, is_step(call), is_one_token(call))
+        pending = _Pending(call.op, time.monotonic(), waiter, is_token(call), is_one_token(call))
         self._pending.setdefault((call.stage, rid), deque()).append(pending)
         self._outbox.append((rid, call, pending))
 
     def _flush(self) -> None:
-        """Write this round's calls in order. On each stage, the one-token steps of distinct generations of one
-        group go as one ``batch`` request, which the stage runs as one batched forward (the worker splits it by its
-        max_batch). A batch's replies come back in one line, so its generations reach the next stage together
-        and stay a batch from then on.
+        """Write this round's calls in order. On each stage, the steps (one-token, or checks) of distinct
+        generations of one group go as one ``batch`` request, which the stage runs as one batched forward (the
+        worker splits it by its max_batch). A batch's replies come back in one line, so its generations reach the
+        next stage together and stay a batch from then on.
 
         Lock-step (``lockstep``): a generation's next token starts (its ``decode_step`` on stage 0) only once no
         other generation is in the middle of a token, so every decoding generation steps together and the stages
@@ -434,8 +440,9 @@ class Pipeline:
         at its first step), each group a batch request of its own, so stage s works on one group's batch while
         stage s+1 works on another's, as stages on devices of their own should, and a generation whose token comes
         back waits for its group instead of going on alone (``overlap``'s way: its steps then meet others' only
-        by chance, and a stage runs one-token forwards one after another). A drafted check (a multi-token
-        forward) is no step: it goes at once in every schedule.
+        by chance, and a stage runs one-token forwards one after another). A check of drafted tokens counts as a
+        step everywhere here: it starts a token, is held and goes in its group's batch request (on the last stage the
+        worker runs a batch's checks row by row as batched steps).
 
         Without batching (``batch`` false) a stage has at most one one-token forward outstanding: two queued on its
         stdin would be batched by the worker itself."""
@@ -479,7 +486,7 @@ class Pipeline:
 
     @staticmethod
     def _starts_token(call: Call) -> bool:
-        return call.stage == 0 and call.op == "decode_step"
+        return call.stage == 0 and (call.op == "decode_step" or call.check)
 
     def _mid_token(self, calls: list[Outgoing]) -> set[int]:
         """The groups some generation of which is in the middle of a token: a step of it in flight, or about to be
@@ -499,9 +506,10 @@ class Pipeline:
         return group
 
     def _batchable(self, st: Stage, call: Call) -> bool:
-        return self.batch and is_step(call) and (st.ready or {}).get("max_batch", 1) > 1
+        return self.batch and is_token(call) and (st.ready or {}).get("max_batch", 1) > 1
 
     def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]]) -> None:
+        group = sorted(group, key=lambda c: c[1].check)  # steps, then checks: the worker batches a run of each kind
         self._stepping.update(rid for rid, _, pending in group if pending.step)
         if self.trace is not None:
             self.trace += [(time.monotonic(), st.index, rid, call.op, "send") for rid, call, _ in group]
