@@ -186,7 +186,7 @@ class Pipeline:
         self._chunk_override, self.batch = prefill_chunk, batch
         self.draft = draft  # speculative decoding (--draft): each generation that can gets a drafter of its own
         self.schedule = schedule  # decided after the stages are ready where it is "auto" (_flush says what each does)
-        self._stepping: set[int] = set()  # generations with a one-token step sent and not answered yet
+        self._stepping: set[int] = set()  # generations with a step (one token, or a check) sent and not answered yet
         self._group_of: dict[int, int] = {}  # schedule "groups": each stepping session's group (_group)
         self.stages: list[Stage] = []
         self._pending: dict[tuple[int, int], deque[_Pending]] = {}
@@ -432,7 +432,7 @@ class Pipeline:
         worker splits it by its max_batch). A batch's replies come back in one line, so its generations reach the
         next stage together and stay a batch from then on.
 
-        Lock-step (``lockstep``): a generation's next token starts (its ``decode_step`` on stage 0) only once no
+        Lock-step (``lockstep``): a generation's next token starts (its step on stage 0) only once no
         other generation is in the middle of a token, so every decoding generation steps together and the stages
         pass one batch of K around. Where the stages share the same cores that is the fastest way: a batch of 4
         costs about 1.6x one step (bench/NOTES.md), and two batches on two stages at once only share the cores.
