@@ -8,7 +8,10 @@ and ngram on the repetitive task.
     python -m bench.links --model smol --delays 0,25 --streams 8 --tasks repetitive --no-draft-model
     python -m bench.run --sections links   # the same rows in make bench's table
 
-Every delay gets one pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds: the median counts)
+At 0 ms (without --rate-mbit) the stages run with no relay at all: local processes, as a user runs them on one
+machine, with the schedule they get there (``--schedule auto``: lock-step on the CPU; behind the relay, a launcher,
+auto picks ``groups``). So "against plain at 0 ms" compares a delayed rate with the local one a user has. Every delay
+gets one pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds: the median counts)
 go on it. A rate is the decoded tokens of a run (each generation's tokens after its first) over the time from its first
 generation's first token to its last generation's last token. The repetitive task asks for a text the prompt
 holds (the embedded model recites the Zen of Python, so its prompt is the Zen and the start of it again); the free
@@ -60,6 +63,7 @@ TASKS = {"repetitive": f"{ZEN}\nThe Zen of Python, by Tim Peters\n\nBeautiful is
 SECTION = "18 decode through a delayed link (bench/relay.py, --draft ngram, --draft-model)"
 ZEN_DRAFT = str(Path(pp_worker.__file__).parent / "data" / "zen-draft.gguf")  # the embedded model's vocabulary only
 ARMS = ("plain", "ngram", "model")  # how each run drafts: not at all, --draft ngram, --draft-model
+LOCAL = "0 ms: local stages, no relay (what one machine gives: lock-step on its CPU)"
 
 
 @dataclass(frozen=True)
@@ -83,7 +87,12 @@ FULL = LinksPlan(then=SMOL)
 QUICK = LinksPlan(delays_ms=(0.0, 5.0), streams=(1, 2), tokens=12, rounds=1)
 
 
-def launcher(delay_ms: float, rate_mbit: float) -> str:
+def launcher(delay_ms: float, rate_mbit: float) -> str | None:
+    """The relay in front of each stage; None for no delay and no cap: local stages, as a user runs them on one
+    machine (and the schedule they get there, ``auto``'s lock-step on the CPU), which is the local rate the rows
+    compare the delayed ones with."""
+    if not delay_ms and not rate_mbit:
+        return None
     return f"{{python}} {RELAY} --delay-ms {delay_ms:g} --rate-mbit {rate_mbit:g} -- {{python}} -m pp_worker"
 
 
@@ -182,8 +191,8 @@ def _target(arm: str, delay: float, task: str, n: int) -> float | None:
 
 
 def _far_rows(delays: dict[str, Any], label: str) -> list[Row]:
-    """8 streams at the longest delay against the same without delay: requests in flight overlap the delay (plain,
-    and each draft against plain without delay: tokens per trip can make up for the trips)."""
+    """8 streams at the longest delay against plain without delay, i.e. on local stages (no relay, ``launcher``):
+    requests in flight overlap the delay (plain, and each draft: tokens per trip can make up for the trips)."""
     if "0" not in delays or len(delays) < 2:
         return []
     far = max(delays, key=float)
@@ -195,7 +204,7 @@ def _far_rows(delays: dict[str, Any], label: str) -> list[Row]:
                 for arm in (a for a in ARMS if a in runs):
                     there = runs[arm]["tok_s"]
                     out.append(Row(SECTION, f"{label}{far} ms, {task}, {n} streams, {arm}: against plain at 0 ms",
-                                   local and there / local, "x", target=0.8))
+                                   local and there / local, "x", target=0.8, note=LOCAL))
     return out
 
 

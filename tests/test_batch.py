@@ -75,6 +75,35 @@ def test_a_run_stops_at_a_repeated_session_and_at_max_batch() -> None:
     assert small.engine.batches == [2]  # type: ignore[attr-defined]  # then session 3 alone
 
 
+def check(rid: int, position: int, guesses: list[int]) -> dict[str, Any]:
+    """The last stage's check of ``guesses`` (2 stages): rows seeded as ``step``'s at those positions."""
+    rows = b"".join(base64.b64decode(step(1, 2, rid, position + i)["hidden_b64"]) for i in range(len(guesses) + 1))
+    return {"op": "forward_and_sample", "request_id": rid, "hidden_b64": base64.b64encode(rows).decode(),
+            "position": position, "seq_len": len(guesses) + 1, "verify": guesses}
+
+
+def test_queued_checks_of_distinct_sessions_run_row_by_row_as_batched_steps() -> None:
+    """Checks (speculative decoding's ``verify``) of three sessions: row i of the checks still going is one batched
+    step; every reply, and what each session holds after, is its check's alone."""
+    rids = [3, 5, 8]
+    prefills = [prefill(1, 2, rid, 2) for rid in rids]
+    plain = {rid: [r["token_id"] for r in run_requests(1, 2, [prefill(1, 2, rid, 2)] + [step(1, 2, rid, 2 + i)
+                                                                                      for i in range(4)])[1:]]
+             for rid in rids}  # the tokens one-token steps sample at those rows
+    guesses = {3: plain[3][:3], 5: [plain[5][0], (plain[5][1] + 1) % 32, plain[5][2]], 8: [(plain[8][0] + 1) % 32]}
+    status = {"op": "status", "request_id": 99}
+    requests = prefills + [check(rid, 2, guesses[rid]) for rid in rids]
+    worker = make_worker(1, 2)
+    got = served(worker, [*requests, status])
+    assert got[:-1] == alone(1, 2, requests)
+    assert [r.get("accepted") for r in got[3:6]] == [3, 1, 0]  # all kept, the second one wrong, the first one wrong
+    assert worker.engine.batches == [3, 2, 1, 1]  # type: ignore[attr-defined]  # rows 0..3: fewer as checks end
+    assert got[-1]["sessions"] == {"3": 6, "5": 4, "8": 3} and got[-1]["batched_requests"] == 3
+    mixed = make_worker(1, 2)  # a step between checks: a run of each kind, never one run of both
+    requests = prefills + [check(3, 2, guesses[3]), check(5, 2, guesses[5]), step(1, 2, 8, 2)]
+    assert served(mixed, requests) == alone(1, 2, requests) and mixed.engine.batches == [2, 2, 1, 1]  # type: ignore[attr-defined]
+
+
 def test_steps_that_do_not_append_run_alone_with_their_own_replies() -> None:
     requests = [prefill(0, 2, 1, 3), prefill(0, 2, 2, 3),
                 step(0, 2, 1, 1),  # a rewind
@@ -164,7 +193,8 @@ def bare_pipeline(stages: int, in_flight: int, max_batch: int = 8) -> Pipeline:
     """A Pipeline's send path on fake stages that record what they are sent."""
     p = Pipeline.__new__(Pipeline)
     p.stages = [FakeStage(i, max_batch) for i in range(stages)]  # type: ignore[list-item]
-    p._pending, p._outbox, p.trace, p.batch, p.lockstep, p._stepping = {}, [], None, True, False, set()
+    p._pending, p._outbox, p.trace, p.batch, p.schedule, p._stepping = {}, [], None, True, "overlap", set()
+    p._group_of = {}
     p._active = dict.fromkeys(range(100, 100 + in_flight))  # type: ignore[arg-type]
     return p
 
@@ -190,7 +220,7 @@ def test_the_driver_sends_a_rounds_steps_for_a_stage_as_one_batch() -> None:
 
 def test_lockstep_holds_the_next_tokens_until_no_generation_is_mid_token() -> None:
     p = bare_pipeline(2, in_flight=5)
-    p.lockstep = True
+    p.schedule = "lockstep"
     step = {"token_id": 1, "position": 5}
     after = Call(0, "decode_step", {"token_id": 3, "position": 6})  # generation 9's next token, once this one is done
     hop = Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}, on_reply=lambda r: after)
@@ -221,6 +251,55 @@ def test_overlap_starts_each_token_as_soon_as_it_can() -> None:
         p._send(rid, Call(0, "decode_step", step), None)
     p._flush()
     assert sent(p, 0) == [("decode_step", [9]), ("batch", [1, 2, 3, 4])]
+
+
+def test_groups_step_as_batches_of_their_own_and_each_waits_only_for_its_own_group() -> None:
+    """``groups`` on 2 stages: two groups, each in lock-step within itself; a newcomer joins the smaller one."""
+    p = bare_pipeline(2, in_flight=5)
+    p.schedule = "groups"
+    step = {"token_id": 1, "position": 5}
+    after = Call(0, "decode_step", {"token_id": 3, "position": 6})
+    hop = Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}, on_reply=lambda r: after)
+    p._send(9, Call(0, "decode_step", step), lambda reply: hop)
+    p._flush()  # 9 is group 0's, and in the middle of a token
+    for rid in (1, 2, 3, 4):  # in turn to the smaller group (the first on a tie): 1 and 3 to group 1, 2 and 4 to 0
+        p._send(rid, Call(0, "decode_step", step), None)
+    p._flush()
+    assert sent(p, 0) == [("decode_step", [9]), ("batch", [1, 3])]  # group 1 goes; group 0's wait for 9
+    p._send(5, Call(0, "tokenize", {"prompt": "x"}), None)
+    p._on_reply(p.stages[0], {"request_id": 9, "hidden_b64": "AAAA", "seq_len": 1}, counted=False)
+    p._flush()
+    assert sent(p, 1) == [("forward_and_sample", [9])] and sent(p, 0)[2:] == [("tokenize", [5])]
+    p._on_reply(p.stages[1], {"request_id": 9, "token_id": 3}, counted=False)
+    p._flush()  # group 0 is between tokens: its held steps go with 9's next one, while group 1 is still on stage 0
+    assert sent(p, 0)[3:] == [("batch", [2, 4, 9])] and p._group_of == {9: 0, 1: 1, 2: 0, 3: 1, 4: 0}
+    for rid in (6, 7, 8, 10):  # newcomers alternate (group 1 is the smaller): one batch request per group
+        p._send(rid, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 1}), None)
+    p._flush()
+    assert sent(p, 1)[1:] == [("batch", [6, 8]), ("batch", [7, 10])]
+
+
+def test_a_check_of_drafted_tokens_is_held_and_batched_as_a_step() -> None:
+    """A check (``Call.check``: the token and its guesses, a multi-token forward) starts a token as a decode step
+    does: held while another generation is mid-token, then sent in the same batch request (steps first); its next
+    stages' calls batch too. A prefill is no check and goes at once."""
+    p = bare_pipeline(2, in_flight=4)
+    p.schedule = "lockstep"
+    p._send(9, Call(0, "decode_step", {"token_id": 1, "position": 5}), None)
+    p._flush()
+    p._send(1, Call(0, "embed_and_forward", {"tokens": [1, 2, 3], "position": 5}, check=True), None)
+    p._send(2, Call(0, "decode_step", {"token_id": 1, "position": 5}), None)
+    p._send(3, Call(0, "embed_and_forward", {"tokens": [4, 5, 6], "position": 0}), None)
+    p._flush()
+    assert sent(p, 0) == [("decode_step", [9]), ("embed_and_forward", [3])]
+    p._on_reply(p.stages[0], {"request_id": 9, "hidden_b64": "AAAA", "seq_len": 1}, counted=False)
+    p._flush()
+    assert sent(p, 0)[2:] == [("batch", [2, 1])] and p._stepping == {1, 2}
+    for rid in (1, 4):
+        p._send(rid, Call(1, "forward_and_sample", {"hidden_b64": "AAAA", "position": 5, "seq_len": 3,
+                                                    "verify": [2, 3]}, check=True), None)
+    p._flush()
+    assert sent(p, 1) == [("batch", [1, 4])]
 
 
 def test_the_driver_never_batches_for_a_stage_that_does_not() -> None:

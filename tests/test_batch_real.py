@@ -139,23 +139,25 @@ def stage0_decode_groups(trace: list) -> list[list[int]]:
     return groups
 
 
-def test_lockstep_passes_one_batch_of_k_around_and_overlap_gives_the_same_tokens(pipeline: Pipeline) -> None:
-    """Real stages in both schedules. How far overlap's generations drift apart depends on when each prefill ends
-    (they rejoin once they meet in a batch), so that is held in test_batch with scripted replies, not here."""
-    assert pipeline.lockstep, "auto: local stages on the CPU share its cores, so they run in lock-step"
+def test_lockstep_passes_one_batch_of_k_around_and_groups_and_overlap_give_the_same_tokens(
+        pipeline: Pipeline) -> None:
+    """Real stages in every schedule. How far overlap's generations drift apart depends on when each prefill ends
+    (they rejoin once they meet in a batch), and which group's batch a stage gets first on when the processes run,
+    so those are held in test_batch with scripted replies, not here."""
+    assert pipeline.schedule == "lockstep", "auto: local stages on the CPU share its cores, so they run in lock-step"
     n = 8
     alone = [pipeline.run(make_generations(pipeline, [prompt], n, Sampling())).generations[0].tokens
              for prompt in PROMPTS]
     groups = {}
-    for lockstep in (True, False):
-        pipeline.lockstep, pipeline.trace = lockstep, []
+    for schedule in ("lockstep", "groups", "overlap"):
+        pipeline.schedule, pipeline.trace = schedule, []
         try:
             together = pipeline.run(make_generations(pipeline, PROMPTS, n, Sampling()), concurrency=4)
-            groups[lockstep] = stage0_decode_groups(pipeline.trace)
+            groups[schedule] = stage0_decode_groups(pipeline.trace)
         finally:
-            pipeline.lockstep, pipeline.trace = True, None
-        assert [g.tokens for g in together.generations] == alone
+            pipeline.schedule, pipeline.trace = "lockstep", None
+        assert [g.tokens for g in together.generations] == alone, schedule
     steps = sum(len(g.tokens) - 1 for g in together.generations)  # decode steps (after each prefill's token)
-    assert sum(map(len, groups[True])) == sum(map(len, groups[False])) == steps
+    assert all(sum(map(len, writes)) == steps for writes in groups.values())
     # lock-step: one write per token of all four (after a ramp while the prefills finish one after the other)
-    assert max(map(len, groups[True])) == 4 and len(groups[True]) <= (n - 1) + 3, groups[True]
+    assert max(map(len, groups["lockstep"])) == 4 and len(groups["lockstep"]) <= (n - 1) + 3, groups["lockstep"]

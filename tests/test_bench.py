@@ -640,6 +640,15 @@ def test_links_rows_set_the_issues_targets() -> None:
     assert links.rows(None)[0].value is None
 
 
+def test_links_local_rate_is_local_stages_without_the_relay() -> None:
+    """What "against plain at 0 ms" compares with: the stages as a user runs them on one machine (no launcher, so
+    auto's lock-step on the CPU), not the relay with nothing to delay (a launcher: the schedule of remote stages)."""
+    assert links.launcher(0, 0) is None
+    assert str(links.RELAY) in (links.launcher(25, 0) or "") and "--rate-mbit 10" in (links.launcher(0, 10) or "")
+    assert "no relay" in links._far_rows({"0": {"free": {"8": {"plain": {"tok_s": 100}}}},
+                                          "25": {"free": {"8": {"plain": {"tok_s": 50}}}}}, "")[0].note
+
+
 def test_prefill_refuses_an_unknown_file_before_it_builds_anything(capsys) -> None:
     from bench import prefill
 

@@ -160,6 +160,28 @@ def test_greedy_output_with_a_draft_is_exactly_the_output_without(pipeline, conc
     assert drafted[0].draft.accepted > 0  # the repeated passage: guesses were checked and kept
 
 
+def test_checks_of_several_generations_reach_the_last_stage_in_one_batch_with_the_same_tokens(pipeline, monkeypatch):
+    """Two of each prompt, 8 in flight in lock-step: the drafting generations' checks are held and sent together, so
+    the last stage gets batches of several checks (run there row by row as batched steps), and the output is still
+    exactly the output without a draft."""
+    checks: list[int] = []
+    write = pipeline._write
+
+    def counted(st, group):
+        if st.index == len(pipeline.stages) - 1:
+            checks.append(sum(call.check for _, call, _ in group))
+        write(st, group)
+    monkeypatch.setattr(pipeline, "_write", counted)
+    plain = pipeline.run(make_generations(pipeline, PROMPTS * 2, 40, Sampling()), 8).generations
+    pipeline.draft = Draft("ngram", 4)
+    try:
+        drafted = pipeline.run(make_generations(pipeline, PROMPTS * 2, 40, Sampling()), 8).generations
+    finally:
+        pipeline.draft = None
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert max(checks) >= 2, checks
+
+
 def test_seeded_sampling_with_a_draft_gives_the_same_tokens(pipeline):
     sampling = Sampling(temperature=0.8, seed=11)
     plain = _run(pipeline, None, sampling)

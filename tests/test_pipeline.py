@@ -150,19 +150,38 @@ def _max_stages_computing(trace) -> int:
 
 def test_schedule_auto_is_lockstep_only_for_local_stages_on_the_cpu():
     with Pipeline(Launch(2, stub=True), log=None) as p:
-        assert not p.lockstep  # a stub stage reports no device: its steps may overlap
+        assert p.schedule == "groups"  # a stub stage reports no device: its stages may compute at once
         for st in p.stages:
             st.ready = {**(st.ready or {}), "device": "CPU"}
         assert p._share_cores(Launch(2)) and not p._share_cores(Launch(2, launcher="ssh n{stage} w"))
         p.stages[1].ready = {**(p.stages[1].ready or {}), "device": "CUDA"}
         assert not p._share_cores(Launch(2))
     with Pipeline(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "5"}), log=None, schedule="lockstep") as p:
-        assert p.lockstep
+        assert p.schedule == "lockstep"
         solo = [p.run(make_generations(p, [prompt], 6, Sampling())).generations[0].tokens for prompt in PROMPTS]
         assert tokens_of(p.run(make_generations(p, PROMPTS, 6, Sampling()), concurrency=4)) == solo
     with pytest.raises(ValueError, match="schedule must be one of"):
         Pipeline(Launch(2, stub=True), log=None, schedule="fastest")
     assert parse_args(["--schedule", "overlap", "hi"]).schedule == "overlap" and parse_args(["hi"]).schedule == "auto"
+
+
+def test_groups_take_generations_as_they_come_and_let_them_go_when_they_end():
+    """pp-serve's way (start, then pump): a generation arriving while others decode joins a group and gets its solo
+    tokens; one that ends leaves its group (a newcomer joins the smaller group: test_batch)."""
+    with Pipeline(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "2"}), log=None) as p:
+        assert p.schedule == "groups"
+        solo = [p.run(make_generations(p, [prompt], 6, Sampling())).generations[0].tokens for prompt in PROMPTS]
+        gens = make_generations(p, PROMPTS, 6, Sampling())
+        for g in gens[:3]:
+            p.start(g)
+        while gens[0].request_id in p._active:
+            p.pump()
+        assert gens[0].session not in p._group_of  # it left its group
+        p.start(gens[3])
+        while p._active:
+            p.pump()
+        assert p._group_of == {}
+    assert [g.tokens for g in gens] == solo
 
 
 def test_streamed_text_is_the_final_text_in_prompt_order():

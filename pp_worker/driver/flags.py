@@ -52,9 +52,11 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     help=f"generations in flight at once (default {concurrency})")
     ap.add_argument("--schedule", choices=SCHEDULES, default="auto",
                     help="how the generations in flight share the stages: lockstep (they all take each token together, "
-                    "one batch passed from stage to stage: best where the stages share the same cores), overlap (each "
-                    "goes on as soon as its token is back, so the stages work on different batches at once: best with "
-                    "a device per stage); auto (default): lockstep when every stage is a local process on the CPU")
+                    "one batch passed from stage to stage: best where the stages share the same cores), groups (as "
+                    "many groups as stages, each in lock-step, so each stage works on one group's batch while the next "
+                    "works on another's: for a device or machine per stage), overlap (each goes on alone as soon as "
+                    "its token is back); auto (default): lockstep when every stage is a local process on the CPU, "
+                    "groups otherwise")
     ap.add_argument("--draft", choices=DRAFTS,
                     help="speculative decoding: 'ngram' guesses the next tokens from earlier text (prompt lookup) and "
                     "the stages check them in one pass, so one trip through the pipeline can yield several tokens; "

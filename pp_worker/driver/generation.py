@@ -56,6 +56,7 @@ class Call:
     fields: dict[str, Any]
     wait: bool = True
     on_reply: Callable[[Reply], Call | None] | None = None
+    check: bool = False  # a step of drafted tokens (the token and the guesses after it): batched as a one-token step
 
 
 TextSink = Callable[["Generation", str, bool], None]  # (generation, text so far, finished)
@@ -182,16 +183,17 @@ class Generation:
                  drafted: list[int]) -> Generator[Call, Reply | None, Reply]:
         """One pass through every stage (a prefill of seq_len tokens, one decode step, or a step with ``drafted``
         guesses after its token) -> the last stage's reply (``token_id``; with guesses, ``accepted`` too)."""
-        reply = yield Call(0, op, {**feed, "position": position})
+        checking = bool(drafted)
+        reply = yield Call(0, op, {**feed, "position": position}, check=checking)
         for s in range(1, n):
             hop = _hop(reply, position, seq_len)
             if s < n - 1:
-                reply = yield Call(s, "forward_range", hop)
+                reply = yield Call(s, "forward_range", hop, check=checking)
             else:
                 context = self.prompt_tokens + self.tokens
-                check = {"verify": drafted} if drafted else {}
-                reply = yield Call(s, "forward_and_sample",
-                                   hop | self.sampling.fields(context) | check | self._grammar(not self.tokens))
+                verify = {"verify": drafted} if drafted else {}
+                reply = yield Call(s, "forward_and_sample", hop | self.sampling.fields(context) | verify
+                                   | self._grammar(not self.tokens), check=checking)
         if "logprobs" in reply:
             self.logprobs.append(reply["logprobs"])
         return reply

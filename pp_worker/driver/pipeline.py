@@ -146,7 +146,7 @@ class _Pending:
     op: str
     sent: float
     waiter: Waiter  # a callback may answer with the next call to send (a prefill chunk's next stage)
-    step: bool = False  # a one-token step (what a batch can hold)
+    step: bool = False  # a token's step: one token, or a check of drafted ones (what a batch request holds)
     one_token: bool = False  # a one-token forward of any kind: what a worker batches with others queued behind it
 
 
@@ -154,11 +154,17 @@ Outgoing = tuple[int, Call, _Pending]  # a call waiting to be written: (request_
 
 
 BATCH_OPS = frozenset({"decode_step", "forward_range", "forward_and_sample"})  # one-token steps a batch can hold
-SCHEDULES = ("auto", "lockstep", "overlap")  # how generations in flight share the stages (Pipeline, --schedule)
+SCHEDULES = ("auto", "lockstep", "groups", "overlap")  # how generations in flight share the stages (--schedule)
 
 
 def is_step(call: Call) -> bool:
     return call.op in BATCH_OPS and call.fields.get("seq_len", 1) == 1
+
+
+def is_token(call: Call) -> bool:
+    """A decoding generation's step: one token, or a check of drafted tokens (on the last stage the worker runs
+    the checks of one batch row by row as batched steps; docs/protocol.md)."""
+    return is_step(call) or call.check
 
 
 def is_one_token(call: Call) -> bool:
@@ -179,8 +185,9 @@ class Pipeline:
         self.step_timeout, self.cancel, self.log = step_timeout, cancel, log
         self._chunk_override, self.batch = prefill_chunk, batch
         self.draft = draft  # speculative decoding (--draft): each generation that can gets a drafter of its own
-        self.lockstep = schedule == "lockstep"  # decided after the stages are ready where schedule is "auto"
-        self._stepping: set[int] = set()  # generations with a one-token step sent and not answered yet
+        self.schedule = schedule  # decided after the stages are ready where it is "auto" (_flush says what each does)
+        self._stepping: set[int] = set()  # generations with a step (one token, or a check) sent and not answered yet
+        self._group_of: dict[int, int] = {}  # schedule "groups": each stepping session's group (_group)
         self.stages: list[Stage] = []
         self._pending: dict[tuple[int, int], deque[_Pending]] = {}
         self._outbox: list[tuple[int, Call, _Pending]] = []  # calls of this round, sent by _flush, batched if they may
@@ -206,7 +213,7 @@ class Pipeline:
             if reuse or reuse is None and not any((st.ready or {}).get("stub") for st in self.stages):
                 self.prefixes = PrefixCache(self.max_sessions or 1)
             if schedule == "auto":
-                self.lockstep = self._share_cores(launch)
+                self.schedule = "lockstep" if self._share_cores(launch) else "groups"
         except BaseException as e:
             self.close(failed=not isinstance(e, Interrupted))
             raise
@@ -310,6 +317,7 @@ class Pipeline:
             raise
         finally:
             self._active.clear()
+            self._group_of.clear()
         return RunStats(gens, time.monotonic() - t0, [st.busy_s - b for st, b in zip(self.stages, busy0, strict=True)],
                         [st.requests - r for st, r in zip(self.stages, req0, strict=True)])
 
@@ -367,6 +375,7 @@ class Pipeline:
                 self._send(g.session, call, rid)
         except StopIteration:
             del self._active[rid]
+            self._group_of.pop(g.session, None)
             if g.draft:
                 g.draft.end()
             if g.keep_session:
@@ -413,43 +422,51 @@ class Pipeline:
 
     def _send(self, rid: int, call: Call, waiter: Waiter) -> None:
         """Queue a call; the next round's `_flush` writes it (with the others of this round: a batch can form)."""
-        pending = _Pending(call.op, time.monotonic(), waiter, is_step(call), is_one_token(call))
+        pending = _Pending(call.op, time.monotonic(), waiter, is_token(call), is_one_token(call))
         self._pending.setdefault((call.stage, rid), deque()).append(pending)
         self._outbox.append((rid, call, pending))
 
     def _flush(self) -> None:
-        """Write this round's calls in order. On each stage, consecutive one-token steps of distinct generations go
-        as one ``batch`` request, which the stage runs as one batched forward (the worker splits it by its
-        max_batch). A batch's replies come back in one line, so its generations reach the next stage together
-        and stay a batch from then on.
+        """Write this round's calls in order. On each stage, the steps (one-token, or checks) of distinct
+        generations of one group go as one ``batch`` request, which the stage runs as one batched forward (the
+        worker splits it by its max_batch). A batch's replies come back in one line, so its generations reach the
+        next stage together and stay a batch from then on.
 
-        Lock-step (``lockstep``): a generation's next token starts (its ``decode_step`` on stage 0) only once no
+        Lock-step (``lockstep``): a generation's next token starts (its step on stage 0) only once no
         other generation is in the middle of a token, so every decoding generation steps together and the stages
         pass one batch of K around. Where the stages share the same cores that is the fastest way: a batch of 4
         costs about 1.6x one step (bench/NOTES.md), and two batches on two stages at once only share the cores.
-        Otherwise (``overlap``) each generation goes on as soon as its token is back, so with K generations in
-        flight stage s works on one batch while stage s+1 works on another, as stages on devices of their own should.
+        ``groups``: the same within each of as many groups as there are stages (a generation joins the smallest
+        at its first step), each group a batch request of its own, so stage s works on one group's batch while
+        stage s+1 works on another's, as stages on devices of their own should, and a generation whose token comes
+        back waits for its group instead of going on alone (``overlap``'s way: its steps then meet others' only
+        by chance, and a stage runs one-token forwards one after another). A check of drafted tokens counts as a
+        step everywhere here: it starts a token, is held and goes in its group's batch request (on the last stage the
+        worker runs a batch's checks row by row as batched steps).
 
         Without batching (``batch`` false) a stage has at most one one-token forward outstanding: two queued on its
         stdin would be batched by the worker itself."""
         calls, self._outbox = self._outbox, []
         unsent = {id(p) for _, _, p in calls}
-        if self.lockstep and self._mid_token(calls):
-            self._outbox = [c for c in calls if self._starts_token(c[1])]  # held until the round completes
-            calls = [c for c in calls if not self._starts_token(c[1])]
+        if self.schedule != "overlap" and (busy := self._mid_token(calls)):
+            held = {id(p) for rid, call, p in calls if self._starts_token(call) and self._group(rid) in busy}
+            self._outbox = [c for c in calls if id(c[2]) in held]  # held until their group's token completes
+            calls = [c for c in calls if id(c[2]) not in held]
         if not self.batch:
             calls = self._one_at_a_time(calls, unsent)
         for st in self.stages:
-            group: list[tuple[int, Call, _Pending]] = []
+            batches: dict[int, list[Outgoing]] = {}  # this stage's batch of each group, in the order they opened
             for rid, call, pending in (c for c in calls if c[1].stage == st.index):
-                if self._batchable(st, call) and all(r != rid for r, _, _ in group):
-                    group.append((rid, call, pending))
+                if self._batchable(st, call) and all(r != rid for r, _, _ in batches.get(self._group(rid), [])):
+                    batches.setdefault(self._group(rid), []).append((rid, call, pending))
                     continue
-                self._write(st, group)
-                group = [(rid, call, pending)] if self._batchable(st, call) else []
-                if not group:
+                for batch in batches.values():  # before this call: a stage serves its lines in order
+                    self._write(st, batch)
+                batches = {self._group(rid): [(rid, call, pending)]} if self._batchable(st, call) else {}
+                if not batches:
                     self._write(st, [(rid, call, pending)])
-            self._write(st, group)
+            for batch in batches.values():
+                self._write(st, batch)
 
     def _one_at_a_time(self, calls: list[Outgoing], unsent: set[int]) -> list[Outgoing]:
         """The calls to write now such that no stage gets a one-token forward while it has one outstanding; the
@@ -469,17 +486,30 @@ class Pipeline:
 
     @staticmethod
     def _starts_token(call: Call) -> bool:
-        return call.stage == 0 and call.op == "decode_step"
+        return call.stage == 0 and (call.op == "decode_step" or call.check)
 
-    def _mid_token(self, calls: list[tuple[int, Call, _Pending]]) -> bool:
-        """Whether some generation is in the middle of a token: a step of it in flight, or about to be sent (past
-        stage 0)."""
-        return bool(self._stepping) or any(p.step and not self._starts_token(call) for _, call, p in calls)
+    def _mid_token(self, calls: list[Outgoing]) -> set[int]:
+        """The groups some generation of which is in the middle of a token: a step of it in flight, or about to be
+        sent (past stage 0)."""
+        return {self._group(rid) for rid in self._stepping} | \
+            {self._group(rid) for rid, call, p in calls if p.step and not self._starts_token(call)}
+
+    def _group(self, rid: int) -> int:
+        """The group whose steps go together (``groups``; with any other schedule all are one): fixed from the
+        session's first step to its generation's end, the group with the fewest members then (pp-serve's
+        generations come and go)."""
+        if self.schedule != "groups":
+            return 0
+        if (group := self._group_of.get(rid)) is None:
+            members = [list(self._group_of.values()).count(k) for k in range(len(self.stages))]
+            group = self._group_of[rid] = members.index(min(members))
+        return group
 
     def _batchable(self, st: Stage, call: Call) -> bool:
-        return self.batch and is_step(call) and (st.ready or {}).get("max_batch", 1) > 1
+        return self.batch and is_token(call) and (st.ready or {}).get("max_batch", 1) > 1
 
     def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]]) -> None:
+        group = sorted(group, key=lambda c: c[1].check)  # steps, then checks: the worker batches a run of each kind
         self._stepping.update(rid for rid, _, pending in group if pending.step)
         if self.trace is not None:
             self.trace += [(time.monotonic(), st.index, rid, call.op, "send") for rid, call, _ in group]

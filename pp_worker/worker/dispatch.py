@@ -68,7 +68,8 @@ class Worker:
         while i < len(ready) and not self.shutdown_requested:
             item, run = ready[i], self._batch_run(ready, i)
             if len(run) > 1:
-                yield from self._run_guarded(run, lambda run=run: _step_batch(self, run))
+                batched = _verify_batch if run[0].fields.get("verify") is not None else _step_batch
+                yield from self._run_guarded(run, lambda run=run, batched=batched: batched(self, run))
             elif isinstance(item, Request):
                 yield from self._run_guarded([item], lambda item=item: [_serve_one(self, item)])
             else:
@@ -103,11 +104,12 @@ class Worker:
             return _error(protocol.request_id_of(obj), f"internal error: {type(e).__name__}: {e}")
 
     def _batch_run(self, ready: list[Request | Reply], i: int) -> list[Request]:
-        """The requests from ``ready[i]`` on that can share one batched forward (empty if ``ready[i]`` cannot)."""
+        """The requests from ``ready[i]`` on that can share batched forwards (empty if ``ready[i]`` cannot): one-token
+        steps, or checks (``verify``, run row by row as batched steps: `_verify_batch`), never the two mixed."""
+        kind = _batch_kind(ready[i])
         run: list[Request] = []
         for item in ready[i:i + self.engine.max_batch]:
-            if not (isinstance(item, Request) and item.op in protocol.BATCH_OPS and _one_token(item.fields)
-                    and item.fields.get("verify") is None  # its reply has a field a batched step's has not
+            if not (kind is not None and isinstance(item, Request) and _batch_kind(item) == kind
                     and all(r.rid != item.rid for r in run)
                     and self.engine.can_batch(item.rid, item.fields["position"])):
                 break
@@ -254,15 +256,51 @@ def _verify(w: Worker, rid: int, f: dict[str, Any]) -> Reply:
     differs is replaced by the model's token, and the rows after it are never computed (the session holds the rows
     run; the caller's next step starts right after them). ``accepted``: the guesses kept; ``token_id``: the model's
     token after them."""
-    hidden, position, guesses = f["hidden"], f["position"], f["verify"]
-    row = len(hidden) // f["seq_len"]
+    position, guesses = f["position"], f["verify"]
     step = {k: v for k, v in f.items() if k != "grammar"}  # a check is never a generation's first step
     for i, guess in enumerate([*guesses, None]):  # the last row has no guess: it always answers
-        logits = w.engine.forward_logits(rid, hidden[i * row:(i + 1) * row], position + i, 1)
+        logits = w.engine.forward_logits(rid, _row(f, i), position + i, 1)
         token = _pick(w, rid, {**step, "position": position + i, "seq_len": 1}, logits)  # a grammar masks each row
         if token != guess:
             return {"token_id": token, "accepted": i}
     raise AssertionError("unreachable: no token equals the last row's missing guess")
+
+
+def _verify_batch(w: Worker, run: list[Request]) -> list[Reply]:
+    """Several sessions' checks (`_verify`) at once: row i of every check still going runs as one batched step, so
+    N checks of k guesses cost k + 1 batched forwards instead of N (k + 1) one-token ones. Each session's rows,
+    tokens and reply are its own check's: a row runs only after every guess before it was kept, a failed row
+    fails that session's check alone (the rows it ran before stay, as in `_verify`)."""
+    replies: dict[int, Reply] = {}
+    going, i = list(run), 0
+    w.batched += len(run)
+    while going:
+        positions = [r.fields["position"] + i for r in going]
+        rows = [_row(r.fields, i) for r in going]
+        try:
+            out = w.engine.step_batch([r.rid for r in going], positions, rows)
+        except (EngineError, GrammarError) as e:
+            for r in going:
+                w.engine.undo(r.rid)
+                replies[r.rid] = _error(r.rid, str(e))
+            break
+        still = []
+        for b, r in enumerate(going):
+            f = {k: v for k, v in r.fields.items() if k != "grammar"} | {"position": positions[b], "seq_len": 1}
+            reply = _row_reply(w, r, lambda r=r, f=f, logits=out[b]: {"token_id": _pick(w, r.rid, f, logits)})
+            guesses = r.fields["verify"]
+            if "error" in reply or i == len(guesses) or reply["token_id"] != guesses[i]:
+                replies[r.rid] = reply if "error" in reply else reply | {"accepted": i}
+            else:
+                still.append(r)
+        going, i = still, i + 1
+    return [replies[r.rid] for r in run]
+
+
+def _row(f: dict[str, Any], i: int) -> bytes:
+    """Row ``i`` of a request's hidden state (its ``seq_len`` rows, one a position)."""
+    size = len(f["hidden"]) // f["seq_len"]
+    return f["hidden"][i * size:(i + 1) * size]
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -312,6 +350,16 @@ def _batch(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply
     nested payloads are small one-token rows, so they travel as plain strings."""
     replies = w.handle_objects(f["requests"])
     return {"replies": [{k: str(v) if isinstance(v, B64) else v for k, v in r.items()} for r in replies]}
+
+
+def _batch_kind(item: Request | Reply) -> str | None:
+    """What a request can share a batched forward with: "step" (a one-token forward), "check" (forward_and_sample
+    with ``verify``: its rows, each a one-token step), None (nothing: a prefill, a control op, an error reply)."""
+    if not isinstance(item, Request) or item.op not in protocol.BATCH_OPS:
+        return None
+    if item.fields.get("verify") is not None:
+        return "check"
+    return "step" if _one_token(item.fields) else None
 
 
 def _one_token(f: dict[str, Any]) -> bool:
