@@ -96,16 +96,50 @@ def uses_int8(kind: str, ggml_type: int) -> bool:
     return INT8_EVERY_TYPE or TYPES[ggml_type].int8_default
 
 
-def source(kind: str, ggml_type: int, k: int, name: str) -> str:
+def source(kind: str, ggml_type: int, k: int, name: str, group: int = 0) -> str:
     """C source of kernel ``name``, ``kind`` "matmul" or "gather", for rows of ``k`` values of ``ggml_type``: a
-    matmul on the integer path where `uses_int8` (``matmul_int.c``), else the float one."""
+    matmul on the integer path where `uses_int8` (``matmul_int.c``), else the float one. ``group``: the weight's rows
+    interleaved by `grouped` (a matmul on the integer path whatever `numerics` says now: the layout was chosen for
+    it at load)."""
     t = TYPES[ggml_type]
     qk = t.kernel_block
-    defines: dict[str, Any] = {"NAME": name, "PP_K": k, "PP_ROWS": ROWS, "BLOCK_VALUES": qk,
+    defines: dict[str, Any] = {"NAME": name, "PP_K": k, "PP_ROWS": max(ROWS, group), "BLOCK_VALUES": qk,
                                "BLOCK_BYTES": t.row_bytes(qk)}
-    if uses_int8(kind, ggml_type):
+    if group:
+        defines["PP_GROUP"] = group
+    if group or uses_int8(kind, ggml_type):
         return unit({**defines, "PP_INT": 1}, ["common.h", "q8.h", *type_files(t), "matmul_int.c"])
     return unit(defines, ["common.h", *type_files(t), f"{kind}.c"])
+
+
+GROUP_ROWS = 16  # Q4_0's rows interleaved per group at load (``c/matmul_groups.h``: a row per int32 lane of 512 bits)
+
+
+def group_rows(ggml_type: int) -> int:
+    """How many rows a product's weight of ``ggml_type`` interleaves at load (`grouped`), 0 for none: Q4_0 on the
+    integer path (`uses_int8`), whose grouped kernel scales a block's sums of 16 rows at once and unpacks a block once
+    per 16 rows (bench/NOTES.md). Only a product's (`weights.Linear`): the embedding's gather reads plain rows."""
+    return GROUP_ROWS if TYPES[ggml_type].name == "Q4_0" and uses_int8("matmul", ggml_type) else 0
+
+
+def grouped(rows: np.ndarray, group: int = GROUP_ROWS) -> None:
+    """Q4_0 rows (n, row bytes) uint8 rewritten in place into ``c/matmul_groups.h``'s layout: each whole group of
+    ``group`` rows as its blocks in turn, a block the rows' d then 4 chunks of 64 bytes (chunk c: 4 bytes a row, low
+    nibbles values 8c..8c+3, high ones 8c+4..8c+7); the rows past the last whole group as they were. The same bytes,
+    moved: a few groups at a time, so the temporaries stay small."""
+    n, row_bytes = rows.shape
+    nb = row_bytes // 18
+    step = max(1, (4 << 20) // (group * row_bytes))  # groups per pass: ~4 MiB of rows
+    for g0 in range(0, n // group, step):
+        s = min(step, n // group - g0)
+        part = rows[g0 * group:(g0 + s) * group]
+        blocks = part.reshape(s, group, nb, 18)
+        qs = blocks[..., 2:]
+        v = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(s, group, nb, 4, 2, 4)  # value 8c + 4h + t
+        chunks = (v[..., 0, :] | (v[..., 1, :] << 4)).transpose(0, 2, 3, 1, 4)  # (s, nb, c, row, t)
+        d = blocks[..., :2].transpose(0, 2, 1, 3)  # (s, nb, row, 2)
+        part[:] = np.concatenate([d.reshape(s, nb, 2 * group), chunks.reshape(s, nb, 16 * group)],
+                                 axis=-1).reshape(part.shape)
 
 
 def supported(ggml_type: int, k: int) -> bool:
@@ -184,11 +218,12 @@ def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, .
 
 
 def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
-          threads: int) -> Tensor:
-    """``out`` after the ``kind`` kernel ("matmul" or "gather") ran on (out, w, x, dims)."""
-    op = "gather" if kind == "gather" else "mm8" if uses_int8(kind, ggml_type) else "mm"
+          threads: int, group: int = 0) -> Tensor:
+    """``out`` after the ``kind`` kernel ("matmul" or "gather") ran on (out, w, x, dims); ``group``: w's rows
+    interleaved (`grouped`)."""
+    op = "gather" if kind == "gather" else f"mm8g{group}" if group else "mm8" if uses_int8(kind, ggml_type) else "mm"
     name = f"{TYPES[ggml_type].name.lower()}_{op}_{k}"
-    return launch(name, source(kind, ggml_type, k, name), (out, w, x), shape, threads)
+    return launch(name, source(kind, ggml_type, k, name, group), (out, w, x), shape, threads)
 
 
 def matmul_parts(ggml_type: int, n: int, k: int) -> int:
@@ -226,16 +261,17 @@ def quantized(x: Tensor, block: int, k: int) -> Tensor:
     return launch(name, quantize_source(block, k, name), (out, x), (b, parts), parts)
 
 
-def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
-    """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes)."""
+def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int, group: int = 0) -> Tensor:
+    """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes),
+    rows interleaved in groups of ``group`` where `grouped` did so."""
     lead = x.shape[:-1]
     b = math.prod(lead)
     threads = max(1, min(matmul_parts(ggml_type, n, k), n // ROWS))
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
     xs = x.reshape(b, k).cast(dtypes.float32)
-    if uses_int8("matmul", ggml_type):
+    if group or uses_int8("matmul", ggml_type):
         xs = quantized(xs, TYPES[ggml_type].kernel_block, k)
-    return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads).reshape(*lead, n)
+    return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads, group).reshape(*lead, n)
 
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
