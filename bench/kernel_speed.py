@@ -177,9 +177,12 @@ def main() -> None:
             libs = {name: build(files, k, type_name, workdir, name == "int8") for name, files in builds.items()}
             ws = {}
             if group:
-                libs["int8g"] = build(kernels.type_files(t), k, type_name, workdir, True, group=group)
                 ws["int8g"] = w.copy()
                 kernels.grouped(ws["int8g"], group)
+                libs["int8g"] = build(kernels.type_files(t), k, type_name, workdir, True, group=group)
+                if base_dir is not None and (base_dir / "matmul_groups.h").exists():
+                    libs[f"int8g@{a.base}"] = build(kernels.type_files(t), k, type_name, workdir, True, base_dir, group)
+                    ws[f"int8g@{a.base}"] = ws["int8g"]
             for name in ("native", "int8") if base_dir is not None else ():
                 if name in builds:
                     libs[f"{name}@{a.base}"] = build(kernels.type_files(t), k, type_name, workdir, name == "int8",

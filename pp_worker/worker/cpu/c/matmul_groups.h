@@ -37,13 +37,18 @@ static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
   return acc + CAT16(dot32u(LO32(w), xv), dot32u(HI32(w), xv));
 #endif
 }
-/* f (a row of x's 16 sums, one a weight row) += block g's products with x's block xb, scaled */
-static inline void group_dot(f16v* f, const gblock* g, const unsigned char* xb) {
+/* f (a row of x's 16 sums, one a weight row) += block g's products with x's block xb, scaled. chains: the dependent
+   sums split in that many (1 or 2: integer sums, the same in any order); one row of x wants two, several rows of x
+   are chains enough and keep a register each */
+static inline __attribute__((always_inline)) void group_dot(f16v* f, const gblock* g, const unsigned char* xb,
+                                                            int chains) {
   short bs[2]; float dx;
   __builtin_memcpy(bs, xb + X_SUMS, 4); __builtin_memcpy(&dx, xb + X_D, 4);
-  i32x16 lo = (i32x16)(-8 * (bs[0] + bs[1])), hi = 0;  /* two chains: integer sums, any order is the same */
+  i32x16 lo = (i32x16)(-8 * (bs[0] + bs[1])), hi = 0;
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
-    lo = dot4(lo, g->q[2 * c], xb + 8 * c); hi = dot4(hi, g->q[2 * c + 1], xb + 8 * c + 4);
+    lo = dot4(lo, g->q[2 * c], xb + 8 * c);
+    if (chains == 2) hi = dot4(hi, g->q[2 * c + 1], xb + 8 * c + 4);
+    else lo = dot4(lo, g->q[2 * c + 1], xb + 8 * c + 4);
   }
   *f += __builtin_convertvector(lo + hi, f16v) * (g->d * dx);
 }
@@ -59,7 +64,7 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
     AHEAD_N(b, GB);
     gblock g; gblock_at(b, &g);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++)
-      if (i < nx) group_dot(&f[i], &g, xq + ((long)i * NB + j) * XB);
+      if (i < nx) group_dot(&f[i], &g, xq + ((long)i * NB + j) * XB, nx == 1 ? 2 : 1);
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
 }
