@@ -148,20 +148,36 @@ def test_other_cpus_builds_read_the_groups(tmp_path, target):
     np.testing.assert_array_equal(many[0], one)
 
 
+def test_which_weights_are_grouped(monkeypatch):
+    """Q4_0 on the integer path on x86-64 (where it measured faster); its float path (PP_EXACT=1), other types and
+    aarch64 (not timed on a real core) keep plain rows."""
+    import platform
+
+    assert cpu_kernels.group_rows(Q4_0) == (G if platform.machine() == "x86_64" else 0)
+    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(6) == 0  # Q8_0, Q5_0
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    assert cpu_kernels.group_rows(Q4_0) == 0
+    monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    assert cpu_kernels.group_rows(Q4_0) == G
+    monkeypatch.setenv("PP_EXACT", "1")
+    assert cpu_kernels.group_rows(Q4_0) == 0
+
+
 @pytest.fixture(scope="module")
 def q4_0_model(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("groups") / "kq-Q4_0.gguf", "kq", seed=3, dtype="Q4_0")
 
 
-def test_a_q4_0_stage_holds_its_products_grouped_and_computes_ggmls_scheme(q4_0_model, monkeypatch):
-    """Every product's Q4_0 matrix of a stage is held in groups (q, k and v stacked, the head too), the embedding's
-    rows plain (its gather reads rows), and the logits of a prefill and steps lie near ggml's scheme (test_int8_model's
-    bound; rows past the last group: the kernel tests' 37 rows)."""
+def test_a_q4_0_stage_holds_its_products_grouped_and_computes_ggmls_scheme(q4_0_model):
+    """Every product's Q4_0 matrix of a stage is held in groups on x86-64 (q, k and v stacked, the head too), the
+    embedding's rows plain (its gather reads rows), and the logits of a prefill and steps lie near ggml's scheme
+    (test_int8_model's bound; rows past the last group: the kernel tests' 37 rows)."""
     chain = Chain(q4_0_model, 2, 64, prefill_chunk=8)
     first, last = (e._w for e in chain.engines)
     layers = [m for w in (first, last) for blk in w.blocks for m in vars(blk).values()]
     weights = [m.weight for m in layers if isinstance(getattr(m, "weight", None), PackedWeight)]
-    assert len(weights) >= 6 * 2 and all(w.group == G for w in weights)  # q k v (stacked), o, gate up, down
-    assert last.output.weight.group == G
+    want = cpu_kernels.group_rows(Q4_0)  # G on x86-64 (`test_which_weights_are_grouped`)
+    assert len(weights) >= 6 * 2 and all(w.group == want for w in weights)  # q k v (stacked), o, gate up, down
+    assert last.output.weight.group == want
     assert first.token_embd.weight.group == 0
     assert_near_ggmls_scheme(q4_0_model, RefModel, vocab=500)

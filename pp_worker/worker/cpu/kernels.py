@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import platform
 import re
 from pathlib import Path
 from typing import Any
@@ -117,9 +118,14 @@ GROUP_ROWS = 16  # Q4_0's rows interleaved per group at load (``c/matmul_groups.
 
 def group_rows(ggml_type: int) -> int:
     """How many rows a product's weight of ``ggml_type`` interleaves at load (`grouped`), 0 for none: Q4_0 on the
-    integer path (`uses_int8`), whose grouped kernel scales a block's sums of 16 rows at once and unpacks a block once
-    per 16 rows (bench/NOTES.md). Only a product's (`weights.Linear`): the embedding's gather reads plain rows."""
-    return GROUP_ROWS if TYPES[ggml_type].name == "Q4_0" and uses_int8("matmul", ggml_type) else 0
+    integer path (`uses_int8`) on x86-64, where the grouped kernel measured 2-3.6x the plain one (AVX-512 VNNI and
+    AVX2: a block's 16 row sums in one vector, scaled at once, its nibbles unpacked once per 8 rows of x;
+    bench/NOTES.md). Every build reads the groups (the tests run aarch64's under qemu), but aarch64's generic C
+    executed ~1.1x the plain kernel's instructions there, and no aarch64 core was at hand to time: it keeps the plain
+    rows. Only a product's matrix (`weights.Linear`): the embedding's gather reads plain rows."""
+    if TYPES[ggml_type].name != "Q4_0" or not uses_int8("matmul", ggml_type):
+        return 0
+    return GROUP_ROWS if platform.machine().lower() in ("x86_64", "amd64") else 0
 
 
 def grouped(rows: np.ndarray, group: int = GROUP_ROWS) -> None:
