@@ -80,6 +80,13 @@ def test_grouped_products_are_ggmls_scheme(n, k, b):
     check(n, k, b)
 
 
+def test_grouped_rows_take_the_grouped_kernel_whatever_pp_exact_says_later(monkeypatch):
+    """The layout is chosen at load (`group_rows`); a product of grouped rows reads them as groups even when the
+    float path is asked for afterwards (its kernel would read them as plain rows)."""
+    monkeypatch.setenv("PP_EXACT", "1")
+    check(N, 288, 3)
+
+
 def test_every_row_of_a_chunk_is_the_same_row_alone():
     """A chunk of 128 rows of x (x in blocks of up to 32, passes of 8 against a group), 37 weight rows (two groups
     and plain rows): ggml's scheme, and each row the same floats as in a chunk of 1, 7, 8, 9 or 33 rows and alone."""
