@@ -170,6 +170,23 @@ def test_which_weights_are_grouped(monkeypatch):
     assert cpu_kernels.group_rows(Q4_0) == 0
 
 
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86 assembly")
+def test_avx512s_grouped_kernel_broadcasts_x_into_vpdpbusd(tmp_path):
+    """With AVX-512 VNNI a block's step is `vpdpbusd` on 512 bits with x's 4 bytes broadcast from memory ({1to16}),
+    the 16 rows' d converted at once (`vcvtph2ps`, or `vcvtph2psx` with AVX512-FP16), and no byte operation
+    emulated (tests/test_int8_arches.py's list; the plain rows past the groups take their sign mask)."""
+    from test_int8_arches import EMULATED, sign_mask
+
+    out = tmp_path / "g.s"
+    cross.clang("-S", "-x", "c", *cross.TARGETS["avx512"].kernel_flags(), "-", "-o", str(out),
+                source=cpu_kernels.source("matmul", Q4_0, 2048, "g", G))
+    lines = [line.split("#")[0].split() for line in out.read_text().splitlines() if line.startswith("\t")]
+    ops = {op[0] for op in lines if op and not sign_mask(op)}
+    assert any(op[0] == "vpdpbusd" and "{1to16}" in " ".join(op) and op[-1].startswith("%zmm") for op in lines if op)
+    assert any(op[0].startswith("vcvtph2ps") and op[-1].startswith("%zmm") for op in lines if op)
+    assert not ops & set(EMULATED), ops & set(EMULATED)
+
+
 @pytest.fixture(scope="module")
 def q4_0_model(tmp_path_factory) -> Path:
     return generate(tmp_path_factory.mktemp("groups") / "kq-Q4_0.gguf", "kq", seed=3, dtype="Q4_0")
