@@ -9,8 +9,9 @@ turn, round after round, and the median of the rounds is reported (this VM's spe
 builds measured side by side compare). The default builds are ``generic`` (the type's generic C alone) and
 ``native`` (its row of the type table: this CPU's SIMD files); ``--variant`` adds a build from other files (relative
 to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds the integer path (``matmul_int.c``,
-its products checked against the first build's within the int8 rounding only). ``CC`` picks the compiler (the
-AVX2 wrapper: ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
+its products checked against the first build's within the int8 rounding only), and for Q4_0 ``int8g``, its rows
+interleaved as a stage holds them (`kernels.grouped`). ``CC`` picks the compiler (the AVX2 wrapper:
+../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
 (32000x2048) and prints GB/s of the weights' bytes too. ``--base REV`` adds the native and integer builds made from
 git revision REV's ``cpu/c/`` (``native@REV``, ``int8@REV``): a kernel change against its base in one run. Weights
 are random bytes with finite scales, as the tests'.
@@ -53,14 +54,16 @@ FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0
 
 
 def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = False,
-          c_dir: Path | None = None) -> ctypes.CDLL:
+          c_dir: Path | None = None, group: int = 0) -> ctypes.CDLL:
     """A shared library of the matmul kernel over ``files`` (the type's C files) for rows of ``k`` values; ``int8``:
     the integer path's kernel, with x's quantization ahead of it (a revision before ``quantize.c``: inside it);
-    ``c_dir``: the C sources from there instead of the package's."""
+    ``c_dir``: the C sources from there instead of the package's; ``group``: the kernel for rows interleaved at load
+    (`kernels.grouped`)."""
     t = BY_NAME[type_name]
     c_dir = c_dir or kernels.C_DIR
-    defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": kernels.ROWS, "BLOCK_VALUES": t.kernel_block,
-               "BLOCK_BYTES": t.row_bytes(t.kernel_block), **({"PP_INT": 1} if int8 else {})}
+    defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": max(kernels.ROWS, group), "BLOCK_VALUES": t.kernel_block,
+               "BLOCK_BYTES": t.row_bytes(t.kernel_block), **({"PP_INT": 1} if int8 else {}),
+               **({"PP_GROUP": group} if group else {})}
     parts = ["common.h", "q8.h", *files, "matmul_int.c"] if int8 else ["common.h", *files, "matmul.c"]
     units = [kernels.unit(defines, parts, c_dir)]
     if int8 and (c_dir / "quantize.c").exists():
@@ -101,29 +104,31 @@ def weights(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndar
     return raw.reshape(n, -1)
 
 
-def measure(libs: dict[str, ctypes.CDLL], w: np.ndarray, n: int, k: int, b: int,
-            rounds: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+def measure(libs: dict[str, ctypes.CDLL], w: np.ndarray, n: int, k: int, b: int, rounds: int,
+            ws: dict[str, np.ndarray] | None = None) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """(median seconds per call of each library, its best round's, median of its per-round speed over the first
-    library's). The
-    libraries are timed in turn, ~2 ms each, the order reversed every other round; a ratio taken within one round
-    compares runs a few ms apart, which this VM's phases (other tenants on the cores) rarely split."""
+    library's). ``ws``: a library's own weights (the same rows in its layout), else ``w``. The libraries are timed
+    in turn, ~2 ms each, the order reversed every other round; a ratio taken within one round compares runs a few ms
+    apart, which this VM's phases (other tenants on the cores) rarely split."""
     x = np.random.default_rng(1).standard_normal((b, k)).astype(np.float32)
     out = np.zeros((b, n), np.float32)
     dims = np.array([n, b, 1], np.int32)
-    args = [a.ctypes.data_as(ctypes.c_void_p) for a in (out, w, x, dims)]
+    ws = ws or {}
+    args = {name: [a.ctypes.data_as(ctypes.c_void_p) for a in (out, ws.get(name, w), x, dims)] for name in libs}
     outs = {}
     for name, lib in libs.items():  # warm up, and keep each build's products to compare
-        lib.bench_loop(*args, 1)
+        lib.bench_loop(*args[name], 1)
         outs[name] = out.copy()
     t0 = time.perf_counter()
-    next(iter(libs.values())).bench_loop(*args, 3)
+    first_name = next(iter(libs))
+    libs[first_name].bench_loop(*args[first_name], 3)
     reps = max(1, int(0.002 / ((time.perf_counter() - t0) / 3)))
     times: dict[str, list[float]] = {name: [] for name in libs}
     names = list(libs)
     for r in range(rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             t0 = time.perf_counter()
-            libs[name].bench_loop(*args, reps)
+            libs[name].bench_loop(*args[name], reps)
             times[name].append((time.perf_counter() - t0) / reps)
     ref = outs[names[0]]
     for name, o in outs.items():  # a build that computes something else is no faster build
@@ -163,18 +168,27 @@ def main() -> None:
             builds["native"] = kernels.type_files(t)
         if a.int8 and t.int8:
             builds["int8"] = kernels.type_files(t)
+        group = kernels.GROUP_ROWS if a.int8 and type_name == "Q4_0" else 0  # its rows interleaved, as a stage's
         for v in a.variant:
             label, files = v.split("=", 1)
             builds[label] = [generic, *files.split(",")]
         for n, k in shapes + ([(32000, 2048)] if a.dram else []):
             w = weights(type_name, n, k, rng)
             libs = {name: build(files, k, type_name, workdir, name == "int8") for name, files in builds.items()}
+            ws = {}
+            if group:
+                ws["int8g"] = w.copy()
+                kernels.grouped(ws["int8g"], group)
+                libs["int8g"] = build(kernels.type_files(t), k, type_name, workdir, True, group=group)
+                if base_dir is not None and (base_dir / "matmul_groups.h").exists():
+                    libs[f"int8g@{a.base}"] = build(kernels.type_files(t), k, type_name, workdir, True, base_dir, group)
+                    ws[f"int8g@{a.base}"] = ws["int8g"]
             for name in ("native", "int8") if base_dir is not None else ():
                 if name in builds:
                     libs[f"{name}@{a.base}"] = build(kernels.type_files(t), k, type_name, workdir, name == "int8",
                                                      base_dir)
             for b in batches if (n, k) != (32000, 2048) else [1]:
-                med, best, ratio = measure(libs, w, n, k, b, a.rounds)
+                med, best, ratio = measure(libs, w, n, k, b, a.rounds, ws)
                 dram = (n, k) == (32000, 2048)
                 cells = [f"{name} {n * k / s / 1e9:6.2f}" + (f" {w.nbytes / s / 1e9:5.1f} GB/s" if dram else "")
                          + f" ({ratio[name]:4.2f}x, best {n * k / best[name] / 1e9:5.2f})" for name, s in med.items()]

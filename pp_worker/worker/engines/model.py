@@ -146,7 +146,7 @@ def load_block(source: TensorSource, config: TransformerConfig, i: int) -> Cache
         raise ModelLoadError(f"block {i}: {e}") from e
     for name, layer in linears.items():
         bias = None if layer.bias is None else source.tensor(f"blk.{i}.{name}.bias")
-        weight = source.matrix(f"blk.{i}.{name}.weight", layer.weight.shape, heads.get(name))
+        weight = source.matrix(f"blk.{i}.{name}.weight", layer.weight.shape, heads.get(name), product=True)
         setattr(block, name, Linear(weight, bias, source.kernels))
     if arch == "gemma3":
         from pp_worker.worker.engines import gemma3
@@ -282,7 +282,7 @@ def _load_head(source: TensorSource, config: TransformerConfig) -> tuple[nn.RMSN
     nn.state.load_state_dict(norm, {"weight": source.tensor("output_norm.weight")}, verbose=False, realize=False)
     # tied embeddings (e.g. Llama 3.2): no output.weight, the head is the embedding matrix
     name = "output.weight" if "output.weight" in source.header.tensors else "token_embd.weight"
-    return norm, Linear(source.matrix(name, (config.vocab_size, config.dim)), None, source.kernels)
+    return norm, Linear(source.matrix(name, (config.vocab_size, config.dim), product=True), None, source.kernels)
 
 
 def _load_tokenizer(kv: dict[str, Any], build: Callable[[dict[str, Any]], Any]) -> Any:

@@ -57,7 +57,7 @@ class Linear:
         if not isinstance(w, PackedWeight):
             return x.linear(w.transpose(), self.bias)
         if self.kernels == "c":
-            y = cpu_kernels.matmul(x, w.raw, w.ggml_type, *w.shape)
+            y = cpu_kernels.matmul(x, w.raw, w.ggml_type, *w.shape, w.group)
             return y if self.bias is None else y + self.bias
         return x.linear(dequantize(w.raw, w.ggml_type, w.shape[1]).transpose(), self.bias)
 
@@ -75,10 +75,11 @@ def stacked(*layers: Linear) -> Linear | None:
     bias = None if biases[0] is None else Tensor.cat(*biases).realize()  # type: ignore[arg-type]
     if all(isinstance(w, Tensor) for w in weights) and len({w.dtype for w in weights}) == 1:  # type: ignore[union-attr]
         return Linear(Tensor.cat(*weights).realize(), bias, layers[0].kernels)  # type: ignore[arg-type]
-    if all(isinstance(w, PackedWeight) for w in weights) and len({w.ggml_type for w in weights}) == 1:  # type: ignore[union-attr]
+    if (all(isinstance(w, PackedWeight) for w in weights) and len({(w.ggml_type, w.group) for w in weights}) == 1  # type: ignore[union-attr]
+            and all(w.shape[0] % max(1, w.group) == 0 for w in weights)):  # type: ignore[union-attr]  # whole groups
         raw = Tensor.cat(*(w.raw for w in weights)).realize()  # type: ignore[union-attr]
         rows = sum(w.shape[0] for w in weights)  # type: ignore[union-attr]
-        return Linear(PackedWeight(raw, weights[0].ggml_type, (rows, weights[0].shape[1])), bias,  # type: ignore[union-attr]
+        return Linear(PackedWeight(raw, weights[0].ggml_type, (rows, weights[0].shape[1]), weights[0].group), bias,  # type: ignore[union-attr]
                       layers[0].kernels)
     return None
 

@@ -34,11 +34,14 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """An (n, k) matrix held as its GGUF bytes: ``raw`` is a uint8 (n, row_bytes) tensor of ``ggml_type`` rows."""
+    """An (n, k) matrix held as its GGUF bytes: ``raw`` is a uint8 (n, row_bytes) tensor of ``ggml_type`` rows;
+    ``group`` > 0: the rows interleaved in groups of that many at load (`cpu.kernels.grouped`: only the C kernels'
+    integer-path product reads them)."""
 
     raw: Tensor
     ggml_type: int
     shape: tuple[int, int]
+    group: int = 0
 
 
 def resolve_model(model: str) -> Path | str:
@@ -90,10 +93,13 @@ class TensorSource:
     held: dict[str, tuple[str, int]] = field(default_factory=dict)
     converted: dict[str, str] = field(default_factory=dict)
 
-    def matrix(self, name: str, shape: tuple[int, ...], heads: tuple[int, int] | None = None) -> Tensor | PackedWeight:
+    def matrix(self, name: str, shape: tuple[int, ...], heads: tuple[int, int] | None = None,
+               product: bool = False) -> Tensor | PackedWeight:
         """A weight matrix of ``shape`` (n, k): its file bytes (`PackedWeight`) when its type has a kernel and
         the stage keeps it (see the class); else fp16 values, packed as F16 rows when the C kernels run. A 3-D
-        ``shape`` (E, n, k), a mixture of experts' tensor, is held the same way as E * n rows of k."""
+        ``shape`` (E, n, k), a mixture of experts' tensor, is held the same way as E * n rows of k. ``product``: the
+        matrix only ever multiplies (`weights.Linear`), so with the C kernels its rows may be interleaved for their
+        product (`cpu.kernels.group_rows`)."""
         from tinygrad import dtypes
 
         info = self._info(name)
@@ -104,10 +110,13 @@ class TensorSource:
         rows, k = math.prod(shape[:-1]), shape[-1]
         # the C kernels read their types; tinygrad's expressions (`weights.dequantize`) only the types it expands
         if keep and has_kernel(info.ggml_type, k) and (c or tinygrad_expands(info.ggml_type)):
-            raw = self._raw(info.nbytes, self._filler(info, heads)).reshape(rows, -1)
+            from pp_worker.worker.cpu.kernels import group_rows
+
+            group = group_rows(info.ggml_type) if c and product and len(shape) == 2 else 0
+            raw = self._raw(info.nbytes, self._filler(info, heads, rows if group else 0)).reshape(rows, -1)
             self.loaded[name] = info.nbytes
             self.held[name] = (type_name(info.ggml_type), info.nbytes)
-            return PackedWeight(raw, info.ggml_type, (rows, k))
+            return PackedWeight(raw, info.ggml_type, (rows, k), group)
         if info.ggml_type != F16:
             self.converted[name] = type_name(info.ggml_type)
         raw = self.tensor(name, heads, raw=True)
@@ -142,14 +151,20 @@ class TensorSource:
             return t if raw else self._view(t, info.shape)
         return filled(info.shape, dtype, fill, weight=True)
 
-    def _filler(self, info: TensorInfo, heads: tuple[int, int] | None) -> Callable[[memoryview], None]:
+    def _filler(self, info: TensorInfo, heads: tuple[int, int] | None,
+                grouped: int = 0) -> Callable[[memoryview], None]:
         """Writes ``info``'s file bytes into a buffer, rows un-permuted in place when ``heads`` (whole rows move, so
-        packed rows of any block type move as fp16 rows do)."""
+        packed rows of any block type move as fp16 rows do), then, with ``grouped`` (its rows), interleaved in place
+        (`cpu.kernels.grouped`)."""
         def fill(mv: memoryview) -> None:
             self._read(info, mv)
             if heads:
                 rows = np.frombuffer(mv, np.uint8).reshape(info.shape[0], -1)  # (rows, row bytes), writes through
                 rows[:] = unpermute_rows(rows, *heads)
+            if grouped:
+                from pp_worker.worker.cpu.kernels import grouped as regroup
+
+                regroup(np.frombuffer(mv, np.uint8).reshape(grouped, -1))
         return fill
 
     def _info(self, name: str) -> TensorInfo:

@@ -324,6 +324,9 @@ static inline void rows_pass(float* restrict out, const unsigned char* restrict 
     else rows_dot_q8(out + (long)b0 * N + n, N, row, xb, NB, nbt);
   }
 }
+#ifdef PP_GROUP  /* rows interleaved in groups at load (Q4_0) */
+#include "matmul_groups.h"
+#else
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
@@ -343,3 +346,4 @@ void NAME(float* restrict out, const unsigned char* restrict w, const unsigned c
     for (; n < n1; n++) rows_pass(out, w + (long)n * NB * BLOCK_BYTES, xq, N, n, c0, c1);
   }
 }
+#endif

@@ -1,0 +1,92 @@
+/* The integer path's product (matmul_int.c's NAME) for Q4_0 weights whose rows `cpu.kernels.grouped` interleaved at
+   load, PP_GROUP (16) rows a group; the rows past the last whole group stay plain, after the groups.
+
+   Block j of a group is 16 x 18 bytes (a group's NB blocks one after another): the 16 rows' d (fp16), then 4 chunks
+   of 64 bytes, chunk c's bytes 4r..4r+3 row r's: their low nibbles values 8c..8c+3 of the row's block, their high
+   nibbles values 8c+4..8c+7 (q, unsigned). A chunk masked (or shifted and masked) is then 4 values of each of the 16
+   rows, a row a 32-bit lane, against x's 4 values broadcast to every lane: vpdpbusd sums a block's 32 products of a
+   row in the row's lane (q unsigned, x signed; its start value -8 sum x makes them (q - 8) x), so the 16 rows' block
+   sums are whole int32s in one vector, scaled in one step (d dx, the 16 rows' d converted together). Against the plain
+   layout's tile (which scales 8-lane partial sums per (row, x) and unpacks a block per row): about a fifth of the
+   instructions per product (bench/NOTES.md). The float steps per (row, x): f += float(sum) (d dx), a block at a time
+   in block order, the same for one row of x or a chunk's (one function, `group_dot`), so every row of a chunk equals
+   the same row alone; against the plain layout's floats they differ (whole sums, not 8 partial lanes). */
+enum { GR = PP_GROUP, GB = GR * BLOCK_BYTES };
+/* rows of x a pass over a group: its unpacked block (8 vectors of 64 bytes) and GXR sums of 16 floats in registers */
+#if defined(__AVX512F__)
+enum { GXR = 8 };
+#else
+enum { GXR = 2 };
+#endif
+_Static_assert(GR == 16 && BLOCK_VALUES == 32, "a group is 16 rows of 32-value blocks: a row per int32 lane");
+typedef struct { u8x64 q[8]; f16v d; } gblock;  /* q[2c] chunk c's low nibbles, q[2c + 1] its high ones */
+static inline void gblock_at(const unsigned char* b, gblock* g) {
+  h16x16 h; __builtin_memcpy(&h, b, 32);
+  g->d = __builtin_convertvector(h, f16v);
+  _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
+    u8x64 v; __builtin_memcpy(&v, b + 32 + 64 * c, 64);
+    g->q[2 * c] = v & 15; g->q[2 * c + 1] = (u8x64)((u16x32)v >> 4) & 15;  /* x86 shifts 16-bit lanes, not bytes */
+  } }
+/* acc + each lane's 4 bytes of w times the 4 bytes at x4 (int8) */
+static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
+  int v; __builtin_memcpy(&v, x4, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return (i32x16)__builtin_ia32_vpdpbusd512(acc, (i32x16)w, (i32x16)v);  /* the broadcast folds into its operand */
+#else
+  i8x32 xv = (i8x32)(i32x8)v;  /* q <= 15: AVX2's 16-bit pair sums cannot saturate */
+  return acc + CAT16(dot32u(LO32(w), xv), dot32u(HI32(w), xv));
+#endif
+}
+/* f (a row of x's 16 sums, one a weight row) += block g's products with x's block xb, scaled. chains: the dependent
+   sums split in that many (1 or 2: integer sums, the same in any order); one row of x wants two, several rows of x
+   are chains enough and keep a register each */
+static inline __attribute__((always_inline)) void group_dot(f16v* f, const gblock* g, const unsigned char* xb,
+                                                            int chains) {
+  short bs[2]; float dx;
+  __builtin_memcpy(bs, xb + X_SUMS, 4); __builtin_memcpy(&dx, xb + X_D, 4);
+  i32x16 lo = (i32x16)(-8 * (bs[0] + bs[1])), hi = 0;
+  _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
+    lo = dot4(lo, g->q[2 * c], xb + 8 * c);
+    if (chains == 2) hi = dot4(hi, g->q[2 * c + 1], xb + 8 * c + 4);
+    else lo = dot4(lo, g->q[2 * c + 1], xb + 8 * c + 4);
+  }
+  *f += __builtin_convertvector(lo + hi, f16v) * (g->d * dx);
+}
+/* a group's 16 rows against nx (at most GXR) rows of x: each block unpacked once for all of them */
+static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
+                                                             const unsigned char* restrict gw,
+                                                             const unsigned char* restrict xq, int nx) {
+  enum { NB = PP_K / BLOCK_VALUES };
+  f16v f[GXR];
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
+  for (int j = 0; j < NB; j++) {
+    const unsigned char* b = gw + (long)j * GB;
+    AHEAD_N(b, GB);
+    gblock g; gblock_at(b, &g);
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++)
+      if (i < nx) group_dot(&f[i], &g, xq + ((long)i * NB + j) * XB, nx == 1 ? 2 : 1);
+  }
+  for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
+}
+void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
+          const int* restrict dims, int core_id) {
+  enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
+  _Static_assert(PP_ROWS % GR == 0, "parts must start at a group");
+  const int N = dims[0], B = dims[1], T = dims[2], NG = N / GR * GR;
+  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  int g1 = n1 < NG ? n1 : NG;
+  for (int c0 = 0; c0 < B; c0 += XBLOCK) {  /* a block of x stays in L2 while every group passes it */
+    int c1 = c0 + XBLOCK < B ? c0 + XBLOCK : B;
+    for (int n = n0; n < g1; n += GR) {
+      const unsigned char* gw = w + (long)n * NB * BLOCK_BYTES;
+      for (int b0 = c0; b0 < c1; b0 += GXR) {
+        int nx = c1 - b0;
+        float* o = out + (long)b0 * N + n; const unsigned char* x = xq + (long)b0 * NB * XB;
+        if (nx >= GXR) group_rows(o, N, gw, x, GXR);  /* constants: the loops without their guards */
+        else if (nx == 1) group_rows(o, N, gw, x, 1);
+        else group_rows(o, N, gw, x, nx);
+      }
+    }
+    for (int n = n0 > NG ? n0 : NG; n < n1; n++) rows_pass(out, w + (long)n * NB * BLOCK_BYTES, xq, N, n, c0, c1);
+  }
+}
