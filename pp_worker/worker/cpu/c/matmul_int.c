@@ -324,6 +324,9 @@ static inline void rows_pass(float* restrict out, const unsigned char* restrict 
     else rows_dot_q8(out + (long)b0 * N + n, N, row, xb, NB, nbt);
   }
 }
+#if IQ_MIN  /* Q4_1, Q5_1: their own product (the offsets' x side once a call) */
+#include "matmul_min.h"
+#else
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
@@ -343,3 +346,4 @@ void NAME(float* restrict out, const unsigned char* restrict w, const unsigned c
     for (; n < n1; n++) rows_pass(out, w + (long)n * NB * BLOCK_BYTES, xq, N, n, c0, c1);
   }
 }
+#endif
