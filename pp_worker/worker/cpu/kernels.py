@@ -86,30 +86,24 @@ def numerics() -> str:
 INT8_EVERY_TYPE = False  # True: every type with integer code takes it (the tests of that code), not only the defaults
 
 
-INT8_DECODE_ROWS = 8  # the most rows of x of a call `uses_int8` counts as decode: pp-serve's default max_batch
-
-
-def uses_int8(kind: str, ggml_type: int, rows: int = 1) -> bool:
-    """Whether a ``kind`` kernel of ``ggml_type`` with ``rows`` rows of x runs the integer path now (`numerics`; only
-    products have one): the types whose row says ``int8_default`` (where it measured faster than the float path here,
-    bench/NOTES.md: Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), ``int8_decode`` ones (Q4_1, Q5_1)
-    for up to `INT8_DECODE_ROWS` rows (a decode step, one session's or a batch's, and a prefill's last few tokens:
-    a batched session's step stays its own step; the float path's tiles win for a prefill chunk), or with
-    `INT8_EVERY_TYPE` every type with integer code at every size."""
+def uses_int8(kind: str, ggml_type: int) -> bool:
+    """Whether a ``kind`` kernel of ``ggml_type`` runs the integer path now (`numerics`; only products have one):
+    the types whose row says ``int8_default`` (where it measured faster than the float path here, bench/NOTES.md: as
+    of Q4_1's and Q5_1's own product, every type with integer code), or with `INT8_EVERY_TYPE` every type with
+    integer code."""
     if kind != "matmul" or not has_int8(ggml_type) or numerics() != "int8":
         return False
-    t = TYPES[ggml_type]
-    return INT8_EVERY_TYPE or t.int8_default or (t.int8_decode and rows <= INT8_DECODE_ROWS)
+    return INT8_EVERY_TYPE or TYPES[ggml_type].int8_default
 
 
-def source(kind: str, ggml_type: int, k: int, name: str, int8: bool = False) -> str:
+def source(kind: str, ggml_type: int, k: int, name: str) -> str:
     """C source of kernel ``name``, ``kind`` "matmul" or "gather", for rows of ``k`` values of ``ggml_type``: a
-    matmul on the integer path where ``int8`` (`uses_int8`; ``matmul_int.c``), else the float one."""
+    matmul on the integer path where `uses_int8` (``matmul_int.c``), else the float one."""
     t = TYPES[ggml_type]
     qk = t.kernel_block
     defines: dict[str, Any] = {"NAME": name, "PP_K": k, "PP_ROWS": ROWS, "BLOCK_VALUES": qk,
                                "BLOCK_BYTES": t.row_bytes(qk)}
-    if int8:
+    if uses_int8(kind, ggml_type):
         return unit({**defines, "PP_INT": 1}, ["common.h", "q8.h", *type_files(t), "matmul_int.c"])
     return unit(defines, ["common.h", *type_files(t), f"{kind}.c"])
 
@@ -190,23 +184,22 @@ def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, .
 
 
 def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
-          threads: int, int8: bool = False) -> Tensor:
-    """``out`` after the ``kind`` kernel ("matmul" or "gather"; on the integer path where ``int8``) ran on (out, w,
-    x, dims)."""
-    op = "gather" if kind == "gather" else "mm8" if int8 else "mm"
+          threads: int) -> Tensor:
+    """``out`` after the ``kind`` kernel ("matmul" or "gather") ran on (out, w, x, dims)."""
+    op = "gather" if kind == "gather" else "mm8" if uses_int8(kind, ggml_type) else "mm"
     name = f"{TYPES[ggml_type].name.lower()}_{op}_{k}"
-    return launch(name, source(kind, ggml_type, k, name, int8), (out, w, x), shape, threads)
+    return launch(name, source(kind, ggml_type, k, name), (out, w, x), shape, threads)
 
 
-def matmul_parts(ggml_type: int, n: int, k: int, rows: int = 1) -> int:
+def matmul_parts(ggml_type: int, n: int, k: int) -> int:
     """The parts a product of an (n, k) weight splits into: F16's and the integer path's (whose x is quantized once,
     ahead: `quantized`), which prepare nothing per part, in parts of `PART_BYTES` (up to `PARTS_PER_THREAD` a
     thread: tinygrad's own runtime, which runs a JIT's first call, starts a thread per part). The threads claim
     parts in turn, so whichever is ahead takes more: a 2-stage decode of the 1.1B shape as F16 1.05-1.16x; the
     integer path's 0.99-1.02x, and 1.0-1.06x in prefill (bench/NOTES.md). The float path's other types prepare x
-    per part: one part a thread. ``rows``: the product's rows of x (`uses_int8`)."""
+    per part: one part a thread."""
     t, threads = TYPES[ggml_type], CPU_COUNT.value
-    if t.name != "F16" and not uses_int8("matmul", ggml_type, rows):
+    if t.name != "F16" and not uses_int8("matmul", ggml_type):
         return threads
     return max(threads, min(PARTS_PER_THREAD * threads, n * t.row_bytes(k) // PART_BYTES))
 
@@ -237,12 +230,12 @@ def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int) -> Tensor:
     """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes)."""
     lead = x.shape[:-1]
     b = math.prod(lead)
-    threads = max(1, min(matmul_parts(ggml_type, n, k, b), n // ROWS))
+    threads = max(1, min(matmul_parts(ggml_type, n, k), n // ROWS))
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
     xs = x.reshape(b, k).cast(dtypes.float32)
-    if int8 := uses_int8("matmul", ggml_type, b):
+    if uses_int8("matmul", ggml_type):
         xs = quantized(xs, TYPES[ggml_type].kernel_block, k)
-    return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads, int8).reshape(*lead, n)
+    return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads).reshape(*lead, n)
 
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:
