@@ -136,10 +136,20 @@ def test_pp_exact_selects_the_float_path(monkeypatch):
 def test_by_default_only_the_types_where_it_pays_take_the_integer_path(monkeypatch):
     monkeypatch.setattr(cpu_kernels, "INT8_EVERY_TYPE", False)
     taken = {TYPES[t].name for t in INT8 if cpu_kernels.uses_int8("matmul", t)}
-    assert taken == {"Q4_0", "Q5_0", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
+    # Q4_1 and Q5_1 too, since their own product (c/matmul_min.h) is faster than their float path at every size
+    assert taken == {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"}
     assert not cpu_kernels.uses_int8("gather", 12)
     monkeypatch.setenv("PP_EXACT", "1")
     assert not any(cpu_kernels.uses_int8("matmul", t) for t in INT8)
+
+
+@pytest.mark.parametrize("ggml_type", [3, 7], ids=type_name)  # Q4_1, Q5_1
+@pytest.mark.parametrize("b", [1, 8, 40])  # a decode step, a batch of them, a prefill chunk
+def test_q4_1_and_q5_1_take_the_integer_path_by_default(ggml_type, b, monkeypatch):
+    monkeypatch.setattr(cpu_kernels, "INT8_EVERY_TYPE", False)
+    got, scheme, exact = products(ggml_type, 37, 512, b)
+    np.testing.assert_allclose(got, scheme, rtol=0, atol=1e-5 * np.abs(exact).max())
+    assert np.abs(got - exact).max() > 1e-4 * np.abs(exact).max()  # the integer path, not the float one
 
 
 @pytest.mark.parametrize("ggml_type", [8, 12], ids=type_name)  # Q8_0 (x as Q8_0: ties away), Q4_K (Q8_K: to even)

@@ -53,10 +53,10 @@ class Int8Matrix:
 
 def int8_reference(path: Path, kind: type[Forward] = RefModel) -> Forward:
     """The float64 reference with ggml's int8 scheme in every product with a matrix of a type the integer path takes
-    (`cpu.kernels.uses_int8`: by default every type with integer code but Q4_1 and Q5_1, which stay float). The int8
-    rounding turns a difference at fp16's scale in a product's input into whole steps of its int8 blocks, so the
-    casts the engine makes are made here too: the fp16 wire (`wire_logits`), and none of the norm gains, which the
-    engine holds in float32 as the file does. ``kind``: the reference's family (`RefModel`, `Gemma3Ref`)."""
+    (`cpu.kernels.uses_int8`: by default every type with integer code). The int8 rounding turns a difference at
+    fp16's scale in a product's input into whole steps of its int8 blocks, so the casts the engine makes are made
+    here too: the fp16 wire (`wire_logits`), and none of the norm gains, which the engine holds in float32 as the
+    file does. ``kind``: the reference's family (`RefModel`, `Gemma3Ref`)."""
     ref = kind.from_gguf(path)  # type: ignore[attr-defined]
     for t in GGUFReader(str(path)).tensors:
         typ = TYPES[int(t.tensor_type)]

@@ -89,9 +89,9 @@ INT8_EVERY_TYPE = False  # True: every type with integer code takes it (the test
 
 def uses_int8(kind: str, ggml_type: int) -> bool:
     """Whether a ``kind`` kernel of ``ggml_type`` runs the integer path now (`numerics`; only products have one):
-    the types whose row says ``int8_default`` (where it measured faster than the float path here, bench/NOTES.md:
-    Q4_0, Q5_0, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS), or with `INT8_EVERY_TYPE` every type with
-    integer code (Q4_1 and Q5_1 too)."""
+    the types whose row says ``int8_default`` (where it measured faster than the float path here, bench/NOTES.md: as
+    of Q4_1's and Q5_1's own product, every type with integer code), or with `INT8_EVERY_TYPE` every type with
+    integer code."""
     if kind != "matmul" or not has_int8(ggml_type) or numerics() != "int8":
         return False
     return INT8_EVERY_TYPE or TYPES[ggml_type].int8_default

@@ -326,6 +326,8 @@ static inline void rows_pass(float* restrict out, const unsigned char* restrict 
 }
 #ifdef PP_GROUP  /* rows interleaved in groups at load (Q4_0) */
 #include "matmul_groups.h"
+#elif IQ_MIN  /* Q4_1, Q5_1: their own product (the offsets' x side once a call) */
+#include "matmul_min.h"
 #else
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
