@@ -64,7 +64,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
   }
   f16v wbuf[R][V];
   float sums[XB][R][16] __attribute__((aligned(64)));  /* each (row of x, weight row)'s lanes */
-  const int blocks = (B + XB - 1) / XB, bs = ((B + blocks - 1) / blocks + XT - 1) / XT * XT;  /* bs <= XB */
+  const int blocks = B > XB ? (B + XB - 1) / XB : 1, bs = ((B + blocks - 1) / blocks + XT - 1) / XT * XT;  /* <= XB */
   for (int b0 = 0; b0 < B; b0 += bs) {  /* a block of x that stays in L2 while the part's weight rows pass it */
     int b1 = b0 + bs < B ? b0 + bs : B;
     for (int n = n0; n < n1; n += R) {
