@@ -128,11 +128,13 @@ def test_every_build_is_right(ggml_type, build, request):
 @pytest.mark.parametrize("build", ARCH_BUILDS)
 def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
     """A prefill chunk's products at the edges of the kernel's tiles (the float path takes rows of x in blocks of up
-    to 64, in each 4 at a time with AVX-512 and 2 without, then the rest one by one, against weight rows 4 at a time):
-    1, 7, 8, 33 and 128 rows of x against 37 rows of W, each within float32 rounding of float64, and a row of x the
-    same floats wherever it falls (alone in a tile's last rows, inside a tile of a longer chunk, in a later block)."""
+    to 64 (66 without AVX-512), in each 4 at a time with AVX-512 and 3 without, then the rest in one tile, against
+    weight rows 4 at a time; without AVX-512 K in chunks, here 27, 27 and 26 steps of 16, each (row of x, weight
+    row)'s lanes carried from chunk to chunk): 1, 7, 8, 33 and 128 rows of x against 37 rows of W, each within float32
+    rounding of float64, and a row of x the same floats wherever it falls (alone, in a tile of its chunk's last rows,
+    inside a tile of a longer chunk, in a later block)."""
     request.getfixturevalue(build)
-    n, k = 37, 512
+    n, k = 37, 1280
     raw, w = random_rows(ggml_type, n, k, seed=9)
     x = np.random.default_rng(10).standard_normal((128, k)).astype(np.float32)
     chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()

@@ -32,13 +32,19 @@ static inline __attribute__((always_inline)) void row_products(float* restrict o
 #endif
 }
 
-/* Rows [n, n + r_n) of W decoded into wbuf (r_n <= the caller's R rows of PP_K / 16 vectors): done once, then used
-   with every row of x the caller has. */
-static inline __attribute__((always_inline)) void decode_rows(f16v (*restrict wbuf)[PP_K / 16],
-                                                              const unsigned char* restrict w, int n, int r_n) {
+/* Blocks [j0, j1) of rows [n, n + r_n) of W decoded into wbuf (r_n <= the caller's R rows of PP_K / 16 vectors), at
+   their places in the rows: done once, then used with every row of x the caller has. */
+static inline __attribute__((always_inline)) void decode_blocks(f16v (*restrict wbuf)[PP_K / 16],
+                                                                const unsigned char* restrict w, int n, int r_n,
+                                                                int j0, int j1) {
   enum { QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = PP_K / QK };
   for (int r = 0; r < r_n; r++)
-    for (int j = 0; j < NB; j++)
+    for (int j = j0; j < j1; j++)
       _Pragma("clang loop unroll(full)") for (int g = 0; g < QK / 32; g++)
         DECODE32(w + (long)(n + r) * NB * BB + j * BB, g, &wbuf[r][j * (QK / 16) + 2 * g]);
+}
+/* Rows [n, n + r_n) of W decoded whole. */
+static inline __attribute__((always_inline)) void decode_rows(f16v (*restrict wbuf)[PP_K / 16],
+                                                              const unsigned char* restrict w, int n, int r_n) {
+  decode_blocks(wbuf, w, n, r_n, 0, PP_K / BLOCK_VALUES);
 }
