@@ -1,4 +1,4 @@
-"""Q4_0's products on the integer path over rows interleaved at load in groups of 16 (`cpu.kernels.grouped`,
+"""Q4_0's products on the integer path over rows interleaved at load in groups of 16 (`gguf.tensors.grouped`,
 ``c/matmul_groups.h``): the layout's bytes, the kernel against the numpy model of ggml's scheme (testing/ggml_int8.py)
 in this CPU's build, AVX2's, the baseline x86-64's and aarch64's (under qemu), every row of a chunk the same floats
 as alone, and a stage holding its products' Q4_0 matrices so (the embedding's rows plain) with logits near the
@@ -22,6 +22,7 @@ from pp_worker.testing.chain import Chain
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.cpu import kernels as cpu_kernels
+from pp_worker.worker.gguf import tensors
 from pp_worker.worker.gguf.tensors import PackedWeight
 
 Q4_0, G = 2, cpu_kernels.GROUP_ROWS
@@ -35,7 +36,7 @@ def int8_path(monkeypatch):
 
 def grouped(raw: np.ndarray) -> np.ndarray:
     out = raw.copy()
-    cpu_kernels.grouped(out)
+    tensors.grouped(out, G)
     return out
 
 

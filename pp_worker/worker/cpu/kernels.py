@@ -100,8 +100,8 @@ def uses_int8(kind: str, ggml_type: int) -> bool:
 def source(kind: str, ggml_type: int, k: int, name: str, group: int = 0) -> str:
     """C source of kernel ``name``, ``kind`` "matmul" or "gather", for rows of ``k`` values of ``ggml_type``: a
     matmul on the integer path where `uses_int8` (``matmul_int.c``), else the float one. ``group``: the weight's rows
-    interleaved by `grouped` (a matmul on the integer path whatever `numerics` says now: the layout was chosen for
-    it at load)."""
+    interleaved at load (`gguf.tensors.grouped`; a matmul on the integer path whatever `numerics` says now: the
+    layout was chosen for it at load)."""
     t = TYPES[ggml_type]
     qk = t.kernel_block
     defines: dict[str, Any] = {"NAME": name, "PP_K": k, "PP_ROWS": max(ROWS, group), "BLOCK_VALUES": qk,
@@ -117,42 +117,15 @@ GROUP_ROWS = 16  # Q4_0's rows interleaved per group at load (``c/matmul_groups.
 
 
 def group_rows(ggml_type: int) -> int:
-    """How many rows a product's weight of ``ggml_type`` interleaves at load (`grouped`), 0 for none: Q4_0 on the
-    integer path (`uses_int8`) on x86-64, where the grouped kernel measured 2-3.6x the plain one (AVX-512 VNNI and
-    AVX2: a block's 16 row sums in one vector, scaled at once, its nibbles unpacked once per 8 rows of x;
-    bench/NOTES.md). Every build reads the groups (the tests run aarch64's under qemu), but aarch64's generic C
-    executed ~1.1x the plain kernel's instructions there, and no aarch64 core was at hand to time: it keeps the plain
-    rows. Only a product's matrix (`weights.Linear`): the embedding's gather reads plain rows."""
+    """How many rows a product's weight of ``ggml_type`` interleaves at load (`gguf.tensors.grouped`), 0 for none: Q4_0
+    on the integer path (`uses_int8`) on x86-64, where the grouped kernel measured 2-3.6x the plain one (AVX-512 VNNI
+    and AVX2: a block's 16 row sums in one vector, scaled at once, its nibbles unpacked once per 8 rows of x;
+    bench/NOTES.md). Every build reads the groups (the tests run aarch64's under qemu), but aarch64's generic C executed
+    ~1.1x the plain kernel's instructions there, and no aarch64 core was at hand to time: it keeps the plain rows. Only
+    a product's matrix (`weights.Linear`): the embedding's gather reads plain rows."""
     if TYPES[ggml_type].name != "Q4_0" or not uses_int8("matmul", ggml_type):
         return 0
     return GROUP_ROWS if platform.machine().lower() in ("x86_64", "amd64") else 0
-
-
-def grouped(rows: np.ndarray, group: int = GROUP_ROWS) -> None:
-    """Q4_0 rows (n, row bytes) uint8 rewritten in place into ``c/matmul_groups.h``'s layout: each whole group of
-    ``group`` rows as its blocks in turn, a block the rows' d then 4 chunks of 4 bytes a row (chunk c: low nibbles
-    values 8c..8c+3, high ones 8c+4..8c+7); the rows past the last whole group as they were. The same bytes, moved,
-    a few groups at a time (the temporaries ~1 MiB). A block's 16 bytes of nibbles as 4 words w0..w3 (values 4i..4i+3
-    in w_i's low nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked: ~3 ms a MiB here."""
-    n, row_bytes = rows.shape
-    nb = row_bytes // 18
-    step = max(1, (1 << 20) // (group * row_bytes))
-    lo4 = np.uint32(0x0F0F0F0F)
-    hi4 = ~lo4
-    for g0 in range(0, n // group, step):
-        s = min(step, n // group - g0)
-        part = rows[g0 * group:(g0 + s) * group]
-        blocks = part.reshape(s, group, nb, 18).transpose(0, 2, 1, 3)  # (s, nb, row, 18)
-        w = np.ascontiguousarray(blocks[..., 2:]).view(np.uint32)  # (s, nb, row, 4)
-        w0, w1, w2, w3 = (w[..., i] for i in range(4))
-        out = np.empty((s, nb, 18 * group), np.uint8)
-        out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
-        chunks = out[..., 2 * group:].view(np.uint32).reshape(s, nb, 4, group)
-        chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
-        chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
-        chunks[:, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
-        chunks[:, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
-        part[:] = out.reshape(part.shape)
 
 
 def supported(ggml_type: int, k: int) -> bool:
@@ -233,7 +206,7 @@ def launch(name: str, src: str, tensors: tuple[Tensor, ...], shape: tuple[int, .
 def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, shape: tuple[int, ...],
           threads: int, group: int = 0) -> Tensor:
     """``out`` after the ``kind`` kernel ("matmul" or "gather") ran on (out, w, x, dims); ``group``: w's rows
-    interleaved (`grouped`)."""
+    interleaved (`gguf.tensors.grouped`)."""
     op = "gather" if kind == "gather" else f"mm8g{group}" if group else "mm8" if uses_int8(kind, ggml_type) else "mm"
     name = f"{TYPES[ggml_type].name.lower()}_{op}_{k}"
     return launch(name, source(kind, ggml_type, k, name, group), (out, w, x), shape, threads)
@@ -276,7 +249,7 @@ def quantized(x: Tensor, block: int, k: int) -> Tensor:
 
 def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int, group: int = 0) -> Tensor:
     """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes),
-    rows interleaved in groups of ``group`` where `grouped` did so."""
+    rows interleaved in groups of ``group`` where `gguf.tensors.grouped` did so."""
     lead = x.shape[:-1]
     b = math.prod(lead)
     threads = max(1, min(matmul_parts(ggml_type, n, k), n // ROWS))

@@ -233,7 +233,10 @@ def load_stage(model: str, stage: int, num_stages: int, max_context: int | None 
     tokenizer = _load_tokenizer(header.kv, Tokenizer.from_gguf_kv) if shard.is_first else None
     detokenizer = _load_tokenizer(header.kv, Detokenizer.from_gguf_kv) if shard.is_last else None
     return_freed_heap()
-    source = TensorSource(header, half=bool(getenv("HALF", 1)), kernels=kernels, keep_quantized=keep_quantized)
+    from pp_worker.worker.cpu.kernels import group_rows
+
+    source = TensorSource(header, half=bool(getenv("HALF", 1)), kernels=kernels, keep_quantized=keep_quantized,
+                          group_rows=group_rows if kernels == "c" else None)
     rope = RopeParams.from_gguf(header.kv, config.rope_dim, _rope_freqs(source))
     blocks = []
     for j, i in enumerate(range(shard.start, shard.end)):

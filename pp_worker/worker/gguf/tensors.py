@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PackedWeight:
     """An (n, k) matrix held as its GGUF bytes: ``raw`` is a uint8 (n, row_bytes) tensor of ``ggml_type`` rows;
-    ``group`` > 0: the rows interleaved in groups of that many at load (`cpu.kernels.grouped`: only the C kernels'
+    ``group`` > 0: the rows interleaved in groups of that many at load (`grouped`: only the C kernels'
     integer-path product reads them)."""
 
     raw: Tensor
@@ -92,14 +92,17 @@ class TensorSource:
     loaded: dict[str, int] = field(default_factory=dict)
     held: dict[str, tuple[str, int]] = field(default_factory=dict)
     converted: dict[str, str] = field(default_factory=dict)
+    # rows a product's matrix of a type interleaves at load (`grouped`; the C kernels' `cpu.kernels.group_rows`, which
+    # the engine passes: this room sits below cpu), None: none
+    group_rows: Callable[[int], int] | None = None
 
     def matrix(self, name: str, shape: tuple[int, ...], heads: tuple[int, int] | None = None,
                product: bool = False) -> Tensor | PackedWeight:
         """A weight matrix of ``shape`` (n, k): its file bytes (`PackedWeight`) when its type has a kernel and
         the stage keeps it (see the class); else fp16 values, packed as F16 rows when the C kernels run. A 3-D
         ``shape`` (E, n, k), a mixture of experts' tensor, is held the same way as E * n rows of k. ``product``: the
-        matrix only ever multiplies (`weights.Linear`), so with the C kernels its rows may be interleaved for their
-        product (`cpu.kernels.group_rows`)."""
+        matrix only ever multiplies (`weights.Linear`), so its rows may be interleaved for the C kernels' product
+        (``group_rows``)."""
         from tinygrad import dtypes
 
         info = self._info(name)
@@ -110,10 +113,8 @@ class TensorSource:
         rows, k = math.prod(shape[:-1]), shape[-1]
         # the C kernels read their types; tinygrad's expressions (`weights.dequantize`) only the types it expands
         if keep and has_kernel(info.ggml_type, k) and (c or tinygrad_expands(info.ggml_type)):
-            from pp_worker.worker.cpu.kernels import group_rows
-
-            group = group_rows(info.ggml_type) if c and product and len(shape) == 2 else 0
-            raw = self._raw(info.nbytes, self._filler(info, heads, rows if group else 0)).reshape(rows, -1)
+            group = self.group_rows(info.ggml_type) if self.group_rows and product and len(shape) == 2 else 0
+            raw = self._raw(info.nbytes, self._filler(info, heads, group)).reshape(rows, -1)
             self.loaded[name] = info.nbytes
             self.held[name] = (type_name(info.ggml_type), info.nbytes)
             return PackedWeight(raw, info.ggml_type, (rows, k), group)
@@ -151,20 +152,16 @@ class TensorSource:
             return t if raw else self._view(t, info.shape)
         return filled(info.shape, dtype, fill, weight=True)
 
-    def _filler(self, info: TensorInfo, heads: tuple[int, int] | None,
-                grouped: int = 0) -> Callable[[memoryview], None]:
+    def _filler(self, info: TensorInfo, heads: tuple[int, int] | None, group: int = 0) -> Callable[[memoryview], None]:
         """Writes ``info``'s file bytes into a buffer, rows un-permuted in place when ``heads`` (whole rows move, so
-        packed rows of any block type move as fp16 rows do), then, with ``grouped`` (its rows), interleaved in place
-        (`cpu.kernels.grouped`)."""
+        packed rows of any block type move as fp16 rows do), then, with ``group``, interleaved in place (`grouped`)."""
         def fill(mv: memoryview) -> None:
             self._read(info, mv)
+            rows = np.frombuffer(mv, np.uint8).reshape(info.shape[0], -1)  # (rows, row bytes), writes through
             if heads:
-                rows = np.frombuffer(mv, np.uint8).reshape(info.shape[0], -1)  # (rows, row bytes), writes through
                 rows[:] = unpermute_rows(rows, *heads)
-            if grouped:
-                from pp_worker.worker.cpu.kernels import grouped as regroup
-
-                regroup(np.frombuffer(mv, np.uint8).reshape(grouped, -1))
+            if group:
+                grouped(rows, group)
         return fill
 
     def _info(self, name: str) -> TensorInfo:
@@ -231,3 +228,30 @@ def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
     n, hd, d = w.shape
     roped = w[:, keep:].reshape(n, (hd - keep) // 2, 2, d).transpose(0, 2, 1, 3).reshape(n, hd - keep, d)
     return np.concatenate([w[:, :keep], roped], axis=1).reshape(n * hd, d)
+
+
+def grouped(rows: np.ndarray, group: int) -> None:
+    """Q4_0 rows (n, row bytes) uint8 rewritten in place into the C kernels' layout (``cpu/c/matmul_groups.h``): each
+    whole group of ``group`` rows as its blocks in turn, a block the rows' d then 4 chunks of 4 bytes a row (chunk c:
+    low nibbles values 8c..8c+3, high ones 8c+4..8c+7); the rows past the last whole group as they were. The same bytes,
+    moved, a few groups at a time (the temporaries ~1 MiB). A block's 16 bytes of nibbles as 4 words w0..w3 (values
+    4i..4i+3 in w_i's low nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked: ~3 ms a MiB here."""
+    n, row_bytes = rows.shape
+    nb = row_bytes // 18
+    step = max(1, (1 << 20) // (group * row_bytes))
+    lo4 = np.uint32(0x0F0F0F0F)
+    hi4 = ~lo4
+    for g0 in range(0, n // group, step):
+        s = min(step, n // group - g0)
+        part = rows[g0 * group:(g0 + s) * group]
+        blocks = part.reshape(s, group, nb, 18).transpose(0, 2, 1, 3)  # (s, nb, row, 18)
+        w = np.ascontiguousarray(blocks[..., 2:]).view(np.uint32)  # (s, nb, row, 4)
+        w0, w1, w2, w3 = (w[..., i] for i in range(4))
+        out = np.empty((s, nb, 18 * group), np.uint8)
+        out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
+        chunks = out[..., 2 * group:].view(np.uint32).reshape(s, nb, 4, group)
+        chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
+        chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
+        chunks[:, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
+        chunks[:, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
+        part[:] = out.reshape(part.shape)
