@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev,ray]'
-	$(BIN)/python -c "import tinygrad.llm.model, gguf, numpy, tokenizers, jinja2, llguidance, jsonschema, starlette, uvicorn, openai, ray, selenium, prometheus_client"
+	$(BIN)/python -c "import tinygrad.llm.model, xdist, gguf, numpy, tokenizers, jinja2, llguidance, jsonschema, starlette, uvicorn, openai, ray, selenium, prometheus_client"
 	touch $(STAMP)
 
 # What the system needs, checked at every install (quick) and installed with apt where missing.
@@ -53,8 +53,13 @@ arm64:
 	@$(call apt_install,$(ARM64_PACKAGES))
 	@$(ARM64_READY) || { echo "error: clang still cannot build for aarch64; install $(ARM64_PACKAGES)" >&2; exit 1; }
 
+# The suite's test files on parallel pytest workers (a file's tests stay on one worker: they share its real
+# pipelines). Most of a test's time is its worker processes' start, load and compile, about one core's worth, so two
+# workers on two cores took the suite from 16 to about N minutes; more than 4 only crowd the cores (every stage
+# spreads its kernels over all of them). TEST_JOBS=0 runs them in this one process, one after another.
+TEST_JOBS ?= $(shell n=$$(nproc); echo $$(( n < 4 ? n : 4 )))
 test: install
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadfile
 
 lint: install
 	$(BIN)/ruff check .
