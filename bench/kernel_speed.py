@@ -10,7 +10,7 @@ builds measured side by side compare). The default builds are ``generic`` (the t
 ``native`` (its row of the type table: this CPU's SIMD files); ``--variant`` adds a build from other files (relative
 to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds the integer path (``matmul_int.c``,
 its products checked against the first build's within the int8 rounding only), and for Q4_0 ``int8g``, its rows
-interleaved as a stage holds them (`kernels.grouped`). ``CC`` picks the compiler (the AVX2 wrapper:
+interleaved as a stage holds them (`gguf.tensors.grouped`). ``CC`` picks the compiler (the AVX2 wrapper:
 ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
 (32000x2048) and prints GB/s of the weights' bytes too. ``--base REV`` adds the native and integer builds made from
 git revision REV's ``cpu/c/`` (``native@REV``, ``int8@REV``): a kernel change against its base in one run. Weights
@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from pp_worker.worker.cpu import kernels
+from pp_worker.worker.gguf.tensors import grouped
 from pp_worker.worker.gguf.types import TYPES
 
 BY_NAME = {t.name: t for t in TYPES.values() if t.kernel}
@@ -39,15 +40,17 @@ void bench_loop(float* out, const unsigned char* w, const float* x, const int* d
   for (int i = 0; i < reps; i++) NAME(out, w, x, dims, 0);
 }
 """
-# the integer path: x quantized (quantize.c, its own unit) then the product, each rep, as a stage runs them
-LOOP_INT8 = """
+# the integer path: x quantized (quantize.c, its own unit) then the product, each rep, as a stage runs them; x's
+# quantized rows in a static buffer of XQ_BYTES (less than 2 bytes a value: `main` refuses a batch past it)
+XQ_BYTES = 64 << 20
+LOOP_INT8 = f"""
 void kern(float*, const unsigned char*, const unsigned char*, const int*, int);
 void kern_q(unsigned char*, const float*, const int*, int);
-static unsigned char xq[1 << 20];
-void bench_loop(float* out, const unsigned char* w, const float* x, const int* dims, int reps) {
-  int q[2] = {dims[1], 1};
-  for (int i = 0; i < reps; i++) { kern_q(xq, x, q, 0); kern(out, w, xq, dims, 0); }
-}
+static unsigned char xq[{XQ_BYTES}];
+void bench_loop(float* out, const unsigned char* w, const float* x, const int* dims, int reps) {{
+  int q[2] = {{dims[1], 1}};
+  for (int i = 0; i < reps; i++) {{ kern_q(xq, x, q, 0); kern(out, w, xq, dims, 0); }}
+}}
 """
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
@@ -58,7 +61,7 @@ def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = 
     """A shared library of the matmul kernel over ``files`` (the type's C files) for rows of ``k`` values; ``int8``:
     the integer path's kernel, with x's quantization ahead of it (a revision before ``quantize.c``: inside it);
     ``c_dir``: the C sources from there instead of the package's; ``group``: the kernel for rows interleaved at load
-    (`kernels.grouped`)."""
+    (`gguf.tensors.grouped`)."""
     t = BY_NAME[type_name]
     c_dir = c_dir or kernels.C_DIR
     defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": max(kernels.ROWS, group), "BLOCK_VALUES": t.kernel_block,
@@ -155,6 +158,9 @@ def main() -> None:
     a = ap.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in a.shapes.split(",")]
     batches = [int(v) for v in a.batch.split(",")]
+    if a.int8 and (worst := max(batches) * max(k for _, k in shapes) * 2) > XQ_BYTES:
+        ap.error(f"--batch {max(batches)} at K {max(k for _, k in shapes)}: x's quantized rows need up to {worst} "
+                 f"bytes, past the loop's buffer of {XQ_BYTES}")
     workdir = Path(tempfile.mkdtemp(prefix="kernel_speed_"))
     rng = np.random.default_rng(0)
     base_dir = base_sources(a.base, workdir) if a.base else None
@@ -178,7 +184,7 @@ def main() -> None:
             ws = {}
             if group:
                 ws["int8g"] = w.copy()
-                kernels.grouped(ws["int8g"], group)
+                grouped(ws["int8g"], group)
                 libs["int8g"] = build(kernels.type_files(t), k, type_name, workdir, True, group=group)
                 if base_dir is not None and (base_dir / "matmul_groups.h").exists():
                     libs[f"int8g@{a.base}"] = build(kernels.type_files(t), k, type_name, workdir, True, base_dir, group)
