@@ -1,4 +1,4 @@
-/* The integer path's product (matmul_int.c's NAME) for Q4_0 weights whose rows `cpu.kernels.grouped` interleaved at
+/* The integer path's product (matmul_int.c's NAME) for Q4_0 weights whose rows `gguf.tensors.grouped` interleaved at
    load, PP_GROUP (16) rows a group; the rows past the last whole group stay plain, after the groups.
 
    Block j of a group is 16 x 18 bytes (a group's NB blocks one after another): the 16 rows' d (fp16), then 4 chunks
