@@ -555,6 +555,67 @@ def test_a_draft_worker_killed_mid_generation_is_restarted_and_the_output_is_unc
     assert all(g.draft.proposed > 0 for g in again)
 
 
+class _FrozenRestarts:
+    """From now on, every draft worker process started (a restart's) is stopped (SIGSTOP) right after its start, so
+    it never reaches its ready line; ``started`` is set once both are (the restart is then waiting in its load)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import os
+        import signal
+        import threading
+
+        from pp_worker.driver import draft_model
+
+        self.started, self.pids = threading.Event(), []
+        plain = draft_model._Process
+
+        def frozen(*args, **kwargs):
+            process = plain(*args, **kwargs)
+            os.kill(process.proc.pid, signal.SIGSTOP)
+            self.pids.append(process.proc.pid)
+            if len(self.pids) == 2:
+                self.started.set()
+            return process
+        monkeypatch.setattr(draft_model, "_Process", frozen)
+
+
+def test_a_restart_that_does_not_load_within_the_load_timeout_counts_as_a_failure(pipeline, monkeypatch):
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, restarts=1, backoff_s=0, log=log)
+    worker.load_timeout = 2  # the restart's (its first load had the default: under the suite's load it took longer)
+    _fail_at_first_guess(worker, lambda: (_FrozenRestarts(monkeypatch), worker.stages[0].proc.kill()))
+    try:
+        plain = _run(pipeline, None, Sampling(), max_tokens=20)
+        killed = _run(pipeline, Draft("model", 4, worker), Sampling(), max_tokens=20)
+        with pytest.raises(DraftModelError, match="exited"):  # queued behind the restart, which failed: no workers
+            worker.status()
+    finally:
+        worker.close()
+    assert [g.tokens for g in killed] == [g.tokens for g in plain]
+    text = log.getvalue()
+    assert "gave no reply within --load-timeout 2 s, killed" in text, text
+    assert "drafting stays off after 1 restarts" in text and worker.down == "off" and worker.failures == 2
+
+
+def test_close_during_a_restarts_load_kills_its_workers_and_returns(pipeline, monkeypatch):
+    """No load timeout: before, close() joined a draft thread that waited for ever for a frozen restart's ready
+    line (pp-pipeline's exit hung); now it kills the workers being loaded."""
+    from conftest import gone
+
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, load_timeout=None, log=log)
+    freeze: list[_FrozenRestarts] = []
+    _fail_at_first_guess(worker, lambda: (freeze.append(_FrozenRestarts(monkeypatch)),
+                                          worker.stages[0].proc.kill()))
+    try:
+        _run(pipeline, Draft("model", 4, worker), Sampling(), max_tokens=20)
+        assert freeze and freeze[0].started.wait(60)  # the restart is in its load, its workers stopped
+    finally:
+        worker.close()
+    assert all(gone(pid) for pid in freeze[0].pids)
+    assert worker.down == "restarting" and worker.failures == 1
+
+
 def test_a_draft_worker_frozen_past_the_step_timeout_is_killed_and_the_generation_goes_on(pipeline):
     import signal
     import threading

@@ -49,18 +49,20 @@ class _Process:
         self.proc = self.stage.proc
         self._lines: deque[bytes] = deque()
 
-    def ready(self) -> dict[str, Any]:
-        line = self._line(None)  # loading has no deadline of its own: the driver's stages load meanwhile
+    def ready(self, timeout: float | None) -> dict[str, Any]:
+        """The ready line, within ``timeout`` seconds of loading (None: no limit; past it the worker is killed)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        line = self._line(deadline, "--load-timeout", timeout)
         while line.get("status") != "ready":  # load progress events may come before it
-            line = self._line(None)
+            line = self._line(deadline, "--load-timeout", timeout)
         return line
 
     def call(self, obj: dict[str, Any]) -> dict[str, Any]:
         deadline = None if self.timeout is None else time.monotonic() + self.timeout
         self.stage.send(obj)  # what the pipe takes now; the rest as it drains, while the reply is awaited
-        reply = self._line(deadline)
+        reply = self._line(deadline, "--step-timeout", self.timeout)
         while "event" in reply:  # pp_worker_ready after the ready line, progress...: not the reply
-            reply = self._line(deadline)
+            reply = self._line(deadline, "--step-timeout", self.timeout)
         self.stage.replied()
         if "error" in reply:
             raise DraftModelError(f"draft model {self.path}: {reply['error']}")
@@ -84,7 +86,7 @@ class _Process:
             self.proc.kill()
         self.proc.wait()
 
-    def _line(self, deadline: float | None) -> dict[str, Any]:
+    def _line(self, deadline: float | None, flag: str, seconds: float | None) -> dict[str, Any]:
         """The next stdout line; both pipes waited on with select (``wait_io``), so that a frozen worker fails a call
         at its deadline (it would block a write as well as a read): past it the worker is killed."""
         while not self._lines:
@@ -93,7 +95,7 @@ class _Process:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 self.kill()
-                raise self._down(f"gave no reply within --step-timeout {self.timeout:g} s, killed")
+                raise self._down(f"gave no reply within {flag} {seconds:g} s, killed")
             if self.stage.out_fd in wait_io([self.stage], left):
                 self._lines.extend(self.stage.read_lines())
                 if self.stage.eof:  # what came with the end is a line cut short, if anything
@@ -113,30 +115,40 @@ class DraftWorker:
     of their own (``submit``)."""
 
     def __init__(self, path: str, env: dict[str, str] | None = None, *, step_timeout: float | None = 120.0,
-                 restarts: int = RESTARTS, backoff_s: float = 1.0, log: TextIO | None = sys.stderr):
+                 load_timeout: float | None = 600.0, restarts: int = RESTARTS, backoff_s: float = 1.0,
+                 log: TextIO | None = sys.stderr):
         if not os.path.isfile(path):
             raise DraftModelError(f"draft model {path!r}: no such file")
         self._launch = Launch(2, model=path, env=env or {})  # env: extra variables for its workers
         self.path, self._ids, self.step_timeout, self.log = path, itertools.count(1), step_timeout, log
+        self.load_timeout = load_timeout
         self.restarts, self.backoff_s, self.failures = restarts, backoff_s, 0
         self.down = ""  # why it guesses nothing now: "restarting" after a failure, or "off" once restarts are spent
         self._jobs: deque[Callable[[], None] | Guess] = deque()
         self._wake = threading.Condition()
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._loading: list[_Process] = []  # a restart's workers until they are ready (close() kills them)
         self.stages = self._start()  # its two worker processes (a restart replaces them)
         self._thread = threading.Thread(target=self._serve, daemon=True, name="draft-model")
         self._thread.start()
 
     def _start(self) -> list[_Process]:
-        """Start both workers and wait for their ready lines (a DraftModelError if they do not load)."""
-        stages = [_Process(self._launch, stage, self.path, self.step_timeout) for stage in range(2)]
+        """Start both workers and wait for their ready lines, within ``load_timeout`` (a DraftModelError if they do not
+        load, or if close() came meanwhile)."""
+        with self._wake:
+            if self._closing:
+                raise DraftModelError(f"draft model {self.path}: closed")
+            stages = self._loading = [_Process(self._launch, stage, self.path, self.step_timeout) for stage in range(2)]
         try:
-            ready = [stage.ready() for stage in stages]
+            ready = [stage.ready(self.load_timeout) for stage in stages]
         except DraftModelError:
             for stage in stages:
                 stage.kill()
             raise
+        finally:
+            with self._wake:
+                self._loading = []
         self.vocab_size: int = ready[1]["vocab_size"]
         self.max_context: int = min(r["max_context"] for r in ready)
         return stages
@@ -205,6 +217,9 @@ class DraftWorker:
             self._closing = True
             self._jobs.clear()
             self._wake.notify()
+            loading = list(self._loading)
+        for stage in loading:  # a restart still loading: its ready line would never be read
+            stage.kill()
         for stage in self.stages:
             stage.close()
         if self._thread is not None:

@@ -147,7 +147,7 @@ def draft_from(args: argparse.Namespace) -> Draft | None:
     load is a DraftModelError), holding a session for each generation in flight (``--concurrency``) and no more."""
     if args.draft_model:
         worker = DraftWorker(args.draft_model, env={"PP_MAX_SESSIONS": str(max(1, args.concurrency))},
-                             step_timeout=args.step_timeout)
+                             step_timeout=args.step_timeout, load_timeout=args.load_timeout)
         atexit.register(worker.close)
         return Draft("model", args.draft_max, worker)
     return Draft(args.draft, args.draft_max) if args.draft else None
