@@ -242,6 +242,30 @@ def test_pp_serve_takes_the_draft_flags_to_its_pipeline():
         service.close()
 
 
+def test_pp_serve_metrics_count_the_guessed_and_kept_tokens_as_pp_pipeline_reports_them():
+    """/metrics' draft counters after one greedy completion against pp-pipeline's own summary line for the same
+    prompt, stub stages and draft (``drafted N tokens, kept M``)."""
+    import subprocess
+
+    from conftest import REPO, clean_env
+    from serving import Server
+
+    prompt, flags = "a b c a b c a b c a b c", ["--stub", "--stages", "2", "--draft", "ngram"]
+    run = subprocess.run([sys.executable, "-m", "pp_worker.driver", *flags, "--max-tokens", "40", "--temperature",
+                          "0", prompt], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    summary = re.search(r"drafted (\d+) tokens, kept (\d+)", run.stderr)
+    assert run.returncode == 0 and summary, run.stderr
+    server = Server(flags)
+    try:
+        server.client().completions.create(model="m", prompt=prompt, max_tokens=40, temperature=0)
+        metrics = server.metrics()
+    finally:
+        server.stop()
+    assert int(summary[1]) > 0  # else the counters would compare nothing
+    assert (metrics[("pp_serve_draft_tokens_total", ())], metrics[("pp_serve_draft_tokens_kept_total", ())]) == \
+        (int(summary[1]), int(summary[2]))
+
+
 # --- unseeded sampling: the drafted text keeps the model's distribution ---------------------------------------------
 # Two prompts, sampled at temperature 1.5: after "Flat is better than" the guess is what followed it before
 # (" nested"), and after that what followed that, where the model goes on otherwise, with some spread: a check that

@@ -1,12 +1,13 @@
 """``GET /metrics``: what pp-serve has done, in Prometheus' text format (version 0.0.4).
 
-Counted as it happens (``Metrics``; the pipeline thread reports tokens, so a lock guards it): requests by endpoint
-and status (``CountRequests``, the outermost middleware, so 401s and CORS preflights count too), prompt and
-generated tokens, prompt tokens reused from a cached session (prefix reuse), time to first token and inter-token
-latency (``Timing``, one per generation). Read at each scrape: the queue, the generations in flight and the sessions
-left as cache, each stage's busy seconds, restarts and failures (the service's, across restarts), and its KV
-sessions, cached sessions, pages and resident memory (from its own ``status`` reply; left out while the stages
-restart, or when they give no reply within ``STATUS_TIMEOUT_S``, so a scrape is never a 503).
+Counted as it happens (``Metrics``; the pipeline thread reports tokens, so a lock guards it): requests by endpoint and
+status (``CountRequests``, the outermost middleware, so 401s and CORS preflights count too), prompt and generated
+tokens, prompt tokens reused from a cached session (prefix reuse), tokens a draft guessed and the model kept
+(speculative decoding), time to first token and inter-token latency (``Timing``, one per generation). Read at each
+scrape: the queue, the generations in flight and the sessions left as cache, each stage's busy seconds, restarts and
+failures (the service's, across restarts), and its KV sessions, cached sessions, pages and resident memory (from its own
+``status`` reply; left out while the stages restart, or when they give no reply within ``STATUS_TIMEOUT_S``, so a scrape
+is never a 503).
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Metrics:
         self.requests: Counter[tuple[str, str, str]] = Counter()  # (endpoint, method, status)
         self.prompt_tokens = self.generated_tokens = 0
         self.reused_tokens = 0  # prompt tokens a cached session already held (prefix reuse): not recomputed
+        self.drafted_tokens = self.kept_tokens = 0  # speculative decoding (--draft): guessed, and kept by the model
         self.ttft, self.itl = Histogram(TTFT_BUCKETS), Histogram(ITL_BUCKETS)
         self._busy_shown: list[float] = []  # never less than the last scrape showed: a counter only grows
 
@@ -104,6 +106,9 @@ class Timing:
             self.metrics.prompt_tokens += len(g.prompt_tokens)
             self.metrics.reused_tokens += g.reused
             self.metrics.generated_tokens += len(g.tokens)
+            if g.draft is not None:
+                self.metrics.drafted_tokens += g.draft.proposed
+                self.metrics.kept_tokens += g.draft.accepted
 
 
 class CountRequests:
@@ -162,6 +167,7 @@ def render(metrics: Metrics, service: PipelineService, stages: list[Reply] | Non
     with metrics.lock:
         requests = sorted(metrics.requests.items())
         tokens = metrics.prompt_tokens, metrics.generated_tokens, metrics.reused_tokens
+        drafted = metrics.drafted_tokens, metrics.kept_tokens
         histograms = [(name, list(h.samples(name))) for name, h in
                       (("pp_serve_time_to_first_token_seconds", metrics.ttft),
                        ("pp_serve_inter_token_latency_seconds", metrics.itl))]
@@ -173,6 +179,10 @@ def render(metrics: Metrics, service: PipelineService, stages: list[Reply] | Non
     yield from _family("pp_serve_prompt_tokens_reused_total", "counter", "prompt tokens a cached session already "
                        "held (prefix reuse): not recomputed", [("", tokens[2])])
     yield from _family("pp_serve_generation_tokens_total", "counter", "tokens generated", [("", tokens[1])])
+    yield from _family("pp_serve_draft_tokens_total", "counter", "tokens a draft guessed (--draft, --draft-model)",
+                       [("", drafted[0])])
+    yield from _family("pp_serve_draft_tokens_kept_total", "counter", "guessed tokens the model kept",
+                       [("", drafted[1])])
     for (name, samples), what in zip(histograms, ("time from a request to its first token",
                                                  "time between two tokens of a generation"), strict=True):
         yield from (f"# HELP {name} {what}, seconds", f"# TYPE {name} histogram", *samples)
