@@ -19,6 +19,10 @@ typedef unsigned short u16x16 __attribute__((ext_vector_type(16)));
 typedef unsigned short u16x8 __attribute__((ext_vector_type(8)));
 typedef __fp16 h16x16 __attribute__((ext_vector_type(16)));
 typedef __fp16 h16x8 __attribute__((ext_vector_type(8)));
+/* thread core_id's rows [*n0, *n1) of N split over T threads in whole runs of R rows (empty past the last) */
+static inline void rows_part(int N, int R, int T, int core_id, int* n0, int* n1) {
+  int per = ((N + R - 1) / R + T - 1) / T * R;
+  *n0 = core_id * per; *n1 = *n0 + per < N ? *n0 + per : N; }
 static inline float half_at(const unsigned char* p) { unsigned short h; __builtin_memcpy(&h, p, 2);
   return (float)__builtin_bit_cast(__fp16, h); }
 static inline u8x16 u8_at(const unsigned char* p) { u8x16 v; __builtin_memcpy(&v, p, 16); return v; }

@@ -57,7 +57,7 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
 void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict dims,
           int core_id) {
   const int N = dims[0], B = dims[1], T = dims[2];
-  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  int n0, n1; rows_part(N, R, T, core_id, &n0, &n1);
   if (B == 1) {  /* one row of x (row.h) */
     row_products(out, w, x, n0, n1);
     return;

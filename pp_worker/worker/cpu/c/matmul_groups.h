@@ -73,7 +73,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const unsigned c
   enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
   _Static_assert(PP_ROWS % GR == 0, "parts must start at a group");
   const int N = dims[0], B = dims[1], T = dims[2], NG = N / GR * GR;
-  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  int n0, n1; rows_part(N, R, T, core_id, &n0, &n1);
   int g1 = n1 < NG ? n1 : NG;
   for (int c0 = 0; c0 < B; c0 += XBLOCK) {  /* a block of x stays in L2 while every group passes it */
     int c1 = c0 + XBLOCK < B ? c0 + XBLOCK : B;

@@ -75,7 +75,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const unsigned c
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, NB = MIN_NB };
   const int N = dims[0], B = dims[1], T = dims[2];
-  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  int n0, n1; rows_part(N, R, T, core_id, &n0, &n1);
   float sx[XBLOCK * NB];  /* a block of x's x_sums: at most a tenth of its bytes (XB 40 a block of 32 values) */
   for (int c0 = 0; c0 < B; c0 += XBLOCK) {
     int c1 = c0 + XBLOCK < B ? c0 + XBLOCK : B;

@@ -10,7 +10,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
   const int N = dims[0], M = dims[1], XDIV = dims[2], E = dims[3], T = dims[4];
-  int per = ((N + R - 1) / R + T - 1) / T * R, n0 = core_id * per, n1 = n0 + per < N ? n0 + per : N;
+  int n0, n1; rows_part(N, R, T, core_id, &n0, &n1);
   if (n0 >= n1) return;
   int slots[M > 0 ? M : 1];
   for (int e = 0; e < E; e++) {
