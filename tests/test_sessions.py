@@ -204,6 +204,17 @@ def test_a_rewind_gives_back_the_pages_past_the_step():
     assert step(t, 2, 0, 1).pages == [second]  # pages given back go out before the untouched ones
 
 
+def test_rewind_keeps_the_first_positions_and_gives_back_the_pages_past_them():
+    t, _ = table()
+    s = step(t, 1, 0, 10)  # pages of 4 positions: 3
+    pages = list(s.pages)
+    t.rewind(1, 5)  # a check kept 5 positions of the 10 it ran
+    assert t.positions() == {1: 5} and s.pages == pages[:2]
+    assert step(t, 2, 0, 4).pages == [pages[2]]  # the page given back is the next one out
+    t.rewind(1, 8)  # never longer than what it holds
+    assert t.positions()[1] == 5
+
+
 def test_a_full_pool_evicts_the_least_recently_used_session():
     t, rec = table(n_pages=4)
     step(t, 1, 0, 8)  # 2 pages

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -24,7 +25,13 @@ from pp_worker.testing.npref import RefModel
 from pp_worker.worker.compiled.replay import Replay
 from pp_worker.worker.engines.base import EngineError
 from pp_worker.worker.engines.model import context_length
-from pp_worker.worker.engines.tinygrad_engine import TinygradEngine, default_prefill_chunk, ladder, split
+from pp_worker.worker.engines.tinygrad_engine import (
+    CompiledStage,
+    TinygradEngine,
+    default_prefill_chunk,
+    ladder,
+    split,
+)
 from pp_worker.worker.gguf.header import ModelLoadError, read_header
 from pp_worker.worker.hostio import HostBuffer, InputBuffer, pinned_allocator
 
@@ -157,6 +164,27 @@ def test_rewind_reuses_the_prefix_and_overwrites_the_rest(chain, prompts):
         got.append(int(c.step(30, [got[-1]], k + len(b) + len(got) - 1).argmax()))
     assert got == fresh
     assert c.engines[0].sessions()[30] == k + len(b) + 7
+
+
+def test_a_check_runs_its_rows_as_one_call_each_with_its_one_token_steps_logits(chain, prompts, monkeypatch):
+    """A check of drafted tokens (`forward_rows`): the last stage runs the rows as one call of the ladder (not one
+    call a row), row i's logits those of the one-token step at position + i (up to a multi-row forward's rounding);
+    a `rewind` then keeps the rows up to the last kept, and the session goes on from there."""
+    c = chain("F16", 2)
+    prompt, last = prompts[0], c.engines[-1]
+    p = len(prompt)
+    tokens, logits = c.generate(40, prompt, 6)  # logits[i + 1]: the one-token step fed tokens[i] at p + i
+    c.step(41, prompt, 0)
+    calls: list[int] = []
+    run = last._stage.run
+    monkeypatch.setattr(last._stage, "run", lambda values, *a: calls.append(len(values)) or run(values, *a))
+    rows = c.rows(41, tokens[:4], p)
+    assert calls == [4]
+    np.testing.assert_allclose(rows, np.stack(logits[1:5]), rtol=0, atol=1e-4)
+    assert [int(r.argmax()) for r in rows] == tokens[1:5]
+    last.rewind(41, p + 2)  # the check kept one guess: rows p and p + 1 stay
+    assert last.sessions()[41] == p + 2
+    np.testing.assert_allclose(c.step(41, [tokens[2]], p + 2), logits[3], rtol=0, atol=1e-4)
 
 
 def test_a_released_sessions_pages_are_reused_and_not_held_by_the_blocks(models, prompts):
@@ -313,6 +341,17 @@ def test_a_cold_stage_compiles_a_prefill_size_only_when_it_pays(chain, models, p
     asked: list[int] = []  # a decode call weighs no bigger size: it asks the disk about none (a stat each, per token)
     monkeypatch.setattr(Replay, "cached", property(lambda jit: asked.append(1) or False))
     assert stages[0].usable(1) == (1,) and not asked  # before: (32, 8, 1), and a stat for each of 16, 4 and 2
+
+
+def test_a_size_whose_calls_recur_compiles_once_they_would_have_saved_its_compile():
+    """The checks of drafted tokens (5 rows a round here) or a chat's short turns: no one call saves what compiling
+    the size of 4 costs, the calls together do, and the size compiles then."""
+    rungs = (8, 4, 2, 1)
+    stage = SimpleNamespace(rungs=rungs, jits={r: SimpleNamespace(ready=False, cached=False) for r in rungs},
+                            step_s=1e-3, compile_s=0.01, on_demand=True, every_size=False,
+                            missed=dict.fromkeys(rungs, 0.0))
+    plans = [CompiledStage.usable(stage, 5) for _ in range(4)]  # a call of 4 replaces 3 single-token calls: 3 ms
+    assert plans == [(1,), (1,), (1,), (4, 1)]
 
 
 def test_a_cpu_decode_call_copies_through_views_and_binds_nothing(chain, prompts, monkeypatch):

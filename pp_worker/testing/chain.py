@@ -45,10 +45,19 @@ class Chain:
 
     def step(self, rid: int, tokens: list[int], position: int) -> np.ndarray:
         """(V,) float32 logits of the last of ``tokens``, run at ``position`` of session ``rid``."""
+        return self.engines[-1].forward_logits(rid, self._hidden(rid, tokens, position), position,
+                                               len(tokens)).copy()  # engines reuse buffers
+
+    def rows(self, rid: int, tokens: list[int], position: int) -> np.ndarray:
+        """(T, V) float32 logits of every one of ``tokens`` (a check of drafted tokens: `forward_rows`)."""
+        return self.engines[-1].forward_rows(rid, self._hidden(rid, tokens, position), position, len(tokens)).copy()
+
+    def _hidden(self, rid: int, tokens: list[int], position: int) -> bytes:
+        """What the last stage receives for ``tokens``: every stage before it run, through the wire."""
         h = on_wire(self.engines[0], self.engines[0].embed_and_forward(rid, tokens, position), self.wire)
         for e in self.engines[1:-1]:
             h = on_wire(e, e.forward_range(rid, h, position, len(tokens)), self.wire)
-        return self.engines[-1].forward_logits(rid, h, position, len(tokens)).copy()  # engines reuse buffers
+        return h
 
     def release(self, rid: int) -> None:
         for e in self.engines:

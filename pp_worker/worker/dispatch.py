@@ -251,17 +251,19 @@ def _pick(w: Worker, rid: int, f: dict[str, Any], logits: Any) -> int:
 
 
 def _verify(w: Worker, rid: int, f: dict[str, Any]) -> Reply:
-    """Speculative decoding's check: row i runs as the one-token step at position + i it stands for (same logits,
-    same ``step_key``), and each guess is kept while it equals the token the model samples there; the first that
-    differs is replaced by the model's token, and the rows after it are never computed (the session holds the rows
-    run; the caller's next step starts right after them). ``accepted``: the guesses kept; ``token_id``: the model's
-    token after them."""
+    """Speculative decoding's check: the k + 1 rows run as one forward (`Engine.forward_rows`), row i giving the
+    logits of the one-token step at position + i it stands for (up to a multi-row forward's rounding, as on the
+    stages before; same ``step_key``), and each guess is kept while it equals the token the model samples there;
+    the first that differs is replaced by the model's token. The session then holds the rows up to that one (the
+    caller's next step starts right after them). ``accepted``: the guesses kept; ``token_id``: the model's token
+    after them."""
     position, guesses = f["position"], f["verify"]
     step = {k: v for k, v in f.items() if k != "grammar"}  # a check is never a generation's first step
+    rows = w.engine.forward_rows(rid, f["hidden"], position, f["seq_len"])
     for i, guess in enumerate([*guesses, None]):  # the last row has no guess: it always answers
-        logits = w.engine.forward_logits(rid, _row(f, i), position + i, 1)
-        token = _pick(w, rid, {**step, "position": position + i, "seq_len": 1}, logits)  # a grammar masks each row
+        token = _pick(w, rid, {**step, "position": position + i, "seq_len": 1}, rows[i])  # a grammar masks each row
         if token != guess:
+            w.engine.rewind(rid, position + i + 1)
             return {"token_id": token, "accepted": i}
     raise AssertionError("unreachable: no token equals the last row's missing guess")
 

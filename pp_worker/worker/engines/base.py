@@ -69,6 +69,15 @@ class Engine(Protocol):
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray | Sequence[float]:
         """Last stage: blocks, output norm and head; float32 logits (vocab,) of the last position."""
 
+    def forward_rows(self, session: int, hidden: bytes, position: int,
+                     seq_len: int) -> np.ndarray | Sequence[Sequence[float]]:
+        """Last stage: as `forward_logits`, with every position's logits (T, vocab), row i position + i's (up to the
+        rounding of a multi-row forward): a check of drafted tokens."""
+
+    def rewind(self, session: int, length: int) -> None:
+        """Keep the session's first ``length`` positions (it holds at least that many): a check drops the rows after
+        the last it kept."""
+
     def vocabulary(self) -> Vocabulary | None:
         """Last stage: the model's tokens for a grammar's matcher (`worker.grammar`); None where there is no model."""
 

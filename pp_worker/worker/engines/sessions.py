@@ -146,6 +146,15 @@ class SessionTable:
         session = self._live.get(rid)
         return session is not None and session.length == position and position + 1 <= self.max_context
 
+    def rewind(self, rid: int, length: int) -> None:
+        """Keep positions [0, length) of ``rid`` (held), giving back the pages past them: what a step computed
+        beyond what its caller keeps (the rows of a check after a guess not kept)."""
+        session = self._live[rid]
+        need = -(-length // self._pool.page)
+        self._pool.give(session.pages[need:])
+        del session.pages[need:]
+        session.length = min(session.length, length)
+
     def release(self, rid: int, keep: bool = False) -> bool:
         """Drop a session (its pages go back to the pool); False when there was none. ``keep``: leave it held as
         cache instead, first in line when room is needed."""

@@ -85,8 +85,16 @@ class StubEngine:
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> list[float]:
         self._track(session, position, seq_len)
-        digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
-        return [(b - 128) / 16.0 for b in digest]
+        return self._logits(hidden, position)
+
+    def forward_rows(self, session: int, hidden: bytes, position: int, seq_len: int) -> list[list[float]]:
+        """Each row's logits exactly as a one-token step at its position computes them."""
+        self._track(session, position, seq_len)
+        size = len(hidden) // seq_len
+        return [self._logits(hidden[i * size:(i + 1) * size], position + i) for i in range(seq_len)]
+
+    def rewind(self, session: int, length: int) -> None:
+        self._sessions[session] = min(self._sessions[session], length)
 
     def vocabulary(self) -> None:
         """No vocabulary: a ``grammar`` field is validated and then not applied (the stub's logits are no model's)."""
@@ -153,6 +161,11 @@ class StubEngine:
 
     def cache_settings(self) -> dict[str, str]:
         return {}
+
+    @staticmethod
+    def _logits(hidden: bytes, position: int) -> list[float]:
+        digest = hashlib.sha256(b"pp-stub-logits:%d|" % position + hidden).digest()  # 32 bytes = 32 logits
+        return [(b - 128) / 16.0 for b in digest]
 
     def _track(self, session: int, position: int, seq_len: int) -> None:
         """Record the op's session length (the stub keeps no KV: any position that fits the context is fine)."""

@@ -4,6 +4,7 @@ Compute per stage, in float32 (the worker puts hidden states on the wire as floa
   first:  x = token_embd(tokens).float()   -> blocks -> x
   middle: x = hidden                       -> blocks -> x
   last:   x = hidden                       -> blocks -> output(output_norm(x[last position])).float()
+          (a call of at most ROW_LOGITS tokens: every position's logits, which a check of drafted tokens reads)
 Hidden states come in as float16 or float32 bytes (their length says which) and enter the JITs as float32.
 
 One TinyJit per token count on a ladder: the largest prefill chunk (PP_PREFILL_CHUNK), the powers of two below
@@ -68,6 +69,8 @@ from pp_worker.worker.text.vocab import bos_token
 from pp_worker.worker.text.vocabulary import Vocabulary
 
 COMPILE_GUESS_S = 2.0  # compiling a JIT, until one is timed: a cold stage of the bench models (bench/NOTES.md)
+ROW_LOGITS = 8  # the last stage's calls of at most this many tokens give every row's logits (a prompt's calls pay the
+# head for at most 7 rows more): a check of k drafted tokens is then one forward of k + 1 rows, not k + 1 steps
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
 
 
@@ -141,6 +144,7 @@ class CompiledStage:
         self.every_size = False  # see TinygradEngine
         self.on_demand = True  # compile a size at its first use when it pays (False: use only sizes compiled or kept)
         self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
+        self.missed = dict.fromkeys(self.rungs, 0.0)  # per size not compiled: what its calls would have saved so far
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
         # normally set by TransformerBlock._init_state, which is skipped because the blocks store into the pool
         tables: dict[Any, Tensor] = {}  # with the model's RoPE scaling, unlike tinygrad's; a block may have its own
@@ -176,19 +180,24 @@ class CompiledStage:
 
     def usable(self, n: int) -> tuple[int, ...]:
         """The ladder sizes a prefill of ``n`` tokens runs in: 1 (decode's), those compiled or kept on disk, and
-        each other one whose calls save more time than compiling it costs (a call of r tokens replaces r
-        single-token calls). On a cold stage of a small model a new size costs ~1-2 s of compiling, more than a
-        short prompt's single-token calls (bench/NOTES.md); on a big model every single-token call reads all the
-        stage's weights, and compiling soon pays."""
+        each other one whose calls would have saved, over this call and the earlier ones that ran without it, more
+        time than compiling it costs (a call of r tokens replaces r single-token calls). On a cold stage of a small
+        model a new size costs ~1-2 s of compiling, more than a short prompt's single-token calls (bench/NOTES.md);
+        on a big model every single-token call reads all the stage's weights, and compiling soon pays. Counting the
+        earlier calls is for what recurs: the checks of drafted tokens (a few rows, every round of a generation),
+        a chat's short turns."""
         out = []
         for r in self.rungs:
             if r != 1 and r > n:  # no call of this size: nothing to weigh (a decode call asks the disk nothing)
                 continue
             jit = self.jits[r]
             saves = (n // r) * (r - 1) * self.step_s  # the single-token calls its calls replace
-            if r == 1 or jit.ready or jit.cached or (self.on_demand and (self.every_size or saves > self.compile_s)):
+            if r == 1 or jit.ready or jit.cached or (self.on_demand and (self.every_size
+                                                                          or self.missed[r] + saves > self.compile_s)):
                 out.append(r)
                 n %= r
+            else:
+                self.missed[r] += saves
         return tuple(out)
 
     def batch_usable(self) -> tuple[int, ...]:
@@ -231,7 +240,9 @@ class CompiledStage:
             del block.kv
         if w.output is None:
             return x.contiguous()  # (1, T, D) float32
-        return w.output(w.output_norm(x[:, -1:, :]))[:, 0, :].float()  # (1, V): T is fixed per JIT, so is -1
+        if x.shape[1] > ROW_LOGITS:  # T is fixed per JIT, so is -1
+            x = x[:, -1:, :]
+        return w.output(w.output_norm(x))[0].float()  # (T, V) or, past ROW_LOGITS, the last position's (1, V)
 
     def _forward_batch(self, inp: Tensor, pool: Tensor, *bound: UOp) -> Tensor:
         w = self.w
@@ -459,9 +470,26 @@ class TinygradEngine:
         self._sessions.new_step()
         last: list[Tensor] = []
         self._run(session, self._hidden(hidden, seq_len), position, lambda out, start, n: last.append(out))
-        view = self._host.view(self.info.vocab_size * 4)
-        self._outputs.copy(last[-1], view)  # the last call's logits are the last position's
-        return np.frombuffer(view, dtype=np.float32)  # (V,)
+        view = self._host.view(last[-1].shape[0] * self.info.vocab_size * 4)
+        self._outputs.copy(last[-1], view)  # the last call's last row of logits is the last position's
+        return np.frombuffer(view, dtype=np.float32)[-self.info.vocab_size:]  # (V,)
+
+    def forward_rows(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
+        """Last stage: blocks, output norm and head for every row, (T, V) float32 logits, row i position + i's (a
+        check of drafted tokens), in calls of at most ROW_LOGITS tokens."""
+        assert self.shard.is_last, "forward_rows runs on the last stage"
+        self._sessions.new_step()
+        width = self.info.vocab_size * 4
+        out = self._host.view(seq_len * width)
+
+        def take(logits: Tensor, start: int, n: int) -> None:
+            self._outputs.copy(logits, out[start * width:(start + n) * width])
+
+        self._run(session, self._hidden(hidden, seq_len), position, take, most=ROW_LOGITS)
+        return np.frombuffer(out, dtype=np.float32).reshape(seq_len, -1)
+
+    def rewind(self, session: int, length: int) -> None:
+        self._sessions.rewind(session, length)
 
     def can_batch(self, session: int, position: int) -> bool:
         return self._sessions.holds(session, position)
@@ -572,15 +600,15 @@ class TinygradEngine:
         return rows
 
     def _run(self, rid: int, values: np.ndarray, position: int, take: Callable[[Tensor, int, int], None],
-             rungs: tuple[int, ...] | None = None) -> None:
+             rungs: tuple[int, ...] | None = None, most: int = 0) -> None:
         """Check the session rules (and find its pages), then run ``values`` through the stage in ladder-sized calls
-        (``rungs``, by default `CompiledStage.usable`), none crossing a page; ``take(out, start, n)`` after each
-        call, before the next one can overwrite its output."""
+        (``rungs``, by default `CompiledStage.usable`, of at most ``most`` tokens where given), none crossing a page;
+        ``take(out, start, n)`` after each call, before the next one can overwrite its output."""
         seq_len = len(values)
         session = self._sessions.begin(rid, position, seq_len)
         start = 0
         for piece in _pieces(position, seq_len, self.kv_pool.page):
-            for n in split(piece, rungs or self._stage.usable(piece)):
+            for n in split(piece, rungs or self._stage.usable(min(piece, most or piece))):
                 fresh, t0 = not self._stage.jits[n].ready, time.perf_counter()
                 at = position + start
                 take(self._stage.run(values[start:start + n], at, self._where(session, at), session.pages), start, n)
