@@ -173,18 +173,20 @@ def test_a_check_runs_its_rows_as_one_call_each_with_its_one_token_steps_logits(
     c = chain("F16", 2)
     prompt, last = prompts[0], c.engines[-1]
     p = len(prompt)
-    tokens, logits = c.generate(40, prompt, 6)  # logits[i + 1]: the one-token step fed tokens[i] at p + i
-    c.step(41, prompt, 0)
+    tokens, logits = c.generate(70, prompt, 6)  # logits[i + 1]: the one-token step fed tokens[i] at p + i
+    c.step(71, prompt, 0)
     calls: list[int] = []
     run = last._stage.run
     monkeypatch.setattr(last._stage, "run", lambda values, *a: calls.append(len(values)) or run(values, *a))
-    rows = c.rows(41, tokens[:4], p)
+    rows = c.rows(71, tokens[:4], p)
     assert calls == [4]
     np.testing.assert_allclose(rows, np.stack(logits[1:5]), rtol=0, atol=1e-4)
     assert [int(r.argmax()) for r in rows] == tokens[1:5]
-    last.rewind(41, p + 2)  # the check kept one guess: rows p and p + 1 stay
-    assert last.sessions()[41] == p + 2
-    np.testing.assert_allclose(c.step(41, [tokens[2]], p + 2), logits[3], rtol=0, atol=1e-4)
+    last.rewind(71, p + 2)  # the check kept one guess: rows p and p + 1 stay
+    assert last.sessions()[71] == p + 2
+    np.testing.assert_allclose(c.step(71, [tokens[2]], p + 2), logits[3], rtol=0, atol=1e-4)
+    c.release(70)
+    c.release(71)
 
 
 def test_a_released_sessions_pages_are_reused_and_not_held_by_the_blocks(models, prompts):
