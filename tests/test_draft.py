@@ -17,7 +17,7 @@ import pytest
 from conftest import run_requests
 
 import pp_worker
-from pp_worker.driver.draft import Draft, NgramDrafter
+from pp_worker.driver.draft import Draft, NgramDrafter, whole_calls
 from pp_worker.driver.draft_model import DraftModelError, DraftWorker
 from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
@@ -43,26 +43,34 @@ def test_ngram_guesses_what_followed_the_latest_earlier_occurrence_of_the_suffix
 
 
 def test_the_index_follows_a_growing_context():
-    d, context = NgramDrafter(max_k=2, k=2), [1, 2, 3]
+    d, context = NgramDrafter(max_k=3, k=3), [1, 2, 3]
     assert d.propose(context, 10) == []
     context += [1, 2]
-    assert d.propose(context, 10) == [3, 1]
+    assert d.propose(context, 10) == [3, 1, 2]
+
+
+def test_a_check_is_a_power_of_two_of_rows():
+    """A stage runs a check's rows as calls of its ladder (powers of two): 1, 3, 7 guesses, never 2 or 4 to 6."""
+    assert [whole_calls(n) for n in range(10)] == [0, 1, 1, 3, 3, 3, 3, 7, 7, 7]
+    context = [9, 1, 2, 3, 4, 9]  # "9" was followed by five tokens
+    assert NgramDrafter(max_k=8, k=8).propose(context, 10) == [1, 2, 3]
+    assert NgramDrafter(max_k=8, k=8).propose(context, 2) == [1]  # the room left, down to whole calls
 
 
 def test_k_grows_while_guesses_are_kept_and_drafting_pauses_after_misses():
-    d = NgramDrafter(max_k=8, k=2)
-    d.update(2, 2)
-    assert d.k == 4
-    d.update(4, 1)
+    d = NgramDrafter(max_k=8)
+    for k in (3, 7, 8):  # every guess kept: k to the next check of whole calls (4, 8 rows), up to max_k
+        d.update(d.k, d.k)
+        assert d.k == k
+    d.update(7, 1)
     assert d.k == 2  # one past what was kept
-    d.update(2, 0)
+    d.update(1, 0)  # k = 2 guesses 1 (whole calls); a miss at one guess: the next step drafts nothing
     assert d.k == 1
-    d.update(1, 0)  # a miss at k = 1: the next step drafts nothing
     assert d.propose([1, 2, 1, 2], 10) == []
     assert d.propose([1, 2, 1, 2], 10) == [1]
     d.update(1, 0)  # a second miss in a row: two steps without a guess
     assert [d.propose([1, 2, 1, 2], 10) for _ in range(3)] == [[], [], [1]]
-    assert (d.proposed, d.accepted) == (10, 3)
+    assert (d.proposed, d.accepted) == (20, 12)
 
 
 def test_a_repetition_penalty_drafts_nothing():

@@ -22,6 +22,13 @@ NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it pred
 MAX_PAUSE = 16  # steps without a guess after repeated misses, at most (doubling from 1)
 
 
+def whole_calls(n: int) -> int:
+    """The most guesses, at most ``n``, that make the check (the token and its guesses) a power of two of rows: 1, 3,
+    7, 15... A stage runs a few rows as one call of its ladder of powers of two (docs/internals.md): 4 guesses are
+    5 rows, calls of 4 and 1, and the second call reads all the weights again for one token."""
+    return (1 << ((n + 1).bit_length() - 1)) - 1
+
+
 class Penalised(Protocol):  # generation.Sampling, named by what is read of it (generation imports this module)
     repetition_penalty: float | None
     presence_penalty: float | None
@@ -35,7 +42,7 @@ class Draft:
     and for the kind "model" the draft model's worker (one for every generation)."""
 
     kind: str = "ngram"
-    max_k: int = 4
+    max_k: int = 3
     worker: DraftSource | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -96,19 +103,20 @@ class Adaptive:
     _misses: int = 0  # consecutive steps that kept nothing at k = 1
 
     def _budget(self, room: int) -> int:
-        """How many tokens to guess at this step: min(k, room), or 0 while paused (the pause counts down)."""
+        """How many tokens to guess at this step: min(k, room) down to `whole_calls`, or 0 while paused (the pause
+        counts down)."""
         if self._pause:
             self._pause -= 1
             return 0
-        return min(self.k, room)
+        return whole_calls(min(self.k, room))
 
     def update(self, proposed: int, kept: int) -> None:
-        """After a check: grow k by 2 while every guess is kept (up to max_k), shrink it to one past what was kept
-        otherwise; after misses at k = 1, draft nothing for a while (1, 2, 4... steps), so a text that does not repeat
-        pays little."""
+        """After a check: grow k to the next check of whole calls (1, 3, 7...: 2k + 1) while every guess is kept (up
+        to max_k), shrink it to one past what was kept otherwise; after misses at one guess, draft nothing for a
+        while (1, 2, 4... steps), so a text that does not repeat pays little."""
         self.proposed, self.accepted = self.proposed + proposed, self.accepted + kept
         if kept == proposed:
-            self.k, self._misses = min(self.max_k, self.k + 2), 0
+            self.k, self._misses = min(self.max_k, 2 * self.k + 1), 0
             return
         self.k = max(1, kept + 1)
         if kept == 0 and proposed == 1:
@@ -134,7 +142,8 @@ class NgramDrafter(Adaptive):
         k = self._budget(room)
         for n in NGRAM_SIZES:
             if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
-                return context[end:end + k]
+                found = context[end:end + k]
+                return found[:whole_calls(len(found))]
         return []
 
     def begin(self, prompt: list[int]) -> None:

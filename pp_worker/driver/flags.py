@@ -65,8 +65,9 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     help="speculative decoding with a small GGUF of the same vocabulary as the model: it runs on this "
                     "host (one local worker holding all its blocks) and guesses the next tokens greedily; the output "
                     "is exactly the model's (instead of --draft)")
-    ap.add_argument("--draft-max", type=int, default=4, metavar="K",
-                    help="the most tokens guessed at a step (default 4; fewer while guesses miss)")
+    ap.add_argument("--draft-max", type=int, default=3, metavar="K",
+                    help="the most tokens guessed at a step (default 3; fewer while guesses miss; a check of 1, "
+                    "3, 7... guesses is whole calls of the stages)")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")
