@@ -82,9 +82,9 @@ def check(rid: int, position: int, guesses: list[int]) -> dict[str, Any]:
             "position": position, "seq_len": len(guesses) + 1, "verify": guesses}
 
 
-def test_queued_checks_of_the_same_length_share_one_forward() -> None:
-    """Checks (speculative decoding's ``verify``) of three sessions: the two of 4 rows run as one batched forward of
-    their rows, the one of 2 rows on its own; every reply, and what each session holds after, is its check's alone."""
+def test_queued_checks_of_distinct_sessions_run_row_by_row_as_batched_steps() -> None:
+    """Checks (speculative decoding's ``verify``) of three sessions: row i of the checks still going is one batched
+    step; every reply, and what each session holds after, is its check's alone."""
     rids = [3, 5, 8]
     prefills = [prefill(1, 2, rid, 2) for rid in rids]
     plain = {rid: [r["token_id"] for r in run_requests(1, 2, [prefill(1, 2, rid, 2)] + [step(1, 2, rid, 2 + i)
@@ -97,30 +97,11 @@ def test_queued_checks_of_the_same_length_share_one_forward() -> None:
     got = served(worker, [*requests, status])
     assert got[:-1] == alone(1, 2, requests)
     assert [r.get("accepted") for r in got[3:6]] == [3, 1, 0]  # all kept, the second one wrong, the first one wrong
-    assert worker.engine.batches == [2]  # type: ignore[attr-defined]
-    # the rows after the first guess not kept are dropped: 2 + 4 rows, 2 + 1 + 1, 2 + 0 + 1
-    assert got[-1]["sessions"] == {"3": 6, "5": 4, "8": 3} and got[-1]["batched_requests"] == 2
+    assert worker.engine.batches == [3, 2, 1, 1]  # type: ignore[attr-defined]  # rows 0..3: fewer as checks end
+    assert got[-1]["sessions"] == {"3": 6, "5": 4, "8": 3} and got[-1]["batched_requests"] == 3
     mixed = make_worker(1, 2)  # a step between checks: a run of each kind, never one run of both
-    requests = prefills + [check(3, 2, guesses[3]), check(5, 2, guesses[5]), step(1, 2, 8, 2), step(1, 2, 3, 6)]
-    assert served(mixed, requests) == alone(1, 2, requests) and mixed.engine.batches == [2, 2]  # type: ignore[attr-defined]
-
-
-@pytest.mark.parametrize(("stage", "num_stages"), [(0, 2), (1, 3)])
-def test_the_stages_before_the_last_batch_steps_of_the_same_few_tokens(stage: int, num_stages: int) -> None:
-    """What a check is on stage 0 and the middle stages: a few tokens appended (embed_and_forward or forward_range
-    of seq_len T). Those of the same T share one forward; each reply is its own request's alone."""
-    rids = [3, 5, 8]
-
-    def rows(rid: int, n: int) -> dict[str, Any]:
-        if stage == 0:
-            return {"op": "embed_and_forward", "request_id": rid, "tokens": [rid % 7 + i for i in range(n)],
-                    "position": 2}
-        return {"op": "forward_range", "request_id": rid, "hidden_b64": row(200 + rid, n), "position": 2,
-                "seq_len": n}
-    requests = [prefill(stage, num_stages, rid, 2) for rid in rids] + [rows(3, 4), rows(5, 4), rows(8, 2)]
-    worker = make_worker(stage, num_stages)
-    assert served(worker, requests) == alone(stage, num_stages, requests)
-    assert worker.engine.batches == [2]  # type: ignore[attr-defined]  # the two of 4 tokens; 2 tokens alone
+    requests = prefills + [check(3, 2, guesses[3]), check(5, 2, guesses[5]), step(1, 2, 8, 2)]
+    assert served(mixed, requests) == alone(1, 2, requests) and mixed.engine.batches == [2, 2, 1, 1]  # type: ignore[attr-defined]
 
 
 def test_steps_that_do_not_append_run_alone_with_their_own_replies() -> None:

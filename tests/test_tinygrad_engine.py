@@ -20,7 +20,6 @@ from samecast import SameCastReference
 from tinygrad import dtypes
 
 from pp_worker.testing import chain as chain_
-from pp_worker.testing.chain import wire_rows
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate, random_weights, write_gguf
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.compiled.replay import Replay
@@ -188,38 +187,6 @@ def test_a_check_runs_its_rows_as_one_call_each_with_its_one_token_steps_logits(
     np.testing.assert_allclose(c.step(71, [tokens[2]], p + 2), logits[3], rtol=0, atol=1e-4)
     c.release(70)
     c.release(71)
-
-
-def test_checks_of_several_sessions_run_as_one_batched_forward_with_their_own_rows(chain, prompts, monkeypatch):
-    """The checks of several generations (4 tokens each here): one batched call on every stage, each session's rows
-    (and on the last stage every row's logits) its own check's, as one session's `forward_rows` gives them."""
-    c = chain("F16", 2)
-    first, last = c.engines
-    ids = [72, 73, 74, 75]
-    starts = [prompts[0], prompts[1], prompts[0][:5], prompts[1][:7]]
-    guesses = [[11, 12, 13, 14], [3, 4, 5, 6], [20, 21, 22, 23], [9, 9, 9, 9]]
-    want = []
-    for start, tokens in zip(starts, guesses, strict=True):
-        c.step(76, start, 0)
-        want.append(c.rows(76, tokens, len(start)))
-        c.release(76)
-    for rid, start in zip(ids, starts, strict=True):
-        c.step(rid, start, 0)
-    calls: list[tuple[int, ...]] = []
-    for e in (first, last):
-        monkeypatch.setattr(e._stage, "run_batch", lambda values, *a, f=e._stage.run_batch: calls.append(values.shape)
-                            or f(values, *a))
-    positions = [len(start) for start in starts]
-    assert all(e.can_batch(rid, p, 4) for e in c.engines for rid, p in zip(ids, positions, strict=True))
-    hidden = first.step_batch(ids, positions, guesses, 4)
-    rows = [b"".join(r) for r in zip(*[iter(wire_rows(first, hidden))] * 4, strict=True)]  # 4 rows a session
-    got = last.step_batch(ids, positions, rows, 4).copy()
-    assert got.shape == (4, 4, first.info.vocab_size) and calls == [(4, 4), (4, 4, first.info.hidden_dim)]
-    np.testing.assert_allclose(got, np.stack(want), rtol=0, atol=1e-4)
-    assert [[int(r.argmax()) for r in g] for g in got] == [[int(r.argmax()) for r in w] for w in want]
-    assert not first.can_batch(ids[0], positions[0] + 4, 3)  # not a call of the ladder
-    for rid in ids:
-        c.release(rid)
 
 
 def test_a_released_sessions_pages_are_reused_and_not_held_by_the_blocks(models, prompts):

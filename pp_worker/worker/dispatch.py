@@ -105,14 +105,13 @@ class Worker:
 
     def _batch_run(self, ready: list[Request | Reply], i: int) -> list[Request]:
         """The requests from ``ready[i]`` on that can share batched forwards (empty if ``ready[i]`` cannot): one-token
-        steps; steps of the same few tokens (the checks of drafted tokens, as the stages before the last get them);
-        or checks of the same length (``verify``: `_verify_batch`); never two kinds mixed."""
+        steps, or checks (``verify``, run row by row as batched steps: `_verify_batch`), never the two mixed."""
         kind = _batch_kind(ready[i])
         run: list[Request] = []
         for item in ready[i:i + self.engine.max_batch]:
             if not (kind is not None and isinstance(item, Request) and _batch_kind(item) == kind
                     and all(r.rid != item.rid for r in run)
-                    and self.engine.can_batch(item.rid, item.fields["position"], _seq_len(item.fields))):
+                    and self.engine.can_batch(item.rid, item.fields["position"])):
                 break
             run.append(item)
         return run
@@ -252,18 +251,15 @@ def _pick(w: Worker, rid: int, f: dict[str, Any], logits: Any) -> int:
 
 
 def _verify(w: Worker, rid: int, f: dict[str, Any]) -> Reply:
-    """Speculative decoding's check: the k + 1 rows run as one forward (`Engine.forward_rows`), then `_kept`."""
-    return _kept(w, rid, f, w.engine.forward_rows(rid, f["hidden"], f["position"], f["seq_len"]))
-
-
-def _kept(w: Worker, rid: int, f: dict[str, Any], rows: Any) -> Reply:
-    """A check's guesses against its rows' logits: row i gives the logits of the one-token step at position + i it
-    stands for (up to a multi-row forward's rounding, as on the stages before; same ``step_key``), and each guess is
-    kept while it equals the token the model samples there; the first that differs is replaced by the model's
-    token. The session then holds the rows up to that one (the caller's next step starts right after them).
-    ``accepted``: the guesses kept; ``token_id``: the model's token after them."""
+    """Speculative decoding's check: the k + 1 rows run as one forward (`Engine.forward_rows`), row i giving the
+    logits of the one-token step at position + i it stands for (up to a multi-row forward's rounding, as on the
+    stages before; same ``step_key``), and each guess is kept while it equals the token the model samples there;
+    the first that differs is replaced by the model's token. The session then holds the rows up to that one (the
+    caller's next step starts right after them). ``accepted``: the guesses kept; ``token_id``: the model's token
+    after them."""
     position, guesses = f["position"], f["verify"]
     step = {k: v for k, v in f.items() if k != "grammar"}  # a check is never a generation's first step
+    rows = w.engine.forward_rows(rid, f["hidden"], position, f["seq_len"])
     for i, guess in enumerate([*guesses, None]):  # the last row has no guess: it always answers
         token = _pick(w, rid, {**step, "position": position + i, "seq_len": 1}, rows[i])  # a grammar masks each row
         if token != guess:
@@ -273,13 +269,40 @@ def _kept(w: Worker, rid: int, f: dict[str, Any], rows: Any) -> Reply:
 
 
 def _verify_batch(w: Worker, run: list[Request]) -> list[Reply]:
-    """Several sessions' checks of the same length at once: their rows in one batched forward (`Engine.step_batch`
-    of k + 1 tokens), then each session's `_kept`, its tokens, reply and session its own check's (a check that
-    fails there fails alone, its session put back)."""
-    out = w.engine.step_batch([r.rid for r in run], [r.fields["position"] for r in run],
-                              [r.fields["hidden"] for r in run], run[0].fields["seq_len"])
+    """Several sessions' checks (`_verify`) at once: row i of every check still going runs as one batched step, so
+    N checks of k guesses cost k + 1 batched forwards instead of N (k + 1) one-token ones. Each session's rows,
+    tokens and reply are its own check's: a row runs only after every guess before it was kept, a failed row
+    fails that session's check alone (the rows it ran before stay, as in `_verify`)."""
+    replies: dict[int, Reply] = {}
+    going, i = list(run), 0
     w.batched += len(run)
-    return [_row_reply(w, r, lambda b=b, r=r: _kept(w, r.rid, r.fields, out[b])) for b, r in enumerate(run)]
+    while going:
+        positions = [r.fields["position"] + i for r in going]
+        rows = [_row(r.fields, i) for r in going]
+        try:
+            out = w.engine.step_batch([r.rid for r in going], positions, rows)
+        except (EngineError, GrammarError) as e:
+            for r in going:
+                w.engine.undo(r.rid)
+                replies[r.rid] = _error(r.rid, str(e))
+            break
+        still = []
+        for b, r in enumerate(going):
+            f = {k: v for k, v in r.fields.items() if k != "grammar"} | {"position": positions[b], "seq_len": 1}
+            reply = _row_reply(w, r, lambda r=r, f=f, logits=out[b]: {"token_id": _pick(w, r.rid, f, logits)})
+            guesses = r.fields["verify"]
+            if "error" in reply or i == len(guesses) or reply["token_id"] != guesses[i]:
+                replies[r.rid] = reply if "error" in reply else reply | {"accepted": i}
+            else:
+                still.append(r)
+        going, i = still, i + 1
+    return [replies[r.rid] for r in run]
+
+
+def _row(f: dict[str, Any], i: int) -> bytes:
+    """Row ``i`` of a request's hidden state (its ``seq_len`` rows, one a position)."""
+    size = len(f["hidden"]) // f["seq_len"]
+    return f["hidden"][i * size:(i + 1) * size]
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -331,22 +354,18 @@ def _batch(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply
     return {"replies": [{k: str(v) if isinstance(v, B64) else v for k, v in r.items()} for r in replies]}
 
 
-def _batch_kind(item: Request | Reply) -> tuple[str, int] | None:
-    """What a request can share a batched forward with: ("step", T), T tokens appended (one: a decode step; a few,
-    on the stages before the last: a check of drafted tokens, as the engine's `can_batch` allows), ("check", T)
-    (forward_and_sample with ``verify``), None (nothing: a prompt's end on the last stage, a control op, an error
-    reply)."""
+def _batch_kind(item: Request | Reply) -> str | None:
+    """What a request can share a batched forward with: "step" (a one-token forward), "check" (forward_and_sample
+    with ``verify``: its rows, each a one-token step), None (nothing: a prefill, a control op, an error reply)."""
     if not isinstance(item, Request) or item.op not in protocol.BATCH_OPS:
         return None
     if item.fields.get("verify") is not None:
-        return "check", item.fields["seq_len"]
-    if item.op == "forward_and_sample" and item.fields["seq_len"] > 1:
-        return None
-    return "step", _seq_len(item.fields)
+        return "check"
+    return "step" if _one_token(item.fields) else None
 
 
-def _seq_len(f: dict[str, Any]) -> int:
-    return len(f["tokens"]) if "tokens" in f else f["seq_len"]
+def _one_token(f: dict[str, Any]) -> bool:
+    return len(f["tokens"]) == 1 if "tokens" in f else f["seq_len"] == 1
 
 
 def _serve_one(w: Worker, r: Request) -> Reply:
@@ -354,17 +373,15 @@ def _serve_one(w: Worker, r: Request) -> Reply:
 
 
 def _step_batch(w: Worker, run: list[Request]) -> list[Reply]:
-    """T tokens for each request of ``run`` (distinct sessions, all appending, one T) in one forward of the
-    engine."""
-    positions, t = [r.fields["position"] for r in run], _seq_len(run[0].fields)
-    inputs = [(r.fields["tokens"] if t > 1 else r.fields["tokens"][0]) if "tokens" in r.fields else r.fields["hidden"]
-              for r in run]
-    out = w.engine.step_batch([r.rid for r in run], positions, inputs, t)
+    """One token for each request of ``run`` (distinct sessions, all appending) in one forward of the engine."""
+    positions = [r.fields["position"] for r in run]
+    inputs = [r.fields["tokens"][0] if "tokens" in r.fields else r.fields["hidden"] for r in run]
+    out = w.engine.step_batch([r.rid for r in run], positions, inputs)
     w.batched += len(run)
     if w.shard.is_last:
         return [_row_reply(w, r, lambda b=b, r=r: _sampled(w, r.rid, r.fields, out[b])) for b, r in enumerate(run)]
-    size = len(out) // len(run)
-    return [_row_reply(w, r, lambda b=b, r=r: _hidden_reply(w, out[b * size:(b + 1) * size], t,
+    row = len(out) // len(run)
+    return [_row_reply(w, r, lambda b=b, r=r: _hidden_reply(w, out[b * row:(b + 1) * row], 1,
                                                              (r.op, r.rid, positions[b])))
             for b, r in enumerate(run)]
 

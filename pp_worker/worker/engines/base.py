@@ -81,17 +81,15 @@ class Engine(Protocol):
     def vocabulary(self) -> Vocabulary | None:
         """Last stage: the model's tokens for a grammar's matcher (`worker.grammar`); None where there is no model."""
 
-    def can_batch(self, session: int, position: int, seq_len: int = 1) -> bool:
-        """Whether ``seq_len`` tokens of ``session`` at ``position`` may join a batch: they append to a session held
-        (and, several, fit what one batched call takes)."""
+    def can_batch(self, session: int, position: int) -> bool:
+        """Whether a one-token step of ``session`` at ``position`` may join a batch: it appends to a session held."""
 
-    def step_batch(self, sessions: list[int], positions: list[int], inputs: list[Any],
-                   seq_len: int = 1) -> bytes | memoryview | np.ndarray | Sequence[Any]:
-        """``seq_len`` tokens for each of several distinct sessions (each `can_batch`) in one forward: inputs are a
-        token id each (a list of ids for several tokens; first stage) or ``seq_len`` float16 or float32 rows each;
-        the output is the B * T rows (B * T, D) in ``hidden_dtype``, or on the last stage logits, (B, V) for one
-        token and (B, T, V) for several. Each session's result is its single op's (up to float rounding of the
-        batched matmuls; on the last stage, every row's logits as `forward_rows` gives them)."""
+    def step_batch(self, sessions: list[int], positions: list[int],
+                   inputs: list[int] | list[bytes]) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
+        """One token for each of several distinct sessions (each `can_batch`) in one forward: inputs are token ids
+        (first stage) or one float16 or float32 row each; the output is the B rows (B, D) in ``hidden_dtype``, or
+        (B, V) logits on the last stage. Each session's result is its single op's (up to float rounding of the
+        batched matmuls)."""
 
     def release(self, session: int, keep: bool = False) -> bool:
         """Drop a session's KV cache; False when it held none. ``keep``: leave it held as cache (evicted before

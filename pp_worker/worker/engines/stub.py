@@ -100,22 +100,20 @@ class StubEngine:
         """No vocabulary: a ``grammar`` field is validated and then not applied (the stub's logits are no model's)."""
         return None
 
-    def can_batch(self, session: int, position: int, seq_len: int = 1) -> bool:
+    def can_batch(self, session: int, position: int) -> bool:
         return self._sessions.get(session) == position
 
-    def step_batch(self, sessions: list[int], positions: list[int], inputs: list[Any], seq_len: int = 1) -> Any:
-        """Each session's step, exactly as its single op computes it, for one delay in all."""
+    def step_batch(self, sessions: list[int], positions: list[int], inputs: list[int] | list[bytes]) -> Any:
+        """Each session's one-token step, exactly as its single op computes it, for one delay in all."""
         self.batches.append(len(sessions))
         delay, self.delay_s = self.delay_s, 0.0
         steps = list(zip(sessions, inputs, positions, strict=True))
         try:
             if self.shard.is_first:
-                return b"".join(self.embed_and_forward(s, t if seq_len > 1 else [t], p) for s, t, p in steps)
-            if self.shard.is_last and seq_len == 1:
-                return [self.forward_logits(s, h, p, 1) for s, h, p in steps]
+                return b"".join(self.embed_and_forward(s, [t], p) for s, t, p in steps)  # type: ignore[list-item]
             if self.shard.is_last:
-                return [self.forward_rows(s, h, p, seq_len) for s, h, p in steps]
-            return b"".join(self.forward_range(s, h, p, seq_len) for s, h, p in steps)
+                return [self.forward_logits(s, h, p, 1) for s, h, p in steps]  # type: ignore[arg-type]
+            return b"".join(self.forward_range(s, h, p, 1) for s, h, p in steps)  # type: ignore[arg-type]
         finally:
             self.delay_s = delay
             if delay:

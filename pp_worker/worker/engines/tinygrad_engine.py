@@ -137,9 +137,6 @@ class CompiledStage:
         self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
         self.batch_jits = {b: Replay(self._forward_batch, lean, self._slot("batch", b))
                            for b in self.batch_rungs if b > 1}
-        # B sessions of T tokens each (the checks of drafted tokens of several generations), made at first use
-        self._row_shape, self._dtype, self._lean = row, dtype, lean
-        self.rows_jits: dict[tuple[int, int], tuple[Replay, InputBuffer]] = {}
         # the page tables the C attention reads: (B, max_pages) int32, one for the single-session JITs, one per batch
         # size; held by the JITs like a weight, written before each call
         self.tables = {b: InputBuffer((b, self.max_pages), dtypes.int32) for b in (1, *self.batch_inputs)} \
@@ -157,7 +154,7 @@ class CompiledStage:
                 tables[rope] = freqs_cis(rope, cfg.max_context)
             block.freqs_cis, block.kv_row, block.c_attention, block.c_kernels = tables[rope], j, table, w.kernels == "c"
 
-    def _slot(self, kind: str, size: int | tuple[int, int]) -> CacheSlot | None:
+    def _slot(self, kind: str, size: int) -> CacheSlot | None:
         return None if self.store is None else CacheSlot(self.store, jitcache.key(*self.ident, kind, size), self.named)
 
     def named(self) -> jitcache.Named:
@@ -179,7 +176,7 @@ class CompiledStage:
 
     @property
     def all_jits(self) -> list[Replay]:
-        return [*self.jits.values(), *self.batch_jits.values(), *(jit for jit, _ in self.rows_jits.values())]
+        return [*self.jits.values(), *self.batch_jits.values()]
 
     def usable(self, n: int) -> tuple[int, ...]:
         """The ladder sizes a prefill of ``n`` tokens runs in: 1 (decode's), those compiled or kept on disk, and
@@ -203,22 +200,12 @@ class CompiledStage:
                 self.missed[r] += saves
         return tuple(out)
 
-    def batch_usable(self, t: int = 1) -> tuple[int, ...]:
-        """The batch sizes a batched step of ``t`` tokens a session runs in: every one, each compiled at its first
-        use; without `on_demand` only those compiled or kept on disk (the others' sessions go in smaller batches,
-        down to one session's call)."""
+    def batch_usable(self) -> tuple[int, ...]:
+        """The batch sizes a batched step runs in: every one, each compiled at its first use; without `on_demand`
+        only those compiled or kept on disk (the others' sessions go in smaller batches, down to the decode JIT)."""
         if self.on_demand:
             return self.batch_rungs
-        return tuple(b for b in self.batch_rungs if b == 1 or (jit := self._batch_jit(b, t)[0]).ready or jit.cached)
-
-    def _batch_jit(self, b: int, t: int) -> tuple[Replay, InputBuffer]:
-        """The JIT of ``b`` sessions of ``t`` tokens each, and its input buffer."""
-        if t == 1:
-            return self.batch_jits[b], self.batch_inputs[b]
-        if (b, t) not in self.rows_jits:
-            self.rows_jits[b, t] = (Replay(self._forward_batch, self._lean, self._slot("rows", (b, t))),
-                                    InputBuffer((b, t, *self._row_shape), self._dtype))
-        return self.rows_jits[b, t]
+        return tuple(b for b in self.batch_rungs if b == 1 or self.batch_jits[b].ready or self.batch_jits[b].cached)
 
     def pending(self) -> list[Replay]:
         """The JITs neither compiled nor kept on disk."""
@@ -261,14 +248,13 @@ class CompiledStage:
         w = self.w
         b = inp.shape[0]
         positions, pages, offs = list(bound[:b]), list(bound[b:2 * b]), list(bound[2 * b:])
-        x = w.token_embd(inp).float() if w.token_embd is not None else inp  # (B, T, D)
+        x = w.token_embd(inp).float() if w.token_embd is not None else inp  # (B, 1, D)
         slots = self._slots(pool, b, pages, offs)
         for block in w.blocks:
             x = block.step_batch(x, slots, positions)
         if w.output is None:
-            return x.contiguous()  # (B, T, D) float32
-        logits = w.output(w.output_norm(x)).float()  # (B, T, V): every row's (T is at most ROW_LOGITS here)
-        return logits[:, 0, :] if x.shape[1] == 1 else logits
+            return x.contiguous()  # (B, 1, D) float32
+        return w.output(w.output_norm(x))[:, 0, :].float()  # (B, V)
 
     def _write_tables(self, size: int, tables: list[list[int]]) -> None:
         if self.tables:
@@ -279,14 +265,12 @@ class CompiledStage:
 
     def run_batch(self, values: np.ndarray, positions: list[int], where: list[tuple[int, int]],
                   tables: list[list[int]]) -> Tensor:
-        """T tokens for each of B sessions (B a batch ladder size > 1): ``values`` (B, T) token ids or (B, T, D)
-        rows, session b from ``positions[b]``, written from (page, offset) ``where[b]`` (within the page), its pages
-        ``tables[b]``."""
+        """One token for each of B sessions (B a batch ladder size > 1): ``values`` B token ids or (B, D) rows,
+        session b at ``positions[b]``, written at (page, offset) ``where[b]``, its pages ``tables[b]``."""
         b = len(values)
-        jit, buffer = self._batch_jit(b, values.shape[1])
-        buffer.write(values)
+        self.batch_inputs[b].write(values)
         self._write_tables(b, tables)
-        inp = buffer.tensor
+        jit, inp = self.batch_jits[b], self.batch_inputs[b].tensor
         variables = [*self.positions[:b], *self.pages[:b], *self.offs[:b]]
         numbers = [*positions, *(p for p, _ in where), *(o for _, o in where)]
         if (out := jit.replay([inp, self.pool.tensor], {v.expr: n for v, n in zip(variables, numbers, strict=True)})) \
@@ -507,50 +491,40 @@ class TinygradEngine:
     def rewind(self, session: int, length: int) -> None:
         self._sessions.rewind(session, length)
 
-    def can_batch(self, session: int, position: int, seq_len: int = 1) -> bool:
-        """Whether ``seq_len`` tokens of ``session`` at ``position`` may join a batch: they append to a session held,
-        within the context and one page, and (more than one) make a call of the ladder of at most ROW_LOGITS."""
-        if not self._sessions.holds(session, position) or position + seq_len > self.info.max_context:
-            return False
-        return seq_len == 1 or (seq_len <= ROW_LOGITS and seq_len in self._stage.jits
-                                and position % self.kv_pool.page + seq_len <= self.kv_pool.page)
+    def can_batch(self, session: int, position: int) -> bool:
+        return self._sessions.holds(session, position)
 
-    def step_batch(self, sessions: list[int], positions: list[int], inputs: list[Any],
-                   seq_len: int = 1) -> memoryview | np.ndarray:
-        """``seq_len`` tokens for each session (each `can_batch`), in as few forwards as the batch ladder allows.
-        Inputs: a token id (or, for several tokens, a list of ids) each on the first stage, ``seq_len`` float16 or
-        float32 rows each elsewhere. Output: (B * T, D) rows (`hidden_dtype`), or float32 logits on the last stage:
-        (B, V) for one token, (B, T, V) for several."""
-        assert len(set(sessions)) == len(sessions) and all(self.can_batch(s, p, seq_len)
-                                                           for s, p in zip(sessions, positions, strict=True))
+    def step_batch(self, sessions: list[int], positions: list[int],
+                   inputs: list[int] | list[bytes]) -> memoryview | np.ndarray:
+        """One token for each session, in as few forwards as the batch ladder allows. Inputs: token ids on the first
+        stage, one float16 or float32 row each elsewhere. Output: (B, D) rows (`hidden_dtype`), or (B, V) float32
+        logits on the last stage."""
+        assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions))
         self._sessions.new_step()
         n, cfg = len(sessions), self._w.config
         if self.shard.is_first:
-            values = np.asarray(inputs, dtype=np.int32).reshape(n, seq_len)
+            values = np.asarray(inputs, dtype=np.int32)
         else:
-            values = np.stack([self._hidden(rows, seq_len) for rows in inputs])  # (B, T, D)
+            values = np.concatenate([self._hidden(row, 1) for row in inputs])  # type: ignore[arg-type]
         # a session crossing into a new page may evict another to find it, never one of this batch
-        held = [self._sessions.begin(rid, position, seq_len, keep=sessions)
+        held = [self._sessions.begin(rid, position, 1, keep=sessions)
                 for rid, position in zip(sessions, positions, strict=True)]
         where = [self._where(s, p) for s, p in zip(held, positions, strict=True)]
-        width = seq_len * (cfg.vocab_size * 4 if self.shard.is_last else self._row_bytes)  # a session's output
+        width = cfg.vocab_size * 4 if self.shard.is_last else self._row_bytes
         out = self._host.view(n * width)
         start = 0
-        for b in split(n, self._stage.batch_usable(seq_len)):
+        for b in split(n, self._stage.batch_usable()):
             part = slice(start, start + b)
             if b == 1:
-                result = self._stage.run(values[start], positions[start], where[start], held[start].pages)
+                result = self._stage.run(values[part], positions[start], where[start], held[start].pages)
             else:
                 result = self._stage.run_batch(values[part], positions[part], where[part],
                                                [s.pages for s in held[part]])
             self._outputs.copy(result, out[start * width:(start + b) * width])  # before a JIT is called again
             start += b
         for session, position in zip(held, positions, strict=True):
-            self._sessions.commit(session, position, seq_len)
-        if not self.shard.is_last:
-            return out
-        logits = np.frombuffer(out, dtype=np.float32)
-        return logits.reshape(n, -1) if seq_len == 1 else logits.reshape(n, seq_len, -1)
+            self._sessions.commit(session, position, 1)
+        return np.frombuffer(out, dtype=np.float32).reshape(n, -1) if self.shard.is_last else out
 
     # ---- sessions
 
