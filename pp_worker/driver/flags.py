@@ -63,8 +63,12 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "the output is exactly the model's (default: off)")
     ap.add_argument("--draft-model", metavar="PATH",
                     help="speculative decoding with a small GGUF of the same vocabulary as the model: it runs on this "
-                    "host (one local worker holding all its blocks) and guesses the next tokens greedily; the output "
+                    "host, in this process (see --draft-processes), and guesses the next tokens greedily; the output "
                     "is exactly the model's (instead of --draft)")
+    ap.add_argument("--draft-processes", action="store_true",
+                    help="run --draft-model as two local worker processes instead of in this process: isolation (a "
+                    "draft that crashes, hangs or runs out of memory is killed and restarted, --step-timeout bounds "
+                    "each call) for ~1 ms more a guessed token")
     ap.add_argument("--draft-max", type=int, default=3, metavar="K",
                     help="the most tokens guessed at a step (default 3; fewer while guesses miss; a check of 1, "
                     "3, 7... guesses is whole calls of the stages)")
@@ -107,6 +111,8 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
         ap.error("--draft-max must be >= 1")
     if args.draft and args.draft_model:
         ap.error("--draft and --draft-model: give one")
+    if args.draft_processes and not args.draft_model:
+        ap.error("--draft-processes goes with --draft-model")
     if args.draft_model and not os.path.isfile(args.draft_model):
         ap.error(f"--draft-model {args.draft_model}: no such file")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
@@ -148,7 +154,8 @@ def draft_from(args: argparse.Namespace) -> Draft | None:
     load is a DraftModelError), holding a session for each generation in flight (``--concurrency``) and no more."""
     if args.draft_model:
         worker = DraftWorker(args.draft_model, env={"PP_MAX_SESSIONS": str(max(1, args.concurrency))},
-                             step_timeout=args.step_timeout, load_timeout=args.load_timeout)
+                             processes=args.draft_processes, step_timeout=args.step_timeout,
+                             load_timeout=args.load_timeout)
         atexit.register(worker.close)
         return Draft("model", args.draft_max, worker)
     return Draft(args.draft, args.draft_max) if args.draft else None
