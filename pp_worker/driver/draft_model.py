@@ -5,7 +5,8 @@ thread of its own: a generation's guesses are a job queued to that thread, whose
 through its mailbox (pipeline.Mailbox), so while one generation waits for its guesses the others' steps go on. Its two
 stages are, by default, worker objects in the driver's process (``_Local``: a worker's ``Worker`` over its engine,
 called directly by that thread, the only one here that touches tinygrad), or two local worker processes
-(``processes``, ``--draft-processes``: ``_Process``, a JSON line over a pipe each call; isolation at ~0.2 ms a call).
+(``processes``, ``--draft-processes``: ``_Process``, a JSON line over a pipe each call; isolation at ~0.5 ms a call
+here, bench/NOTES.md).
 Either way they take the same requests and give the same replies. The thread takes every generation's guesses queued
 at that moment together: each of their forwards goes in one ``batch`` request per stage (the one-token ones share a
 forward), so 8 streams cost the draft model little more than one. Each generation keeps a KV session there, fed its
@@ -14,9 +15,10 @@ kept since, the model's own token) and takes k argmax tokens, one forward each; 
 rewound over by the next feed (a forward at a smaller position rewinds, docs/protocol.md). When the generation ends
 its session is released there (``end``).
 
-Guesses are an optimisation: a draft model that fails (an in-process engine's error, a worker process that dies or
-gives no reply within the step timeout) fails no generation. Those waiting get no guesses, and the draft model is
-started again a few times (``DraftWorker._failed``).
+Guesses are an optimisation: nothing the draft model does fails a generation. A request's error (an engine's, in
+either mode) costs that generation its guesses at that step. A failure of the draft model (a call that raises out of
+its stages in-process; a worker process that dies or gives no reply within the step timeout) gives the generations
+waiting no guesses, and the draft model is started again a few times (``DraftWorker._failed``).
 """
 
 from __future__ import annotations
@@ -222,7 +224,7 @@ class DraftWorker:
         self._loaded = threading.Event()
         self._loading: list[_Process | _Local] = []  # a restart's workers until they are ready (close() kills them)
         self.stages: list[_Process | _Local] = []  # its two stages (a restart replaces them)
-        loaded: list[DraftModelError | None] = []
+        loaded: list[Exception | None] = []
         self._thread = threading.Thread(target=self._run, args=(loaded,), daemon=True, name="draft-model")
         self._thread.start()
         self._loaded.wait()
@@ -230,12 +232,13 @@ class DraftWorker:
             self._thread.join()
             raise loaded[0]
 
-    def _run(self, loaded: list[DraftModelError | None]) -> None:
-        """The draft thread: load the stages (the engines are this thread's alone), then serve the jobs."""
+    def _run(self, loaded: list[Exception | None]) -> None:
+        """The draft thread: load the stages (the engines are this thread's alone), then serve the jobs; a load that
+        fails is the constructor's error."""
         try:
             self.stages = self._start()
             loaded.append(None)
-        except DraftModelError as e:
+        except Exception as e:
             loaded.append(e)
             return
         finally:
