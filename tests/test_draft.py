@@ -373,6 +373,35 @@ def test_greedy_output_with_the_zen_draft_model_is_exactly_the_output_without(pi
     assert all(g.draft.accepted > g.draft.proposed // 2 for g in drafted)  # it learned the same text: kept
 
 
+def test_beside_other_generations_a_two_token_feed_goes_one_token_a_round_with_the_same_guesses(pipeline,
+                                                                                                  monkeypatch):
+    """After a check kept every guess, a session is fed the last guess and the model's token: with other generations
+    in the round, one token a round, so that every session's forward is one batched forward (a 2-token one runs
+    alone); the guesses, and so the output, are the same."""
+    from pp_worker.driver import draft_model
+
+    worker, rounds = DraftWorker(ZEN_DRAFT_GGUF), []
+    plain_next_tokens = worker.next_tokens
+
+    def next_tokens(asks):
+        rounds.append([tokens for _, (tokens, _) in asks])
+        return plain_next_tokens(asks)
+    worker.next_tokens = next_tokens
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency=4)
+        drafted = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
+        together = [r for r in rounds if len(r) > 1]
+        monkeypatch.setattr(draft_model, "SPLIT", 1)  # as before: a feed is one forward, whatever its length
+        rounds.clear()
+        whole = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
+    finally:
+        worker.close()
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain] == [g.tokens for g in whole]
+    assert [g.draft.accepted for g in drafted] == [g.draft.accepted for g in whole]
+    assert together and all(len(tokens) != 2 for r in together for tokens in r)
+    assert any(len(tokens) == 2 for r in rounds if len(r) > 1 for tokens in r)  # what the split avoided
+
+
 def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):
     """Random weights: nearly every guess is rejected, so the draft's session rewinds over them at each step."""
     plain = _run(pipeline, None, Sampling())
