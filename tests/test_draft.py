@@ -373,6 +373,35 @@ def test_greedy_output_with_the_zen_draft_model_is_exactly_the_output_without(pi
     assert all(g.draft.accepted > g.draft.proposed // 2 for g in drafted)  # it learned the same text: kept
 
 
+def test_beside_other_generations_a_two_token_feed_goes_one_token_a_round_with_the_same_guesses(pipeline,
+                                                                                                  monkeypatch):
+    """After a check kept every guess, a session is fed the last guess and the model's token: with other generations
+    in the round, one token a round, so that every session's forward is one batched forward (a 2-token one runs
+    alone); the guesses, and so the output, are the same."""
+    from pp_worker.driver import draft_model
+
+    worker, rounds = DraftWorker(ZEN_DRAFT_GGUF), []
+    plain_next_tokens = worker.next_tokens
+
+    def next_tokens(asks):
+        rounds.append([tokens for _, (tokens, _) in asks])
+        return plain_next_tokens(asks)
+    worker.next_tokens = next_tokens
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency=4)
+        drafted = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
+        together = [r for r in rounds if len(r) > 1]
+        monkeypatch.setattr(draft_model, "SPLIT", 1)  # as before: a feed is one forward, whatever its length
+        rounds.clear()
+        whole = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
+    finally:
+        worker.close()
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain] == [g.tokens for g in whole]
+    assert [g.draft.accepted for g in drafted] == [g.draft.accepted for g in whole]
+    assert together and all(len(tokens) != 2 for r in together for tokens in r)
+    assert any(len(tokens) == 2 for r in rounds if len(r) > 1 for tokens in r)  # what the split avoided
+
+
 def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):
     """Random weights: nearly every guess is rejected, so the draft's session rewinds over them at each step."""
     plain = _run(pipeline, None, Sampling())
@@ -405,11 +434,18 @@ def test_draft_model_flags_and_their_errors(tmp_path, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--stub", "--draft", "ngram", "--draft-model", ZEN_GGUF])
     assert "--draft and --draft-model: give one" in capsys.readouterr().err
+    # a draft model's guesses are nearly all kept where it is good: it guesses more at a step than prompt lookup
+    assert parse_args(["--stub", "--draft", "ngram"]).draft_max == 3
+    assert parse_args(["--stub", "--draft-model", ZEN_DRAFT_GGUF]).draft_max == 7
+    with pytest.raises(SystemExit):
+        parse_args(["--stub", "--draft-processes"])
+    assert "--draft-processes goes with --draft-model" in capsys.readouterr().err
     other = _zen_vocab_model(tmp_path / "other.gguf", n_merges=100)
     draft = draft_from(parse_args(["--stub", "--draft-model", other, "--draft-max", "3", "--concurrency", "3",
                                    "--step-timeout", "7"]))
     try:
         assert draft is not None and draft.kind == "model" and draft.max_k == 3
+        assert not draft.worker.processes  # in the driver's process unless --draft-processes
         assert draft.worker.step_timeout == 7  # the deadline of each of its calls
         # a draft session for each generation in flight, as the stages hold theirs
         assert [status["max_sessions"] for status in draft.worker.status()] == [3, 3]
@@ -422,11 +458,12 @@ def test_draft_model_flags_and_their_errors(tmp_path, capsys):
     assert "must share the model's vocabulary" in capsys.readouterr().err
 
 
-def test_a_draft_model_that_does_not_load_is_a_clear_error(tmp_path):
+@pytest.mark.parametrize("processes, says", [(False, "cannot load: "), (True, "worker exited")])
+def test_a_draft_model_that_does_not_load_is_a_clear_error(tmp_path, processes, says):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a gguf")
-    with pytest.raises(DraftModelError, match="draft model .*bad.gguf: worker exited"):
-        DraftWorker(str(bad))
+    with pytest.raises(DraftModelError, match=f"draft model .*bad.gguf: {says}"):
+        DraftWorker(str(bad), processes=processes)
 
 
 def test_draft_sessions_are_released_when_their_generations_end():
@@ -559,6 +596,7 @@ def test_a_failed_pp_serve_pipeline_releases_its_generations_draft_sessions():
 
 
 # --- a draft model that fails: the generations go on without guesses, and it is started again -----------------------
+# (worker processes, --draft-processes: killed, frozen, not loading; then the draft model in the driver's process)
 def _fail_at_first_guess(worker: DraftWorker, fail) -> None:
     """Call ``fail`` on the draft model's thread just before its first guess (not a prompt's feed), once."""
     plain_next_tokens, failed = worker.next_tokens, []
@@ -572,7 +610,7 @@ def _fail_at_first_guess(worker: DraftWorker, fail) -> None:
 
 def test_a_draft_worker_killed_mid_generation_is_restarted_and_the_output_is_unchanged(pipeline):
     log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, log=log)
+    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, backoff_s=0, log=log)
     _fail_at_first_guess(worker, lambda: worker.stages[1].proc.kill())
     try:
         plain = _run(pipeline, None, Sampling(), concurrency=2)
@@ -613,7 +651,7 @@ class _FrozenRestarts:
 
 def test_a_restart_that_does_not_load_within_the_load_timeout_counts_as_a_failure(pipeline, monkeypatch):
     log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, restarts=1, backoff_s=0, log=log)
+    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, restarts=1, backoff_s=0, log=log)
     worker.load_timeout = 2  # the restart's (its first load had the default: under the suite's load it took longer)
     _fail_at_first_guess(worker, lambda: (_FrozenRestarts(monkeypatch), worker.stages[0].proc.kill()))
     try:
@@ -635,7 +673,7 @@ def test_close_during_a_restarts_load_kills_its_workers_and_returns(pipeline, mo
     from conftest import gone
 
     log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, load_timeout=None, log=log)
+    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, backoff_s=0, load_timeout=None, log=log)
     freeze: list[_FrozenRestarts] = []
     _fail_at_first_guess(worker, lambda: (freeze.append(_FrozenRestarts(monkeypatch)),
                                           worker.stages[0].proc.kill()))
@@ -653,7 +691,7 @@ def test_a_draft_worker_frozen_past_the_step_timeout_is_killed_and_the_generatio
     import threading
 
     log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, step_timeout=5, backoff_s=0, log=log)
+    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, step_timeout=5, backoff_s=0, log=log)
     frozen = worker.stages[1].proc
     _fail_at_first_guess(worker, lambda: frozen.send_signal(signal.SIGSTOP))
     # without a deadline the guess waits for ever: thawed later, the test fails rather than hangs
@@ -674,7 +712,7 @@ def test_a_draft_model_that_fails_past_its_restarts_stays_off(pipeline):
     must fail at once (no step timeout here: a call that waited for one on a pipe that ended would hang until the
     suite's own timeout; it waited 120 s before)."""
     log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, restarts=0, log=log, step_timeout=None)
+    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, restarts=0, log=log, step_timeout=None)
     _fail_at_first_guess(worker, lambda: worker.stages[0].proc.kill())
     try:
         plain = _run(pipeline, None, Sampling(), max_tokens=20)
@@ -704,7 +742,7 @@ def test_pp_serve_goes_on_when_its_draft_worker_dies_and_drafts_again_after_the_
 
     plain = _run(pipeline, None, Sampling(), max_tokens=30)[:2]
     log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, log=log)
+    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, backoff_s=0, log=log)
     _fail_at_first_guess(worker, lambda: worker.stages[0].proc.kill())
     try:
         service = PipelineService(Launch(2, env={"PP_WIRE_DTYPE": "f32", "MAX_CONTEXT": "160"}), concurrency=2,
@@ -722,3 +760,117 @@ def test_pp_serve_goes_on_when_its_draft_worker_dies_and_drafts_again_after_the_
     assert [g.tokens for g in killed] == [g.tokens for g in later] == [g.tokens for g in plain]
     assert "draft model failed" in log.getvalue() and all(g.draft.proposed > 0 for g in later)
     assert health["draft_model"] == {"status": "ok", "failures": 1}
+
+
+def test_a_draft_model_in_the_drivers_process_whose_engine_fails_gives_no_guesses_and_the_output_goes_on(pipeline):
+    """The draft's last stage's engine raises at every guess for a while (as a forward that fails would): each of
+    those guesses is that generation's error, it takes plain steps meanwhile, nothing restarts, and once the engine
+    answers again the generations draft again; the output is exactly the model's."""
+    from pp_worker.worker.engines.base import EngineError
+
+    worker = DraftWorker(ZEN_DRAFT_GGUF, log=io.StringIO())
+    engine = worker.stages[1].worker.engine
+    plain_step, plain_logits, failed = engine.step_batch, engine.forward_logits, []
+
+    def fails(plain):
+        def call(*args, **kwargs):
+            if len(failed) < 6:
+                failed.append(args)
+                raise EngineError("the forward failed")
+            return plain(*args, **kwargs)
+        return call
+    engine.step_batch, engine.forward_logits = fails(plain_step), fails(plain_logits)
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency=2)
+        log = io.StringIO()
+        pipeline.log, before = log, pipeline.log
+        try:
+            drafted = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
+        finally:
+            pipeline.log = before
+    finally:
+        worker.close()
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert len(failed) == 6 and "no guesses at this step: DraftModelError" in log.getvalue(), log.getvalue()
+    assert "the forward failed" in log.getvalue()
+    assert worker.failures == 0 and worker.down == ""  # one generation's error, not the draft model's failure
+    assert all(g.draft.accepted > 0 for g in drafted)  # guessed again once the engine answered
+
+
+def test_a_draft_model_in_the_drivers_process_that_fails_is_loaded_again_and_the_output_is_unchanged(pipeline):
+    """A call that raises out of the draft model's stages (not one request's error): the failure of the draft model,
+    as a worker process's death is; its stages are loaded again in this process and the generations draft again."""
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, log=log)
+    first = worker.stages
+
+    def broken(requests):
+        raise RuntimeError("the stage broke")
+    _fail_at_first_guess(worker, lambda: setattr(worker.stages[0], "batch", broken))
+    try:
+        plain = _run(pipeline, None, Sampling(), concurrency=2)
+        failed = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
+        worker.status()  # queued behind the restart: the draft model has loaded again
+        again = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
+    finally:
+        worker.close()
+    assert [g.tokens for g in failed] == [g.tokens for g in plain] == [g.tokens for g in again]
+    assert "draft model failed: RuntimeError: the stage broke" in log.getvalue()
+    assert "draft model: restarted, drafting again" in log.getvalue() and worker.failures == 1
+    assert all(s.closed for s in first) and worker.stages[0] is not first[0]  # new stages
+    assert all(g.draft.proposed > 0 for g in again)
+
+
+def test_close_while_the_draft_model_in_the_drivers_process_guesses_ends_that_guess_with_none():
+    """close() comes while the draft thread is in a forward: the forward ends (it cannot be cut short), the calls
+    after it fail, the guess gets none, and close() returns with the thread ended; no restart follows."""
+    import threading
+
+    from pp_worker.driver.draft_model import Guess
+
+    worker, inside, go, got = DraftWorker(ZEN_DRAFT_GGUF), threading.Event(), threading.Event(), []
+    plain_next_tokens = worker.next_tokens
+
+    def next_tokens(asks):
+        inside.set()
+        assert go.wait(30)
+        return plain_next_tokens(asks)
+    worker.next_tokens = next_tokens
+    drafter = worker.drafter(max_k=4)
+
+    def guesses():
+        return (yield [1, 2, 3], 0), (yield [4], 3)
+    worker.submit(Guess(drafter.session, guesses(), got.append))
+    closer = threading.Thread(target=worker.close)
+    try:
+        assert inside.wait(30)
+        closer.start()
+        with worker._wake:  # close() has begun: it waits for the thread, held here
+            assert worker._wake.wait_for(lambda: worker._closing, 30)
+    finally:
+        go.set()
+    closer.join(30)
+    assert not closer.is_alive() and not worker._thread.is_alive()
+    assert got == [[]] and worker.failures == 0 and worker.down == ""
+    worker.submit(Guess(drafter.session, guesses(), got.append))  # closed: nothing runs any more
+    assert got == [[]]
+
+
+def test_the_driver_imports_tinygrad_only_for_a_draft_model_in_its_process():
+    """pp-pipeline and pp-serve stay as light as without drafts (their flags, an ngram draft, the draft module
+    itself); the draft model in the driver's process brings tinygrad in."""
+    import subprocess
+
+    code = f"""
+import sys
+from pp_worker.driver.cli import main
+from pp_worker.driver.flags import draft_from
+from pp_worker.serve.cli import parse_args
+light = draft_from(parse_args(["--stub", "--draft", "ngram"]))
+print("tinygrad" in sys.modules)
+draft = draft_from(parse_args(["--stub", "--draft-model", {ZEN_DRAFT_GGUF!r}]))
+print("tinygrad" in sys.modules)
+draft.worker.close()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False", "True"], out.stderr

@@ -1,17 +1,24 @@
 """``--draft-model PATH``: a small GGUF with the pipeline's vocabulary guesses the next tokens (speculative decoding).
 
-The draft model runs on the driver's host as a two-stage pipeline of local worker processes, driven by a thread of
-its own: a generation's guesses are a job queued to that thread, whose result the pipeline's loop gets back through
-its mailbox (pipeline.Mailbox), so while one generation waits for its guesses the others' steps go on. The thread
-takes every generation's guesses queued at that moment together: each of their forwards goes in one ``batch`` line
-per stage (the one-token ones share a forward), so 8 streams cost the draft model little more than one. Each
-generation keeps a KV session there, fed its prompt while the pipeline prefills it (``begin``); to guess, it feeds
-what the session does not hold yet (the tokens kept since, the model's own token) and takes k argmax tokens, one
-forward each; a guess the pipeline did not keep is rewound over by the next feed (a forward at a smaller position
-rewinds, docs/protocol.md). When the generation ends its session is released there (``end``).
+The draft model runs on the driver's host as a two-stage pipeline (a worker is a stage of at least two), driven by a
+thread of its own: a generation's guesses are a job queued to that thread, whose result the pipeline's loop gets back
+through its mailbox (pipeline.Mailbox), so while one generation waits for its guesses the others' steps go on. Its two
+stages are, by default, worker objects in the driver's process (``_Local``: a worker's ``Worker`` over its engine,
+called directly by that thread, the only one here that touches tinygrad), or two local worker processes
+(``processes``, ``--draft-processes``: ``_Process``, a JSON line over a pipe each call; isolation at ~0.5 ms a call
+here, bench/NOTES.md).
+Either way they take the same requests and give the same replies. The thread takes every generation's guesses queued
+at that moment together: each of their forwards goes in one ``batch`` request per stage (the one-token ones share a
+forward), so 8 streams cost the draft model little more than one. Each generation keeps a KV session there, fed its
+prompt while the pipeline prefills it (``begin``); to guess, it feeds what the session does not hold yet (the tokens
+kept since, the model's own token) and takes k argmax tokens, one forward each; a guess the pipeline did not keep is
+rewound over by the next feed (a forward at a smaller position rewinds, docs/protocol.md). When the generation ends
+its session is released there (``end``).
 
-Guesses are an optimisation: a draft worker that dies or gives no reply within the step timeout fails no generation.
-Those waiting get no guesses, and the draft model is started again a few times (``DraftWorker._failed``).
+Guesses are an optimisation: nothing the draft model does fails a generation. A request's error (an engine's, in
+either mode) costs that generation its guesses at that step. A failure of the draft model (a call that raises out of
+its stages in-process; a worker process that dies or gives no reply within the step timeout) gives the generations
+waiting no guesses, and the draft model is started again a few times (``DraftWorker._failed``).
 """
 
 from __future__ import annotations
@@ -24,7 +31,8 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, TextIO
 
@@ -109,17 +117,103 @@ class _Process:
                                + (f": {' | '.join(tail)}" if tail else ""))
 
 
-class DraftWorker:
-    """The draft model, on this host: two local worker processes (a worker is a stage of at least two: the first
-    holds the embedding and the first half of the blocks, the second the rest and the head), called by one thread
-    of their own (``submit``)."""
+class _Local:
+    """One of the draft model's stages in the driver's process: the worker's own ``Worker`` over the engine a worker
+    process would load (``build_engine``, from the same settings: its environment and ``env``), called directly, so a
+    request costs no JSON line, pipe or process switch. What it answers is what a worker process would answer; a
+    forward in progress cannot be cut short (no step timeout here: ``--draft-processes`` for that)."""
 
-    def __init__(self, path: str, env: dict[str, str] | None = None, *, step_timeout: float | None = 120.0,
-                 load_timeout: float | None = 600.0, restarts: int = RESTARTS, backoff_s: float = 1.0,
-                 log: TextIO | None = sys.stderr):
+    def __init__(self, env: dict[str, str], stage: int, path: str):
+        from pp_worker.worker.cli import build_engine, parse_config  # tinygrad: only with a draft model
+        from pp_worker.worker.dispatch import Worker
+        from pp_worker.worker.events import Clock
+
+        self.path, self.closed = path, False
+        try:
+            self.cfg = parse_config([], {**os.environ, **env, "STAGE": str(stage), "NUM_STAGES": "2", "MODEL": path})
+            with _tinygrad_here():
+                engine = build_engine(self.cfg, _Silent())
+        except Exception as e:  # a file that is no model, a bad setting (ConfigError): the draft model's error
+            raise DraftModelError(f"draft model {path}: cannot load: {str(e).splitlines()[0] if str(e) else e!r}") \
+                from e
+        self.worker = Worker(engine, Clock(), path, self.cfg.wire_dtype, self.cfg.strict_finite)
+
+    def ready(self, timeout: float | None) -> dict[str, Any]:
+        """What the worker process's ready line would say (it has loaded: the constructor loads)."""
+        from pp_worker.worker.cli import ready_line
+
+        return ready_line(self.worker.engine, self.cfg, self.worker.clock)
+
+    def call(self, obj: dict[str, Any]) -> dict[str, Any]:
+        with _tinygrad_here():
+            reply = self._live().handle_line(json.dumps(obj).encode())
+        if "error" in reply:
+            raise DraftModelError(f"draft model {self.path}: {reply['error']}")
+        return reply
+
+    def batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Several requests served as one ``batch`` line's, in order (each may be an error of its own); the hidden
+        states stay ``B64`` objects from one stage to the next."""
+        with _tinygrad_here():
+            return self._live().handle_objects(requests)
+
+    def close(self) -> None:
+        """The calls after this fail (a forward in progress ends first: it is the draft thread's, not the caller's);
+        the engine goes with the last reference to it."""
+        self.closed = True
+
+    kill = close
+
+    def _live(self) -> Any:
+        if self.closed:
+            raise DraftModelError(f"draft model {self.path}: closed")
+        return self.worker
+
+
+_TINYGRAD = threading.Lock()  # held while a thread runs tinygrad here (an engine's load or call)
+_connections: dict[int | None, Any] = {}  # thread -> its tinygrad compile cache connection, while another runs
+_tinygrad_thread: list[int | None] = [None]  # the thread whose connection tinygrad holds now
+
+
+@contextmanager
+def _tinygrad_here() -> Iterator[None]:
+    """Run tinygrad on this thread, one thread at a time. One draft model's engines are its thread's alone, but
+    several draft models in one process (tests; pp-serve's is one) are several threads, and tinygrad's compile cache
+    keeps one sqlite connection (``tinygrad.helpers._db_connection``) that only the thread that opened it may use:
+    each thread gets its own put in place while it runs."""
+    from tinygrad import helpers
+
+    with _TINYGRAD:
+        me = threading.get_ident()
+        if _tinygrad_thread[0] != me:
+            _connections[_tinygrad_thread[0]] = helpers._db_connection
+            helpers._db_connection, _tinygrad_thread[0] = _connections.pop(me, None), me
+        yield
+
+
+class _Silent:
+    """The events an in-process engine emits while it loads (a worker process's event lines): none; the driver's
+    stdout is its own."""
+
+    def emit(self, kind: str, **fields: Any) -> None:
+        pass
+
+
+class DraftWorker:
+    """The draft model, on this host: two stages (a worker is a stage of at least two: the first holds the embedding
+    and the first half of the blocks, the second the rest and the head), in this process (``_Local``) or, with
+    ``processes``, as two local worker processes (``_Process``), loaded and called by one thread of their own
+    (``submit``)."""
+
+    def __init__(self, path: str, env: dict[str, str] | None = None, *, processes: bool = False,
+                 step_timeout: float | None = 120.0, load_timeout: float | None = 600.0, restarts: int = RESTARTS,
+                 backoff_s: float = 1.0, log: TextIO | None = sys.stderr):
+        """``env``: extra variables for its workers (their settings in this process too); ``step_timeout`` and
+        ``load_timeout`` bound a worker process's reply and load (an in-process forward or load cannot be cut short)."""
         if not os.path.isfile(path):
             raise DraftModelError(f"draft model {path!r}: no such file")
-        self._launch = Launch(2, model=path, env=env or {})  # env: extra variables for its workers
+        self.env, self.processes = env or {}, processes
+        self._launch = Launch(2, model=path, env=self.env)
         self.path, self._ids, self.step_timeout, self.log = path, itertools.count(1), step_timeout, log
         self.load_timeout = load_timeout
         self.restarts, self.backoff_s, self.failures = restarts, backoff_s, 0
@@ -127,19 +221,41 @@ class DraftWorker:
         self._jobs: deque[Callable[[], None] | Guess] = deque()
         self._wake = threading.Condition()
         self._closing = False
-        self._thread: threading.Thread | None = None
-        self._loading: list[_Process] = []  # a restart's workers until they are ready (close() kills them)
-        self.stages = self._start()  # its two worker processes (a restart replaces them)
-        self._thread = threading.Thread(target=self._serve, daemon=True, name="draft-model")
+        self._loaded = threading.Event()
+        self._loading: list[_Process | _Local] = []  # a restart's workers until they are ready (close() kills them)
+        self.stages: list[_Process | _Local] = []  # its two stages (a restart replaces them)
+        loaded: list[Exception | None] = []
+        self._thread = threading.Thread(target=self._run, args=(loaded,), daemon=True, name="draft-model")
         self._thread.start()
+        self._loaded.wait()
+        if loaded[0] is not None:
+            self._thread.join()
+            raise loaded[0]
 
-    def _start(self) -> list[_Process]:
-        """Start both workers and wait for their ready lines, within ``load_timeout`` (a DraftModelError if they do not
-        load, or if close() came meanwhile)."""
+    def _run(self, loaded: list[Exception | None]) -> None:
+        """The draft thread: load the stages (the engines are this thread's alone), then serve the jobs; a load that
+        fails is the constructor's error."""
+        try:
+            self.stages = self._start()
+            loaded.append(None)
+        except Exception as e:
+            loaded.append(e)
+            return
+        finally:
+            self._loaded.set()
+        self._serve()
+
+    def _start(self) -> list[_Process | _Local]:
+        """Start both stages and wait until they are ready, a worker process within ``load_timeout`` (a
+        DraftModelError if they do not load, or if close() came meanwhile)."""
         with self._wake:
             if self._closing:
                 raise DraftModelError(f"draft model {self.path}: closed")
-            stages = self._loading = [_Process(self._launch, stage, self.path, self.step_timeout) for stage in range(2)]
+            if self.processes:  # spawned, not loaded yet: close() meanwhile kills them
+                stages = self._loading = [_Process(self._launch, stage, self.path, self.step_timeout)
+                                          for stage in range(2)]
+        if not self.processes:  # loaded here, on this thread (close() meanwhile waits for the load)
+            stages = [_Local(self.env, stage, self.path) for stage in range(2)]
         try:
             ready = [stage.ready(self.load_timeout) for stage in stages]
         except DraftModelError:
@@ -222,8 +338,7 @@ class DraftWorker:
             stage.kill()
         for stage in self.stages:
             stage.close()
-        if self._thread is not None:
-            self._thread.join()
+        self._thread.join()
 
     def _answer(self, reply: dict[str, Any]) -> int | DraftModelError:
         return DraftModelError(f"draft model {self.path}: {reply['error']}") if "error" in reply else reply["token_id"]
@@ -253,13 +368,15 @@ class DraftWorker:
         no guesses (they go on without) and the failure goes on to ``_serve``."""
         running = [g for g in guesses if g.advance(None)]
         while running:
+            asks = [g.round_ask(together=len(running) > 1) for g in running]
             try:
-                answers: list[int | DraftModelError] = self.next_tokens([(g.session, g.ask) for g in running])
+                answers: list[int | DraftModelError] = self.next_tokens(
+                    [(g.session, ask) for g, ask in zip(running, asks, strict=True)])
             except Exception:
                 for g in running:
                     g.then([])
                 raise
-            running = [g for g, answer in zip(running, answers, strict=True) if g.advance(answer)]
+            running = [g for g, ask, answer in zip(running, asks, answers, strict=True) if g.fed(ask, answer)]
 
     def _failed(self, error: Exception) -> None:
         """The draft model failed: kill its workers, give the guesses queued none, and start it again after 1, 2,
@@ -320,6 +437,7 @@ Ask = tuple[list[int], int]  # tokens to feed a session, at this position
 # dozen about as well as from all, and a long prompt's feed would cost the draft model more than the guesses save
 # (bench/NOTES.md, Speculative decoding)
 WINDOW = 32
+SPLIT = 2  # a feed this short goes one token a round beside other generations' guesses (Guess.round_ask)
 
 
 @dataclass
@@ -331,6 +449,23 @@ class Guess:
     steps: Generator[Ask, int, list[int]]
     then: Callable[[list[int] | Exception], None]
     ask: Ask = ([], 0)
+
+    def round_ask(self, together: bool) -> Ask:
+        """This round's forward: the ask, or, with other generations in the round, the first of a feed of SPLIT
+        tokens (the one after every guess was kept: the last guess and the model's token). One-token forwards of
+        several sessions are one batched forward, a 2-token one is a forward of its own: 8 sessions' 2-token feeds
+        took 3.7-6.2 ms, two rounds of one-token forwards 2.8-3.6 ms (bench/NOTES.md)."""
+        tokens, position = self.ask
+        return (tokens[:1], position) if together and 1 < len(tokens) <= SPLIT else self.ask
+
+    def fed(self, ask: Ask, answer: int | DraftModelError) -> bool:
+        """``ask`` (this round's, `round_ask`) was answered: True while it asks for another forward. The answer to
+        part of a feed is no guess: the rest of the feed is the next round's ask (an error goes to ``advance``)."""
+        done = len(ask[0])
+        if done < len(self.ask[0]) and not isinstance(answer, DraftModelError):
+            self.ask = (self.ask[0][done:], self.ask[1] + done)
+            return True
+        return self.advance(answer)
 
     def advance(self, answer: int | DraftModelError | None) -> bool:
         """Hand it the last ask's answer (None: start it); True while it asks for another forward (``ask``)."""

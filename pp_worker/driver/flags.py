@@ -17,6 +17,10 @@ from pp_worker.worker.engines.pool import parse_bytes
 
 WIRE_DTYPES = ("f16", "auto", "f32", "q8")  # worker.q8.WIRE_DTYPES; the driver imports nothing of the worker
 MAX_LOGIT_BIAS = 100.0  # worker.protocol.MAX_LOGIT_BIAS, as OpenAI
+# --draft-max's default: a draft model's guesses cost a forward each, and a good one's are nearly all kept, so a check
+# of 7 (8 rows, one call of each stage's ladder) beat 3 on the embedded model with the Zen draft, 1 and 8 streams;
+# prompt lookup did as well with 3 (bench/NOTES.md, Speculative decoding). k adapts down on misses either way.
+DRAFT_MAX = {"ngram": 3, "model": 7}
 
 
 def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tokens_help: str) -> None:
@@ -63,11 +67,16 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "the output is exactly the model's (default: off)")
     ap.add_argument("--draft-model", metavar="PATH",
                     help="speculative decoding with a small GGUF of the same vocabulary as the model: it runs on this "
-                    "host (one local worker holding all its blocks) and guesses the next tokens greedily; the output "
+                    "host, in this process (see --draft-processes), and guesses the next tokens greedily; the output "
                     "is exactly the model's (instead of --draft)")
-    ap.add_argument("--draft-max", type=int, default=3, metavar="K",
-                    help="the most tokens guessed at a step (default 3; fewer while guesses miss; a check of 1, "
-                    "3, 7... guesses is whole calls of the stages)")
+    ap.add_argument("--draft-processes", action="store_true",
+                    help="run --draft-model as two local worker processes instead of in this process: isolation (a "
+                    "draft that crashes, hangs or runs out of memory is killed and restarted, --step-timeout bounds "
+                    "each call) for ~1 ms more a guessed token")
+    ap.add_argument("--draft-max", type=int, metavar="K",
+                    help=f"the most tokens guessed at a step (default {DRAFT_MAX['ngram']} with --draft ngram, "
+                    f"{DRAFT_MAX['model']} with --draft-model; fewer while guesses miss; a check of 1, 3, 7... guesses "
+                    "is whole calls of the stages)")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")
@@ -103,10 +112,14 @@ def check_pipeline_flags(ap: argparse.ArgumentParser, args: argparse.Namespace) 
     """Refuse (through ``ap.error``, exit 2) what would only fail later, once the workers are loading."""
     if args.stages < 2 or args.max_tokens < 1 or args.concurrency < 1:
         ap.error("--stages must be >= 2, --max-tokens and --concurrency >= 1")
+    if args.draft_max is None:
+        args.draft_max = DRAFT_MAX["model" if args.draft_model else "ngram"]
     if args.draft_max < 1:
         ap.error("--draft-max must be >= 1")
     if args.draft and args.draft_model:
         ap.error("--draft and --draft-model: give one")
+    if args.draft_processes and not args.draft_model:
+        ap.error("--draft-processes goes with --draft-model")
     if args.draft_model and not os.path.isfile(args.draft_model):
         ap.error(f"--draft-model {args.draft_model}: no such file")
     if args.prefill_chunk is not None and args.prefill_chunk < 0:
@@ -148,7 +161,8 @@ def draft_from(args: argparse.Namespace) -> Draft | None:
     load is a DraftModelError), holding a session for each generation in flight (``--concurrency``) and no more."""
     if args.draft_model:
         worker = DraftWorker(args.draft_model, env={"PP_MAX_SESSIONS": str(max(1, args.concurrency))},
-                             step_timeout=args.step_timeout, load_timeout=args.load_timeout)
+                             processes=args.draft_processes, step_timeout=args.step_timeout,
+                             load_timeout=args.load_timeout)
         atexit.register(worker.close)
         return Draft("model", args.draft_max, worker)
     return Draft(args.draft, args.draft_max) if args.draft else None
