@@ -104,10 +104,11 @@ class Adaptive:
 
     @property
     def limit(self) -> int:
-        """The most tokens to guess at a step: ``max_k`` (--draft-max) where the stages are local; behind a link,
-        that many times a trip over its compute, at most MAX_GUESSES. A check's guessed rows cost compute, and a
-        trip costs the links too: scaled so, the rows' compute stays the share of a trip it is on local stages
-        while each trip yields more tokens (25 ms one way: a trip of ~130 ms for ~30 of compute, 4 -> 16)."""
+        """The most tokens to guess at a step: ``max_k`` (--draft-max) times a trip over its compute (the trip less
+        the links' pings), at least ``max_k`` and at most MAX_GUESSES; ``max_k`` until both are measured. A check's
+        guessed rows cost compute and a trip costs the links too: scaled so, the rows' compute stays the share of a
+        trip it is where a trip is all compute, while each trip yields more tokens (25 ms one way: a trip of ~130 ms
+        for ~30 of compute, 4 -> 16; local stages of a big model: ~max_k)."""
         compute = self.trip_s - self.link_s
         if self.link_s <= 0 or self.trip_s <= 0:
             return self.max_k
