@@ -669,6 +669,18 @@ def test_links_counters_count_trips_and_the_stages_compute_from_the_trace() -> N
     assert "1.5 trips a stream, 2.0 tokens a trip, stages busy 74% of the span" in links._counted(counted)
 
 
+def test_links_bench_runs_and_counts_each_runs_trips() -> None:
+    """The section end to end on the embedded model, small (the relay at 5 ms): plain decoding makes one trip a
+    token after the first, ngram fewer on the repeated passage; no timing is judged here."""
+    plan = links.LinksPlan(delays_ms=(5.0,), streams=(2,), tokens=12, rounds=1, tasks=("repetitive",),
+                           draft_model=None)
+    runs = links.measure(plan)["delays"]["5"]["repetitive"]["2"]
+    plain, ngram = runs["plain"], runs["ngram"]
+    assert (plain["trips"], plain["tokens_per_trip"]) == (11, 1.0)
+    assert ngram["kept"] > 0 and ngram["trips"] < 11 and ngram["tokens_per_trip"] > 1
+    assert 0 < plain["busy_share"] <= 1 and plain["first_spread_s"] >= 0
+
+
 def test_prefill_refuses_an_unknown_file_before_it_builds_anything(capsys) -> None:
     from bench import prefill
 
