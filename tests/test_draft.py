@@ -82,16 +82,21 @@ def test_behind_a_slow_link_k_grows_past_draft_max_as_a_trip_outgrows_its_comput
     d.timed(0.030)
     assert d.limit == 4  # local stages (no link measured): --draft-max
     d.link_s = 0.100
-    d.timed(0.160)  # the moving average: 95 ms a trip, all of it the link's: as many guesses as ever allowed
-    assert d.limit == MAX_GUESSES
-    d.trip_s = 0.125  # 25 ms of compute in a trip of 125: 5x as many guesses as on local stages, at most 16
-    assert d.limit == min(MAX_GUESSES, 20)
-    d.trip_s = 0.2  # 100 ms of compute: twice as many
+    assert d.limit == MAX_GUESSES  # the fastest trip, 30 ms, was all link: as many guesses as ever allowed
+    d = NgramDrafter(max_k=4, link_s=0.100)
+    d.timed(0.125)  # 25 ms of compute in a trip of 125: 5x as many guesses as a trip of compute alone, at most 16
+    assert d.limit == MAX_GUESSES == 16
+    d.timed(0.325)  # the moving average 225 ms: a wait behind others' work makes the trip, not its compute, longer
+    assert (d.trip_s, d.fastest_s) == (0.225, 0.125) and d.limit == MAX_GUESSES
+    d = NgramDrafter(max_k=4, link_s=0.100)
+    d.timed(0.200)  # 100 ms of compute: twice as many
     assert d.limit == 8
     for kept in (1, 3, 7):
         d.update(kept, kept)
     assert d.k == 8  # grown by doubling up to the limit
-    assert NgramDrafter(max_k=4, link_s=0.001, trip_s=0.010).limit == 4  # a link much faster than the compute
+    fast_link = NgramDrafter(max_k=4, link_s=0.001)
+    fast_link.timed(0.010)
+    assert fast_link.limit == 4  # a link much faster than the compute: --draft-max
 
 
 def test_a_repetition_penalty_drafts_nothing():

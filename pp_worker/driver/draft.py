@@ -99,17 +99,20 @@ class Adaptive:
     accepted: int = 0
     link_s: float = 0.0  # the links' share of a token's trip through the stages (the pipeline's pings; 0: local)
     trip_s: float = 0.0  # a token's trip through the stages as this generation has seen them (a moving average)
+    fastest_s: float = 0.0  # its fastest trip: the links and its own compute, the least waiting behind others'
     _pause: int = 0  # steps left without a guess
     _misses: int = 0  # consecutive steps that kept nothing at k = 1
 
     @property
     def limit(self) -> int:
-        """The most tokens to guess at a step: ``max_k`` (--draft-max) times a trip over its compute (the trip less
-        the links' pings), at least ``max_k`` and at most MAX_GUESSES; ``max_k`` until both are measured. A check's
-        guessed rows cost compute and a trip costs the links too: scaled so, the rows' compute stays the share of a
-        trip it is where a trip is all compute, while each trip yields more tokens (25 ms one way: a trip of ~130 ms
-        for ~30 of compute, 4 -> 16; local stages of a big model: ~max_k)."""
-        compute = self.trip_s - self.link_s
+        """The most tokens to guess at a step: ``max_k`` (--draft-max) times a trip over its compute, at least
+        ``max_k`` and at most MAX_GUESSES; ``max_k`` until both are measured. The trip is the moving average; its
+        compute, the fastest trip less the links' pings (a trip's wait behind other generations' work, or their
+        prompts', is no cost of its own rows). A check's guessed rows cost compute and a trip costs the links and
+        the waits too: scaled so, the rows' compute stays the share of a trip it is where a trip is all compute,
+        while each trip yields more tokens (25 ms one way: a trip of ~130 ms for ~30 of compute, 4 -> 16; local
+        stages of a big model: ~max_k)."""
+        compute = self.fastest_s - self.link_s
         if self.link_s <= 0 or self.trip_s <= 0:
             return self.max_k
         scaled = self.max_k * self.trip_s / compute if compute > 0 else MAX_GUESSES
@@ -118,6 +121,7 @@ class Adaptive:
     def timed(self, trip_s: float) -> None:
         """A decode step's or a check's trip through the stages, from its first stage's call to the last's reply."""
         self.trip_s = trip_s if not self.trip_s else (self.trip_s + trip_s) / 2
+        self.fastest_s = min(self.fastest_s or trip_s, trip_s)
 
     def _budget(self, room: int) -> int:
         """How many tokens to guess at this step: min(k, limit, room), or 0 while paused (the pause counts down)."""

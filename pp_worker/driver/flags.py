@@ -66,8 +66,9 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "host (one local worker holding all its blocks) and guesses the next tokens greedily; the output "
                     "is exactly the model's (instead of --draft)")
     ap.add_argument("--draft-max", type=int, default=4, metavar="K",
-                    help="the most tokens guessed at a step on local stages (default 4; fewer while guesses miss); "
-                    "behind a slow link up to K x a trip over its compute, at most 16")
+                    help="the most tokens guessed at a step where a trip is all compute (default 4; fewer while "
+                    "guesses miss); where a slow link or waits for other generations make trips longer, up to K x a "
+                    "trip over its compute, at most 16")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")
