@@ -96,6 +96,42 @@ def launcher(delay_ms: float, rate_mbit: float) -> str | None:
     return f"{{python}} {RELAY} --delay-ms {delay_ms:g} --rate-mbit {rate_mbit:g} -- {{python}} -m pp_worker"
 
 
+Trace = list[tuple[float, int, int, str, str]]  # Pipeline.trace: (time, stage, request id, op, "send" or "reply")
+
+
+def counters(trace: Trace, gens: list[Generation], delay_s: float) -> dict[str, Any]:
+    """What a run did, counted on the driver (a busy machine moves rates, not these): ``trips``, a generation's
+    passes through the stages after its first token (decode steps and checks), mean over the generations, and the
+    tokens a trip yields; ``first_spread_s``, the span's start until the last generation's first token (the other
+    prompts' prefills, which the span holds); ``busy_share``, the span's share in which some stage computed. A stage
+    serves its requests in order, so one computes from its arrival (sent + the link's delay), or the end of the one
+    before, to its reply less the delay."""
+    t0, t1 = min(g.t_first for g in gens), max(g.t_end for g in gens)
+    first = {g.session: g.t_first for g in gens}
+    trips = sum(1 for t, stage, rid, op, kind in trace if stage == 0 and kind == "send" and rid in first
+                and t >= first[rid] and op in ("decode_step", "embed_and_forward"))
+    busy: list[tuple[float, float]] = []
+    for stage in {e[1] for e in trace}:
+        replies: dict[tuple[int, str], list[float]] = {}
+        for t, s, rid, op, kind in trace:
+            if s == stage and kind == "reply":
+                replies.setdefault((rid, op), []).append(t - delay_s)
+        free = 0.0
+        for t, s, rid, op, kind in trace:
+            if s == stage and kind == "send" and replies.get((rid, op)):
+                done = replies[(rid, op)].pop(0)
+                busy.append((max(t + delay_s, free, t0), min(done, t1)))
+                free = max(free, done)
+    covered, end = 0.0, t0
+    for a, b in sorted(busy):
+        covered += max(0.0, b - max(a, end))
+        end = max(end, b)
+    decoded = sum(max(0, len(g.tokens) - 1) for g in gens)
+    return {"trips": round(trips / len(gens), 1), "tokens_per_trip": round(decoded / trips, 2) if trips else None,
+            "first_spread_s": round(max(first.values()) - t0, 3),
+            "busy_share": round(covered / (t1 - t0), 2) if t1 > t0 else None}
+
+
 def rate(gens: list[Generation]) -> float:
     decoded = sum(max(0, len(g.tokens) - 1) for g in gens)
     span = max(g.t_end for g in gens) - min(g.t_first for g in gens)
@@ -123,12 +159,15 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
             for task in plan.tasks:
                 for n in plan.streams:
                     runs: dict[str, list[list[Generation]]] = {name: [] for name in arms}
+                    counted: dict[str, dict[str, Any]] = {}
                     for _ in range(plan.rounds):  # in turn, so that a busy moment of the machine hits all alike
                         for name, draft in arms.items():
-                            p.draft = draft
+                            p.draft, p.trace = draft, []
                             runs[name].append(p.run(make_generations(p, [TASKS[task]] * n, plan.tokens, Sampling()),
                                                     n).generations)
-                    out.setdefault(task, {})[str(n)] = {name: _summary(r) for name, r in runs.items()}
+                            counted[name] = counters(p.trace, runs[name][-1], delay_ms / 1000)
+                            p.trace = None
+                    out.setdefault(task, {})[str(n)] = {name: _summary(r) | counted[name] for name, r in runs.items()}
                     say(f"links: {plan.model or 'embedded'}, {delay_ms:g} ms, {task}, {n} stream(s): "
                         f"{out[task][str(n)]}")
     finally:
@@ -138,7 +177,8 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
 
 
 def _summary(rounds: list[list[Generation]]) -> dict[str, Any]:
-    """The median round's rate, each round's, and the guesses of the last round (the same every round: greedy)."""
+    """The median round's rate, each round's, and the guesses of the last round (the same every round: greedy; its
+    ``counters`` go with them)."""
     gens = rounds[-1]
     return {"tok_s": round(statistics.median(rate(r) for r in rounds), 1),
             "rounds_tok_s": [round(rate(r), 1) for r in rounds],
@@ -171,15 +211,24 @@ def rows(raw: dict[str, Any] | None) -> list[Row]:
             for n, runs in by_streams.items():
                 plain = runs["plain"]["tok_s"]
                 name = f"{label}{delay} ms, {task}, {n} stream(s)"
-                out.append(Row(SECTION, f"{name}: plain", plain, "tok/s"))
+                out.append(Row(SECTION, f"{name}: plain", plain, "tok/s", note=_counted(runs["plain"])))
                 for arm in (a for a in ARMS[1:] if a in runs):
                     tok_s, flag = runs[arm]["tok_s"], "--draft ngram" if arm == "ngram" else "--draft-model"
-                    note = f"kept {runs[arm]['kept']} of {runs[arm]['drafted']} guessed tokens"
+                    note = f"kept {runs[arm]['kept']} of {runs[arm]['drafted']} guessed tokens; {_counted(runs[arm])}"
                     out.append(Row(SECTION, f"{name}: {flag}", tok_s, "tok/s", note=note))
                     out.append(Row(SECTION, f"{name}: {arm} / plain", plain and tok_s / plain, "x",
                                    target=_target(arm, float(delay), task, int(n))))
     out += _far_rows(delays, label)
     return out + (rows(raw["then"]) if raw and raw.get("then") else [])
+
+
+def _counted(run: dict[str, Any]) -> str:
+    """A run's ``counters`` in words ("" for a run measured before they were)."""
+    if "trips" not in run:
+        return ""
+    busy = "?" if run["busy_share"] is None else f"{run['busy_share']:.0%}"
+    return (f"{run['trips']} trips a stream, {run['tokens_per_trip']} tokens a trip, stages busy {busy} of the "
+            f"span, last first token at {run['first_spread_s']} s")
 
 
 def _target(arm: str, delay: float, task: str, n: int) -> float | None:

@@ -16,6 +16,7 @@ from test_cuda_graph import tinygrads_own_count
 from bench import gpu, links, memwall, models, pipe, report, reuse, run, solo, wire
 from bench.pipe import Tokens
 from bench.rows import Row, render, summary, to_json, write_results
+from pp_worker.driver.generation import Generation
 from pp_worker.driver.pipeline import Pipeline
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate, tensor_types
@@ -647,6 +648,37 @@ def test_links_local_rate_is_local_stages_without_the_relay() -> None:
     assert str(links.RELAY) in (links.launcher(25, 0) or "") and "--rate-mbit 10" in (links.launcher(0, 10) or "")
     assert "no relay" in links._far_rows({"0": {"free": {"8": {"plain": {"tok_s": 100}}}},
                                           "25": {"free": {"8": {"plain": {"tok_s": 50}}}}}, "")[0].note
+
+
+def test_links_counters_count_trips_and_the_stages_compute_from_the_trace() -> None:
+    """Two generations behind 10 ms links. Stage 0 serves in order: A's check arrives with B's step and computes
+    after it. A's prompt (before its first token) is no trip and its compute falls before the span."""
+    a, b = Generation(0, "a", 1), Generation(1, "b", 2)
+    for g, first, tokens in ((a, 1.0, 5), (b, 1.5, 3)):
+        g.session, g.t_first, g.t_end, g.tokens = g.request_id, first, 2.0, [7] * tokens
+    calls = [(0, 1, "embed_and_forward", 0.5, 0.9), (0, 1, "decode_step", 1.0, 1.2),
+             (1, 1, "forward_and_sample", 1.2, 1.4), (0, 2, "decode_step", 1.5, 1.7),
+             (0, 1, "embed_and_forward", 1.5, 1.9)]
+    trace = sorted([(sent, s, rid, op, "send") for s, rid, op, sent, _ in calls]
+                   + [(reply, s, rid, op, "reply") for s, rid, op, _, reply in calls], key=lambda e: e[0])
+    counted = links.counters(trace, [a, b], 0.010)
+    assert counted["trips"] == 1.5 and counted["tokens_per_trip"] == 2.0  # 3 trips, 4 + 2 tokens after the first
+    assert counted["first_spread_s"] == 0.5
+    # computing: 1.01-1.19 (A's step), 1.21-1.39 (stage 1), 1.51-1.69 (B's), 1.69-1.89 (A's check): 0.74 of 1 s
+    assert counted["busy_share"] == 0.74
+    assert "1.5 trips a stream, 2.0 tokens a trip, stages busy 74% of the span" in links._counted(counted)
+
+
+def test_links_bench_runs_and_counts_each_runs_trips() -> None:
+    """The section end to end on the embedded model, small (the relay at 5 ms): plain decoding makes one trip a
+    token after the first, ngram fewer on the repeated passage; no timing is judged here."""
+    plan = links.LinksPlan(delays_ms=(5.0,), streams=(2,), tokens=12, rounds=1, tasks=("repetitive",),
+                           draft_model=None)
+    runs = links.measure(plan)["delays"]["5"]["repetitive"]["2"]
+    plain, ngram = runs["plain"], runs["ngram"]
+    assert (plain["trips"], plain["tokens_per_trip"]) == (11, 1.0)
+    assert ngram["kept"] > 0 and ngram["trips"] < 11 and ngram["tokens_per_trip"] > 1
+    assert 0 < plain["busy_share"] <= 1 and plain["first_spread_s"] >= 0
 
 
 def test_prefill_refuses_an_unknown_file_before_it_builds_anything(capsys) -> None:

@@ -17,7 +17,8 @@ import pytest
 from conftest import run_requests
 
 import pp_worker
-from pp_worker.driver.draft import Draft, NgramDrafter, whole_calls
+from bench import links
+from pp_worker.driver.draft import MAX_GUESSES, Draft, NgramDrafter, whole_calls
 from pp_worker.driver.draft_model import DraftModelError, DraftWorker
 from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
@@ -42,6 +43,15 @@ def test_ngram_guesses_what_followed_the_latest_earlier_occurrence_of_the_suffix
     assert NgramDrafter(max_k=3).propose([5, 6, 7, 8, 9, 5, 6, 7], room=10) == [8]  # a first guess is one token
 
 
+def test_a_loop_is_guessed_to_go_on_for_k_tokens():
+    """The latest occurrence of the suffix ends just before it (a token repeated, a short loop): the copy runs on
+    over its own guesses instead of stopping at the context's end (a random-weight model's greedy output is such a
+    loop: one guess a check before, however long k)."""
+    assert NgramDrafter(max_k=7, k=7).propose([9, 3, 3, 3, 3], room=10) == [3] * 7
+    assert NgramDrafter(max_k=7, k=7).propose([9, 1, 2, 1, 2], room=10) == [1, 2, 1, 2, 1, 2, 1]
+    assert NgramDrafter(max_k=7, k=7).propose([9, 1, 2, 1, 2], room=3) == [1, 2, 1]
+
+
 def test_the_index_follows_a_growing_context():
     d, context = NgramDrafter(max_k=3, k=3), [1, 2, 3]
     assert d.propose(context, 10) == []
@@ -53,7 +63,7 @@ def test_a_check_is_a_power_of_two_of_rows():
     """A stage runs a check's rows as calls of its ladder (powers of two): 1, 3, 7 guesses, never 2 or 4 to 6."""
     assert [whole_calls(n) for n in range(10)] == [0, 1, 1, 3, 3, 3, 3, 7, 7, 7]
     context = [9, 1, 2, 3, 4, 9]  # "9" was followed by five tokens
-    assert NgramDrafter(max_k=8, k=8).propose(context, 10) == [1, 2, 3]
+    assert NgramDrafter(max_k=8, k=6).propose(context, 10) == [1, 2, 3]
     assert NgramDrafter(max_k=8, k=8).propose(context, 2) == [1]  # the room left, down to whole calls
 
 
@@ -71,6 +81,28 @@ def test_k_grows_while_guesses_are_kept_and_drafting_pauses_after_misses():
     d.update(1, 0)  # a second miss in a row: two steps without a guess
     assert [d.propose([1, 2, 1, 2], 10) for _ in range(3)] == [[], [], [1]]
     assert (d.proposed, d.accepted) == (20, 12)
+
+
+def test_behind_a_slow_link_k_grows_past_draft_max_as_a_trip_outgrows_its_compute():
+    d = NgramDrafter(max_k=4)
+    d.timed(0.030)
+    assert d.limit == 4  # local stages (no link measured): --draft-max
+    d.link_s = 0.100
+    assert d.limit == MAX_GUESSES  # the fastest trip, 30 ms, was all link: as many guesses as ever allowed
+    d = NgramDrafter(max_k=4, link_s=0.100)
+    d.timed(0.125)  # 25 ms of compute in a trip of 125: 5x as many guesses as a trip of compute alone, at most 16
+    assert d.limit == MAX_GUESSES == 16
+    d.timed(0.325)  # the moving average 225 ms: a wait behind others' work makes the trip, not its compute, longer
+    assert (d.trip_s, d.fastest_s) == (0.225, 0.125) and d.limit == MAX_GUESSES
+    d = NgramDrafter(max_k=4, link_s=0.100)
+    d.timed(0.200)  # 100 ms of compute: twice as many
+    assert d.limit == 8
+    for kept in (1, 3, 7):
+        d.update(kept, kept)
+    assert d.k == 8  # grown by doubling up to the limit
+    fast_link = NgramDrafter(max_k=4, link_s=0.001)
+    fast_link.timed(0.010)
+    assert fast_link.limit == 4  # a link much faster than the compute: --draft-max
 
 
 def test_a_repetition_penalty_drafts_nothing():
@@ -233,6 +265,26 @@ def test_drafts_work_through_a_launcher():
         drafted = _run(p, Draft("ngram", 4), Sampling(), max_tokens=24)
     assert [g.tokens for g in drafted] == [g.tokens for g in plain]
     assert drafted[0].draft.accepted > 0
+
+
+def test_behind_a_slow_link_checks_guess_past_draft_max_and_the_output_is_unchanged(monkeypatch):
+    """bench/relay.py puts 20 ms one way in front of each stage: the pipeline's pings measure the links (at least
+    the delays they add), a trip is then mostly link, and the checks guess more than --draft-max's 2 (which stays
+    the most on local stages) with exactly the tokens plain decoding gives."""
+    guessed: list[int] = []
+    update = NgramDrafter.update
+
+    def counted(self, proposed, kept):
+        guessed.append(proposed)
+        update(self, proposed, kept)
+    monkeypatch.setattr(NgramDrafter, "update", counted)
+    with Pipeline(Launch(2, launcher=links.launcher(20, 0), env={"PP_WIRE_DTYPE": "f32"}), log=None) as p:
+        plain = _run(p, None, Sampling(), concurrency=4, max_tokens=40)
+        assert p.link_s == 0  # measured for drafts only
+        drafted = _run(p, Draft("ngram", 2), Sampling(), concurrency=4, max_tokens=40)
+        assert p.link_s >= 4 * 0.020  # a token's trip crosses each stage's link both ways
+    assert [g.tokens for g in drafted] == [g.tokens for g in plain]
+    assert max(guessed) > 2, guessed
 
 
 def test_pp_serve_takes_the_draft_flags_to_its_pipeline():

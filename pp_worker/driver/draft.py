@@ -20,6 +20,7 @@ from typing import ClassVar, Protocol
 DRAFTS = ("ngram",)  # --draft's choices; --draft-model PATH is the kind "model"
 NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it predicts best
 MAX_PAUSE = 16  # steps without a guess after repeated misses, at most (doubling from 1)
+MAX_GUESSES = 16  # behind a slow link k may pass --draft-max (Adaptive.limit), never this
 
 
 def whole_calls(n: int) -> int:
@@ -79,6 +80,7 @@ class Drafter(Protocol):
 
     proposed: int
     accepted: int
+    link_s: float
     off_loop: ClassVar[bool]
 
     def begin(self, prompt: list[int]) -> None: ...
@@ -88,35 +90,61 @@ class Drafter(Protocol):
 
     def update(self, proposed: int, kept: int) -> None: ...
 
+    def timed(self, trip_s: float) -> None: ...
+
     def end(self) -> None: ...
 
 
 @dataclass
 class Adaptive:
-    """How many tokens a generation's drafter guesses now (``k``, adapted to how many are kept), and its totals."""
+    """How many tokens a generation's drafter guesses now (``k``, adapted to how many are kept and to how long a trip
+    through the stages takes against their compute), and its totals."""
 
     max_k: int
     k: int = 1  # a first guess costs little if it misses; every kept one grows it
     proposed: int = 0  # totals, for the summary
     accepted: int = 0
+    link_s: float = 0.0  # the links' share of a token's trip through the stages (the pipeline's pings; 0: local)
+    trip_s: float = 0.0  # a token's trip through the stages as this generation has seen them (a moving average)
+    fastest_s: float = 0.0  # its fastest trip: the links and its own compute, the least waiting behind others'
     _pause: int = 0  # steps left without a guess
     _misses: int = 0  # consecutive steps that kept nothing at k = 1
 
+    @property
+    def limit(self) -> int:
+        """The most tokens to guess at a step: ``max_k`` (--draft-max) times a trip over its compute, at least
+        ``max_k`` and at most MAX_GUESSES; ``max_k`` until both are measured. The trip is the moving average; its
+        compute, the fastest trip less the links' pings (a trip's wait behind other generations' work, or their
+        prompts', is no cost of its own rows). A check's guessed rows cost compute and a trip costs the links and
+        the waits too: scaled so, the rows' compute stays the share of a trip it is where a trip is all compute,
+        while each trip yields more tokens (25 ms one way: a trip of ~130 ms for ~30 of compute, 4 -> 16; local
+        stages of a big model: ~max_k)."""
+        compute = self.fastest_s - self.link_s
+        if self.link_s <= 0 or self.trip_s <= 0:
+            return self.max_k
+        scaled = self.max_k * self.trip_s / compute if compute > 0 else MAX_GUESSES
+        return max(self.max_k, min(MAX_GUESSES, round(scaled)))
+
+    def timed(self, trip_s: float) -> None:
+        """A decode step's or a check's trip through the stages, from its first stage's call to the last's reply."""
+        self.trip_s = trip_s if not self.trip_s else (self.trip_s + trip_s) / 2
+        self.fastest_s = min(self.fastest_s or trip_s, trip_s)
+
     def _budget(self, room: int) -> int:
-        """How many tokens to guess at this step: min(k, room) down to `whole_calls`, or 0 while paused (the pause
-        counts down)."""
+        """How many tokens to guess at this step: min(k, limit, room) down to `whole_calls`, or 0 while paused (the
+        pause counts down)."""
         if self._pause:
             self._pause -= 1
             return 0
-        return whole_calls(min(self.k, room))
+        return whole_calls(min(self.k, self.limit, room))
 
     def update(self, proposed: int, kept: int) -> None:
-        """After a check: grow k to the next check of whole calls (1, 3, 7...: 2k + 1) while every guess is kept (up
-        to max_k), shrink it to one past what was kept otherwise; after misses at one guess, draft nothing for a
+        """After a check: double k (2k + 1: the next check of whole calls) while every guess is kept (up to
+        ``limit``), shrink it to one past what was kept otherwise; after misses at one guess, draft nothing for a
         while (1, 2, 4... steps), so a text that does not repeat pays little."""
         self.proposed, self.accepted = self.proposed + proposed, self.accepted + kept
         if kept == proposed:
-            self.k, self._misses = min(self.max_k, 2 * self.k + 1), 0
+            self.k, self._misses = min(self.limit, 2 * self.k + 1), 0
             return
         self.k = max(1, kept + 1)
         if kept == 0 and proposed == 1:
@@ -137,13 +165,16 @@ class NgramDrafter(Adaptive):
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Up to min(k, room) tokens that followed the latest earlier occurrence of the context's longest
-        recurring suffix (3, 2, then 1 tokens); [] when none recurs, when paused, or when ``room`` is 0."""
+        recurring suffix (3, 2, then 1 tokens); [] when none recurs, when paused, or when ``room`` is 0. Where that
+        occurrence ends less than k tokens before the end (a loop: "a b a b", a token repeated), the copy goes on
+        over its own guesses, as LZ77 copies a run: the loop is guessed to go on, k tokens, not only the few the
+        context shows after the occurrence."""
         self._update_index(context)
         k = self._budget(room)
         for n in NGRAM_SIZES:
             if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
-                found = context[end:end + k]
-                return found[:whole_calls(len(found))]
+                period = len(context) - end  # >= 1: the occurrence ended before the last token
+                return [context[end + i % period] for i in range(k)]
         return []
 
     def begin(self, prompt: list[int]) -> None:

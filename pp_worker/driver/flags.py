@@ -74,9 +74,10 @@ def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tok
                     "draft that crashes, hangs or runs out of memory is killed and restarted, --step-timeout bounds "
                     "each call) for ~1 ms more a guessed token")
     ap.add_argument("--draft-max", type=int, metavar="K",
-                    help=f"the most tokens guessed at a step (default {DRAFT_MAX['ngram']} with --draft ngram, "
-                    f"{DRAFT_MAX['model']} with --draft-model; fewer while guesses miss; a check of 1, 3, 7... guesses "
-                    "is whole calls of the stages)")
+                    help=f"the most tokens guessed at a step where a trip is all compute (default {DRAFT_MAX['ngram']} "
+                    f"with --draft ngram, {DRAFT_MAX['model']} with --draft-model; fewer while guesses miss; a check "
+                    "of 1, 3, 7... guesses is whole calls of the stages); where a slow link or waits for other "
+                    "generations make trips longer, up to K x a trip over its compute, at most 16")
     ap.add_argument("--load-timeout", type=float, default=600.0, help="seconds to wait for ready (default 600)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="seconds per request (default 120)")
     ap.add_argument("--verbose", "-v", action="store_true", help="echo the workers' stderr")

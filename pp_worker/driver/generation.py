@@ -142,7 +142,10 @@ class Generation:
         op, feed, position = "embed_and_forward", {"tokens": self.prompt_tokens[start:]}, start
         seq_len, drafted = len(self.prompt_tokens) - start, []
         while True:
+            sent = time.monotonic()
             reply = yield from self._forward(op, feed, position, seq_len, num_stages, drafted)
+            if self.draft and self.tokens:  # a token's trip (not the prompt's): a slow link lets the draft guess more
+                self.draft.timed(time.monotonic() - sent)
             kept = reply["accepted"] if drafted else 0
             if drafted and self.draft:
                 self.draft.update(len(drafted), kept)

@@ -201,6 +201,8 @@ class Pipeline:
         self._next_id = 1  # 0 is the driver's own control id (shutdown)
         # set to a list to record (time, stage, request_id, op, "send" or "reply"), e.g. to check the overlap
         self.trace: list[tuple[float, int, int, str, str]] | None = None
+        self.link_s = 0.0  # a token's trip's time on the links to and from the stages (_measure_links; 0: not yet)
+        self._pinged = False
         try:
             if launch.split is not None:  # each stage's blocks, planned and checked before any of them loads
                 launch = self._plan_split(launch, load_timeout)
@@ -345,7 +347,9 @@ class Pipeline:
         if g.request_id in self._active:
             raise ValueError(f"request_id {g.request_id} is already in flight (it is its KV session)")
         if self.draft is not None and g.draft is None and self.draft.usable(g.sampling):
+            self._measure_links()
             g.draft = self.draft.start()
+            g.draft.link_s = self.link_s
         self._active[g.request_id] = (g, g.steps(len(self.stages), self.eos, self.max_context, self.prefill_chunk,
                                                  self.prefixes))
         self._advance(g.request_id, None)
@@ -620,6 +624,28 @@ class Pipeline:
                 self._release(obj["session"])
         elif obj["event"] in ("model_load_failed", "uncaught_exception", "session_evicted"):
             self._say(f"stage {st.index}: {obj['event']}: {obj.get('value') or obj.get('session', '')}")
+
+    def _measure_links(self) -> None:
+        """Ping every stage once, all at once, when the first drafting generation starts (its ping goes ahead of its
+        first call): a token's trip crosses each stage's link both ways, so the pings' sum is the trip's time on the
+        links, whatever the stages compute; speculative decoding guesses more behind a slow link
+        (draft.Adaptive.limit). Local stages: ~1 ms. The drafters in flight learn it with the last pong."""
+        if self._pinged:
+            return
+        self._pinged = True
+        pongs: dict[int, float] = {}
+
+        def pong(stage: int, sent: float) -> Callable[[Reply], None]:
+            def on_reply(reply: Reply) -> None:
+                pongs[stage] = time.monotonic() - sent
+                if len(pongs) == len(self.stages):
+                    self.link_s = sum(pongs.values())
+                    for g, _ in self._active.values():
+                        if g.draft:
+                            g.draft.link_s = self.link_s
+            return on_reply
+        for st in self.stages:
+            self.ask(st.index, "ping", self.new_request_id(), pong(st.index, time.monotonic()))
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
