@@ -37,7 +37,7 @@ enum { QV = QK / 16, NC = H == 1 || V < 48 ? 1 : (V + 16) / 32,  /* chunks of ~2
 #ifdef ROWS_F16
 /* row r's vector of step v, pass h: its fp16 values converted as they are loaded (vcvtph2ps from memory). Against
    rows decoded into wbuf first, one thread 1.2-1.5x with either build: no decoded copy to write and read back, and
-   half the bytes in the L1 (bench/NOTES.md, "AVX2 float tile") */
+   half the bytes in the L1 (bench/NOTES.md, "AVX2 F16 tile") */
 typedef const unsigned char* wsrc;  /* a row's bytes */
 static inline lanes w_at(wsrc row, int v, int h) {
   hlanes q; __builtin_memcpy(&q, row + 2 * (16 * v + XS * h), sizeof q); return __builtin_convertvector(q, lanes); }
@@ -74,7 +74,7 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
 /* With H passes: a block's rows of x copied chunk after chunk, each row's chunk as its pass 0 lanes of every step,
    then its pass 1 lanes. In place, pass 0 read the low half of every line of x and pass 1 the high half from the L1,
    so pass 0 asked the L2 for all of a tile's x lines, twice what it gives a core in that time; split, each pass
-   streams half (one thread 1.1-1.2x, bench/NOTES.md, "AVX2 float tile"). A block is copied once for all of W's
+   streams half (one thread 1.1-1.2x, bench/NOTES.md, "AVX2 F16 tile"). A block is copied once for all of W's
    rows. */
 static void split_rows(float* restrict xs, const float* restrict x, int rows) {
   for (int v0 = 0; v0 < V; v0 += VC) {
