@@ -146,6 +146,25 @@ def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
         assert b == 1 or np.array_equal(got, chunk[:b])  # one row alone takes the one-row product (row.h)
 
 
+@pytest.mark.parametrize("ggml_type", [1, 8], ids=type_name)
+@pytest.mark.parametrize("build", ARCH_BUILDS)
+def test_a_long_row_in_many_chunks_and_blocks_of_x(ggml_type, build, request):
+    """K 5632 (the 1.1B shape's down product): without AVX-512 11 chunks of 32 steps, each block of x copied as the
+    two passes read it, and blocks of x of at most 21 rows (512 KiB; 20 with AVX-512), so 47 rows take 3 blocks (18,
+    18 and 11 rows: 3 tiles and 2 rows; with AVX-512 16, 16, 15). F16's rows read as they are, Q8_0's (the float
+    path) decoded a chunk at a time; 9 rows of W (a last step of one row). Each row within float32 rounding of
+    float64, and the same floats in a call of 2, 3 or 19 rows."""
+    request.getfixturevalue(build)
+    n, k = 9, 5632
+    raw, w = random_rows(ggml_type, n, k, seed=11)
+    x = np.random.default_rng(12).standard_normal((47, k)).astype(np.float32)
+    chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(chunk, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    for b in (2, 3, 19):
+        assert np.array_equal(cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy(), chunk[:b])
+
+
 @pytest.mark.parametrize("ggml_type", SIMD, ids=type_name)
 @pytest.mark.parametrize("build", ARCH_BUILDS)
 def test_every_arch_build_decodes_the_generic_floats(ggml_type, build, request):

@@ -176,6 +176,32 @@ def attention_and_runner() -> dict[str, str]:
     return {s.name: attention.source(s) for s in shapes} | runner
 
 
+def basic_blocks(listing: str) -> list[list[list[str]]]:
+    """An assembly listing's instructions (mnemonic, then operands), in runs between its labels."""
+    blocks: list[list[list[str]]] = [[]]
+    for line in listing.splitlines():
+        if line and not line[0].isspace() and line.split("#")[0].rstrip().endswith(":"):
+            blocks.append([])
+        elif line.startswith("\t") and (op := line.split("#")[0].split()):
+            blocks[-1].append(op)
+    return blocks
+
+
+@pytest.mark.parametrize("target", ["avx2", "avx512"])
+def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, target):
+    """The F16 matmul's tile steps (the runs of at least 12 multiply-adds: 4 weight rows against 3 rows of x without
+    AVX-512, 4 with) take each of their 4 weight vectors by one conversion of fp16 values in memory (vcvtph2ps, or
+    vcvtph2psx with AVX512-FP16): no decoded copy of the rows is written, then read back (bench/NOTES.md, "AVX2 F16
+    tile"). The baseline x86-64 build, without F16C, decodes a chunk of rows first (test_x86_builds_... above)."""
+    out = tmp_path / "f16.s"
+    cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
+                source=cpu_kernels.source("matmul", 1, 2048, "f16_mm"))
+    steps = [b for b in basic_blocks(out.read_text()) if sum(op[0].startswith("vfmadd") for op in b) >= 12]
+    assert steps
+    for b in steps:
+        assert sum(op[0].startswith("vcvtph2ps") and "(" in op[1] for op in b) >= 4, b
+
+
 def test_every_kernel_compiles_for_avx512(tmp_path):
     """Each type's matmul and gather, attention and the runner, for an AVX-512 CPU (this one may lack it): compiled
     and loaded by tinygrad's loader (`cross.compile_units`; a BuildError holds clang's messages)."""

@@ -1,8 +1,9 @@
 /* out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads (core_id), ROWS rows
-   decoded at a time into wbuf (L1), a chunk of K at a time (the whole K with AVX-512), then multiplied with a block
-   of XB rows of x, XT at a time (a tile). Only K is fixed in the source (it sizes wbuf and unrolls), so a model needs
-   one kernel per (type, K), whatever its row counts and call sizes. One row of x takes row.h's products (the type's
-   one-row product where it has one). */
+   at a time, a chunk of K at a time (the whole K with AVX-512), multiplied with a block of XB rows of x, XT at a time
+   (a tile). fp16 rows (ROWS_F16) are read as they are, each vector converted as the tile loads it; other types'
+   rows are decoded a chunk at a time into wbuf (L1) first. Only K is fixed in the source (it sizes wbuf and unrolls),
+   so a model needs one kernel per (type, K), whatever its row counts and call sizes. One row of x takes row.h's
+   products (the type's one-row product where it has one). */
 #include "row.h"
 enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
 #if defined(__AVX512F__)
@@ -10,48 +11,79 @@ enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, 
    and each x vector R (one row of x at a time, 5 loads fed 4 multiply-adds: the loads were the limit) */
 enum { XT = 4, H = 1 };  /* H: the passes over K a tile makes, each on 16 / H lanes of every 16 values */
 typedef f16v lanes;
+typedef h16x16 hlanes;
 #else
 /* 16 registers of 8 floats: a pass takes the low 8 lanes of every 16 values, a second the high 8, each with R x XT
    accumulators of 8 (a lane's sums are the same operations either way): 12 accumulators, 3 x vectors and one weight
    vector, 7 loads for 12 multiply-adds */
 enum { XT = 3, H = 2 };
 typedef f8v lanes;
+typedef h16x8 hlanes;
+#define SPLIT_X  /* a block of x copied as the passes read it (`split_rows`) */
 #endif
 /* rows of x per block: a block is read again for every R weight rows, so it is held to 512 KiB (half an L2 of 1 MiB;
    the whole of a 256-token chunk of K 2048 is 2 MiB: read from L3 every time, it made a chunk of 256 slower than
-   one of 128), and each weight row is decoded once a block; whole tiles, and a call's blocks about even (256 rows of
+   one of 128), and each weight row is read once a block; whole tiles, and a call's blocks about even (256 rows of
    x in 4 blocks of 64 took 4 rows one at a time, with XT 3) */
 enum { XB_MAX = (64 + XT - 1) / XT * XT, XB_FIT = (512 << 10) / (4 * K) / XT * XT,
        XB = XB_FIT < XT ? XT : XB_FIT > XB_MAX ? XB_MAX : XB_FIT };
 static inline lanes lanes_at(const float* p) { lanes v; __builtin_memcpy(&v, p, sizeof v); return v; }
-/* v steps of K a chunk: the chunk's R decoded rows stay in the L1 while every tile of the block passes them, each
-   tile's x rows read from the L2 once a chunk (with H passes, the second pass reads them from the L1). The weights
-   of a whole K (R rows of 8 KiB at K 2048) did not fit the L1 beside the x rows, so every tile read both from the L2:
-   more bytes than the L2 gives a core at 2 FMAs a cycle of 8 lanes */
+/* v steps of K a chunk (without AVX-512): the chunk's R rows stay in the L1 while every tile of the block passes
+   them. The decoded weights of a whole K (R rows of 8 KiB at K 2048) did not fit the L1 beside the x rows, so every
+   tile read both from the L2: more bytes than the L2 gives a core at 2 FMAs a cycle of 8 lanes; fp16 rows read as
+   they are, whole, still lost 0.85x at K 5632. AVX-512's tile gained nothing from chunks (0.97-1.0x). */
 enum { QV = QK / 16, NC = H == 1 || V < 48 ? 1 : (V + 16) / 32,  /* chunks of ~24-47 steps, about even, whole blocks */
-       VC = ((V + NC - 1) / NC + QV - 1) / QV * QV };
-/* steps [v0, v1) of the R decoded rows' products with nx rows of x (nx a constant where it is inlined), each (row, x)
+       VC = ((V + NC - 1) / NC + QV - 1) / QV * QV, XS = 16 / H };  /* XS: floats of x a pass takes a step */
+#ifdef ROWS_F16
+/* row r's vector of step v, pass h: its fp16 values converted as they are loaded (vcvtph2ps from memory). Against
+   rows decoded into wbuf first, one thread 1.2-1.5x with either build: no decoded copy to write and read back, and
+   half the bytes in the L1 (bench/NOTES.md, "AVX2 F16 tile") */
+typedef const unsigned char* wsrc;  /* a row's bytes */
+static inline lanes w_at(wsrc row, int v, int h) {
+  hlanes q; __builtin_memcpy(&q, row + 2 * (16 * v + XS * h), sizeof q); return __builtin_convertvector(q, lanes); }
+#else
+typedef const float* wsrc;  /* a row decoded into wbuf */
+static inline lanes w_at(wsrc row, int v, int h) { return lanes_at(row + 16 * v + XS * h); }
+#endif
+/* steps [v0, v1) of R weight rows' products with nx rows of x (nx a constant where it is inlined), each (row, x)
    summed in 16 lanes over K in order (sums: the lanes so far, carried from chunk to chunk), then hsum: whatever the
-   tile or the chunk, the floats of one row of x at a time */
-static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R][16], const f16v (*restrict wbuf)[V],
-                                                       const float* restrict x, int v0, int v1, int nx) {
+   tile or the chunk, the floats of one row of x at a time. x: the tile's first row at the chunk's first step, xr
+   floats a row; with H passes each row's chunk holds its pass 0 lanes of every step, then pass 1's (`split_rows`). */
+static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R][16], const wsrc* restrict wr,
+                                                       const float* restrict x, long xr, int v0, int v1, int nx) {
   _Pragma("clang loop unroll(full)") for (int h = 0; h < H; h++) {
     lanes acc[XT][R];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
       _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
-        acc[i][r] = v0 == 0 ? 0 : lanes_at(&sums[i][r][16 / H * h]);
+        acc[i][r] = v0 == 0 ? 0 : lanes_at(&sums[i][r][XS * h]);
+    const float* xh = x + (long)h * XS * (v1 - v0);
     for (int v = v0; v < v1; v++) {  /* the tile's x vectors held, each weight vector loaded once */
       lanes xv[XT];
       _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
-        if (i < nx) xv[i] = lanes_at(x + (long)i * K + 16 * v + 16 / H * h);
+        if (i < nx) xv[i] = lanes_at(xh + i * xr + XS * (v - v0));
       _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) {
-        lanes wv = lanes_at((const float*)&wbuf[r][v] + 16 / H * h);
+        lanes wv = w_at(wr[r], v, h);
         _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) acc[i][r] += wv * xv[i];
       }
     }
     _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
       _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
-        if (i < nx) __builtin_memcpy(&sums[i][r][16 / H * h], &acc[i][r], sizeof(lanes));
+        if (i < nx) __builtin_memcpy(&sums[i][r][XS * h], &acc[i][r], sizeof(lanes));
+  }
+}
+/* With H passes: a block's rows of x copied chunk after chunk, each row's chunk as its pass 0 lanes of every step,
+   then its pass 1 lanes. In place, pass 0 read the low half of every line of x and pass 1 the high half from the L1,
+   so pass 0 asked the L2 for all of a tile's x lines, twice what it gives a core in that time; split, each pass
+   streams half (one thread 1.1-1.2x, bench/NOTES.md, "AVX2 F16 tile"). A block is copied once for all of W's
+   rows. */
+static void split_rows(float* restrict xs, const float* restrict x, int rows) {
+  for (int v0 = 0; v0 < V; v0 += VC) {
+    const int n = v0 + VC < V ? VC : V - v0;
+    for (int j = 0; j < rows; j++)
+      for (int h = 0; h < H; h++)
+        for (int v = 0; v < n; v++)
+          __builtin_memcpy(xs + 16L * v0 * rows + 16L * j * n + XS * (h * n + v),
+                           x + (long)j * K + 16 * (v0 + v) + XS * h, XS * sizeof(float));
   }
 }
 void NAME(float* restrict out, const unsigned char* restrict w, const float* restrict x, const int* restrict dims,
@@ -62,25 +94,46 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
     row_products(out, w, x, n0, n1);
     return;
   }
+#ifndef ROWS_F16
   f16v wbuf[R][V];
+#endif
   float sums[XB][R][16] __attribute__((aligned(64)));  /* each (row of x, weight row)'s lanes */
   const int blocks = B > XB ? (B + XB - 1) / XB : 1, bs = ((B + blocks - 1) / blocks + XT - 1) / XT * XT;  /* <= XB */
   for (int b0 = 0; b0 < B; b0 += bs) {  /* a block of x that stays in L2 while the part's weight rows pass it */
-    int b1 = b0 + bs < B ? b0 + bs : B;
+    const int b1 = b0 + bs < B ? b0 + bs : B, nb = b1 - b0;
+#ifdef SPLIT_X
+    float xs[XB * K] __attribute__((aligned(64)));
+    split_rows(xs, x + (long)b0 * K, nb);
+#endif
     for (int n = n0; n < n1; n += R) {
-      int r_n = n1 - n < R ? n1 - n : R;
+      const int r_n = n1 - n < R ? n1 - n : R;
+      wsrc wr[R];
+      for (int r = 0; r < R; r++)  /* rows past the part's last (r_n < R) read its first again: their sums unused */
+#ifdef ROWS_F16
+        wr[r] = w + (long)(n + (r < r_n ? r : 0)) * NB * BB;
+#else
+        wr[r] = (const float*)wbuf[r];
+#endif
       for (int v0 = 0; v0 < V; v0 += VC) {  /* a chunk of the rows against every row of x of the block */
-        int v1 = v0 + VC < V ? v0 + VC : V, bi = b0;
+        const int v1 = v0 + VC < V ? v0 + VC : V;
+#ifndef ROWS_F16
         decode_blocks(wbuf, w, n, r_n, v0 / QV, v1 / QV);  /* just before its use: L1-hot */
-        for (; bi + XT <= b1; bi += XT) tile(sums + (bi - b0), wbuf, x + (long)bi * K, v0, v1, XT);
-        switch (b1 - bi) {  /* the last rows, fewer than XT, in one tile */
-          case 1: tile(sums + (bi - b0), wbuf, x + (long)bi * K, v0, v1, 1); break;
-          case 2: tile(sums + (bi - b0), wbuf, x + (long)bi * K, v0, v1, 2); break;
-          case 3: if (XT > 3) tile(sums + (bi - b0), wbuf, x + (long)bi * K, v0, v1, 3); break;
+#endif
+#ifdef SPLIT_X
+        const float* xc = xs + 16L * v0 * nb; const long xr = 16L * (v1 - v0);  /* the chunk's rows of x */
+#else
+        const float* xc = x + (long)b0 * K + 16 * v0; const long xr = K;
+#endif
+        int i = 0;
+        for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT);
+        switch (nb - i) {  /* the last rows, fewer than XT, in one tile */
+          case 1: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 1); break;
+          case 2: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 2); break;
+          case 3: if (XT > 3) tile(sums + i, wr, xc + i * xr, xr, v0, v1, 3); break;
         }
       }
-      for (int bi = b0; bi < b1; bi++)
-        for (int r = 0; r < r_n; r++) out[(long)bi * N + n + r] = hsum(f_at(sums[bi - b0][r]));
+      for (int i = 0; i < nb; i++)
+        for (int r = 0; r < r_n; r++) out[(long)(b0 + i) * N + n + r] = hsum(f_at(sums[i][r]));
     }
   }
 }
