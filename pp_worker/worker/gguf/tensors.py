@@ -23,7 +23,7 @@ import numpy as np
 
 from pp_worker.worker.gguf.fetch import RemoteFile, is_url
 from pp_worker.worker.gguf.header import GGUFHeader, ModelLoadError, TensorInfo, read_data, read_header
-from pp_worker.worker.gguf.types import F16, F32, has_kernel, tinygrad_expands, type_name
+from pp_worker.worker.gguf.types import F16, F32, TYPES, has_kernel, tinygrad_expands, type_name
 from pp_worker.worker.hostio import filled
 from pp_worker.worker.shard import Shard
 
@@ -161,7 +161,7 @@ class TensorSource:
             if heads:
                 rows[:] = unpermute_rows(rows, *heads)
             if group:
-                grouped(rows, group)
+                grouped(rows, group, info.ggml_type)
         return fill
 
     def _info(self, name: str) -> TensorInfo:
@@ -230,26 +230,36 @@ def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
     return np.concatenate([w[:, :keep], roped], axis=1).reshape(n * hd, d)
 
 
-def grouped(rows: np.ndarray, group: int) -> None:
-    """Q4_0 rows (n, row bytes) uint8 rewritten in place into the C kernels' layout (``cpu/c/matmul_groups.h``): each
-    whole group of ``group`` rows as its blocks in turn, a block the rows' d then 4 chunks of 4 bytes a row (chunk c:
-    low nibbles values 8c..8c+3, high ones 8c+4..8c+7); the rows past the last whole group as they were. The same bytes,
+# where a grouped block's fifth bit of each value lies (`grouped`): byte t's bit k of a row's word the fifth bit of
+# value 8 (k // 2) + 4 (k % 2) + t, so chunk c's values (8c..8c+7) are bits 2c and 2c + 1 of its 4 bytes
+FIFTH_ORDER = np.array([8 * (k // 2) + 4 * (k % 2) + t for t in range(4) for k in range(8)])
+
+
+def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
+    """Rows (n, row bytes) uint8 of a 32-value block type (Q4_0, Q5_0: `types.GGMLType.grouped`) rewritten in place
+    into the C kernels' layout (``cpu/c/matmul_groups.h``): each whole group of ``group`` rows as its blocks in turn, a
+    block the rows' d, (Q5_0) their fifth bits reordered (`FIFTH_ORDER`), then 4 chunks of 4 bytes a row (chunk c: low
+    nibbles values 8c..8c+3, high ones 8c+4..8c+7); the rows past the last whole group as they were. The same bytes,
     moved, a few groups at a time (the temporaries ~1 MiB). A block's 16 bytes of nibbles as 4 words w0..w3 (values
     4i..4i+3 in w_i's low nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked: ~3 ms a MiB here."""
     n, row_bytes = rows.shape
-    nb = row_bytes // 18
+    size, fifth = TYPES[ggml_type].nbytes, TYPES[ggml_type].name == "Q5_0"
+    nb, head = row_bytes // size, size - 16  # head: the bytes before a block's nibbles (d, then Q5_0's qh)
     step = max(1, (1 << 20) // (group * row_bytes))
     lo4 = np.uint32(0x0F0F0F0F)
     hi4 = ~lo4
     for g0 in range(0, n // group, step):
         s = min(step, n // group - g0)
         part = rows[g0 * group:(g0 + s) * group]
-        blocks = part.reshape(s, group, nb, 18).transpose(0, 2, 1, 3)  # (s, nb, row, 18)
-        w = np.ascontiguousarray(blocks[..., 2:]).view(np.uint32)  # (s, nb, row, 4)
+        blocks = part.reshape(s, group, nb, size).transpose(0, 2, 1, 3)  # (s, nb, row, size)
+        w = np.ascontiguousarray(blocks[..., head:]).view(np.uint32)  # (s, nb, row, 4)
         w0, w1, w2, w3 = (w[..., i] for i in range(4))
-        out = np.empty((s, nb, 18 * group), np.uint8)
+        out = np.empty((s, nb, size * group), np.uint8)
         out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
-        chunks = out[..., 2 * group:].view(np.uint32).reshape(s, nb, 4, group)
+        if fifth:  # qh: value i's fifth bit its bit i
+            bits = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")[..., FIFTH_ORDER]
+            out[..., 2 * group:6 * group].reshape(s, nb, group, 4)[:] = np.packbits(bits, axis=-1, bitorder="little")
+        chunks = out[..., head * group:].view(np.uint32).reshape(s, nb, 4, group)
         chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
         chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
         chunks[:, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)

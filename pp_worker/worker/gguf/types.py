@@ -25,6 +25,7 @@ class GGMLType:
     simd: tuple[str, ...] = ()  # variants with code of their own (keys of SIMD_DIRS)
     int8: bool = False  # an integer path: x quantized to int8 blocks as ggml's Q8_K / Q8_0 (cpu/c/q8.h)
     int8_default: bool = False  # ... taken by default (PP_EXACT unset): where it measured faster (bench/NOTES.md)
+    grouped: bool = False  # a product's rows interleaved in groups at load for the integer path (`tensors.grouped`)
 
     @property
     def kernel_block(self) -> int:
@@ -39,9 +40,9 @@ AVX512 = ("avx512",)
 TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(0, "F32", 1, 4),
     GGMLType(1, "F16", 1, 2, "f16"),
-    GGMLType(2, "Q4_0", 32, 18, "q4_0", ("avx512", "avx2"), int8=True, int8_default=True),
+    GGMLType(2, "Q4_0", 32, 18, "q4_0", ("avx512", "avx2"), int8=True, int8_default=True, grouped=True),
     GGMLType(3, "Q4_1", 32, 20, "q4_1", ("avx512", "avx2"), int8=True, int8_default=True),
-    GGMLType(6, "Q5_0", 32, 22, "q5_0", ("avx512", "avx2"), int8=True, int8_default=True),
+    GGMLType(6, "Q5_0", 32, 22, "q5_0", ("avx512", "avx2"), int8=True, int8_default=True, grouped=True),
     GGMLType(7, "Q5_1", 32, 24, "q5_1", ("avx512", "avx2"), int8=True, int8_default=True),
     GGMLType(8, "Q8_0", 32, 34, "q8_0", ("avx2", "neon"), int8=True, int8_default=True),
     GGMLType(9, "Q8_1", 32, 36),

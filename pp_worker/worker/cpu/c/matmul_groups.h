@@ -1,17 +1,24 @@
-/* The integer path's product (matmul_int.c's NAME) for Q4_0 weights whose rows `gguf.tensors.grouped` interleaved at
-   load, PP_GROUP (16) rows a group; the rows past the last whole group stay plain, after the groups.
+/* The integer path's product (matmul_int.c's NAME) for 32-value block weights (Q4_0, Q5_0: GROUP_OFF in their
+   generic files) whose rows `gguf.tensors.grouped` interleaved at load, PP_GROUP (16) rows a group; the rows past the
+   last whole group stay plain, after the groups.
 
-   Block j of a group is 16 x 18 bytes (a group's NB blocks one after another): the 16 rows' d (fp16), then 4 chunks
-   of 64 bytes, chunk c's bytes 4r..4r+3 row r's: their low nibbles values 8c..8c+3 of the row's block, their high
-   nibbles values 8c+4..8c+7 (q, unsigned). A chunk masked (or shifted and masked) is then 4 values of each of the 16
-   rows, a row a 32-bit lane, against x's 4 values broadcast to every lane: vpdpbusd sums a block's 32 products of a
-   row in the row's lane (q unsigned, x signed; its start value -8 sum x makes them (q - 8) x), so the 16 rows' block
-   sums are whole int32s in one vector, scaled in one step (d dx, the 16 rows' d converted together). Against the plain
-   layout's tile (which scales 8-lane partial sums per (row, x) and unpacks a block per row): about a fifth of the
-   instructions per product (bench/NOTES.md). The float steps per (row, x): f += float(sum) (d dx), a block at a time
-   in block order, the same for one row of x or a chunk's (one function, `group_dot`), so every row of a chunk equals
-   the same row alone; against the plain layout's floats they differ (whole sums, not 8 partial lanes). */
-enum { GR = PP_GROUP, GB = GR * BLOCK_BYTES };
+   Block j of a group is 16 x BLOCK_BYTES bytes (a group's NB blocks one after another): the 16 rows' d (fp16); with
+   GROUP_FIFTH (Q5_0) the 16 rows' 32 fifth bits, a row a 32-bit lane, byte t's bit k the fifth bit of value
+   8 (k / 2) + 4 (k % 2) + t (so chunk c's bits are bit 2c and 2c + 1 of every byte: a shift and a mask put them at bit
+   4 of the chunk's bytes); then 4 chunks of 64 bytes, chunk c's bytes 4r..4r+3 row r's: their low nibbles values
+   8c..8c+3 of the row's block, their high nibbles values 8c+4..8c+7 (q, unsigned). A chunk masked (or shifted and
+   masked, its fifth bits or-ed in) is then 4 values of each of the 16 rows, a row a 32-bit lane, against x's 4
+   values broadcast to every lane: vpdpbusd sums a block's 32 products of a row in the row's lane (q unsigned, x
+   signed; its start value -GROUP_OFF sum x makes them (q - GROUP_OFF) x), so the 16 rows' block sums are whole int32s
+   in one vector, scaled in one step (d dx, the 16 rows' d converted together). Against the plain layout's tile
+   (which scales 8-lane partial sums per (row, x) and unpacks a block per row): about a fifth of the instructions per
+   product (bench/NOTES.md). The float steps per (row, x): f += float(sum) (d dx), a block at a time in block order,
+   the same for one row of x or a chunk's (one function, `group_dot`), so every row of a chunk equals the same row
+   alone; against the plain layout's floats they differ (whole sums, not 8 partial lanes). */
+#ifndef GROUP_FIFTH
+#define GROUP_FIFTH 0
+#endif
+enum { GR = PP_GROUP, GB = GR * BLOCK_BYTES, G_QS = GB - 4 * 64 };  /* G_QS: where a block's chunks start */
 /* rows of x a pass over a group: its unpacked block (8 vectors of 64 bytes) and GXR sums of 16 floats in registers */
 #if defined(__AVX512F__)
 enum { GXR = 8 };
@@ -20,12 +27,21 @@ enum { GXR = 2 };
 #endif
 _Static_assert(GR == 16 && BLOCK_VALUES == 32, "a group is 16 rows of 32-value blocks: a row per int32 lane");
 typedef struct { u8x64 q[8]; f16v d; } gblock;  /* q[2c] chunk c's low nibbles, q[2c + 1] its high ones */
+/* bit k of each byte of h at bit 4, the rest 0 (a shift of 32-bit lanes: the bits it moves in from a neighbour
+   byte land outside bit 4) */
+static inline u8x64 fifth_bits(u32x16 h, int k) { return (u8x64)(k < 4 ? h << (4 - k) : h >> (k - 4)) & 16; }
 static inline void gblock_at(const unsigned char* b, gblock* g) {
   h16x16 h; __builtin_memcpy(&h, b, 32);
   g->d = __builtin_convertvector(h, f16v);
+#if GROUP_FIFTH
+  u32x16 hb; __builtin_memcpy(&hb, b + 32, 64);
+#endif
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
-    u8x64 v; __builtin_memcpy(&v, b + 32 + 64 * c, 64);
+    u8x64 v; __builtin_memcpy(&v, b + G_QS + 64 * c, 64);
     g->q[2 * c] = v & 15; g->q[2 * c + 1] = (u8x64)((u16x32)v >> 4) & 15;  /* x86 shifts 16-bit lanes, not bytes */
+#if GROUP_FIFTH
+    g->q[2 * c] |= fifth_bits(hb, 2 * c); g->q[2 * c + 1] |= fifth_bits(hb, 2 * c + 1);
+#endif
   } }
 /* acc + each lane's 4 bytes of w times the 4 bytes at x4 (int8) */
 static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
@@ -33,7 +49,7 @@ static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return (i32x16)__builtin_ia32_vpdpbusd512(acc, (i32x16)w, (i32x16)v);  /* the broadcast folds into its operand */
 #else
-  i8x32 xv = (i8x32)(i32x8)v;  /* q <= 15: AVX2's 16-bit pair sums cannot saturate */
+  i8x32 xv = (i8x32)(i32x8)v;  /* q <= 31: AVX2's 16-bit pair sums cannot saturate */
   return acc + CAT16(dot32u(LO32(w), xv), dot32u(HI32(w), xv));
 #endif
 }
@@ -44,7 +60,7 @@ static inline __attribute__((always_inline)) void group_dot(f16v* f, const gbloc
                                                             int chains) {
   short bs[2]; float dx;
   __builtin_memcpy(bs, xb + X_SUMS, 4); __builtin_memcpy(&dx, xb + X_D, 4);
-  i32x16 lo = (i32x16)(-8 * (bs[0] + bs[1])), hi = 0;
+  i32x16 lo = (i32x16)(-GROUP_OFF * (bs[0] + bs[1])), hi = 0;
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
     lo = dot4(lo, g->q[2 * c], xb + 8 * c);
     if (chains == 2) hi = dot4(hi, g->q[2 * c + 1], xb + 8 * c + 4);
