@@ -1,4 +1,4 @@
-"""Q4_0's and Q5_0's products on the integer path over rows interleaved at load in groups of 16
+"""Q4_0's, Q5_0's and Q2_K's products on the integer path over rows interleaved at load in groups of 16
 (`gguf.tensors.grouped`, ``c/matmul_groups.h``): the layout's bytes, the kernel against the numpy model of ggml's scheme
 (testing/ggml_int8.py) in this CPU's build, AVX2's, the baseline x86-64's and aarch64's (under qemu), every row of a
 chunk the same floats as alone, and a stage holding its products' matrices so (the embedding's rows plain) with logits
@@ -25,8 +25,8 @@ from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf import tensors
 from pp_worker.worker.gguf.tensors import PackedWeight
 
-Q4_0, Q5_0, G = 2, 6, cpu_kernels.GROUP_ROWS
-GROUPED = pytest.mark.parametrize("ggml_type", [Q4_0, Q5_0], ids=["Q4_0", "Q5_0"])
+Q4_0, Q5_0, Q2_K, G = 2, 6, 10, cpu_kernels.GROUP_ROWS
+GROUPED = pytest.mark.parametrize("ggml_type", [Q4_0, Q5_0, Q2_K], ids=["Q4_0", "Q5_0", "Q2_K"])
 N = 37  # two whole groups and 5 plain rows after them
 
 
@@ -41,7 +41,13 @@ def grouped(raw: np.ndarray, ggml_type: int = Q4_0) -> np.ndarray:
     return out
 
 
-@GROUPED
+def width(k: int, ggml_type: int) -> int:
+    """k rounded up to whole blocks of ``ggml_type`` (Q2_K's 256 values)."""
+    block = cpu_kernels.TYPES[ggml_type].kernel_block
+    return -(-k // block) * block
+
+
+@pytest.mark.parametrize("ggml_type", [Q4_0, Q5_0], ids=["Q4_0", "Q5_0"])
 def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     """Block j of group g: the 16 rows' d, (Q5_0) each row's fifth bits as a 32-bit word whose byte t's bit k is value
     8 (k // 2) + 4 (k % 2) + t's, then chunk c's 4 bytes of row r, each low nibble value 8c + t of the row's block and
@@ -73,15 +79,46 @@ def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
 
 
+def test_q2_ks_layout_interleaves_whole_groups_and_keeps_the_rest():
+    """Block j of group g: the 16 rows' d, their dmin, for each pair p of sub-blocks the rows' scale bytes 2p and
+    2p + 1 side by side, then for each sub-block k row r's 4 bytes, byte t's bit pair i value 16k + 4i + t of the
+    row's block (in the file, value 128h + 32i + l is bit pair i of qs[32h + l]); the rows past the last group
+    unchanged."""
+    k = 512
+    raw, _ = random_rows(Q2_K, N, k, seed=3)
+    got = grouped(raw, Q2_K)
+    nb = k // 256
+    flat = got[:2 * G].reshape(-1)
+    for g in range(2):
+        for j in range(nb):
+            at = (g * nb + j) * G * 84
+            for r in range(G):
+                block = raw[g * G + r, 84 * j:84 * (j + 1)]
+                values = [block[16 + 32 * (v // 128) + v % 32] >> (2 * (v // 32 % 4)) & 3 for v in range(256)]
+                assert bytes(flat[at + 2 * r:at + 2 * r + 2]) == bytes(block[80:82])
+                assert bytes(flat[at + 32 + 2 * r:at + 34 + 2 * r]) == bytes(block[82:84])
+                for p in range(8):
+                    pair = at + 64 + 32 * p + 2 * r
+                    assert bytes(flat[pair:pair + 2]) == bytes(block[2 * p:2 * p + 2])
+                for sub in range(16):
+                    for t in range(4):
+                        byte = flat[at + 320 + 64 * sub + 4 * r + t]
+                        assert [byte >> 2 * i & 3 for i in range(4)] == [values[16 * sub + 4 * i + t] for i in range(4)]
+    np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
+
+
 def products(raw: np.ndarray, x: np.ndarray, k: int, ggml_type: int = Q4_0) -> np.ndarray:
     return cpu_kernels.matmul(Tensor(x), Tensor(grouped(raw, ggml_type)), ggml_type, raw.shape[0], k, G).numpy()
 
 
 def check(n: int, k: int, b: int, ggml_type: int = Q4_0) -> None:
+    """The grouped product of n random rows of ``ggml_type`` (k rounded up to its blocks) with b rows of x against
+    ggml's scheme."""
+    k, block = width(k, ggml_type), cpu_kernels.TYPES[ggml_type].kernel_block
     raw, w = random_rows(ggml_type, n, k, seed=7)
     x = np.random.default_rng(8).standard_normal((b, k)).astype(np.float32)
     x[:, :32] *= 20  # one block with a large value: its scale differs from the others'
-    scheme, exact = ggml_int8.product(x, w, 32), x.astype(np.float64) @ w.T.astype(np.float64)
+    scheme, exact = ggml_int8.product(x, w, block), x.astype(np.float64) @ w.T.astype(np.float64)
     scale = np.abs(exact).max()
     assert np.abs(scheme - exact).max() > 1e-4 * scale  # the int8 rounding: 1e-5 tells the schemes apart
     np.testing.assert_allclose(products(raw, x, k, ggml_type), scheme, rtol=0, atol=1e-5 * scale)
@@ -104,7 +141,7 @@ def test_grouped_rows_take_the_grouped_kernel_whatever_pp_exact_says_later(monke
 def test_every_row_of_a_chunk_is_the_same_row_alone(ggml_type):
     """A chunk of 128 rows of x (x in blocks of up to 32, passes of 8 against a group), 37 weight rows (two groups
     and plain rows): ggml's scheme, and each row the same floats as in a chunk of 1, 7, 8, 9 or 33 rows and alone."""
-    n, k = N, 512
+    n, k = N, width(512, ggml_type)
     check(n, k, 128, ggml_type)
     raw, _ = random_rows(ggml_type, n, k, seed=7)
     x = np.random.default_rng(9).standard_normal((128, k)).astype(np.float32)
@@ -148,13 +185,13 @@ def test_avx2s_build_reads_the_groups(monkeypatch, ggml_type):
 def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
     """The grouped kernel built for aarch64 (run under qemu) and the baseline x86-64 by `testing.cross`, in 3 parts
     (a part starts at a group): one row of x and 35 (a block of 32, then 3), against ggml's scheme."""
-    k, b = 288, 35
-    name, t = cross.pair(ggml_type, k), cpu_kernels.TYPES[ggml_type]
-    defines = {"PP_K": k, "PP_ROWS": G, "BLOCK_VALUES": 32, "BLOCK_BYTES": t.nbytes}
+    k, b, t = width(288, ggml_type), 35, cpu_kernels.TYPES[ggml_type]
+    name = cross.pair(ggml_type, k)
+    defines = {"PP_K": k, "PP_ROWS": G, "BLOCK_VALUES": t.kernel_block, "BLOCK_BYTES": t.nbytes}
     units = {f"{name}_mm": cpu_kernels.source("matmul", ggml_type, k, f"{name}_mm", G),
              f"{name}_gather": cpu_kernels.unit({"NAME": f"{name}_gather", **defines},
                                                 ["common.h", *cpu_kernels.type_files(t), "gather.c"]),
-             f"{name}_q": cpu_kernels.quantize_source(32, k, f"{name}_q")}
+             f"{name}_q": cpu_kernels.quantize_source(t.kernel_block, k, f"{name}_q")}
     arch = cross.TARGETS[target]
     objects = cross.compile_units(units, arch, tmp_path / "obj")
     program = cross.kernels_program([(ggml_type, k)], list(objects.values()), arch, tmp_path / "bin")
@@ -165,25 +202,26 @@ def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
     cross.write_input(tmp_path / "in", name, grouped(raw, ggml_type), x, np.array([0], np.int32), 3)
     cross.run(program, arch, str(tmp_path / "in"), str(tmp_path / "out"))
     one, many, _ = cross.read_output(tmp_path / "out", name, N, b, k)  # (the gather read the groups as rows: unused)
-    scheme = ggml_int8.product(x, w, 32)
+    scheme = ggml_int8.product(x, w, t.kernel_block)
     scale = np.abs(x.astype(np.float64) @ w.T.astype(np.float64)).max()
     np.testing.assert_allclose(many, scheme, rtol=0, atol=1e-5 * scale)
     np.testing.assert_array_equal(many[0], one)
 
 
 def test_which_weights_are_grouped(monkeypatch):
-    """Q4_0 and Q5_0 on the integer path on x86-64 (where they measured faster); their float path (PP_EXACT=1), other
-    types and aarch64 (not timed on a real core) keep plain rows."""
+    """Q4_0, Q5_0 and Q2_K on the integer path on x86-64 (where they measured faster); their float path
+    (PP_EXACT=1), other types and aarch64 (not timed on a real core) keep plain rows."""
     import platform
 
-    assert cpu_kernels.group_rows(Q4_0) == cpu_kernels.group_rows(Q5_0) == (G if platform.machine() == "x86_64" else 0)
-    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(3) == 0  # Q8_0, Q4_1
+    types = (Q4_0, Q5_0, Q2_K)
+    assert [cpu_kernels.group_rows(t) for t in types] == [G if platform.machine() == "x86_64" else 0] * 3
+    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(3) == cpu_kernels.group_rows(11) == 0  # Q8_0 Q4_1 Q3_K
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert cpu_kernels.group_rows(Q4_0) == cpu_kernels.group_rows(Q5_0) == 0
+    assert [cpu_kernels.group_rows(t) for t in types] == [0] * 3
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert cpu_kernels.group_rows(Q4_0) == cpu_kernels.group_rows(Q5_0) == G
+    assert [cpu_kernels.group_rows(t) for t in types] == [G] * 3
     monkeypatch.setenv("PP_EXACT", "1")
-    assert cpu_kernels.group_rows(Q4_0) == cpu_kernels.group_rows(Q5_0) == 0
+    assert [cpu_kernels.group_rows(t) for t in types] == [0] * 3
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86 assembly")
@@ -204,17 +242,17 @@ def test_avx512s_grouped_kernel_broadcasts_x_into_vpdpbusd(tmp_path, ggml_type):
     assert not ops & set(EMULATED), ops & set(EMULATED)
 
 
-@pytest.fixture(scope="module", params=["Q4_0", "Q5_0"])
+@pytest.fixture(scope="module", params=["Q4_0", "Q5_0", "Q2_K"])
 def grouped_model(request, tmp_path_factory) -> tuple[Path, int]:
     dtype = request.param
     return generate(tmp_path_factory.mktemp("groups") / f"kq-{dtype}.gguf", "kq", seed=3, dtype=dtype), \
-        {"Q4_0": Q4_0, "Q5_0": Q5_0}[dtype]
+        {"Q4_0": Q4_0, "Q5_0": Q5_0, "Q2_K": Q2_K}[dtype]
 
 
 def test_a_stage_holds_its_products_grouped_and_computes_ggmls_scheme(grouped_model):
-    """Every product's Q4_0 (Q5_0) matrix of a stage is held in groups on x86-64 (q, k and v stacked, the head too),
-    the embedding's rows plain (its gather reads rows), and the logits of a prefill and steps lie near ggml's scheme
-    (test_int8_model's bound; rows past the last group: the kernel tests' 37 rows)."""
+    """Every product's Q4_0 (Q5_0, Q2_K) matrix of a stage is held in groups on x86-64 (q, k and v stacked, the head
+    too), the embedding's rows plain (its gather reads rows), and the logits of a prefill and steps lie near ggml's
+    scheme (test_int8_model's bound; rows past the last group: the kernel tests' 37 rows)."""
     model, ggml_type = grouped_model
     chain = Chain(model, 2, 64, prefill_chunk=8)
     first, last = (e._w for e in chain.engines)

@@ -233,35 +233,64 @@ def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
 # where a grouped block's fifth bit of each value lies (`grouped`): byte t's bit k of a row's word the fifth bit of
 # value 8 (k // 2) + 4 (k % 2) + t, so chunk c's values (8c..8c+7) are bits 2c and 2c + 1 of its 4 bytes
 FIFTH_ORDER = np.array([8 * (k // 2) + 4 * (k % 2) + t for t in range(4) for k in range(8)])
+PAIR_SHIFTS = np.array([0, 2, 4, 6], np.uint8)[:, None]  # a byte's four bit pairs
 
 
 def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
-    """Rows (n, row bytes) uint8 of a 32-value block type (Q4_0, Q5_0: `types.GGMLType.grouped`) rewritten in place
-    into the C kernels' layout (``cpu/c/matmul_groups.h``): each whole group of ``group`` rows as its blocks in turn, a
-    block the rows' d, (Q5_0) their fifth bits reordered (`FIFTH_ORDER`), then 4 chunks of 4 bytes a row (chunk c: low
-    nibbles values 8c..8c+3, high ones 8c+4..8c+7); the rows past the last whole group as they were. The same bytes,
-    moved, a few groups at a time (the temporaries ~1 MiB). A block's 16 bytes of nibbles as 4 words w0..w3 (values
-    4i..4i+3 in w_i's low nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked: ~3 ms a MiB here."""
+    """Rows (n, row bytes) uint8 of a type whose rows the C kernels read in groups (`types.GGMLType.grouped`)
+    rewritten in place into their layout (``cpu/c/matmul_groups.h``): each whole group of ``group`` rows as its blocks
+    in turn, a block the group's rows' fields side by side (`_nibble_blocks`, `_q2_k_blocks`); the rows past the last
+    whole group as they were. The same bytes, moved, a few groups at a time (the temporaries ~1 MiB): ~3 ms a MiB
+    here for Q4_0."""
     n, row_bytes = rows.shape
-    size, fifth = TYPES[ggml_type].nbytes, TYPES[ggml_type].name == "Q5_0"
-    nb, head = row_bytes // size, size - 16  # head: the bytes before a block's nibbles (d, then Q5_0's qh)
+    size = TYPES[ggml_type].nbytes
+    nb = row_bytes // size
     step = max(1, (1 << 20) // (group * row_bytes))
-    lo4 = np.uint32(0x0F0F0F0F)
-    hi4 = ~lo4
     for g0 in range(0, n // group, step):
         s = min(step, n // group - g0)
         part = rows[g0 * group:(g0 + s) * group]
         blocks = part.reshape(s, group, nb, size).transpose(0, 2, 1, 3)  # (s, nb, row, size)
-        w = np.ascontiguousarray(blocks[..., head:]).view(np.uint32)  # (s, nb, row, 4)
-        w0, w1, w2, w3 = (w[..., i] for i in range(4))
-        out = np.empty((s, nb, size * group), np.uint8)
-        out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
-        if fifth:  # qh: value i's fifth bit its bit i
-            bits = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")[..., FIFTH_ORDER]
-            out[..., 2 * group:6 * group].reshape(s, nb, group, 4)[:] = np.packbits(bits, axis=-1, bitorder="little")
-        chunks = out[..., head * group:].view(np.uint32).reshape(s, nb, 4, group)
-        chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
-        chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
-        chunks[:, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
-        chunks[:, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
+        out = _q2_k_blocks(blocks) if TYPES[ggml_type].name == "Q2_K" else _nibble_blocks(blocks, ggml_type)
         part[:] = out.reshape(part.shape)
+
+
+def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    """(s, nb, group, size) blocks of a 32-value type (Q4_0, Q5_0) -> (s, nb, group size) grouped: the rows' d, (Q5_0)
+    their fifth bits reordered (`FIFTH_ORDER`), then 4 chunks of 4 bytes a row (chunk c: low nibbles values 8c..8c+3,
+    high ones 8c+4..8c+7). A block's 16 bytes of nibbles as 4 words w0..w3 (values 4i..4i+3 in w_i's low nibbles,
+    16 + 4i.. in its high ones), each chunk is two of them masked."""
+    s, nb, group, size = blocks.shape
+    head = size - 16  # the bytes before a block's nibbles (d, then Q5_0's qh)
+    lo4 = np.uint32(0x0F0F0F0F)
+    hi4 = ~lo4
+    w = np.ascontiguousarray(blocks[..., head:]).view(np.uint32)  # (s, nb, row, 4)
+    w0, w1, w2, w3 = (w[..., i] for i in range(4))
+    out = np.empty((s, nb, size * group), np.uint8)
+    out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
+    if TYPES[ggml_type].name == "Q5_0":  # qh: value i's fifth bit its bit i
+        bits = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")[..., FIFTH_ORDER]
+        out[..., 2 * group:6 * group].reshape(s, nb, group, 4)[:] = np.packbits(bits, axis=-1, bitorder="little")
+    chunks = out[..., head * group:].view(np.uint32).reshape(s, nb, 4, group)
+    chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
+    chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
+    chunks[:, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
+    chunks[:, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
+    return out
+
+
+def _q2_k_blocks(blocks: np.ndarray) -> np.ndarray:
+    """(s, nb, group, 84) Q2_K blocks (scales[16], qs[64], d, dmin) -> (s, nb, group 84) grouped: the rows' d, their
+    dmin, for each pair of sub-blocks of 16 values the rows' two scale bytes side by side, then for each sub-block k
+    4 bytes a row, byte t's bit pair i value 16k + 4i + t (in the file, value 128h + 32i + l is bit pair i of
+    qs[32h + l])."""
+    s, nb, group, _ = blocks.shape
+    out = np.empty((s, nb, 84 * group), np.uint8)
+    out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., 80:82]
+    out[..., 2 * group:4 * group].reshape(s, nb, group, 2)[:] = blocks[..., 82:84]
+    out[..., 4 * group:20 * group].reshape(s, nb, 8, group, 2)[:] = (
+        blocks[..., :16].reshape(s, nb, group, 8, 2).transpose(0, 1, 3, 2, 4))
+    qs = blocks[..., 16:80].reshape(s, nb, group, 2, 1, 32)
+    values = (qs >> PAIR_SHIFTS) & 3  # (s, nb, row, h, i, l): value 128h + 32i + l
+    packed = (values.reshape(s, nb, group, 16, 4, 4) << PAIR_SHIFTS).sum(axis=-2, dtype=np.uint8)  # (.., k, t)
+    out[..., 20 * group:].reshape(s, nb, 16, group, 4)[:] = packed.transpose(0, 1, 3, 2, 4)
+    return out

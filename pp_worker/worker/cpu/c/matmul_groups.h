@@ -15,17 +15,31 @@
    product (bench/NOTES.md). The float steps per (row, x): f += float(sum) (d dx), a block at a time in block order,
    the same for one row of x or a chunk's (one function, `group_dot`), so every row of a chunk equals the same row
    alone; against the plain layout's floats they differ (whole sums, not 8 partial lanes). */
+enum { GR = PP_GROUP, GB = GR * BLOCK_BYTES };
+_Static_assert(GR == 16, "a group is 16 rows: a row per int32 lane of 512 bits");
+/* rows of x a pass over a group: its unpacked block (or a step of it) and GXR rows' sums in registers */
+#if !defined(__AVX512F__)
+enum { GXR = 2 };
+#elif BLOCK_VALUES == 32
+enum { GXR = 8 };
+#else
+enum { GXR = 4 };  /* Q2_K: two int32 sums a row of x besides its floats */
+#endif
+/* acc + each lane's 4 bytes of w times the 4 bytes at x4 (int8) */
+static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
+  int v; __builtin_memcpy(&v, x4, 4);
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return (i32x16)__builtin_ia32_vpdpbusd512(acc, (i32x16)w, (i32x16)v);  /* the broadcast folds into its operand */
+#else
+  i8x32 xv = (i8x32)(i32x8)v;  /* q <= 31: AVX2's 16-bit pair sums cannot saturate */
+  return acc + CAT16(dot32u(LO32(w), xv), dot32u(HI32(w), xv));
+#endif
+}
+#if BLOCK_VALUES == 32
 #ifndef GROUP_FIFTH
 #define GROUP_FIFTH 0
 #endif
-enum { GR = PP_GROUP, GB = GR * BLOCK_BYTES, G_QS = GB - 4 * 64 };  /* G_QS: where a block's chunks start */
-/* rows of x a pass over a group: its unpacked block (8 vectors of 64 bytes) and GXR sums of 16 floats in registers */
-#if defined(__AVX512F__)
-enum { GXR = 8 };
-#else
-enum { GXR = 2 };
-#endif
-_Static_assert(GR == 16 && BLOCK_VALUES == 32, "a group is 16 rows of 32-value blocks: a row per int32 lane");
+enum { G_QS = GB - 4 * 64 };  /* where a block's chunks start */
 typedef struct { u8x64 q[8]; f16v d; } gblock;  /* q[2c] chunk c's low nibbles, q[2c + 1] its high ones */
 /* bit k of each byte of h at bit 4, the rest 0 (a shift of 32-bit lanes: the bits it moves in from a neighbour
    byte land outside bit 4) */
@@ -43,16 +57,6 @@ static inline void gblock_at(const unsigned char* b, gblock* g) {
     g->q[2 * c] |= fifth_bits(hb, 2 * c); g->q[2 * c + 1] |= fifth_bits(hb, 2 * c + 1);
 #endif
   } }
-/* acc + each lane's 4 bytes of w times the 4 bytes at x4 (int8) */
-static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
-  int v; __builtin_memcpy(&v, x4, 4);
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return (i32x16)__builtin_ia32_vpdpbusd512(acc, (i32x16)w, (i32x16)v);  /* the broadcast folds into its operand */
-#else
-  i8x32 xv = (i8x32)(i32x8)v;  /* q <= 31: AVX2's 16-bit pair sums cannot saturate */
-  return acc + CAT16(dot32u(LO32(w), xv), dot32u(HI32(w), xv));
-#endif
-}
 /* f (a row of x's 16 sums, one a weight row) += block g's products with x's block xb, scaled. chains: the dependent
    sums split in that many (1 or 2: integer sums, the same in any order); one row of x wants two, several rows of x
    are chains enough and keep a register each */
@@ -84,6 +88,65 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
 }
+#elif GROUP_K2  /* Q2_K */
+/* Block j of a group (16 x 84 bytes): the 16 rows' d, then their dmin (fp16); then for each pair p of sub-blocks of 16
+   values (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in
+   the high one); then for each sub-block k 64 bytes, row r's 4 bytes t = 0..3 holding values 16k + 4i + t in bits 2i
+   and 2i + 1. A chunk shifted and masked is 4 values of each row against x's 4 values broadcast (vpdpbusd, as the
+   32-value types'), so sub-block k's sums t_k of the 16 rows lie in one vector; a pair's two sums side by side as
+   16-bit halves (|t| <= 16 3 127 fits) times the pair's scales, widened from bytes to 16 bits, in one vpdpwssd; the
+   mins the same way against x's two 16-value sums. Per (row, x) and block: f += float(sum) (d dx) - float(mins)
+   (dmin dx), the same steps for any pass. */
+enum { K2_SC = 64, K2_QS = 64 + 8 * 32 };
+/* acc + a's and b's 16-bit pairs multiplied and summed into each 32-bit lane (vpdpwssd) */
+static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
+#if defined(__AVX512BW__)
+  return madd32_acc(acc, a, b);
+#else
+  return acc + CAT16(madd16(__builtin_shufflevector(a, a, S16(0)), __builtin_shufflevector(b, b, S16(0))),
+                     madd16(__builtin_shufflevector(a, a, S16(16)), __builtin_shufflevector(b, b, S16(16))));
+#endif
+}
+/* a group's 16 rows against nx (at most GXR) rows of x: each pair of sub-blocks unpacked once for all of them */
+static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
+                                                             const unsigned char* restrict gw,
+                                                             const unsigned char* restrict xq, int nx) {
+  enum { NB = PP_K / BLOCK_VALUES };
+  f16v f[GXR];
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
+  for (int j = 0; j < NB; j++) {
+    const unsigned char* b = gw + (long)j * GB;
+    AHEAD_N(b, GB);
+    i32x16 acc[GXR], mn[GXR];
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[i] = mn[i] = 0;
+    for (int p = 0; p < 8; p++) {
+      u8x32 sb = u8x32_at(b + K2_SC + 32 * p);
+      i16x32 sm = __builtin_convertvector(sb, i16x32), sc = sm & 15, m = sm >> 4;
+      u8x64 q[8];
+      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+        u8x64 v; __builtin_memcpy(&v, b + K2_QS + 64 * (2 * p + h), 64);
+        _Pragma("clang loop unroll(full)") for (int i = 0; i < 4; i++) q[4 * h + i] = (u8x64)((u16x32)v >> 2 * i) & 3;
+      }
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+        const unsigned char* xb = xq + ((long)i * NB + j) * XB + 32 * p;
+        i32x16 t0 = 0, t1 = 0;
+        _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
+          t0 = dot4(t0, q[c], xb + 4 * c); t1 = dot4(t1, q[4 + c], xb + 16 + 4 * c); }
+        int bs; __builtin_memcpy(&bs, xq + ((long)i * NB + j) * XB + X_SUMS + 4 * p, 4);
+        acc[i] = madd_pairs16(acc[i], (i16x32)(((u32x16)t0 & 0xFFFF) | ((u32x16)t1 << 16)), sc);
+        mn[i] = madd_pairs16(mn[i], m, (i16x32)(i32x16)bs);
+      }
+    }
+    h16x16 hd, hm; __builtin_memcpy(&hd, b, 32); __builtin_memcpy(&hm, b + 32, 32);
+    f16v d = __builtin_convertvector(hd, f16v), dm = __builtin_convertvector(hm, f16v);
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+      float dx; __builtin_memcpy(&dx, xq + ((long)i * NB + j) * XB + X_D, 4);
+      f[i] += __builtin_convertvector(acc[i], f16v) * (d * dx) - __builtin_convertvector(mn[i], f16v) * (dm * dx);
+    }
+  }
+  for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
+}
+#endif
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
   enum { K = PP_K, R = PP_ROWS, NB = K / BLOCK_VALUES };
