@@ -231,9 +231,10 @@ def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
 
 
 # where a grouped block's fifth bit of each value lies (`grouped`): byte t's bit k of a row's word the fifth bit of
-# value 8 (k // 2) + 4 (k % 2) + t, so chunk c's values (8c..8c+7) are bits 2c and 2c + 1 of its 4 bytes
-FIFTH_ORDER = np.array([8 * (k // 2) + 4 * (k % 2) + t for t in range(4) for k in range(8)])
-PAIR_SHIFTS = np.array([0, 2, 4, 6], np.uint8)[:, None]  # a byte's four bit pairs
+# value 8 (k // 2) + 4 (k % 2) + t, so chunk c's values (8c..8c+7) are bits 2c and 2c + 1 of its 4 bytes. qh's byte c
+# (values 8c + 4e + t at its bit 4e + t) goes to bits 8t + e, shifted by 2c: FIFTH_SPREAD[byte] << 2c
+FIFTH_SPREAD = np.array([sum((v >> (4 * e + t) & 1) << (8 * t + e) for e in range(2) for t in range(4))
+                         for v in range(256)], np.uint32)
 
 
 def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
@@ -256,7 +257,7 @@ def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
 
 def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     """(s, nb, group, size) blocks of a 32-value type (Q4_0, Q5_0) -> (s, nb, group size) grouped: the rows' d, (Q5_0)
-    their fifth bits reordered (`FIFTH_ORDER`), then 4 chunks of 4 bytes a row (chunk c: low nibbles values 8c..8c+3,
+    their fifth bits reordered (`FIFTH_SPREAD`), then 4 chunks of 4 bytes a row (chunk c: low nibbles values 8c..8c+3,
     high ones 8c+4..8c+7). A block's 16 bytes of nibbles as 4 words w0..w3 (values 4i..4i+3 in w_i's low nibbles,
     16 + 4i.. in its high ones), each chunk is two of them masked."""
     s, nb, group, size = blocks.shape
@@ -268,8 +269,10 @@ def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     out = np.empty((s, nb, size * group), np.uint8)
     out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
     if TYPES[ggml_type].name == "Q5_0":  # qh: value i's fifth bit its bit i
-        bits = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")[..., FIFTH_ORDER]
-        out[..., 2 * group:6 * group].reshape(s, nb, group, 4)[:] = np.packbits(bits, axis=-1, bitorder="little")
+        fifth = out[..., 2 * group:6 * group].view(np.uint32)  # (s, nb, row)
+        fifth[:] = FIFTH_SPREAD[blocks[..., 2]]
+        for c in range(1, 4):
+            fifth |= FIFTH_SPREAD[blocks[..., 2 + c]] << np.uint32(2 * c)
     chunks = out[..., head * group:].view(np.uint32).reshape(s, nb, 4, group)
     chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
     chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
@@ -280,17 +283,14 @@ def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
 
 def _q2_k_blocks(blocks: np.ndarray) -> np.ndarray:
     """(s, nb, group, 84) Q2_K blocks (scales[16], qs[64], d, dmin) -> (s, nb, group 84) grouped: the rows' d, their
-    dmin, for each pair of sub-blocks of 16 values the rows' two scale bytes side by side, then for each sub-block k
-    4 bytes a row, byte t's bit pair i value 16k + 4i + t (in the file, value 128h + 32i + l is bit pair i of
-    qs[32h + l])."""
+    dmin, for each pair of sub-blocks of 16 values the rows' two scale bytes side by side, then for each 4 bytes m of
+    qs (0..15) the rows' 4 bytes side by side (byte t of m's bit pair i: value 128 (m // 8) + 32i + 4 (m % 8) + t)."""
     s, nb, group, _ = blocks.shape
     out = np.empty((s, nb, 84 * group), np.uint8)
     out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., 80:82]
     out[..., 2 * group:4 * group].reshape(s, nb, group, 2)[:] = blocks[..., 82:84]
     out[..., 4 * group:20 * group].reshape(s, nb, 8, group, 2)[:] = (
         blocks[..., :16].reshape(s, nb, group, 8, 2).transpose(0, 1, 3, 2, 4))
-    qs = blocks[..., 16:80].reshape(s, nb, group, 2, 1, 32)
-    values = (qs >> PAIR_SHIFTS) & 3  # (s, nb, row, h, i, l): value 128h + 32i + l
-    packed = (values.reshape(s, nb, group, 16, 4, 4) << PAIR_SHIFTS).sum(axis=-2, dtype=np.uint8)  # (.., k, t)
-    out[..., 20 * group:].reshape(s, nb, 16, group, 4)[:] = packed.transpose(0, 1, 3, 2, 4)
+    out[..., 20 * group:].reshape(s, nb, 16, group, 4)[:] = blocks[..., 16:80].reshape(s, nb, group, 16, 4).transpose(
+        0, 1, 3, 2, 4)
     return out

@@ -91,12 +91,13 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
 #elif GROUP_K2  /* Q2_K */
 /* Block j of a group (16 x 84 bytes): the 16 rows' d, then their dmin (fp16); then for each pair p of sub-blocks of 16
    values (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in
-   the high one); then for each sub-block k 64 bytes, row r's 4 bytes t = 0..3 holding values 16k + 4i + t in bits 2i
-   and 2i + 1. A chunk shifted and masked is 4 values of each row against x's 4 values broadcast (vpdpbusd, as the
-   32-value types'), so sub-block k's sums t_k of the 16 rows lie in one vector; a pair's two sums side by side as
-   16-bit halves (|t| <= 16 3 127 fits) times the pair's scales, widened from bytes to 16 bits, in one vpdpwssd; the
-   mins the same way against x's two 16-value sums. Per (row, x) and block: f += float(sum) (d dx) - float(mins)
-   (dmin dx), the same steps for any pass. */
+   the high one); then for each 4 bytes m of the file's qs (0..15) the 16 rows' 4 bytes, a row's 4 bytes t = 0..3
+   holding in bit pair i value 128 (m / 8) + 32i + 4 (m % 8) + t (a transpose of 32-bit words at load). Pair p (half
+   h = p / 4, bit pair i = p % 4) is bit pair i of the half's 8 chunks, 4 values of each row a chunk against x's 4
+   values broadcast (vpdpbusd, as the 32-value types'), so a sub-block's sums of the 16 rows lie in one vector; the
+   pair's two sums side by side as 16-bit halves (|t| <= 16 3 127 fits) times its scales, widened from bytes to 16
+   bits, in one vpdpwssd; the mins the same way against x's two 16-value sums. Per (row, x) and block: f +=
+   float(sum) (d dx) - float(mins) (dmin dx), the same steps for any pass. */
 enum { K2_SC = 64, K2_QS = 64 + 8 * 32 };
 /* acc + a's and b's 16-bit pairs multiplied and summed into each 32-bit lane (vpdpwssd) */
 static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
@@ -119,13 +120,13 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
     AHEAD_N(b, GB);
     i32x16 acc[GXR], mn[GXR];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[i] = mn[i] = 0;
-    for (int p = 0; p < 8; p++) {
+    _Pragma("clang loop unroll(full)") for (int p = 0; p < 8; p++) {
       u8x32 sb = u8x32_at(b + K2_SC + 32 * p);
       i16x32 sm = __builtin_convertvector(sb, i16x32), sc = sm & 15, m = sm >> 4;
-      u8x64 q[8];
-      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
-        u8x64 v; __builtin_memcpy(&v, b + K2_QS + 64 * (2 * p + h), 64);
-        _Pragma("clang loop unroll(full)") for (int i = 0; i < 4; i++) q[4 * h + i] = (u8x64)((u16x32)v >> 2 * i) & 3;
+      u8x64 q[8];  /* bit pair p % 4 of half p / 4's chunks: sub-block 2p's values, then 2p + 1's */
+      _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
+        u8x64 v; __builtin_memcpy(&v, b + K2_QS + 64 * (8 * (p / 4) + c), 64);
+        q[c] = (u8x64)((u16x32)v >> 2 * (p % 4)) & 3;
       }
       _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
         const unsigned char* xb = xq + ((long)i * NB + j) * XB + 32 * p;
