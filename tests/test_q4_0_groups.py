@@ -1,4 +1,4 @@
-"""Q4_0's, Q5_0's and Q2_K's products on the integer path over rows interleaved at load in groups of 16
+"""Q4_0's, Q5_0's, Q2_K's and Q3_K's products on the integer path over rows interleaved at load in groups of 16
 (`gguf.tensors.grouped`, ``c/matmul_groups.h``): the layout's bytes, the kernel against the numpy model of ggml's scheme
 (testing/ggml_int8.py) in this CPU's build, AVX2's, the baseline x86-64's and aarch64's (under qemu), every row of a
 chunk the same floats as alone, and a stage holding its products' matrices so (the embedding's rows plain) with logits
@@ -25,8 +25,9 @@ from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf import tensors
 from pp_worker.worker.gguf.tensors import PackedWeight
 
-Q4_0, Q5_0, Q2_K, G = 2, 6, 10, cpu_kernels.GROUP_ROWS
-GROUPED = pytest.mark.parametrize("ggml_type", [Q4_0, Q5_0, Q2_K], ids=["Q4_0", "Q5_0", "Q2_K"])
+Q4_0, Q5_0, Q2_K, Q3_K, G = 2, 6, 10, 11, cpu_kernels.GROUP_ROWS
+NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", Q2_K: "Q2_K", Q3_K: "Q3_K"}
+GROUPED = pytest.mark.parametrize("ggml_type", list(NAMES), ids=list(NAMES.values()))
 N = 37  # two whole groups and 5 plain rows after them
 
 
@@ -79,28 +80,30 @@ def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
 
 
-def test_q2_ks_layout_interleaves_whole_groups_and_keeps_the_rest():
-    """Block j of group g: the 16 rows' d, their dmin, for each pair p of sub-blocks the rows' scale bytes 2p and
-    2p + 1 side by side, then for each 4 bytes m of the file's qs the rows' 4 bytes side by side; the rows past the
+# a K-quant block's fields in their grouped order: (first byte, end, bytes a field)
+K_FIELDS = {Q2_K: [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales, qs
+            Q3_K: [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)]}  # d, scales, hmask, qs
+
+
+@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K], ids=["Q2_K", "Q3_K"])
+def test_k_quants_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
+    """Block j of group g: each field of the block in turn (Q2_K: d, dmin, the scales in pairs of bytes, qs in words
+    of 4 bytes; Q3_K: d, the scales in pairs, hmask and qs in words), each as the 16 rows' in turn; the rows past the
     last group unchanged."""
-    k = 512
-    raw, _ = random_rows(Q2_K, N, k, seed=3)
-    got = grouped(raw, Q2_K)
+    k, size = 512, cpu_kernels.TYPES[ggml_type].nbytes
+    raw, _ = random_rows(ggml_type, N, k, seed=3)
+    got = grouped(raw, ggml_type)
     nb = k // 256
     flat = got[:2 * G].reshape(-1)
     for g in range(2):
         for j in range(nb):
-            at = (g * nb + j) * G * 84
-            for r in range(G):
-                block = raw[g * G + r, 84 * j:84 * (j + 1)]
-                assert bytes(flat[at + 2 * r:at + 2 * r + 2]) == bytes(block[80:82])
-                assert bytes(flat[at + 32 + 2 * r:at + 34 + 2 * r]) == bytes(block[82:84])
-                for p in range(8):
-                    pair = at + 64 + 32 * p + 2 * r
-                    assert bytes(flat[pair:pair + 2]) == bytes(block[2 * p:2 * p + 2])
-                for m in range(16):
-                    word = at + 320 + 64 * m + 4 * r
-                    assert bytes(flat[word:word + 4]) == bytes(block[16 + 4 * m:20 + 4 * m])
+            at = (g * nb + j) * G * size
+            for lo, hi, width in K_FIELDS[ggml_type]:
+                for f in range(lo, hi, width):
+                    for r in range(G):
+                        block = raw[g * G + r, size * j:size * (j + 1)]
+                        assert bytes(flat[at + width * r:at + width * (r + 1)]) == bytes(block[f:f + width])
+                    at += G * width
     np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
 
 
@@ -206,19 +209,19 @@ def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
 
 
 def test_which_weights_are_grouped(monkeypatch):
-    """Q4_0, Q5_0 and Q2_K on the integer path on x86-64 (where they measured faster); their float path
+    """Q4_0, Q5_0, Q2_K and Q3_K on the integer path on x86-64 (where they measured faster); their float path
     (PP_EXACT=1), other types and aarch64 (not timed on a real core) keep plain rows."""
     import platform
 
-    types = (Q4_0, Q5_0, Q2_K)
-    assert [cpu_kernels.group_rows(t) for t in types] == [G if platform.machine() == "x86_64" else 0] * 3
-    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(3) == cpu_kernels.group_rows(11) == 0  # Q8_0 Q4_1 Q3_K
+    types = list(NAMES)
+    assert [cpu_kernels.group_rows(t) for t in types] == [G if platform.machine() == "x86_64" else 0] * 4
+    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(3) == cpu_kernels.group_rows(12) == 0  # Q8_0 Q4_1 Q4_K
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
-    assert [cpu_kernels.group_rows(t) for t in types] == [0] * 3
+    assert [cpu_kernels.group_rows(t) for t in types] == [0] * 4
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
-    assert [cpu_kernels.group_rows(t) for t in types] == [G] * 3
+    assert [cpu_kernels.group_rows(t) for t in types] == [G] * 4
     monkeypatch.setenv("PP_EXACT", "1")
-    assert [cpu_kernels.group_rows(t) for t in types] == [0] * 3
+    assert [cpu_kernels.group_rows(t) for t in types] == [0] * 4
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86 assembly")
@@ -239,17 +242,17 @@ def test_avx512s_grouped_kernel_broadcasts_x_into_vpdpbusd(tmp_path, ggml_type):
     assert not ops & set(EMULATED), ops & set(EMULATED)
 
 
-@pytest.fixture(scope="module", params=["Q4_0", "Q5_0", "Q2_K"])
+@pytest.fixture(scope="module", params=list(NAMES.values()))
 def grouped_model(request, tmp_path_factory) -> tuple[Path, int]:
     dtype = request.param
     return generate(tmp_path_factory.mktemp("groups") / f"kq-{dtype}.gguf", "kq", seed=3, dtype=dtype), \
-        {"Q4_0": Q4_0, "Q5_0": Q5_0, "Q2_K": Q2_K}[dtype]
+        {name: t for t, name in NAMES.items()}[dtype]
 
 
 def test_a_stage_holds_its_products_grouped_and_computes_ggmls_scheme(grouped_model):
-    """Every product's Q4_0 (Q5_0, Q2_K) matrix of a stage is held in groups on x86-64 (q, k and v stacked, the head
-    too), the embedding's rows plain (its gather reads rows), and the logits of a prefill and steps lie near ggml's
-    scheme (test_int8_model's bound; rows past the last group: the kernel tests' 37 rows)."""
+    """Every product's Q4_0 (Q5_0, Q2_K, Q3_K) matrix of a stage is held in groups on x86-64 (q, k and v stacked, the
+    head too), the embedding's rows plain (its gather reads rows), and the logits of a prefill and steps lie near
+    ggml's scheme (test_int8_model's bound; rows past the last group: the kernel tests' 37 rows)."""
     model, ggml_type = grouped_model
     chain = Chain(model, 2, 64, prefill_chunk=8)
     first, last = (e._w for e in chain.engines)

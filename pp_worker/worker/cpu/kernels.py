@@ -118,12 +118,12 @@ GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a 
 
 def group_rows(ggml_type: int) -> int:
     """How many rows a product's weight of ``ggml_type`` interleaves at load (`gguf.tensors.grouped`), 0 for none: the
-    types whose row says ``grouped`` (Q4_0, Q5_0) on the integer path (`uses_int8`) on x86-64, where the grouped kernel
-    measured 2-3.6x the plain one (AVX-512 VNNI and AVX2: a block's 16 row sums in one vector, scaled at once, its
-    nibbles unpacked once per 8 rows of x; bench/NOTES.md). Every build reads the groups (the tests run aarch64's under
-    qemu), but aarch64's generic C executed ~1.1x the plain kernel's instructions there, and no aarch64 core was at
-    hand to time: it keeps the plain rows. Only a product's matrix (`weights.Linear`): the embedding's gather reads
-    plain rows."""
+    types whose row says ``grouped`` (Q4_0, Q5_0, Q2_K, Q3_K) on the integer path (`uses_int8`) on x86-64, where the
+    grouped kernel measured 1.5-3.6x the plain one (AVX-512 VNNI and AVX2: a block's 16 row sums in one vector,
+    scaled at once, its values unpacked once per 4-8 rows of x; bench/NOTES.md). Every build reads the groups (the
+    tests run aarch64's under qemu), but aarch64's generic C ran ~1.1x the plain kernel's instructions there (Q4_0),
+    and no aarch64 core was at hand to time: it keeps the plain rows. Only a product's matrix (`weights.Linear`): the
+    embedding's gather reads plain rows."""
     if not TYPES[ggml_type].grouped or not uses_int8("matmul", ggml_type):
         return 0
     return GROUP_ROWS if platform.machine().lower() in ("x86_64", "amd64") else 0

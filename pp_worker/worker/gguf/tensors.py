@@ -240,7 +240,7 @@ FIFTH_SPREAD = np.array([sum((v >> (4 * e + t) & 1) << (8 * t + e) for e in rang
 def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
     """Rows (n, row bytes) uint8 of a type whose rows the C kernels read in groups (`types.GGMLType.grouped`)
     rewritten in place into their layout (``cpu/c/matmul_groups.h``): each whole group of ``group`` rows as its blocks
-    in turn, a block the group's rows' fields side by side (`_nibble_blocks`, `_q2_k_blocks`); the rows past the last
+    in turn, a block the group's rows' fields side by side (`_nibble_blocks`, `_k_blocks`); the rows past the last
     whole group as they were. The same bytes, moved, a few groups at a time (the temporaries ~1 MiB): ~3 ms a MiB
     here for Q4_0."""
     n, row_bytes = rows.shape
@@ -251,7 +251,7 @@ def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
         s = min(step, n // group - g0)
         part = rows[g0 * group:(g0 + s) * group]
         blocks = part.reshape(s, group, nb, size).transpose(0, 2, 1, 3)  # (s, nb, row, size)
-        out = _q2_k_blocks(blocks) if TYPES[ggml_type].name == "Q2_K" else _nibble_blocks(blocks, ggml_type)
+        out = (_nibble_blocks if TYPES[ggml_type].block == 32 else _k_blocks)(blocks, ggml_type)
         part[:] = out.reshape(part.shape)
 
 
@@ -281,16 +281,25 @@ def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     return out
 
 
-def _q2_k_blocks(blocks: np.ndarray) -> np.ndarray:
-    """(s, nb, group, 84) Q2_K blocks (scales[16], qs[64], d, dmin) -> (s, nb, group 84) grouped: the rows' d, their
-    dmin, for each pair of sub-blocks of 16 values the rows' two scale bytes side by side, then for each 4 bytes m of
-    qs (0..15) the rows' 4 bytes side by side (byte t of m's bit pair i: value 128 (m // 8) + 32i + 4 (m % 8) + t)."""
-    s, nb, group, _ = blocks.shape
-    out = np.empty((s, nb, 84 * group), np.uint8)
-    out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., 80:82]
-    out[..., 2 * group:4 * group].reshape(s, nb, group, 2)[:] = blocks[..., 82:84]
-    out[..., 4 * group:20 * group].reshape(s, nb, 8, group, 2)[:] = (
-        blocks[..., :16].reshape(s, nb, group, 8, 2).transpose(0, 1, 3, 2, 4))
-    out[..., 20 * group:].reshape(s, nb, 16, group, 4)[:] = blocks[..., 16:80].reshape(s, nb, group, 16, 4).transpose(
-        0, 1, 3, 2, 4)
+def _side_by_side(fields: np.ndarray, width: int) -> np.ndarray:
+    """(s, nb, group, n width) bytes, each row's n fields of ``width`` bytes -> (s, nb, n, group, width): field f of
+    every row of the group together."""
+    s, nb, group, size = fields.shape
+    return fields.reshape(s, nb, group, size // width, width).transpose(0, 1, 3, 2, 4)
+
+
+def _k_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    """(s, nb, group, size) Q2_K or Q3_K blocks -> (s, nb, group size) grouped, each field's bytes of the group's rows
+    side by side: Q2_K (scales[16], qs[64], d, dmin): d, dmin, the scales in pairs of bytes, qs in 4-byte words;
+    Q3_K (hmask[32], qs[64], scales[12], d): d, the scales in pairs of bytes, hmask and qs in 4-byte words."""
+    s, nb, group, size = blocks.shape
+    q2 = TYPES[ggml_type].name == "Q2_K"
+    parts = ([(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)] if q2
+             else [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)])  # (from, to, bytes a field)
+    out = np.empty((s, nb, size * group), np.uint8)
+    at = 0
+    for lo, hi, width in parts:
+        out[..., at:at + (hi - lo) * group].reshape(s, nb, (hi - lo) // width, group, width)[:] = _side_by_side(
+            blocks[..., lo:hi], width)
+        at += (hi - lo) * group
     return out

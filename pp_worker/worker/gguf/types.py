@@ -47,7 +47,7 @@ TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(8, "Q8_0", 32, 34, "q8_0", ("avx2", "neon"), int8=True, int8_default=True),
     GGMLType(9, "Q8_1", 32, 36),
     GGMLType(10, "Q2_K", 256, 84, "q2_k", AVX512, int8=True, int8_default=True, grouped=True),
-    GGMLType(11, "Q3_K", 256, 110, "q3_k", AVX512, int8=True, int8_default=True),
+    GGMLType(11, "Q3_K", 256, 110, "q3_k", AVX512, int8=True, int8_default=True, grouped=True),
     GGMLType(12, "Q4_K", 256, 144, "q4_k", ("avx512", "avx2", "neon"), int8=True, int8_default=True),
     GGMLType(13, "Q5_K", 256, 176, "q5_k", ("avx512", "avx2"), int8=True, int8_default=True),
     GGMLType(14, "Q6_K", 256, 210, "q6_k", ("avx512", "avx2"), int8=True, int8_default=True),

@@ -1,8 +1,9 @@
-/* The integer path's product (matmul_int.c's NAME) for 32-value block weights (Q4_0, Q5_0: GROUP_OFF in their
-   generic files) whose rows `gguf.tensors.grouped` interleaved at load, PP_GROUP (16) rows a group; the rows past the
-   last whole group stay plain, after the groups.
+/* The integer path's product (matmul_int.c's NAME) for weights whose rows `gguf.tensors.grouped` interleaved at load,
+   PP_GROUP (16) rows a group, a row a 32-bit lane: 32-value blocks (Q4_0, Q5_0: GROUP_OFF in their generic files)
+   and the K-quants of bit pairs (Q2_K, Q3_K: GROUP_K; below). The rows past the last whole group stay plain, after
+   the groups.
 
-   Block j of a group is 16 x BLOCK_BYTES bytes (a group's NB blocks one after another): the 16 rows' d (fp16); with
+   32-value blocks: block j of a group is 16 x BLOCK_BYTES bytes (a group's NB blocks one after another): the 16 rows' d (fp16); with
    GROUP_FIFTH (Q5_0) the 16 rows' 32 fifth bits, a row a 32-bit lane, byte t's bit k the fifth bit of value
    8 (k / 2) + 4 (k % 2) + t (so chunk c's bits are bit 2c and 2c + 1 of every byte: a shift and a mask put them at bit
    4 of the chunk's bytes); then 4 chunks of 64 bytes, chunk c's bytes 4r..4r+3 row r's: their low nibbles values
@@ -15,6 +16,8 @@
    product (bench/NOTES.md). The float steps per (row, x): f += float(sum) (d dx), a block at a time in block order,
    the same for one row of x or a chunk's (one function, `group_dot`), so every row of a chunk equals the same row
    alone; against the plain layout's floats they differ (whole sums, not 8 partial lanes). */
+/* A group's blocks are one stream of memory, read in order: the hardware's prefetch keeps up without matmul_int.c's
+   AHEAD (which, one thread from DRAM, cost Q4_0, Q5_0 and Q2_K 3-10% and Q3_K up to 45%: bench/NOTES.md) */
 enum { GR = PP_GROUP, GB = GR * BLOCK_BYTES };
 _Static_assert(GR == 16, "a group is 16 rows: a row per int32 lane of 512 bits");
 /* rows of x a pass over a group: its unpacked block (or a step of it) and GXR rows' sums in registers */
@@ -81,24 +84,34 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
   for (int j = 0; j < NB; j++) {
     const unsigned char* b = gw + (long)j * GB;
-    AHEAD_N(b, GB);
     gblock g; gblock_at(b, &g);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++)
       if (i < nx) group_dot(&f[i], &g, xq + ((long)i * NB + j) * XB, nx == 1 ? 2 : 1);
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
 }
-#elif GROUP_K2  /* Q2_K */
-/* Block j of a group (16 x 84 bytes): the 16 rows' d, then their dmin (fp16); then for each pair p of sub-blocks of 16
-   values (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in
-   the high one); then for each 4 bytes m of the file's qs (0..15) the 16 rows' 4 bytes, a row's 4 bytes t = 0..3
-   holding in bit pair i value 128 (m / 8) + 32i + 4 (m % 8) + t (a transpose of 32-bit words at load). Pair p (half
-   h = p / 4, bit pair i = p % 4) is bit pair i of the half's 8 chunks, 4 values of each row a chunk against x's 4
-   values broadcast (vpdpbusd, as the 32-value types'), so a sub-block's sums of the 16 rows lie in one vector; the
-   pair's two sums side by side as 16-bit halves (|t| <= 16 3 127 fits) times its scales, widened from bytes to 16
-   bits, in one vpdpwssd; the mins the same way against x's two 16-value sums. Per (row, x) and block: f +=
-   float(sum) (d dx) - float(mins) (dmin dx), the same steps for any pass. */
-enum { K2_SC = 64, K2_QS = 64 + 8 * 32 };
+#else  /* the 256-value K-quants of 2-bit pairs: Q2_K (GROUP_K 2), Q3_K (GROUP_K 3) */
+/* Their values are bit pairs of qs as Q2_K's: the file's 4 bytes m of qs (0..15) hold in bit pair i values 128 (m / 8)
+   + 32i + 4 (m % 8) + t (t = 0..3, the byte); a group's block holds each m as 16 rows' words side by side (a chunk of
+   64 bytes, a transpose of 32-bit words at load), after the type's scales:
+   - Q2_K (16 x 84 bytes): the 16 rows' d, then their dmin (fp16); then for each pair p of sub-blocks of 16 values
+     (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in the
+     high one); then the 16 qs chunks.
+   - Q3_K (16 x 110 bytes): the 16 rows' d; the file's 12 scale bytes as 6 pairs (bytes 2q, 2q + 1), each the 16 rows'
+     side by side; the file's 4 bytes c of hmask (0..7) as 8 chunks as qs's (value l's third bit is bit l / 32 of
+     hmask byte l % 32); then the 16 qs chunks.
+   Pair p of sub-blocks (half h = p / 4, bit pair i = p % 4; 32-value group p) is bit pair i of the half's 8 chunks, 4
+   values of each row a chunk against x's 4 values broadcast (vpdpbusd, as the 32-value types'), so a sub-block's sums
+   of the 16 rows lie in one vector; the pair's two sums side by side as 16-bit halves (|t| <= 16 7 127 fits) times its
+   scales, widened to 16 bits, in one vpdpwssd; the mins (Q2_K) or the scales (Q3_K, whose values are u - 4: its min is
+   4 s) the same way against x's two 16-value sums. Per (row, x) and block: f += float(sum) (d dx) - float(mins)
+   (dmin dx) (Q3_K: float(sum - 4 mins) (d dx)), the same steps for any pass. */
+#if GROUP_K == 2
+enum { K_QS = 64 + 8 * 32 };
+#else
+enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K3_HM = 32 + 6 * 32, K_QS = K3_HM + 8 * 64 };
+#endif
+_Static_assert(K_QS + 16 * 64 == GB, "a group's block");
 /* acc + a's and b's 16-bit pairs multiplied and summed into each 32-bit lane (vpdpwssd) */
 static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #if defined(__AVX512BW__)
@@ -106,6 +119,28 @@ static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #else
   return acc + CAT16(madd16(__builtin_shufflevector(a, a, S16(0)), __builtin_shufflevector(b, b, S16(0))),
                      madd16(__builtin_shufflevector(a, a, S16(16)), __builtin_shufflevector(b, b, S16(16))));
+#endif
+}
+static inline i16x32 i16_pairs(const unsigned char* p) { return __builtin_convertvector(u8x32_at(p), i16x32); }
+/* pair p's weights (q: sub-block 2p's 4 chunks of values, then 2p + 1's), their scales (sc) and mins (m) as 16-bit
+   pairs of the 16 rows */
+static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, u8x64* q, i16x32* sc,
+                                                         i16x32* m) {
+  _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
+    u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
+    q[c] = (u8x64)((u16x32)v >> 2 * (p % 4)) & 3;
+#if GROUP_K == 3  /* the third bit (bit p of the hmask bytes) at bit 2 */
+    u32x16 h; __builtin_memcpy(&h, b + K3_HM + 64 * c, 64);
+    q[c] |= (u8x64)(p < 2 ? h << (2 - p) : h >> (p - 2)) & 4;
+#endif
+  }
+#if GROUP_K == 2
+  i16x32 sm = i16_pairs(b + 64 + 32 * p);
+  *sc = sm & 15; *m = sm >> 4;
+#else  /* scale j = 2p, 2p + 1: its low 4 bits nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4) of byte
+   8 + j % 4, minus 32 */
+  i16x32 lo = i16_pairs(b + K3_SA + 32 * (p % 4)), hi = i16_pairs(b + K3_SB + 32 * (p % 2));
+  *sc = *m = ((p < 4 ? lo & 15 : lo >> 4) | ((hi >> 2 * (p / 2)) & 3) << 4) - 32;
 #endif
 }
 /* a group's 16 rows against nx (at most GXR) rows of x: each pair of sub-blocks unpacked once for all of them */
@@ -117,17 +152,11 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
   for (int j = 0; j < NB; j++) {
     const unsigned char* b = gw + (long)j * GB;
-    AHEAD_N(b, GB);
     i32x16 acc[GXR], mn[GXR];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[i] = mn[i] = 0;
     _Pragma("clang loop unroll(full)") for (int p = 0; p < 8; p++) {
-      u8x32 sb = u8x32_at(b + K2_SC + 32 * p);
-      i16x32 sm = __builtin_convertvector(sb, i16x32), sc = sm & 15, m = sm >> 4;
-      u8x64 q[8];  /* bit pair p % 4 of half p / 4's chunks: sub-block 2p's values, then 2p + 1's */
-      _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
-        u8x64 v; __builtin_memcpy(&v, b + K2_QS + 64 * (8 * (p / 4) + c), 64);
-        q[c] = (u8x64)((u16x32)v >> 2 * (p % 4)) & 3;
-      }
+      u8x64 q[8]; i16x32 sc, m;
+      k_pair(b, p, q, &sc, &m);
       _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
         const unsigned char* xb = xq + ((long)i * NB + j) * XB + 32 * p;
         i32x16 t0 = 0, t1 = 0;
@@ -138,11 +167,19 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
         mn[i] = madd_pairs16(mn[i], m, (i16x32)(i32x16)bs);
       }
     }
-    h16x16 hd, hm; __builtin_memcpy(&hd, b, 32); __builtin_memcpy(&hm, b + 32, 32);
-    f16v d = __builtin_convertvector(hd, f16v), dm = __builtin_convertvector(hm, f16v);
+    h16x16 hd; __builtin_memcpy(&hd, b, 32);
+    f16v d = __builtin_convertvector(hd, f16v);
+#if GROUP_K == 2
+    h16x16 hm; __builtin_memcpy(&hm, b + 32, 32);
+    f16v dm = __builtin_convertvector(hm, f16v);
+#endif
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
       float dx; __builtin_memcpy(&dx, xq + ((long)i * NB + j) * XB + X_D, 4);
+#if GROUP_K == 2
       f[i] += __builtin_convertvector(acc[i], f16v) * (d * dx) - __builtin_convertvector(mn[i], f16v) * (dm * dx);
+#else
+      f[i] += __builtin_convertvector(acc[i] - 4 * mn[i], f16v) * (d * dx);
+#endif
     }
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
