@@ -97,9 +97,9 @@ def base_sources(rev: str, workdir: Path) -> Path:
 
 def base_groups(base_dir: Path, stem: str) -> bool:
     """Whether the C sources at ``base_dir`` read a type's rows in groups: Q4_0 since ``matmul_groups.h``, another type
-    where its generic file gives the groups' offset (GROUP_OFF)."""
-    return (base_dir / "matmul_groups.h").exists() and (stem == "q4_0"
-                                                         or "GROUP_OFF" in (base_dir / f"generic/{stem}.c").read_text())
+    where its generic file defines the groups' parameters (GROUP_OFF, GROUP_K)."""
+    generic = (base_dir / f"generic/{stem}.c").read_text()
+    return (base_dir / "matmul_groups.h").exists() and (stem == "q4_0" or "#define GROUP_" in generic)
 
 
 def weights(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:

@@ -122,16 +122,34 @@ static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #endif
 }
 static inline i16x32 i16_pairs(const unsigned char* p) { return __builtin_convertvector(u8x32_at(p), i16x32); }
+/* bits [from, from + n) of each byte moved to [to, to + n), the rest 0 (common.h's field8 on 64 bytes): a shift of
+   16-bit lanes and a mask; pick64 the same by one vgf2p8affineqb where there is GFNI (its 8x8 bit matrix picks them:
+   out bit i is the parity of the byte and matrix byte 7 - i). Q3_K's third bits by pick64 and its bit pairs by
+   bits64 measured fastest (the bit pairs by pick64 too: 0.96-1.0x; Q2_K's: 0.9x; bench/NOTES.md) */
+static inline u8x64 bits64(u8x64 v, int from, int to, int n) {
+  u16x32 w = (u16x32)v;
+  return (u8x64)(to >= from ? w << (to - from) : w >> (from - to)) & (unsigned char)(((1 << n) - 1) << to);
+}
+static inline u8x64 pick64(u8x64 v, int from, int to, int n) {
+#if defined(__GFNI__) && defined(__AVX512BW__)
+  unsigned long long a = 0;
+  for (int i = 0; i < n; i++) a |= (1ull << (from + i)) << 8 * (7 - (to + i));
+  typedef long long i64x8 __attribute__((ext_vector_type(8)));
+  return (u8x64)__builtin_ia32_vgf2p8affineqb_v64qi((v64qi_t)v, (v64qi_t)(i64x8)(long long)a, 0);
+#else
+  return bits64(v, from, to, n);
+#endif
+}
 /* pair p's weights (q: sub-block 2p's 4 chunks of values, then 2p + 1's), their scales (sc) and mins (m) as 16-bit
    pairs of the 16 rows */
 static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, u8x64* q, i16x32* sc,
                                                          i16x32* m) {
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
     u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
-    q[c] = (u8x64)((u16x32)v >> 2 * (p % 4)) & 3;
+    q[c] = bits64(v, 2 * (p % 4), 0, 2);
 #if GROUP_K == 3  /* the third bit (bit p of the hmask bytes) at bit 2 */
-    u32x16 h; __builtin_memcpy(&h, b + K3_HM + 64 * c, 64);
-    q[c] |= (u8x64)(p < 2 ? h << (2 - p) : h >> (p - 2)) & 4;
+    u8x64 h; __builtin_memcpy(&h, b + K3_HM + 64 * c, 64);
+    q[c] |= pick64(h, p, 2, 1);
 #endif
   }
 #if GROUP_K == 2
