@@ -251,33 +251,46 @@ def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
         s = min(step, n // group - g0)
         part = rows[g0 * group:(g0 + s) * group]
         blocks = part.reshape(s, group, nb, size).transpose(0, 2, 1, 3)  # (s, nb, row, size)
-        out = (_nibble_blocks if TYPES[ggml_type].block == 32 else _k_blocks)(blocks, ggml_type)
+        out = (_k_blocks if TYPES[ggml_type].name in ("Q2_K", "Q3_K") else _nibble_blocks)(blocks, ggml_type)
         part[:] = out.reshape(part.shape)
 
 
+# the fields before a nibble type's 16-byte runs of nibbles, their widths (`_nibble_blocks`): d; Q5_0's qh; IQ4_XS's
+# scales_h and scales_l
+HEAD_FIELDS = {"Q4_0": (2,), "IQ4_NL": (2,), "Q5_0": (2, 4), "IQ4_XS": (2, 2, 4)}
+
+
 def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
-    """(s, nb, group, size) blocks of a 32-value type (Q4_0, Q5_0) -> (s, nb, group size) grouped: the rows' d, (Q5_0)
-    their fifth bits reordered (`FIFTH_SPREAD`), then 4 chunks of 4 bytes a row (chunk c: low nibbles values 8c..8c+3,
-    high ones 8c+4..8c+7). A block's 16 bytes of nibbles as 4 words w0..w3 (values 4i..4i+3 in w_i's low nibbles,
-    16 + 4i.. in its high ones), each chunk is two of them masked."""
+    """(s, nb, group, size) blocks of a type of nibbles in runs of 16 bytes a 32 values (Q4_0, Q5_0, IQ4_NL, IQ4_XS)
+    -> (s, nb, group size) grouped: the fields before the nibbles (`HEAD_FIELDS`) each side by side, (Q5_0) qh's fifth
+    bits reordered (`FIFTH_SPREAD`), then for each 32 values 4 chunks of 4 bytes a row (chunk c: low nibbles values
+    8c..8c+3, high ones 8c+4..8c+7). A run's 16 bytes of nibbles as 4 words w0..w3 (values 4i..4i+3 in w_i's low
+    nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked."""
     s, nb, group, size = blocks.shape
-    head = size - 16  # the bytes before a block's nibbles (d, then Q5_0's qh)
+    widths = HEAD_FIELDS[TYPES[ggml_type].name]
+    head = sum(widths)
+    out = np.empty((s, nb, size * group), np.uint8)
+    at = 0
+    for width in widths:
+        field = out[..., at * group:(at + width) * group].reshape(s, nb, group, width)
+        if TYPES[ggml_type].name == "Q5_0" and width == 4:  # qh: value i's fifth bit its bit i
+            fifth = field.view(np.uint32)[..., 0]  # (s, nb, row)
+            fifth[:] = FIFTH_SPREAD[blocks[..., at]]
+            for c in range(1, 4):
+                fifth |= FIFTH_SPREAD[blocks[..., at + c]] << np.uint32(2 * c)
+        else:
+            field[:] = blocks[..., at:at + width]
+        at += width
     lo4 = np.uint32(0x0F0F0F0F)
     hi4 = ~lo4
-    w = np.ascontiguousarray(blocks[..., head:]).view(np.uint32)  # (s, nb, row, 4)
-    w0, w1, w2, w3 = (w[..., i] for i in range(4))
-    out = np.empty((s, nb, size * group), np.uint8)
-    out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
-    if TYPES[ggml_type].name == "Q5_0":  # qh: value i's fifth bit its bit i
-        fifth = out[..., 2 * group:6 * group].view(np.uint32)  # (s, nb, row)
-        fifth[:] = FIFTH_SPREAD[blocks[..., 2]]
-        for c in range(1, 4):
-            fifth |= FIFTH_SPREAD[blocks[..., 2 + c]] << np.uint32(2 * c)
-    chunks = out[..., head * group:].view(np.uint32).reshape(s, nb, 4, group)
-    chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
-    chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
-    chunks[:, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
-    chunks[:, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
+    runs = (size - head) // 16
+    w = np.ascontiguousarray(blocks[..., head:]).view(np.uint32).reshape(s, nb, group, runs, 4)
+    w0, w1, w2, w3 = (w[..., i].transpose(0, 1, 3, 2) for i in range(4))  # (s, nb, run, row)
+    chunks = out[..., head * group:].view(np.uint32).reshape(s, nb, runs, 4, group)
+    chunks[:, :, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
+    chunks[:, :, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
+    chunks[:, :, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
+    chunks[:, :, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
     return out
 
 

@@ -26,7 +26,7 @@ enum { GXR = 2 };
 #elif BLOCK_VALUES == 32
 enum { GXR = 8 };
 #else
-enum { GXR = 4 };  /* Q2_K: two int32 sums a row of x besides its floats */
+enum { GXR = 4 };  /* 256-value blocks: one or two int32 sums a row of x besides its floats */
 #endif
 /* acc + each lane's 4 bytes of w times the 4 bytes at x4 (int8) */
 static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
@@ -38,28 +38,71 @@ static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
   return acc + CAT16(dot32u(LO32(w), xv), dot32u(HI32(w), xv));
 #endif
 }
-#if BLOCK_VALUES == 32
 #ifndef GROUP_FIFTH
 #define GROUP_FIFTH 0
 #endif
-enum { G_QS = GB - 4 * 64 };  /* where a block's chunks start */
-typedef struct { u8x64 q[8]; f16v d; } gblock;  /* q[2c] chunk c's low nibbles, q[2c + 1] its high ones */
 /* bit k of each byte of h at bit 4, the rest 0 (a shift of 32-bit lanes: the bits it moves in from a neighbour
    byte land outside bit 4) */
 static inline u8x64 fifth_bits(u32x16 h, int k) { return (u8x64)(k < 4 ? h << (4 - k) : h >> (k - 4)) & 16; }
+#if GROUP_LEVELS  /* IQ4_NL, IQ4_XS: a nibble indexes 16 levels (iq4.h's KV4_INT), looked up 16 at a time (pshufb) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)  /* level + 128 unsigned against x, from -128 sum x */
+#define LEVEL_OFF 128
+#define DOTQ dot4
+#else  /* AVX2's vpmaddubsw would saturate on level + 128 (241 127 2): the levels signed, by ggml's sign trick */
+#define LEVEL_OFF 0
+#define DOTQ dot4s
+static inline i32x16 dot4s(i32x16 acc, u8x64 w, const unsigned char* x4) {  /* dot4 with w signed */
+  int v; __builtin_memcpy(&v, x4, 4);
+  i8x32 xv = (i8x32)(i32x8)v;
+  return acc + CAT16(dot32s((i8x32)LO32(w), xv), dot32s((i8x32)HI32(w), xv));
+}
+#endif
+static inline u8x64 levels64(u8x64 nib) {
+  u8x16 t = (u8x16)KV4_INT ^ (unsigned char)LEVEL_OFF;  /* + 128 mod 256 where LEVEL_OFF is 128 */
+#if defined(__AVX512BW__)
+  return (u8x64)__builtin_ia32_pshufb512((v64qi_t)__builtin_shufflevector(t, t, S16(0), S16(0), S16(0), S16(0)),
+                                         (v64qi_t)nib);
+#elif defined(__AVX2__)
+  typedef char v32qi_t __attribute__((vector_size(32)));
+  u8x32 t2 = __builtin_shufflevector(t, t, S16(0), S16(0));
+  return CAT64((u8x32)__builtin_ia32_pshufb256((v32qi_t)t2, (v32qi_t)LO32(nib)),
+               (u8x32)__builtin_ia32_pshufb256((v32qi_t)t2, (v32qi_t)HI32(nib)));
+#else
+  u8x64 r;
+  for (int i = 0; i < 64; i++) r[i] = t[nib[i]];
+  return r;
+#endif
+}
+#else
+#define DOTQ dot4
+#endif
+/* a run of 32 values' 4 chunks at p (64 bytes each, 16 rows) as 8 vectors of bytes: q[2c] chunk c's low nibbles,
+   q[2c + 1] its high ones, (Q5_0) their fifth bits from hb or-ed in, (IQ4) looked up */
+static inline __attribute__((always_inline)) void chunks_at(const unsigned char* p, const unsigned char* hb,
+                                                            u8x64* q) {
+#if GROUP_FIFTH
+  u32x16 h; __builtin_memcpy(&h, hb, 64);
+#endif
+  _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
+    u8x64 v; __builtin_memcpy(&v, p + 64 * c, 64);
+    q[2 * c] = v & 15; q[2 * c + 1] = (u8x64)((u16x32)v >> 4) & 15;  /* x86 shifts 16-bit lanes, not bytes */
+#if GROUP_FIFTH
+    q[2 * c] |= fifth_bits(h, 2 * c); q[2 * c + 1] |= fifth_bits(h, 2 * c + 1);
+#endif
+#if GROUP_LEVELS
+    q[2 * c] = levels64(q[2 * c]); q[2 * c + 1] = levels64(q[2 * c + 1]);
+#endif
+  } }
+#if BLOCK_VALUES == 32
+#if GROUP_LEVELS
+#define GROUP_OFF LEVEL_OFF
+#endif
+enum { G_QS = GB - 4 * 64 };  /* where a block's chunks start */
+typedef struct { u8x64 q[8]; f16v d; } gblock;  /* q[2c] chunk c's low nibbles, q[2c + 1] its high ones */
 static inline void gblock_at(const unsigned char* b, gblock* g) {
   h16x16 h; __builtin_memcpy(&h, b, 32);
   g->d = __builtin_convertvector(h, f16v);
-#if GROUP_FIFTH
-  u32x16 hb; __builtin_memcpy(&hb, b + 32, 64);
-#endif
-  _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
-    u8x64 v; __builtin_memcpy(&v, b + G_QS + 64 * c, 64);
-    g->q[2 * c] = v & 15; g->q[2 * c + 1] = (u8x64)((u16x32)v >> 4) & 15;  /* x86 shifts 16-bit lanes, not bytes */
-#if GROUP_FIFTH
-    g->q[2 * c] |= fifth_bits(hb, 2 * c); g->q[2 * c + 1] |= fifth_bits(hb, 2 * c + 1);
-#endif
-  } }
+  chunks_at(b + G_QS, b + 32, g->q); }
 /* f (a row of x's 16 sums, one a weight row) += block g's products with x's block xb, scaled. chains: the dependent
    sums split in that many (1 or 2: integer sums, the same in any order); one row of x wants two, several rows of x
    are chains enough and keep a register each */
@@ -69,9 +112,9 @@ static inline __attribute__((always_inline)) void group_dot(f16v* f, const gbloc
   __builtin_memcpy(bs, xb + X_SUMS, 4); __builtin_memcpy(&dx, xb + X_D, 4);
   i32x16 lo = (i32x16)(-GROUP_OFF * (bs[0] + bs[1])), hi = 0;
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
-    lo = dot4(lo, g->q[2 * c], xb + 8 * c);
-    if (chains == 2) hi = dot4(hi, g->q[2 * c + 1], xb + 8 * c + 4);
-    else lo = dot4(lo, g->q[2 * c + 1], xb + 8 * c + 4);
+    lo = DOTQ(lo, g->q[2 * c], xb + 8 * c);
+    if (chains == 2) hi = DOTQ(hi, g->q[2 * c + 1], xb + 8 * c + 4);
+    else lo = DOTQ(lo, g->q[2 * c + 1], xb + 8 * c + 4);
   }
   *f += __builtin_convertvector(lo + hi, f16v) * (g->d * dx);
 }
@@ -87,6 +130,46 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
     gblock g; gblock_at(b, &g);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++)
       if (i < nx) group_dot(&f[i], &g, xq + ((long)i * NB + j) * XB, nx == 1 ? 2 : 1);
+  }
+  for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
+}
+#elif GROUP_LEVELS  /* IQ4_XS */
+/* Block j of a group (16 x 136 bytes): the 16 rows' d (fp16), their scales_h (2 bytes a row), their scales_l (4 bytes
+   a row), then each of the 8 sub-blocks of 32 values as 4 chunks as IQ4_NL's block. A sub-block's 16 row sums in one
+   vector (from -LEVEL_OFF sum x) times its 16 rows' 6-bit scales less 32 (vpmulld), summed over the block in int32
+   (|sum| < 2^31: 8 32 127 127 32), then f += float(sum) (d dx) a block, the same steps for any pass: ggml's order. */
+enum { XS_SH = 32, XS_SL = 64, XS_QS = 128 };
+static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
+                                                             const unsigned char* restrict gw,
+                                                             const unsigned char* restrict xq, int nx) {
+  enum { NB = PP_K / BLOCK_VALUES };
+  f16v f[GXR];
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
+  for (int j = 0; j < NB; j++) {
+    const unsigned char* b = gw + (long)j * GB;
+    u32x16 sl; __builtin_memcpy(&sl, b + XS_SL, 64);
+    u16x16 sh16; __builtin_memcpy(&sh16, b + XS_SH, 32);
+    u32x16 sh = __builtin_convertvector(sh16, u32x16);
+    i32x16 acc[GXR];
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[i] = 0;
+    _Pragma("clang loop unroll(full)") for (int s = 0; s < 8; s++) {
+      u8x64 q[8]; chunks_at(b + XS_QS + 256 * s, 0, q);
+      i32x16 ls = (i32x16)(((sl >> 4 * s) & 15) | ((sh >> 2 * s) & 3) << 4) - 32;
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+        const unsigned char* xb = xq + ((long)i * NB + j) * XB;
+        short bs[2]; __builtin_memcpy(bs, xb + X_SUMS + 4 * s, 4);
+        i32x16 lo = (i32x16)(-LEVEL_OFF * (bs[0] + bs[1])), hi = 0;
+        _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
+          lo = DOTQ(lo, q[2 * c], xb + 32 * s + 8 * c); hi = DOTQ(hi, q[2 * c + 1], xb + 32 * s + 8 * c + 4); }
+        acc[i] += (lo + hi) * ls;
+      }
+    }
+    h16x16 hd; __builtin_memcpy(&hd, b, 32);
+    f16v d = __builtin_convertvector(hd, f16v);
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+      float dx; __builtin_memcpy(&dx, xq + ((long)i * NB + j) * XB + X_D, 4);
+      f[i] += __builtin_convertvector(acc[i], f16v) * (d * dx);
+    }
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
 }
