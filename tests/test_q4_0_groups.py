@@ -1,8 +1,8 @@
-"""Q4_0's, Q5_0's, IQ4_NL's, Q2_K's, Q3_K's and IQ4_XS's products on the integer path over rows interleaved at load in
-groups of 16 (`gguf.tensors.grouped`, ``c/matmul_groups.h``): the layout's bytes, the kernel against the numpy model of
-ggml's scheme (testing/ggml_int8.py) in this CPU's build, AVX2's, the baseline x86-64's and aarch64's (under qemu),
-every row of a chunk the same floats as alone, and a stage holding its products' matrices so (the embedding's rows
-plain) with logits near the scheme."""
+"""The products of Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS on the integer path over rows interleaved at
+load in groups of 16 (`gguf.tensors.grouped`, ``c/matmul_groups.h``): the layout's bytes, the kernel against the numpy
+model of ggml's scheme (testing/ggml_int8.py) in this CPU's build, AVX2's, the baseline x86-64's and aarch64's (under
+qemu), every row of a chunk the same floats as alone, and a stage holding its products' matrices so (the embedding's
+rows plain) with logits near the scheme."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf import tensors
 from pp_worker.worker.gguf.tensors import PackedWeight
 
-Q4_0, Q5_0, Q2_K, Q3_K, IQ4_NL, IQ4_XS, G = 2, 6, 10, 11, 20, 23, cpu_kernels.GROUP_ROWS
-NAMES = {Q4_0: "Q4_0", Q5_0: "Q5_0", IQ4_NL: "IQ4_NL", Q2_K: "Q2_K", Q3_K: "Q3_K", IQ4_XS: "IQ4_XS"}
+Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, G = 2, 3, 6, 7, 10, 11, 20, 23, cpu_kernels.GROUP_ROWS
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", Q2_K: "Q2_K", Q3_K: "Q3_K",
+         IQ4_XS: "IQ4_XS"}
 GROUPED = pytest.mark.parametrize("ggml_type", list(NAMES), ids=list(NAMES.values()))
 N = 37  # two whole groups and 5 plain rows after them
 
@@ -49,15 +50,16 @@ def width(k: int, ggml_type: int) -> int:
 
 
 # a nibble type's fields before its runs of 16 bytes of nibbles (32 values each), their widths
-NIBBLE_HEADS = {Q4_0: (2,), Q5_0: (2, 4), IQ4_NL: (2,), IQ4_XS: (2, 2, 4)}  # d; qh; scales_h, scales_l
+NIBBLE_HEADS = {Q4_0: (2,), Q4_1: (2, 2), Q5_0: (2, 4), Q5_1: (2, 2, 4), IQ4_NL: (2,),  # d; m; qh
+                IQ4_XS: (2, 2, 4)}  # d, scales_h, scales_l
 
 
 @pytest.mark.parametrize("ggml_type", list(NIBBLE_HEADS), ids=[NAMES[t] for t in NIBBLE_HEADS])
 def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
-    """Block j of group g: each field before the nibbles as the 16 rows' side by side (Q5_0's qh as each row's fifth
-    bits in a 32-bit word whose byte t's bit k is value 8 (k // 2) + 4 (k % 2) + t's), then for each run of 32 values
-    chunk c's 4 bytes of row r, each low nibble value 8c + t of the run and high nibble value 8c + 4 + t; the rows past
-    the last group unchanged."""
+    """Block j of group g: each field before the nibbles as the 16 rows' side by side (Q5_0's and Q5_1's qh as each
+    row's fifth bits in a 32-bit word whose byte t's bit k is value 8 (k // 2) + 4 (k % 2) + t's), then for each run
+    of 32 values chunk c's 4 bytes of row r, each low nibble value 8c + t of the run and high nibble value 8c + 4 + t;
+    the rows past the last group unchanged."""
     t_ = cpu_kernels.TYPES[ggml_type]
     k, size, head = width(96, ggml_type), t_.nbytes, sum(NIBBLE_HEADS[ggml_type])
     raw, _ = random_rows(ggml_type, N, k, seed=3)
@@ -72,8 +74,9 @@ def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
                 field = 0
                 for w in NIBBLE_HEADS[ggml_type]:
                     mine = bytes(flat[at + G * field + w * r:at + G * field + w * (r + 1)])
-                    if ggml_type == Q5_0 and w == 4:
-                        fifth, word = int.from_bytes(bytes(block[2:6]), "little"), int.from_bytes(mine, "little")
+                    if ggml_type in (Q5_0, Q5_1) and w == 4:
+                        fifth = int.from_bytes(bytes(block[field:field + 4]), "little")
+                        word = int.from_bytes(mine, "little")
                         for t in range(4):
                             for bit in range(8):
                                 v = 8 * (bit // 2) + 4 * (bit % 2) + t
@@ -219,13 +222,13 @@ def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
 
 
 def test_which_weights_are_grouped(monkeypatch):
-    """Q4_0, Q5_0, IQ4_NL, Q2_K, Q3_K and IQ4_XS on the integer path on x86-64 (where they measured faster); their
-    float path (PP_EXACT=1), other types and aarch64 (not timed on a real core) keep plain rows."""
+    """The 32-value types, IQ4_XS, Q2_K and Q3_K on the integer path on x86-64 (where they measured faster); their float
+    path (PP_EXACT=1), other types and aarch64 (not timed on a real core) keep plain rows."""
     import platform
 
     types, n = list(NAMES), len(NAMES)
     assert [cpu_kernels.group_rows(t) for t in types] == [G if platform.machine() == "x86_64" else 0] * n
-    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(3) == cpu_kernels.group_rows(12) == 0  # Q8_0 Q4_1 Q4_K
+    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(12) == cpu_kernels.group_rows(14) == 0  # Q8_0 Q4_K Q6_K
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert [cpu_kernels.group_rows(t) for t in types] == [0] * n
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
@@ -254,11 +257,11 @@ def test_avx512s_grouped_kernel_broadcasts_x_into_vpdpbusd(tmp_path, ggml_type):
 
 @pytest.fixture(scope="module", params=list(NAMES.values()))
 def grouped_model(request, tmp_path_factory) -> tuple[Path, int]:
-    """A generated model of one grouped type. Seed 3, but 5 for IQ4_XS: seed 3's lies on the scheme's chaos
-    (test_int8_model), rms(got - scheme) / rms(scheme - exact) 0.79 with the plain rows as with the groups; seed 5's
-    0.20 plain, 0.0 grouped (ggml's order of the float steps)."""
+    """A generated model of one grouped type. Seed 3, but 5 for IQ4_XS and Q4_1: their seed 3's lie on the scheme's
+    chaos (test_int8_model), rms(got - scheme) / rms(scheme - exact) with the plain rows / the groups 0.79 / 0.79
+    (IQ4_XS) and 0.98 / 0.96 (Q4_1); seed 5's 0.20 / 0.0 and 1.02 / 0.0 (ggml's order of the float steps)."""
     dtype = request.param
-    seed = 5 if dtype == "IQ4_XS" else 3
+    seed = 5 if dtype in ("IQ4_XS", "Q4_1") else 3
     return generate(tmp_path_factory.mktemp("groups") / f"kq-{dtype}.gguf", "kq", seed=seed, dtype=dtype), \
         {name: t for t, name in NAMES.items()}[dtype]
 

@@ -255,14 +255,14 @@ def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
         part[:] = out.reshape(part.shape)
 
 
-# the fields before a nibble type's 16-byte runs of nibbles, their widths (`_nibble_blocks`): d; Q5_0's qh; IQ4_XS's
-# scales_h and scales_l
-HEAD_FIELDS = {"Q4_0": (2,), "IQ4_NL": (2,), "Q5_0": (2, 4), "IQ4_XS": (2, 2, 4)}
+# the fields before a nibble type's 16-byte runs of nibbles, their widths (`_nibble_blocks`): d; Q4_1's and Q5_1's m;
+# Q5_0's and Q5_1's qh; IQ4_XS's scales_h and scales_l
+HEAD_FIELDS = {"Q4_0": (2,), "IQ4_NL": (2,), "Q5_0": (2, 4), "IQ4_XS": (2, 2, 4), "Q4_1": (2, 2), "Q5_1": (2, 2, 4)}
 
 
 def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
-    """(s, nb, group, size) blocks of a type of nibbles in runs of 16 bytes a 32 values (Q4_0, Q5_0, IQ4_NL, IQ4_XS)
-    -> (s, nb, group size) grouped: the fields before the nibbles (`HEAD_FIELDS`) each side by side, (Q5_0) qh's fifth
+    """(s, nb, group, size) blocks of a type of nibbles in runs of 16 bytes a 32 values (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+    IQ4_XS) -> (s, nb, group size) grouped: the fields before the nibbles (`HEAD_FIELDS`) each side by side, qh's fifth
     bits reordered (`FIFTH_SPREAD`), then for each 32 values 4 chunks of 4 bytes a row (chunk c: low nibbles values
     8c..8c+3, high ones 8c+4..8c+7). A run's 16 bytes of nibbles as 4 words w0..w3 (values 4i..4i+3 in w_i's low
     nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked."""
@@ -273,7 +273,7 @@ def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     at = 0
     for width in widths:
         field = out[..., at * group:(at + width) * group].reshape(s, nb, group, width)
-        if TYPES[ggml_type].name == "Q5_0" and width == 4:  # qh: value i's fifth bit its bit i
+        if TYPES[ggml_type].name in ("Q5_0", "Q5_1") and width == 4:  # qh: value i's fifth bit its bit i
             fifth = field.view(np.uint32)[..., 0]  # (s, nb, row)
             fifth[:] = FIFTH_SPREAD[blocks[..., at]]
             for c in range(1, 4):

@@ -1,21 +1,22 @@
 /* The integer path's product (matmul_int.c's NAME) for weights whose rows `gguf.tensors.grouped` interleaved at load,
-   PP_GROUP (16) rows a group, a row a 32-bit lane: 32-value blocks (Q4_0, Q5_0: GROUP_OFF in their generic files)
-   and the K-quants of bit pairs (Q2_K, Q3_K: GROUP_K; below). The rows past the last whole group stay plain, after
-   the groups.
+   PP_GROUP (16) rows a group, a row a 32-bit lane: 32-value blocks (Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1), IQ4_XS and the
+   K-quants of bit pairs (Q2_K, Q3_K: GROUP_K; below). The rows past the last whole group stay plain, after the groups
+   (matmul_int.c's rows_pass).
 
-   32-value blocks: block j of a group is 16 x BLOCK_BYTES bytes (a group's NB blocks one after another): the 16 rows' d (fp16); with
-   GROUP_FIFTH (Q5_0) the 16 rows' 32 fifth bits, a row a 32-bit lane, byte t's bit k the fifth bit of value
-   8 (k / 2) + 4 (k % 2) + t (so chunk c's bits are bit 2c and 2c + 1 of every byte: a shift and a mask put them at bit
-   4 of the chunk's bytes); then 4 chunks of 64 bytes, chunk c's bytes 4r..4r+3 row r's: their low nibbles values
-   8c..8c+3 of the row's block, their high nibbles values 8c+4..8c+7 (q, unsigned). A chunk masked (or shifted and
-   masked, its fifth bits or-ed in) is then 4 values of each of the 16 rows, a row a 32-bit lane, against x's 4
-   values broadcast to every lane: vpdpbusd sums a block's 32 products of a row in the row's lane (q unsigned, x
+   32-value blocks: block j of a group is 16 x BLOCK_BYTES bytes (a group's NB blocks one after another): the 16
+   rows' d (fp16); (Q4_1, Q5_1: IQ_MIN) their m; with GROUP_FIFTH (Q5_0, Q5_1) the 16 rows' 32 fifth bits, a row a
+   32-bit lane, byte t's bit k the fifth bit of value 8 (k / 2) + 4 (k % 2) + t (so chunk c's bits are bit 2c and
+   2c + 1 of every byte: a shift and a mask put them at bit 4 of the chunk's bytes); then 4 chunks of 64 bytes, chunk
+   c's bytes 4r..4r+3 row r's: their low nibbles values 8c..8c+3 of the row's block, their high nibbles values
+   8c+4..8c+7 (q, unsigned; GROUP_LEVELS: an index of IQ4_NL's levels). A chunk masked (or shifted and masked, its
+   fifth bits or-ed in, its levels looked up) is then 4 values of each of the 16 rows, a row a 32-bit lane, against
+   x's 4 values broadcast to every lane: vpdpbusd sums a block's 32 products of a row in the row's lane (q unsigned, x
    signed; its start value -GROUP_OFF sum x makes them (q - GROUP_OFF) x), so the 16 rows' block sums are whole int32s
    in one vector, scaled in one step (d dx, the 16 rows' d converted together). Against the plain layout's tile
    (which scales 8-lane partial sums per (row, x) and unpacks a block per row): about a fifth of the instructions per
-   product (bench/NOTES.md). The float steps per (row, x): f += float(sum) (d dx), a block at a time in block order,
-   the same for one row of x or a chunk's (one function, `group_dot`), so every row of a chunk equals the same row
-   alone; against the plain layout's floats they differ (whole sums, not 8 partial lanes). */
+   product (bench/NOTES.md). The float steps per (row, x): f += float(sum) (d dx) (+ m dx sum q with a min), a block
+   at a time in block order, the same for one row of x or a chunk's (one function, `group_dot`), so every row of a
+   chunk equals the same row alone; against the plain layout's floats they differ (whole sums, not 8 partial lanes). */
 /* A group's blocks are one stream of memory, read in order: the hardware's prefetch keeps up without matmul_int.c's
    AHEAD (which, one thread from DRAM, cost Q4_0, Q5_0 and Q2_K 3-10% and Q3_K up to 45%: bench/NOTES.md) */
 enum { GR = PP_GROUP, GB = GR * BLOCK_BYTES };
@@ -96,13 +97,24 @@ static inline __attribute__((always_inline)) void chunks_at(const unsigned char*
 #if BLOCK_VALUES == 32
 #if GROUP_LEVELS
 #define GROUP_OFF LEVEL_OFF
+#elif IQ_MIN  /* Q4_1, Q5_1: unsigned values, a min m per block (its 16 rows' fp16 after their d) */
+#define GROUP_OFF 0
+#endif
+#if IQ_MIN
+enum { G_QH = 64 };  /* where a block's fifth bits start: after the rows' d and m */
+#else
+enum { G_QH = 32 };
 #endif
 enum { G_QS = GB - 4 * 64 };  /* where a block's chunks start */
-typedef struct { u8x64 q[8]; f16v d; } gblock;  /* q[2c] chunk c's low nibbles, q[2c + 1] its high ones */
+typedef struct { u8x64 q[8]; f16v d, m; } gblock;  /* q[2c] chunk c's low nibbles, q[2c + 1] its high ones */
 static inline void gblock_at(const unsigned char* b, gblock* g) {
   h16x16 h; __builtin_memcpy(&h, b, 32);
   g->d = __builtin_convertvector(h, f16v);
-  chunks_at(b + G_QS, b + 32, g->q); }
+#if IQ_MIN
+  __builtin_memcpy(&h, b + 32, 32);
+  g->m = __builtin_convertvector(h, f16v);
+#endif
+  chunks_at(b + G_QS, b + G_QH, g->q); }
 /* f (a row of x's 16 sums, one a weight row) += block g's products with x's block xb, scaled. chains: the dependent
    sums split in that many (1 or 2: integer sums, the same in any order); one row of x wants two, several rows of x
    are chains enough and keep a register each */
@@ -116,7 +128,11 @@ static inline __attribute__((always_inline)) void group_dot(f16v* f, const gbloc
     if (chains == 2) hi = DOTQ(hi, g->q[2 * c + 1], xb + 8 * c + 4);
     else lo = DOTQ(lo, g->q[2 * c + 1], xb + 8 * c + 4);
   }
+#if IQ_MIN  /* + m dx sum q: x's side from its 16-value sums */
+  *f += __builtin_convertvector(lo + hi, f16v) * (g->d * dx) + g->m * (dx * (float)(bs[0] + bs[1]));
+#else
   *f += __builtin_convertvector(lo + hi, f16v) * (g->d * dx);
+#endif
 }
 /* a group's 16 rows against nx (at most GXR) rows of x: each block unpacked once for all of them */
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
