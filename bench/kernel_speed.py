@@ -9,9 +9,9 @@ turn, round after round, and the median of the rounds is reported (this VM's spe
 builds measured side by side compare). The default builds are ``generic`` (the type's generic C alone) and
 ``native`` (its row of the type table: this CPU's SIMD files); ``--variant`` adds a build from other files (relative
 to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds the integer path (``matmul_int.c``,
-its products checked against the first build's within the int8 rounding only), and for Q4_0 and Q5_0 ``int8g``, its rows
-interleaved as a stage holds them (`gguf.tensors.grouped`). ``CC`` picks the compiler (the AVX2 wrapper:
-../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
+its products checked against the first build's within the int8 rounding only), and for the types that group
+``int8g``, its rows interleaved as a stage holds them (`gguf.tensors.grouped`). ``CC`` picks the compiler (the AVX2
+wrapper: ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
 (32000x2048) and prints GB/s of the weights' bytes too. ``--base REV`` adds the native and integer builds made from
 git revision REV's ``cpu/c/`` (``native@REV``, ``int8@REV``): a kernel change against its base in one run. Weights
 are random bytes with finite scales, as the tests'.
@@ -181,7 +181,7 @@ def main() -> None:
             builds["native"] = kernels.type_files(t)
         if a.int8 and t.int8:
             builds["int8"] = kernels.type_files(t)
-        group = kernels.GROUP_ROWS if a.int8 and t.grouped else 0  # its rows interleaved, as a stage's
+        group = kernels.GROUP_ROWS if a.int8 and t.grouped else 0  # its rows interleaved, as a stage's (where it pays)
         for v in a.variant:
             label, files = v.split("=", 1)
             builds[label] = [generic, *files.split(",")]

@@ -222,17 +222,23 @@ def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
 
 
 def test_which_weights_are_grouped(monkeypatch):
-    """The 32-value types, IQ4_XS, Q2_K and Q3_K on the integer path on x86-64 (where they measured faster); their float
-    path (PP_EXACT=1), other types and aarch64 (not timed on a real core) keep plain rows."""
+    """On the integer path on x86-64 (where they measured faster): the 32-value types with AVX-512 VNNI or AVX2, Q2_K,
+    Q3_K and IQ4_XS with AVX-512 VNNI only; their float path (PP_EXACT=1), other types and aarch64 (not timed on a
+    real core) keep plain rows."""
     import platform
 
-    types, n = list(NAMES), len(NAMES)
-    assert [cpu_kernels.group_rows(t) for t in types] == [G if platform.machine() == "x86_64" else 0] * n
+    types, k_types, n = list(NAMES), (Q2_K, Q3_K, IQ4_XS), len(NAMES)
+    x86 = platform.machine() == "x86_64"
+    assert [cpu_kernels.group_rows(t) for t in types] == [
+        G if x86 and (t not in k_types or cpu_kernels.avx512_vnni()) else 0 for t in types]
     assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(12) == cpu_kernels.group_rows(14) == 0  # Q8_0 Q4_K Q6_K
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert [cpu_kernels.group_rows(t) for t in types] == [0] * n
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(cpu_kernels, "avx512_vnni", lambda: True)
     assert [cpu_kernels.group_rows(t) for t in types] == [G] * n
+    monkeypatch.setattr(cpu_kernels, "avx512_vnni", lambda: False)  # AVX2: the K-quants' groups lost in prefill
+    assert [cpu_kernels.group_rows(t) for t in types] == [0 if t in k_types else G for t in types]
     monkeypatch.setenv("PP_EXACT", "1")
     assert [cpu_kernels.group_rows(t) for t in types] == [0] * n
 
