@@ -6,7 +6,7 @@
    32-value blocks: block j of a group is 16 x BLOCK_BYTES bytes (a group's NB blocks one after another): the 16
    rows' d (fp16); (Q4_1, Q5_1: IQ_MIN) their m; with GROUP_FIFTH (Q5_0, Q5_1) the 16 rows' 32 fifth bits, a row a
    32-bit lane, byte t's bit k the fifth bit of value 8 (k / 2) + 4 (k % 2) + t (so chunk c's bits are bit 2c and
-   2c + 1 of every byte: a shift and a mask put them at bit 4 of the chunk's bytes); then 4 chunks of 64 bytes, chunk
+   2c + 1 of every byte: one vgf2p8affineqb, or a shift and a mask, puts them at bit 4 of the chunk's bytes); then 4 chunks of 64 bytes, chunk
    c's bytes 4r..4r+3 row r's: their low nibbles values 8c..8c+3 of the row's block, their high nibbles values
    8c+4..8c+7 (q, unsigned; GROUP_LEVELS: an index of IQ4_NL's levels). A chunk masked (or shifted and masked, its
    fifth bits or-ed in, its levels looked up) is then 4 values of each of the 16 rows, a row a 32-bit lane, against
@@ -42,9 +42,28 @@ static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
 #ifndef GROUP_FIFTH
 #define GROUP_FIFTH 0
 #endif
-/* bit k of each byte of h at bit 4, the rest 0 (a shift of 32-bit lanes: the bits it moves in from a neighbour
-   byte land outside bit 4) */
-static inline u8x64 fifth_bits(u32x16 h, int k) { return (u8x64)(k < 4 ? h << (4 - k) : h >> (k - 4)) & 16; }
+/* bits [from, from + n) of each byte moved to [to, to + n), the rest 0 (common.h's field8 on 64 bytes): a shift of
+   16-bit lanes and a mask; pick64 the same by one vgf2p8affineqb where there is GFNI (its 8x8 bit matrix picks them:
+   out bit i is the parity of the byte and matrix byte 7 - i). Single bits (Q5_0's and Q5_1's fifth, Q3_K's third) by
+   pick64 and bit pairs by bits64 measured fastest (Q3_K's bit pairs by pick64 too: 0.96-1.0x; Q2_K's: 0.9x;
+   bench/NOTES.md) */
+static inline u8x64 bits64(u8x64 v, int from, int to, int n) {
+  u16x32 w = (u16x32)v;
+  return (u8x64)(to >= from ? w << (to - from) : w >> (from - to)) & (unsigned char)(((1 << n) - 1) << to);
+}
+static inline u8x64 pick64(u8x64 v, int from, int to, int n) {
+#if defined(__GFNI__) && defined(__AVX512BW__)
+  unsigned long long a = 0;
+  for (int i = 0; i < n; i++) a |= (1ull << (from + i)) << 8 * (7 - (to + i));
+  typedef long long i64x8 __attribute__((ext_vector_type(8)));
+  return (u8x64)__builtin_ia32_vgf2p8affineqb_v64qi((v64qi_t)v, (v64qi_t)(i64x8)(long long)a, 0);
+#else
+  return bits64(v, from, to, n);
+#endif
+}
+/* bit k of each byte of h at bit 4, the rest 0 (by GFNI 1.04-1.12x a shift of 32-bit lanes and a mask at one row of
+   x, 1.0x at 8-64; bench/NOTES.md) */
+static inline u8x64 fifth_bits(u32x16 h, int k) { return pick64((u8x64)h, k, 4, 1); }
 #if GROUP_LEVELS  /* IQ4_NL, IQ4_XS: a nibble indexes 16 levels (iq4.h's KV4_INT), looked up 16 at a time (pshufb) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)  /* level + 128 unsigned against x, from -128 sum x */
 #define LEVEL_OFF 128
@@ -221,24 +240,6 @@ static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #endif
 }
 static inline i16x32 i16_pairs(const unsigned char* p) { return __builtin_convertvector(u8x32_at(p), i16x32); }
-/* bits [from, from + n) of each byte moved to [to, to + n), the rest 0 (common.h's field8 on 64 bytes): a shift of
-   16-bit lanes and a mask; pick64 the same by one vgf2p8affineqb where there is GFNI (its 8x8 bit matrix picks them:
-   out bit i is the parity of the byte and matrix byte 7 - i). Q3_K's third bits by pick64 and its bit pairs by
-   bits64 measured fastest (the bit pairs by pick64 too: 0.96-1.0x; Q2_K's: 0.9x; bench/NOTES.md) */
-static inline u8x64 bits64(u8x64 v, int from, int to, int n) {
-  u16x32 w = (u16x32)v;
-  return (u8x64)(to >= from ? w << (to - from) : w >> (from - to)) & (unsigned char)(((1 << n) - 1) << to);
-}
-static inline u8x64 pick64(u8x64 v, int from, int to, int n) {
-#if defined(__GFNI__) && defined(__AVX512BW__)
-  unsigned long long a = 0;
-  for (int i = 0; i < n; i++) a |= (1ull << (from + i)) << 8 * (7 - (to + i));
-  typedef long long i64x8 __attribute__((ext_vector_type(8)));
-  return (u8x64)__builtin_ia32_vgf2p8affineqb_v64qi((v64qi_t)v, (v64qi_t)(i64x8)(long long)a, 0);
-#else
-  return bits64(v, from, to, n);
-#endif
-}
 /* pair p's weights (q: sub-block 2p's 4 chunks of values, then 2p + 1's), their scales (sc) and mins (m) as 16-bit
    pairs of the 16 rows */
 static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, u8x64* q, i16x32* sc,
