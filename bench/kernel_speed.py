@@ -9,9 +9,9 @@ turn, round after round, and the median of the rounds is reported (this VM's spe
 builds measured side by side compare). The default builds are ``generic`` (the type's generic C alone) and
 ``native`` (its row of the type table: this CPU's SIMD files); ``--variant`` adds a build from other files (relative
 to ``cpu/c/`` or absolute: e.g. a trial copy of an x86 file); ``--int8`` adds the integer path (``matmul_int.c``,
-its products checked against the first build's within the int8 rounding only), and for Q4_0 ``int8g``, its rows
-interleaved as a stage holds them (`gguf.tensors.grouped`). ``CC`` picks the compiler (the AVX2 wrapper:
-../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
+its products checked against the first build's within the int8 rounding only), and for the types that group
+``int8g``, its rows interleaved as a stage holds them (`gguf.tensors.grouped`). ``CC`` picks the compiler (the AVX2
+wrapper: ../shared/tools/clang-no-avx512). ``--dram`` adds one shape per type bigger than the L3
 (32000x2048) and prints GB/s of the weights' bytes too. ``--base REV`` adds the native and integer builds made from
 git revision REV's ``cpu/c/`` (``native@REV``, ``int8@REV``): a kernel change against its base in one run. Weights
 are random bytes with finite scales, as the tests'.
@@ -95,6 +95,13 @@ def base_sources(rev: str, workdir: Path) -> Path:
     return workdir / rel
 
 
+def base_groups(base_dir: Path, stem: str) -> bool:
+    """Whether the C sources at ``base_dir`` read a type's rows in groups: Q4_0 since ``matmul_groups.h``, another type
+    where its generic file defines the groups' parameters (GROUP_OFF, GROUP_K)."""
+    generic = (base_dir / f"generic/{stem}.c").read_text()
+    return (base_dir / "matmul_groups.h").exists() and (stem == "q4_0" or "#define GROUP_" in generic)
+
+
 def weights(type_name: str, n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     """(n, row bytes) uint8: random bytes, the fp16 fields finite (F16: normal values)."""
     t = BY_NAME[type_name]
@@ -174,7 +181,7 @@ def main() -> None:
             builds["native"] = kernels.type_files(t)
         if a.int8 and t.int8:
             builds["int8"] = kernels.type_files(t)
-        group = kernels.GROUP_ROWS if a.int8 and type_name == "Q4_0" else 0  # its rows interleaved, as a stage's
+        group = kernels.GROUP_ROWS if a.int8 and t.grouped else 0  # its rows interleaved, as a stage's (where it pays)
         for v in a.variant:
             label, files = v.split("=", 1)
             builds[label] = [generic, *files.split(",")]
@@ -184,9 +191,9 @@ def main() -> None:
             ws = {}
             if group:
                 ws["int8g"] = w.copy()
-                grouped(ws["int8g"], group)
+                grouped(ws["int8g"], group, t.id)
                 libs["int8g"] = build(kernels.type_files(t), k, type_name, workdir, True, group=group)
-                if base_dir is not None and (base_dir / "matmul_groups.h").exists():
+                if base_dir is not None and base_groups(base_dir, t.kernel):
                     libs[f"int8g@{a.base}"] = build(kernels.type_files(t), k, type_name, workdir, True, base_dir, group)
                     ws[f"int8g@{a.base}"] = ws["int8g"]
             for name in ("native", "int8") if base_dir is not None else ():

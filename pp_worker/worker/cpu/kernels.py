@@ -113,19 +113,32 @@ def source(kind: str, ggml_type: int, k: int, name: str, group: int = 0) -> str:
     return unit(defines, ["common.h", *type_files(t), f"{kind}.c"])
 
 
-GROUP_ROWS = 16  # Q4_0's rows interleaved per group at load (``c/matmul_groups.h``: a row per int32 lane of 512 bits)
+GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a row per int32 lane of 512 bits)
+
+
+@functools.cache
+def avx512_vnni() -> bool:
+    """Whether this CPU has AVX-512 BW and VNNI (its kernels are built for the CPU they run on: ``-march=native``)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512bw" in flags and "avx512_vnni" in flags
 
 
 def group_rows(ggml_type: int) -> int:
-    """How many rows a product's weight of ``ggml_type`` interleaves at load (`gguf.tensors.grouped`), 0 for none: Q4_0
-    on the integer path (`uses_int8`) on x86-64, where the grouped kernel measured 2-3.6x the plain one (AVX-512 VNNI
-    and AVX2: a block's 16 row sums in one vector, scaled at once, its nibbles unpacked once per 8 rows of x;
-    bench/NOTES.md). Every build reads the groups (the tests run aarch64's under qemu), but aarch64's generic C executed
-    ~1.1x the plain kernel's instructions there, and no aarch64 core was at hand to time: it keeps the plain rows. Only
-    a product's matrix (`weights.Linear`): the embedding's gather reads plain rows."""
-    if TYPES[ggml_type].name != "Q4_0" or not uses_int8("matmul", ggml_type):
+    """How many rows a product's weight of ``ggml_type`` interleaves at load (`gguf.tensors.grouped`), 0 for none: a
+    type on the integer path (`uses_int8`) on an x86-64 CPU its row's ``grouped`` names, where the grouped kernel
+    measured faster than the plain one (bench/NOTES.md): the 32-value types on AVX-512 VNNI and on AVX2 (1.4-7x: a
+    block's 16 row sums in one vector, scaled at once, its values unpacked once per 2-8 rows of x); Q2_K, Q3_K and
+    IQ4_XS with AVX-512 VNNI only (1.5-3x; with AVX2 0.7-0.85x in prefill). Every build reads the groups (the tests run
+    aarch64's under qemu), but aarch64's generic C ran ~1.1x the plain kernel's instructions there (Q4_0), and no
+    aarch64 core was at hand to time: it keeps the plain rows. Only a product's matrix (`weights.Linear`): the
+    embedding's gather reads plain rows."""
+    t = TYPES[ggml_type]
+    if not t.grouped or not uses_int8("matmul", ggml_type) or platform.machine().lower() not in ("x86_64", "amd64"):
         return 0
-    return GROUP_ROWS if platform.machine().lower() in ("x86_64", "amd64") else 0
+    return GROUP_ROWS if "avx2" in t.grouped or avx512_vnni() else 0
 
 
 def supported(ggml_type: int, k: int) -> bool:

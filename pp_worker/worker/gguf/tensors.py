@@ -23,7 +23,7 @@ import numpy as np
 
 from pp_worker.worker.gguf.fetch import RemoteFile, is_url
 from pp_worker.worker.gguf.header import GGUFHeader, ModelLoadError, TensorInfo, read_data, read_header
-from pp_worker.worker.gguf.types import F16, F32, has_kernel, tinygrad_expands, type_name
+from pp_worker.worker.gguf.types import F16, F32, TYPES, has_kernel, tinygrad_expands, type_name
 from pp_worker.worker.hostio import filled
 from pp_worker.worker.shard import Shard
 
@@ -161,7 +161,7 @@ class TensorSource:
             if heads:
                 rows[:] = unpermute_rows(rows, *heads)
             if group:
-                grouped(rows, group)
+                grouped(rows, group, info.ggml_type)
         return fill
 
     def _info(self, name: str) -> TensorInfo:
@@ -230,28 +230,89 @@ def unpermute_rows(w: np.ndarray, n_heads: int, keep: int = 0) -> np.ndarray:
     return np.concatenate([w[:, :keep], roped], axis=1).reshape(n * hd, d)
 
 
-def grouped(rows: np.ndarray, group: int) -> None:
-    """Q4_0 rows (n, row bytes) uint8 rewritten in place into the C kernels' layout (``cpu/c/matmul_groups.h``): each
-    whole group of ``group`` rows as its blocks in turn, a block the rows' d then 4 chunks of 4 bytes a row (chunk c:
-    low nibbles values 8c..8c+3, high ones 8c+4..8c+7); the rows past the last whole group as they were. The same bytes,
-    moved, a few groups at a time (the temporaries ~1 MiB). A block's 16 bytes of nibbles as 4 words w0..w3 (values
-    4i..4i+3 in w_i's low nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked: ~3 ms a MiB here."""
+# where a grouped block's fifth bit of each value lies (`grouped`): byte t's bit k of a row's word the fifth bit of
+# value 8 (k // 2) + 4 (k % 2) + t, so chunk c's values (8c..8c+7) are bits 2c and 2c + 1 of its 4 bytes. qh's byte c
+# (values 8c + 4e + t at its bit 4e + t) goes to bits 8t + e, shifted by 2c: FIFTH_SPREAD[byte] << 2c
+FIFTH_SPREAD = np.array([sum((v >> (4 * e + t) & 1) << (8 * t + e) for e in range(2) for t in range(4))
+                         for v in range(256)], np.uint32)
+
+
+def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
+    """Rows (n, row bytes) uint8 of a type whose rows the C kernels read in groups (`types.GGMLType.grouped`)
+    rewritten in place into their layout (``cpu/c/matmul_groups.h``): each whole group of ``group`` rows as its blocks
+    in turn, a block the group's rows' fields side by side (`_nibble_blocks`, `_k_blocks`); the rows past the last
+    whole group as they were. The same bytes, moved, a few groups at a time (the temporaries ~1 MiB): ~3 ms a MiB
+    here for Q4_0."""
     n, row_bytes = rows.shape
-    nb = row_bytes // 18
+    size = TYPES[ggml_type].nbytes
+    nb = row_bytes // size
     step = max(1, (1 << 20) // (group * row_bytes))
-    lo4 = np.uint32(0x0F0F0F0F)
-    hi4 = ~lo4
     for g0 in range(0, n // group, step):
         s = min(step, n // group - g0)
         part = rows[g0 * group:(g0 + s) * group]
-        blocks = part.reshape(s, group, nb, 18).transpose(0, 2, 1, 3)  # (s, nb, row, 18)
-        w = np.ascontiguousarray(blocks[..., 2:]).view(np.uint32)  # (s, nb, row, 4)
-        w0, w1, w2, w3 = (w[..., i] for i in range(4))
-        out = np.empty((s, nb, 18 * group), np.uint8)
-        out[..., :2 * group].reshape(s, nb, group, 2)[:] = blocks[..., :2]
-        chunks = out[..., 2 * group:].view(np.uint32).reshape(s, nb, 4, group)
-        chunks[:, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
-        chunks[:, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
-        chunks[:, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
-        chunks[:, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
+        blocks = part.reshape(s, group, nb, size).transpose(0, 2, 1, 3)  # (s, nb, row, size)
+        out = (_k_blocks if TYPES[ggml_type].name in ("Q2_K", "Q3_K") else _nibble_blocks)(blocks, ggml_type)
         part[:] = out.reshape(part.shape)
+
+
+# the fields before a nibble type's 16-byte runs of nibbles, their widths (`_nibble_blocks`): d; Q4_1's and Q5_1's m;
+# Q5_0's and Q5_1's qh; IQ4_XS's scales_h and scales_l
+HEAD_FIELDS = {"Q4_0": (2,), "IQ4_NL": (2,), "Q5_0": (2, 4), "IQ4_XS": (2, 2, 4), "Q4_1": (2, 2), "Q5_1": (2, 2, 4)}
+
+
+def _nibble_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    """(s, nb, group, size) blocks of a type of nibbles in runs of 16 bytes a 32 values (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL,
+    IQ4_XS) -> (s, nb, group size) grouped: the fields before the nibbles (`HEAD_FIELDS`) each side by side, qh's fifth
+    bits reordered (`FIFTH_SPREAD`), then for each 32 values 4 chunks of 4 bytes a row (chunk c: low nibbles values
+    8c..8c+3, high ones 8c+4..8c+7). A run's 16 bytes of nibbles as 4 words w0..w3 (values 4i..4i+3 in w_i's low
+    nibbles, 16 + 4i.. in its high ones), each chunk is two of them masked."""
+    s, nb, group, size = blocks.shape
+    widths = HEAD_FIELDS[TYPES[ggml_type].name]
+    head = sum(widths)
+    out = np.empty((s, nb, size * group), np.uint8)
+    at = 0
+    for width in widths:
+        field = out[..., at * group:(at + width) * group].reshape(s, nb, group, width)
+        if TYPES[ggml_type].name in ("Q5_0", "Q5_1") and width == 4:  # qh: value i's fifth bit its bit i
+            fifth = field.view(np.uint32)[..., 0]  # (s, nb, row)
+            fifth[:] = FIFTH_SPREAD[blocks[..., at]]
+            for c in range(1, 4):
+                fifth |= FIFTH_SPREAD[blocks[..., at + c]] << np.uint32(2 * c)
+        else:
+            field[:] = blocks[..., at:at + width]
+        at += width
+    lo4 = np.uint32(0x0F0F0F0F)
+    hi4 = ~lo4
+    runs = (size - head) // 16
+    w = np.ascontiguousarray(blocks[..., head:]).view(np.uint32).reshape(s, nb, group, runs, 4)
+    w0, w1, w2, w3 = (w[..., i].transpose(0, 1, 3, 2) for i in range(4))  # (s, nb, run, row)
+    chunks = out[..., head * group:].view(np.uint32).reshape(s, nb, runs, 4, group)
+    chunks[:, :, :, 0] = (w0 & lo4) | ((w1 & lo4) << 4)
+    chunks[:, :, :, 1] = (w2 & lo4) | ((w3 & lo4) << 4)
+    chunks[:, :, :, 2] = ((w0 >> 4) & lo4) | (w1 & hi4)
+    chunks[:, :, :, 3] = ((w2 >> 4) & lo4) | (w3 & hi4)
+    return out
+
+
+def _side_by_side(fields: np.ndarray, width: int) -> np.ndarray:
+    """(s, nb, group, n width) bytes, each row's n fields of ``width`` bytes -> (s, nb, n, group, width): field f of
+    every row of the group together."""
+    s, nb, group, size = fields.shape
+    return fields.reshape(s, nb, group, size // width, width).transpose(0, 1, 3, 2, 4)
+
+
+def _k_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
+    """(s, nb, group, size) Q2_K or Q3_K blocks -> (s, nb, group size) grouped, each field's bytes of the group's rows
+    side by side: Q2_K (scales[16], qs[64], d, dmin): d, dmin, the scales in pairs of bytes, qs in 4-byte words;
+    Q3_K (hmask[32], qs[64], scales[12], d): d, the scales in pairs of bytes, hmask and qs in 4-byte words."""
+    s, nb, group, size = blocks.shape
+    q2 = TYPES[ggml_type].name == "Q2_K"
+    parts = ([(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)] if q2
+             else [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)])  # (from, to, bytes a field)
+    out = np.empty((s, nb, size * group), np.uint8)
+    at = 0
+    for lo, hi, width in parts:
+        out[..., at:at + (hi - lo) * group].reshape(s, nb, (hi - lo) // width, group, width)[:] = _side_by_side(
+            blocks[..., lo:hi], width)
+        at += (hi - lo) * group
+    return out

@@ -25,6 +25,9 @@ class GGMLType:
     simd: tuple[str, ...] = ()  # variants with code of their own (keys of SIMD_DIRS)
     int8: bool = False  # an integer path: x quantized to int8 blocks as ggml's Q8_K / Q8_0 (cpu/c/q8.h)
     int8_default: bool = False  # ... taken by default (PP_EXACT unset): where it measured faster (bench/NOTES.md)
+    # the SIMD variants (keys of SIMD_DIRS) whose CPUs hold a product's rows interleaved in groups at load for the
+    # integer path (`tensors.grouped`, `cpu.kernels.group_rows`): where the grouped kernel measured faster
+    grouped: tuple[str, ...] = ()
 
     @property
     def kernel_block(self) -> int:
@@ -36,17 +39,18 @@ class GGMLType:
 
 
 AVX512 = ("avx512",)
+X86 = ("avx512", "avx2")
 TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(0, "F32", 1, 4),
     GGMLType(1, "F16", 1, 2, "f16"),
-    GGMLType(2, "Q4_0", 32, 18, "q4_0", ("avx512", "avx2"), int8=True, int8_default=True),
-    GGMLType(3, "Q4_1", 32, 20, "q4_1", ("avx512", "avx2"), int8=True, int8_default=True),
-    GGMLType(6, "Q5_0", 32, 22, "q5_0", ("avx512", "avx2"), int8=True, int8_default=True),
-    GGMLType(7, "Q5_1", 32, 24, "q5_1", ("avx512", "avx2"), int8=True, int8_default=True),
+    GGMLType(2, "Q4_0", 32, 18, "q4_0", X86, int8=True, int8_default=True, grouped=X86),
+    GGMLType(3, "Q4_1", 32, 20, "q4_1", X86, int8=True, int8_default=True, grouped=X86),
+    GGMLType(6, "Q5_0", 32, 22, "q5_0", X86, int8=True, int8_default=True, grouped=X86),
+    GGMLType(7, "Q5_1", 32, 24, "q5_1", X86, int8=True, int8_default=True, grouped=X86),
     GGMLType(8, "Q8_0", 32, 34, "q8_0", ("avx2", "neon"), int8=True, int8_default=True),
     GGMLType(9, "Q8_1", 32, 36),
-    GGMLType(10, "Q2_K", 256, 84, "q2_k", AVX512, int8=True, int8_default=True),
-    GGMLType(11, "Q3_K", 256, 110, "q3_k", AVX512, int8=True, int8_default=True),
+    GGMLType(10, "Q2_K", 256, 84, "q2_k", AVX512, int8=True, int8_default=True, grouped=AVX512),
+    GGMLType(11, "Q3_K", 256, 110, "q3_k", AVX512, int8=True, int8_default=True, grouped=AVX512),
     GGMLType(12, "Q4_K", 256, 144, "q4_k", ("avx512", "avx2", "neon"), int8=True, int8_default=True),
     GGMLType(13, "Q5_K", 256, 176, "q5_k", ("avx512", "avx2"), int8=True, int8_default=True),
     GGMLType(14, "Q6_K", 256, 210, "q6_k", ("avx512", "avx2"), int8=True, int8_default=True),
@@ -55,11 +59,11 @@ TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(17, "IQ2_XS", 256, 74),
     GGMLType(18, "IQ3_XXS", 256, 98),
     GGMLType(19, "IQ1_S", 256, 50),
-    GGMLType(20, "IQ4_NL", 32, 18, "iq4_nl", ("avx512", "avx2"), int8=True, int8_default=True),
+    GGMLType(20, "IQ4_NL", 32, 18, "iq4_nl", X86, int8=True, int8_default=True, grouped=X86),
     GGMLType(21, "IQ3_S", 256, 110),
     GGMLType(22, "IQ2_S", 256, 82),
     GGMLType(23, "IQ4_XS", 256, 136, "iq4_xs", ("avx512", "avx2"), int8=True,
-             int8_default=True),
+             int8_default=True, grouped=AVX512),
     GGMLType(24, "I8", 1, 1),
     GGMLType(25, "I16", 1, 2),
     GGMLType(26, "I32", 1, 4),

@@ -324,7 +324,7 @@ static inline void rows_pass(float* restrict out, const unsigned char* restrict 
     else rows_dot_q8(out + (long)b0 * N + n, N, row, xb, NB, nbt);
   }
 }
-#ifdef PP_GROUP  /* rows interleaved in groups at load (Q4_0) */
+#ifdef PP_GROUP  /* rows interleaved in groups at load (types.py's grouped) */
 #include "matmul_groups.h"
 #elif IQ_MIN  /* Q4_1, Q5_1: their own product (the offsets' x side once a call) */
 #include "matmul_min.h"

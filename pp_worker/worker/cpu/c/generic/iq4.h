@@ -16,6 +16,7 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
   for (int i = 0; i < 16; i++) { w[0][i] = KV4[q[i] & 15] * d; w[1][i] = KV4[q[i] >> 4] * d; } }
 #ifdef PP_INT  /* the integer path (q8.h): the levels as signed bytes, IQ4_XS's 6-bit scale an integer per 32 */
 #define IQ_SIGNED 1
+#define GROUP_LEVELS 1  /* rows in groups (matmul_groups.h) */
 static const i8x16 KV4_INT = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 static inline i8x32 iq32(const unsigned char* b, int g) {
   u8x16 q = u8_at(b + IQ4_QS); i8x16 lo, hi;

@@ -6,6 +6,7 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
     w[h] = fu8((u8_at(q + 16 * h) >> (2 * (g & 3))) & 3) * (d * (sc & 15)) - dmin * (sc >> 4); } }
 #ifdef PP_INT  /* the integer path (q8.h): unsigned 2-bit values; per 16 a 4-bit scale (d) and a 4-bit min (dmin) */
 #define IQ_SIGNED 0
+#define GROUP_K 2  /* rows in groups (matmul_groups.h) */
 static inline u8x32 iq32(const unsigned char* b, int g) { return field8(u8x32_at(b + 16 + 32 * (g >> 2)), 2 * (g & 3),
                                                                         0, 2); }
 /* sub-block k's scale (low nibble of scales[k]) for both its 16s' pairs in the groups' order (k = 2g: group g's

@@ -10,6 +10,7 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 #ifdef PP_INT  /* the integer path (q8.h): the unsigned 3-bit value u = q + 4 (its bit pair, the hmask bit as bit 2),
    d s u - d (4 s): the 4 taken off as a min of 4 s per 16, d as both D and M */
 #define IQ_SIGNED 0
+#define GROUP_K 3  /* rows in groups (matmul_groups.h) */
 static inline u8x32 iq32(const unsigned char* b, int g) {
   return field8(u8x32_at(b + 32 + 32 * (g >> 2)), 2 * (g & 3), 0, 2) | field8(u8x32_at(b), g, 2, 1); }
 static inline void iscales(const unsigned char* b, i16x16* sl, i16x16* m, float* D, float* M) {

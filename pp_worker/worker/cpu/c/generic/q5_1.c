@@ -9,5 +9,6 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 static inline u8x32 iq32(const unsigned char* b, int g) {  /* value i's fifth bit: bit i of qh */
   return nibbles32(b + 8) | (bit_bytes(b + 4) & 16); }
 #define IQ_MIN 1  /* the min: M times the sum of x's block */
+#define GROUP_FIFTH 1  /* rows in groups (matmul_groups.h): the fifth bits as Q5_0's */
 static inline void iscales(const unsigned char* b, float* D, float* M) { *D = half_at(b); *M = -half_at(b + 2); }
 #endif
