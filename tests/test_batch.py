@@ -82,26 +82,32 @@ def check(rid: int, position: int, guesses: list[int]) -> dict[str, Any]:
             "position": position, "seq_len": len(guesses) + 1, "verify": guesses}
 
 
-def test_queued_checks_of_distinct_sessions_run_row_by_row_as_batched_steps() -> None:
-    """Checks (speculative decoding's ``verify``) of three sessions: row i of the checks still going is one batched
-    step; every reply, and what each session holds after, is its check's alone."""
-    rids = [3, 5, 8]
+def test_queued_checks_that_outnumber_their_rows_run_row_by_row_as_batched_steps() -> None:
+    """Checks (speculative decoding's ``verify``) of three sessions, one guess each (2 rows): row i of the checks
+    still going is one batched step; two checks of 4 rows run each as its own forward. Every reply, and what each
+    session holds after, is its check's alone."""
+    rids = [3, 5, 8, 13]
     prefills = [prefill(1, 2, rid, 2) for rid in rids]
     plain = {rid: [r["token_id"] for r in run_requests(1, 2, [prefill(1, 2, rid, 2)] + [step(1, 2, rid, 2 + i)
                                                                                       for i in range(4)])[1:]]
              for rid in rids}  # the tokens one-token steps sample at those rows
-    guesses = {3: plain[3][:3], 5: [plain[5][0], (plain[5][1] + 1) % 32, plain[5][2]], 8: [(plain[8][0] + 1) % 32]}
+    guesses = {3: plain[3][:1], 5: [(plain[5][0] + 1) % 32], 8: plain[8][:1]}
     status = {"op": "status", "request_id": 99}
-    requests = prefills + [check(rid, 2, guesses[rid]) for rid in rids]
+    requests = prefills + [check(rid, 2, guesses[rid]) for rid in (3, 5, 8)]
     worker = make_worker(1, 2)
     got = served(worker, [*requests, status])
     assert got[:-1] == alone(1, 2, requests)
-    assert [r.get("accepted") for r in got[3:6]] == [3, 1, 0]  # all kept, the second one wrong, the first one wrong
-    assert worker.engine.batches == [3, 2, 1, 1]  # type: ignore[attr-defined]  # rows 0..3: fewer as checks end
-    assert got[-1]["sessions"] == {"3": 6, "5": 4, "8": 3} and got[-1]["batched_requests"] == 3
-    mixed = make_worker(1, 2)  # a step between checks: a run of each kind, never one run of both
-    requests = prefills + [check(3, 2, guesses[3]), check(5, 2, guesses[5]), step(1, 2, 8, 2)]
-    assert served(mixed, requests) == alone(1, 2, requests) and mixed.engine.batches == [2, 2, 1, 1]  # type: ignore[attr-defined]
+    assert [r.get("accepted") for r in got[4:7]] == [1, 0, 1]
+    assert worker.engine.batches == [3, 2]  # type: ignore[attr-defined]  # rows 0 and 1: session 5's check ended
+    assert got[-1]["sessions"] == {"3": 4, "5": 3, "8": 4, "13": 2} and got[-1]["batched_requests"] == 3
+    mixed = make_worker(1, 2)  # a step after checks: a run of each kind, never one run of both
+    requests = prefills + [check(rid, 2, guesses[rid]) for rid in (3, 5, 8)] + [step(1, 2, 13, 2)]
+    assert served(mixed, requests) == alone(1, 2, requests) and mixed.engine.batches == [3, 2]  # type: ignore[attr-defined]
+    few = make_worker(1, 2)  # two checks of 4 rows: each one forward of its rows, no batched step
+    requests = prefills + [check(3, 2, plain[3][:3]), check(5, 2, [plain[5][0], (plain[5][1] + 1) % 32, 0])]
+    got = served(few, requests)
+    assert got == alone(1, 2, requests) and [r.get("accepted") for r in got[4:]] == [3, 1]
+    assert few.engine.batches == []  # type: ignore[attr-defined]
 
 
 def test_steps_that_do_not_append_run_alone_with_their_own_replies() -> None:

@@ -62,12 +62,13 @@ class Worker:
     def serve(self, ready: list[Request | Reply]) -> Iterator[Reply]:
         """Serve validated requests (an error reply stands for one that failed validation) in order, each as if
         alone, yielding each reply as soon as it is known; but a run of one-token forward steps of distinct
-        sessions, each appending to the session it names, becomes one batched forward (``Engine.step_batch``).
-        Never raises. Nothing after a shutdown is served (as if never read)."""
+        sessions, each appending to the session it names, becomes one batched forward (``Engine.step_batch``), and
+        a run of checks that outnumber their rows runs row by row as batched steps (`_verify_batch`; fewer checks
+        run each as one forward of its rows, fewer forwards). Never raises. Nothing after a shutdown is served (as if never read)."""
         i = 0
         while i < len(ready) and not self.shutdown_requested:
             item, run = ready[i], self._batch_run(ready, i)
-            if len(run) > 1:
+            if len(run) > 1 and (run[0].fields.get("verify") is None or len(run) > run[0].fields["seq_len"]):
                 batched = _verify_batch if run[0].fields.get("verify") is not None else _step_batch
                 yield from self._run_guarded(run, lambda run=run, batched=batched: batched(self, run))
             elif isinstance(item, Request):
