@@ -64,7 +64,8 @@ class Worker:
         alone, yielding each reply as soon as it is known; but a run of one-token forward steps of distinct
         sessions, each appending to the session it names, becomes one batched forward (``Engine.step_batch``), and
         a run of checks that outnumber their rows runs row by row as batched steps (`_verify_batch`; fewer checks
-        run each as one forward of its rows, fewer forwards). Never raises. Nothing after a shutdown is served (as if never read)."""
+        run each as one forward of its rows, fewer forwards). Never raises. Nothing after a shutdown is served (as if
+        never read)."""
         i = 0
         while i < len(ready) and not self.shutdown_requested:
             item, run = ready[i], self._batch_run(ready, i)
