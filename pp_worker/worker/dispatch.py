@@ -69,7 +69,9 @@ class Worker:
         i = 0
         while i < len(ready) and not self.shutdown_requested:
             item, run = ready[i], self._batch_run(ready, i)
-            if len(run) > 1 and (run[0].fields.get("verify") is None or len(run) > run[0].fields["seq_len"]):
+            if run and run[0].fields.get("verify") is not None and len(run) <= run[0].fields["seq_len"]:
+                run = []  # checks fewer than their rows: each alone, one forward of its rows
+            if len(run) > 1:
                 batched = _verify_batch if run[0].fields.get("verify") is not None else _step_batch
                 yield from self._run_guarded(run, lambda run=run, batched=batched: batched(self, run))
             elif isinstance(item, Request):
