@@ -431,7 +431,11 @@ def test_beside_other_generations_a_two_token_feed_goes_one_token_a_round_with_t
     in the round, one token a round, so that every session's forward is one batched forward (a 2-token one runs
     alone); the guesses, and so the output, are the same."""
     from pp_worker.driver import draft_model
+    from pp_worker.driver.draft import Adaptive
 
+    # k as --draft-max alone sets it: the limit that follows the measured trips would make it (and so the guesses)
+    # differ from run to run
+    monkeypatch.setattr(Adaptive, "limit", property(lambda self: self.max_k))
     worker, rounds = DraftWorker(ZEN_DRAFT_GGUF), []
     plain_next_tokens = worker.next_tokens
 

@@ -171,8 +171,7 @@ class _Local:
 
 
 _TINYGRAD = threading.Lock()  # held while a thread runs tinygrad here (an engine's load or call)
-_connections: dict[int | None, Any] = {}  # thread -> its tinygrad compile cache connection, while another runs
-_tinygrad_thread: list[int | None] = [None]  # the thread whose connection tinygrad holds now
+_connections: dict[int, Any] = {}  # thread -> its tinygrad compile cache connection, kept between its runs
 
 
 @contextmanager
@@ -180,15 +179,18 @@ def _tinygrad_here() -> Iterator[None]:
     """Run tinygrad on this thread, one thread at a time. One draft model's engines are its thread's alone, but
     several draft models in one process (tests; pp-serve's is one) are several threads, and tinygrad's compile cache
     keeps one sqlite connection (``tinygrad.helpers._db_connection``) that only the thread that opened it may use:
-    each thread gets its own put in place while it runs."""
+    each thread's own is put in place while it runs, and what was there before is put back after (the process's
+    other users of tinygrad, e.g. a test's reference on the main thread, find theirs)."""
     from tinygrad import helpers
 
     with _TINYGRAD:
-        me = threading.get_ident()
-        if _tinygrad_thread[0] != me:
-            _connections[_tinygrad_thread[0]] = helpers._db_connection
-            helpers._db_connection, _tinygrad_thread[0] = _connections.pop(me, None), me
-        yield
+        me, before = threading.get_ident(), helpers._db_connection
+        helpers._db_connection = _connections.get(me)  # None: tinygrad opens one for this thread
+        try:
+            yield
+        finally:
+            _connections[me] = helpers._db_connection
+            helpers._db_connection = before
 
 
 class _Silent:
