@@ -32,6 +32,7 @@ from bench.models import ensure_model
 from bench.rows import Row, render
 from pp_worker.driver.draft import Draft
 from pp_worker.driver.draft_model import DraftWorker
+from pp_worker.driver.flags import DRAFT_MAX
 from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
@@ -74,7 +75,7 @@ class LinksPlan:
     rounds: int = 3  # plain and each draft in turn, this many times each: the median counts
     stages: int = 2
     rate_mbit: float = 0.0  # the links' bandwidth cap (0: none)
-    draft_max: int = 4
+    draft_max: int | None = None  # None: each arm's default as pp-pipeline has it (flags.DRAFT_MAX)
     model: str | None = None  # None: the embedded model; else a GGUF path or a bench/models preset ("smol", F16)
     tasks: tuple[str, ...] = ("repetitive", "free")
     draft_model: str | None = ZEN_DRAFT  # the --draft-model arm's file (None: no such arm)
@@ -150,9 +151,9 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
                     env={"PP_WARMUP": "1", "PP_HEARTBEAT_S": "3600"})
     out: dict[str, Any] = {}
     worker = DraftWorker(plan.draft_model) if plan.draft_model else None
-    arms = {"plain": None, "ngram": Draft("ngram", plan.draft_max)}
+    arms = {"plain": None, "ngram": Draft("ngram", plan.draft_max or DRAFT_MAX["ngram"])}
     if worker is not None:
-        arms["model"] = Draft("model", plan.draft_max, worker)
+        arms["model"] = Draft("model", plan.draft_max or DRAFT_MAX["model"], worker)
     try:
         with Pipeline(launch, log=None) as p:
             p.run(make_generations(p, ["Beautiful is"], 4, Sampling()))  # first requests: nothing timed
