@@ -124,6 +124,17 @@ def test_every_build_is_right(ggml_type, build, request):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+def _chunk_near_float64(ggml_type: int, n: int, k: int, rows: int, seed: int) -> tuple[np.ndarray, ...]:
+    """``rows`` rows of x against ``n`` random rows of W as one product, checked within float32 rounding of float64:
+    (x, W's bytes, the product, float64's)."""
+    raw, w = random_rows(ggml_type, n, k, seed=seed)
+    x = np.random.default_rng(seed + 1).standard_normal((rows, k)).astype(np.float32)
+    chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
+    want = x.astype(np.float64) @ w.T.astype(np.float64)
+    np.testing.assert_allclose(chunk, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    return x, raw, chunk, want
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
 @pytest.mark.parametrize("build", ARCH_BUILDS)
 def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
@@ -135,11 +146,7 @@ def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
     inside a tile of a longer chunk, in a later block)."""
     request.getfixturevalue(build)
     n, k = 37, 1280
-    raw, w = random_rows(ggml_type, n, k, seed=9)
-    x = np.random.default_rng(10).standard_normal((128, k)).astype(np.float32)
-    chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
-    np.testing.assert_allclose(chunk, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    x, raw, chunk, want = _chunk_near_float64(ggml_type, n, k, 128, seed=9)
     for b in (1, 7, 8, 33):
         got = cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy()
         np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
@@ -156,11 +163,7 @@ def test_a_long_row_in_many_chunks_and_blocks_of_x(ggml_type, build, request):
     float64, and the same floats in a call of 2, 3 or 19 rows."""
     request.getfixturevalue(build)
     n, k = 9, 5632
-    raw, w = random_rows(ggml_type, n, k, seed=11)
-    x = np.random.default_rng(12).standard_normal((47, k)).astype(np.float32)
-    chunk = cpu_kernels.matmul(Tensor(x), Tensor(raw), ggml_type, n, k).numpy()
-    want = x.astype(np.float64) @ w.T.astype(np.float64)
-    np.testing.assert_allclose(chunk, want, rtol=0, atol=1e-5 * np.abs(want).max())
+    x, raw, chunk, _ = _chunk_near_float64(ggml_type, n, k, 47, seed=11)
     for b in (2, 3, 19):
         assert np.array_equal(cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy(), chunk[:b])
 

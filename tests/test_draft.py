@@ -664,18 +664,26 @@ def _fail_at_first_guess(worker: DraftWorker, fail) -> None:
     worker.next_tokens = next_tokens
 
 
-def test_a_draft_worker_killed_mid_generation_is_restarted_and_the_output_is_unchanged(pipeline):
-    log = io.StringIO()
-    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, backoff_s=0, log=log)
-    _fail_at_first_guess(worker, lambda: worker.stages[1].proc.kill())
+def _fail_then_draft_again(pipeline: Pipeline, worker: DraftWorker, fail) -> list:
+    """Plain generations, then drafting ones with ``fail()`` at the first guess, then drafting ones again once the
+    draft model has loaded again (its worker closed after): all three give the same tokens; the last run's
+    generations."""
+    _fail_at_first_guess(worker, fail)
     try:
         plain = _run(pipeline, None, Sampling(), concurrency=2)
-        killed = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
+        failed = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
         worker.status()  # queued behind the restart: the draft model has loaded again
         again = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
     finally:
         worker.close()
-    assert [g.tokens for g in killed] == [g.tokens for g in plain] == [g.tokens for g in again]
+    assert [g.tokens for g in failed] == [g.tokens for g in plain] == [g.tokens for g in again]
+    return again
+
+
+def test_a_draft_worker_killed_mid_generation_is_restarted_and_the_output_is_unchanged(pipeline):
+    log = io.StringIO()
+    worker = DraftWorker(ZEN_DRAFT_GGUF, processes=True, backoff_s=0, log=log)
+    again = _fail_then_draft_again(pipeline, worker, lambda: worker.stages[1].proc.kill())
     assert "draft model failed" in log.getvalue() and "worker exited (-9)" in log.getvalue()
     assert "draft model: restarted, drafting again" in log.getvalue() and worker.failures == 1
     assert all(g.draft.proposed > 0 for g in again)
@@ -862,15 +870,7 @@ def test_a_draft_model_in_the_drivers_process_that_fails_is_loaded_again_and_the
 
     def broken(requests):
         raise RuntimeError("the stage broke")
-    _fail_at_first_guess(worker, lambda: setattr(worker.stages[0], "batch", broken))
-    try:
-        plain = _run(pipeline, None, Sampling(), concurrency=2)
-        failed = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
-        worker.status()  # queued behind the restart: the draft model has loaded again
-        again = _run(pipeline, Draft("model", 4, worker), Sampling(), concurrency=2)
-    finally:
-        worker.close()
-    assert [g.tokens for g in failed] == [g.tokens for g in plain] == [g.tokens for g in again]
+    again = _fail_then_draft_again(pipeline, worker, lambda: setattr(worker.stages[0], "batch", broken))
     assert "draft model failed: RuntimeError: the stage broke" in log.getvalue()
     assert "draft model: restarted, drafting again" in log.getvalue() and worker.failures == 1
     assert all(s.closed for s in first) and worker.stages[0] is not first[0]  # new stages
