@@ -89,19 +89,24 @@ def test_the_generic_integer_dot_products_are_ggmls_scheme(ggml_type, generic):
     check(ggml_type, 13, 512, 3)
 
 
-@pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512: its native build is AVX2's")
-@pytest.mark.parametrize("ggml_type", INT8, ids=type_name)
-def test_avx2s_integer_dot_products_are_ggmls_scheme(ggml_type, monkeypatch):
+@pytest.fixture
+def avx2_build(monkeypatch):
+    """The kernels compiled as for an AVX2 CPU without AVX-512 or VNNI (its integer paths), for the test's
+    duration."""
     from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 
     native = cpu_kernels._compiler("CPU")
     portable = ClangJITCompiler([native.arch, "native", "-avx512f", "-avx512vnni", "-avxvnni"])
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
     cpu_kernels._binary.cache_clear()
-    try:
-        check(ggml_type, 13, 512, 3)
-    finally:
-        cpu_kernels._binary.cache_clear()
+    yield
+    cpu_kernels._binary.cache_clear()
+
+
+@pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512: its native build is AVX2's")
+@pytest.mark.parametrize("ggml_type", INT8, ids=type_name)
+def test_avx2s_integer_dot_products_are_ggmls_scheme(ggml_type, avx2_build):
+    check(ggml_type, 13, 512, 3)
 
 
 def test_x_all_zero_and_extreme_blocks_quantize_as_ggml():

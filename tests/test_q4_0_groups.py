@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_cpu_kernels import AVX512, random_rows
-from test_int8 import _plain_x86_64
+from test_int8 import _plain_x86_64, avx2_build  # noqa: F401 (a fixture)
 from test_int8_model import assert_near_ggmls_scheme
 from tinygrad import Tensor
 
@@ -178,17 +178,9 @@ def test_the_generic_build_reads_the_groups(monkeypatch, ggml_type):
 
 @pytest.mark.skipif(not AVX512, reason="this CPU has no AVX-512: its native build is AVX2's")
 @GROUPED
-def test_avx2s_build_reads_the_groups(monkeypatch, ggml_type):
-    from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
-
-    native = cpu_kernels._compiler("CPU")
-    portable = ClangJITCompiler([native.arch, "native", "-avx512f", "-avx512vnni", "-avxvnni"])
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
-    cpu_kernels._binary.cache_clear()
-    try:
-        check(N, 512, 35, ggml_type)
-    finally:
-        cpu_kernels._binary.cache_clear()
+@pytest.mark.usefixtures("avx2_build")
+def test_avx2s_build_reads_the_groups(ggml_type):
+    check(N, 512, 35, ggml_type)
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
