@@ -102,8 +102,7 @@ class SessionTable:
         if session is None:
             session = self._create(rid, keep)
         if held > need:  # a rewind below a page boundary: what lies past the step goes back
-            self._pool.give(session.pages[need:])
-            del session.pages[need:]
+            self._keep_pages(session, need)
         self._make_room(need - len(session.pages), rid, keep)
         session.pages += [self._pool.take() for _ in range(need - len(session.pages))]
         session.length = position  # rewind (a no-op when appending): [position, ...) is about to be rewritten
@@ -129,9 +128,7 @@ class SessionTable:
         if before.pages is None:
             self.release(rid)
             return
-        keep = min(len(before.pages), len(session.pages))  # begin only cuts or extends the list
-        self._pool.give(session.pages[keep:])
-        del session.pages[keep:]
+        self._keep_pages(session, len(before.pages))  # begin only cuts or extends the list
         session.length = min(before.length, before.position)
         if before.adopted_from is not None:
             self._rename(rid, before.adopted_from)
@@ -150,9 +147,7 @@ class SessionTable:
         """Keep positions [0, length) of ``rid`` (held), giving back the pages past them: what a step computed
         beyond what its caller keeps (the rows of a check after a guess not kept)."""
         session = self._live[rid]
-        need = -(-length // self._pool.page)
-        self._pool.give(session.pages[need:])
-        del session.pages[need:]
+        self._keep_pages(session, -(-length // self._pool.page))
         session.length = min(session.length, length)
 
     def release(self, rid: int, keep: bool = False) -> bool:
@@ -196,6 +191,11 @@ class SessionTable:
 
     def __len__(self) -> int:
         return len(self._live)
+
+    def _keep_pages(self, session: Session, n: int) -> None:
+        """Give back the session's pages past its first ``n`` (none when it holds n or fewer)."""
+        self._pool.give(session.pages[n:])
+        del session.pages[n:]
 
     def _check_bounds(self, position: int, seq_len: int) -> None:
         if position < 0:
