@@ -162,8 +162,8 @@ def is_step(call: Call) -> bool:
 
 
 def is_token(call: Call) -> bool:
-    """A decoding generation's step: one token, or a check of drafted tokens (on the last stage the worker runs
-    the checks of one batch row by row as batched steps; docs/protocol.md)."""
+    """A decoding generation's step: one token, or a check of drafted tokens (the last stage runs the checks of one
+    batch row by row as batched steps where they outnumber their rows; docs/protocol.md)."""
     return is_step(call) or call.check
 
 
@@ -446,7 +446,7 @@ class Pipeline:
         back waits for its group instead of going on alone (``overlap``'s way: its steps then meet others' only
         by chance, and a stage runs one-token forwards one after another). A check of drafted tokens counts as a
         step everywhere here: it starts a token, is held and goes in its group's batch request (on the last stage the
-        worker runs a batch's checks row by row as batched steps).
+        worker runs a batch's checks row by row as batched steps where they outnumber their rows).
 
         Without batching (``batch`` false) a stage has at most one one-token forward outstanding: two queued on its
         stdin would be batched by the worker itself."""

@@ -69,10 +69,11 @@ class Worker:
         i = 0
         while i < len(ready) and not self.shutdown_requested:
             item, run = ready[i], self._batch_run(ready, i)
-            if run and run[0].fields.get("verify") is not None and len(run) <= run[0].fields["seq_len"]:
+            checks = bool(run) and run[0].fields.get("verify") is not None
+            if checks and len(run) <= run[0].fields["seq_len"]:
                 run = []  # checks fewer than their rows: each alone, one forward of its rows
             if len(run) > 1:
-                batched = _verify_batch if run[0].fields.get("verify") is not None else _step_batch
+                batched = _verify_batch if checks else _step_batch
                 yield from self._run_guarded(run, lambda run=run, batched=batched: batched(self, run))
             elif isinstance(item, Request):
                 yield from self._run_guarded([item], lambda item=item: [_serve_one(self, item)])
@@ -109,7 +110,8 @@ class Worker:
 
     def _batch_run(self, ready: list[Request | Reply], i: int) -> list[Request]:
         """The requests from ``ready[i]`` on that can share batched forwards (empty if ``ready[i]`` cannot): one-token
-        steps, or checks (``verify``, run row by row as batched steps: `_verify_batch`), never the two mixed."""
+        steps, or checks (``verify``, which `serve` runs row by row as batched steps where they outnumber their
+        rows: `_verify_batch`), never the two mixed."""
         kind = _batch_kind(ready[i])
         run: list[Request] = []
         for item in ready[i:i + self.engine.max_batch]:
