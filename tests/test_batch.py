@@ -13,7 +13,7 @@ from conftest import make_worker, request_line, run_requests, serve_bytes
 from pp_worker.driver.generation import Call, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations, run_pipeline
 from pp_worker.driver.stage_proc import Launch
-from pp_worker.worker.dispatch import Worker
+from pp_worker.worker.dispatch import BATCH_ROWS, Worker
 from pp_worker.worker.engines.stub import StubEngine
 from pp_worker.worker.events import Clock
 
@@ -82,43 +82,57 @@ def check(rid: int, position: int, guesses: list[int]) -> dict[str, Any]:
             "position": position, "seq_len": len(guesses) + 1, "verify": guesses}
 
 
-def test_queued_checks_that_outnumber_their_rows_run_row_by_row_as_batched_steps() -> None:
-    """Checks (speculative decoding's ``verify``) of three sessions, one guess each (2 rows): row i of the checks
-    still going is one batched step; two checks of 4 rows run each as its own forward. Every reply, and what each
-    session holds after, is its check's alone."""
+def test_queued_checks_and_a_step_share_one_forward() -> None:
+    """Checks (speculative decoding's ``verify``) of three sessions, of 2 and 4 rows, and a one-token step of a
+    fourth: one batched forward of all their rows. Every reply, and what each session holds after, is its
+    request's alone."""
     rids = [3, 5, 8, 13]
     prefills = [prefill(1, 2, rid, 2) for rid in rids]
     plain = {rid: [r["token_id"] for r in run_requests(1, 2, [prefill(1, 2, rid, 2)] + [step(1, 2, rid, 2 + i)
                                                                                       for i in range(4)])[1:]]
              for rid in rids}  # the tokens one-token steps sample at those rows
-    guesses = {3: plain[3][:1], 5: [(plain[5][0] + 1) % 32], 8: plain[8][:1]}
+    guesses = {3: plain[3][:1], 5: [(plain[5][0] + 1) % 32], 8: plain[8][:3]}
     status = {"op": "status", "request_id": 99}
-    requests = prefills + [check(rid, 2, guesses[rid]) for rid in (3, 5, 8)]
+    requests = prefills + [check(rid, 2, guesses[rid]) for rid in (3, 5, 8)] + [step(1, 2, 13, 2)]
     worker = make_worker(1, 2)
     got = served(worker, [*requests, status])
     assert got[:-1] == alone(1, 2, requests)
-    assert [r.get("accepted") for r in got[4:7]] == [1, 0, 1]
-    assert worker.engine.batches == [3, 2]  # type: ignore[attr-defined]  # rows 0 and 1: session 5's check ended
-    assert got[-1]["sessions"] == {"3": 4, "5": 3, "8": 4, "13": 2} and got[-1]["batched_requests"] == 3
-    mixed = make_worker(1, 2)  # a step after checks: a run of each kind, never one run of both
-    requests = prefills + [check(rid, 2, guesses[rid]) for rid in (3, 5, 8)] + [step(1, 2, 13, 2)]
-    assert served(mixed, requests) == alone(1, 2, requests) and mixed.engine.batches == [3, 2]  # type: ignore[attr-defined]
-    few = make_worker(1, 2)  # two checks of 4 rows: each one forward of its rows, no batched step
-    requests = prefills + [check(3, 2, plain[3][:3]), check(5, 2, [plain[5][0], (plain[5][1] + 1) % 32, 0])]
-    got = served(few, requests)
-    assert got == alone(1, 2, requests) and [r.get("accepted") for r in got[4:]] == [3, 1]
-    assert few.engine.batches == []  # type: ignore[attr-defined]
+    assert [r.get("accepted") for r in got[4:7]] == [1, 0, 3]
+    assert worker.engine.batches == [4]  # type: ignore[attr-defined]
+    assert got[-1]["sessions"] == {"3": 4, "5": 3, "8": 6, "13": 3} and got[-1]["batched_requests"] == 4
 
 
-def test_steps_that_do_not_append_run_alone_with_their_own_replies() -> None:
+def rows(stage: int, num_stages: int, rid: int, position: int, n: int) -> dict[str, Any]:
+    """``n`` rows of a session from ``position`` on a stage before the last (a check's, or a short turn's)."""
+    if stage == 0:
+        return {"op": "embed_and_forward", "request_id": rid, "tokens": [rid + i for i in range(n)],
+                "position": position}
+    return {"op": "forward_range", "request_id": rid, "hidden_b64": row(200 + rid, n), "position": position,
+            "seq_len": n}
+
+
+@pytest.mark.parametrize(("stage", "num_stages"), [(0, 2), (1, 3)])
+def test_short_rows_of_held_sessions_share_one_forward(stage: int, num_stages: int) -> None:
+    """Before the last stage, a few rows of a session the stage holds (appended, or after a rewind: a check's rows
+    after a guess was not kept) go in one forward with other sessions' rows and steps; a new session's prompt, and
+    one longer than BATCH_ROWS, run alone."""
+    requests = [prefill(stage, num_stages, rid, 3) for rid in (1, 2, 3, 4)]
+    requests += [rows(stage, num_stages, 1, 3, 4), rows(stage, num_stages, 2, 1, 2), step(stage, num_stages, 3, 3),
+                 prefill(stage, num_stages, 5, 2), rows(stage, num_stages, 4, 3, BATCH_ROWS + 1)]
+    worker = make_worker(stage, num_stages)
+    assert served(worker, requests) == alone(stage, num_stages, requests)
+    assert worker.engine.batches == [3]  # type: ignore[attr-defined]
+
+
+def test_rewinding_steps_batch_and_unknown_or_invalid_ones_run_alone() -> None:
     requests = [prefill(0, 2, 1, 3), prefill(0, 2, 2, 3),
                 step(0, 2, 1, 1),  # a rewind
-                step(0, 2, 2, 3), step(0, 2, 9, 4),  # appends; an unknown session past 0 (refused alone)
+                step(0, 2, 2, 3), step(0, 2, 9, 4),  # an append; an unknown session past 0 (refused alone)
                 {"op": "decode_step", "request_id": 4, "token_id": "x", "position": 1}]  # invalid
     worker = make_worker(0, 2)
     replies = served(worker, requests)
     assert replies == alone(0, 2, requests)
-    assert worker.engine.batches == []  # type: ignore[attr-defined]
+    assert worker.engine.batches == [2]  # type: ignore[attr-defined]
 
 
 def test_max_batch_one_never_batches() -> None:

@@ -48,6 +48,28 @@ def test_a_batched_step_is_each_sessions_own_step(model: Path) -> None:
     assert [len(g) for g in got] == [4, 5, 4, 4]
 
 
+def test_a_mixed_forward_gives_each_row_its_one_token_step(model: Path) -> None:
+    """Several rows of several sessions in one forward (checks of drafted tokens, with one-token steps among them,
+    and a session rewound to a position it holds: a check that kept one guess): each row's logits are those of the
+    one-token step at its position; the sessions then hold what their rows wrote."""
+    chain = Chain(model, 3, MAX_CONTEXT, max_sessions=4, max_batch=4, kv_dtype="float32", wire="f32")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13], [14, 15]]
+    alone = [chain.generate(100 + i, p, 7) for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        chain.step(i, p, 0)
+
+    def mixed(ids: list[int], starts: list[int], rows: list[int]) -> None:
+        logits = chain.batch(ids, [alone[i][0][s:s + n] for i, s, n in zip(ids, starts, rows, strict=True)],
+                             [len(prompts[i]) + s for i, s in zip(ids, starts, strict=True)])
+        want = [alone[i][1][s + j + 1] for i, s, n in zip(ids, starts, rows, strict=True) for j in range(n)]
+        np.testing.assert_allclose(logits, np.stack(want), rtol=0, atol=LOGIT_ATOL)
+
+    mixed([0, 1, 2, 3], [0, 0, 0, 0], [4, 1, 3, 2])  # 10 rows: calls of 8 and 2
+    mixed([2, 0, 3], [3, 1, 2], [1, 5, 3])  # session 0 rewinds from 4 tokens to 1
+    assert [chain.engines[-1].sessions()[i] for i in range(4)] == [len(p) + n for p, n in zip(prompts, [6, 1, 4, 5],
+                                                                                              strict=True)]
+
+
 @pytest.fixture(scope="module")
 def pipeline(model: Path):
     env = {"MAX_CONTEXT": str(MAX_CONTEXT), "PP_MAX_SESSIONS": "4", "PP_PREFILL_CHUNK": "8"}

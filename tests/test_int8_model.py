@@ -177,3 +177,20 @@ def test_on_the_integer_path_a_checks_rows_are_its_one_token_steps(int8_env, mod
     rows = chain.rows(2, tokens[:4], len(prompt))
     np.testing.assert_allclose(rows, np.stack(logits[1:5]), rtol=0, atol=LOGIT_ATOL_FP64)
     assert [int(r.argmax()) for r in rows] == tokens[1:5]
+
+
+def test_on_the_integer_path_a_mixed_forward_gives_each_row_its_one_token_step(int8_env, model):
+    # Several sessions' checks in one mixed forward (`forward_batch`), one of them a one-token step and one a session
+    # rewound to a position it holds: each row takes its one-token step's token, the logits within the float path's
+    # tolerance (as the batched step above), on the default numerics pp-serve's drafting generations run on.
+    chain = Chain(model, 2, MAX_CONTEXT, max_sessions=3, max_batch=4, kv_dtype="float32")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    alone = [chain.generate(100 + i, p, 6) for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        chain.step(i, p, 0)
+    for ids, starts, rows in (([0, 1, 2], [0, 0, 0], [4, 1, 3]), ([1, 0], [1, 1], [3, 4])):  # session 0 rewinds
+        logits = chain.batch(ids, [alone[i][0][s:s + n] for i, s, n in zip(ids, starts, rows, strict=True)],
+                             [len(prompts[i]) + s for i, s in zip(ids, starts, strict=True)])
+        want = [alone[i][1][s + j + 1] for i, s, n in zip(ids, starts, rows, strict=True) for j in range(n)]
+        np.testing.assert_allclose(logits, np.stack(want), rtol=0, atol=LOGIT_ATOL_FP64)
+        assert [int(r.argmax()) for r in logits] == [int(w.argmax()) for w in want]

@@ -52,6 +52,18 @@ class Chain:
         """(T, V) float32 logits of every one of ``tokens`` (a check of drafted tokens: `forward_rows`)."""
         return self.engines[-1].forward_rows(rid, self._hidden(rid, tokens, position), position, len(tokens)).copy()
 
+    def batch(self, rids: list[int], tokens: list[list[int]], positions: list[int]) -> np.ndarray:
+        """(R, V) float32 logits of every row of one batched forward (`forward_batch`) on every stage, through the
+        wire: session ``rids[b]``'s ``tokens[b]`` from ``positions[b]``, session after session."""
+        rows = [len(t) for t in tokens]
+        ends = np.cumsum(rows).tolist()
+        out: Any = self.engines[0].forward_batch(rids, positions, tokens, rows)
+        for before, e in zip(self.engines, self.engines[1:], strict=False):
+            wired = wire_rows(before, out, self.wire)
+            out = e.forward_batch(rids, positions, [b"".join(wired[end - n:end]) for n, end in zip(rows, ends,
+                                                                                                 strict=True)], rows)
+        return np.array(out)  # a copy: engines reuse buffers
+
     def _hidden(self, rid: int, tokens: list[int], position: int) -> bytes:
         """What the last stage receives for ``tokens``: every stage before it run, through the wire."""
         h = on_wire(self.engines[0], self.engines[0].embed_and_forward(rid, tokens, position), self.wire)

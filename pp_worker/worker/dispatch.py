@@ -25,6 +25,8 @@ from pp_worker.worker.shard import Role
 
 Reply = dict[str, Any]
 ANY = frozenset(Role)
+BATCH_ROWS = 32  # a request of at most this many rows may share a batched forward with others (checks of drafted
+# tokens: up to 17; a chat's short turns): a longer one is a prompt's prefill, which runs alone in its own calls
 
 
 class Worker:
@@ -61,20 +63,15 @@ class Worker:
 
     def serve(self, ready: list[Request | Reply]) -> Iterator[Reply]:
         """Serve validated requests (an error reply stands for one that failed validation) in order, each as if
-        alone, yielding each reply as soon as it is known; but a run of one-token forward steps of distinct
-        sessions, each appending to the session it names, becomes one batched forward (``Engine.step_batch``), and
-        a run of checks that outnumber their rows runs row by row as batched steps (`_verify_batch`; fewer checks
-        run each as one forward of its rows, fewer forwards). Never raises. Nothing after a shutdown is served (as if
-        never read)."""
+        alone, yielding each reply as soon as it is known; but a run of forward steps of distinct sessions, each
+        continuing the session it names, becomes one batched forward (``Engine.forward_batch``, `_batch_rows`):
+        one-token steps, checks of drafted tokens, and on the other stages their rows and short prompts. Never
+        raises. Nothing after a shutdown is served (as if never read)."""
         i = 0
         while i < len(ready) and not self.shutdown_requested:
             item, run = ready[i], self._batch_run(ready, i)
-            checks = bool(run) and run[0].fields.get("verify") is not None
-            if checks and len(run) <= run[0].fields["seq_len"]:
-                run = []  # checks fewer than their rows: each alone, one forward of its rows
             if len(run) > 1:
-                batched = _verify_batch if checks else _step_batch
-                yield from self._run_guarded(run, lambda run=run, batched=batched: batched(self, run))
+                yield from self._run_guarded(run, lambda run=run: _forward_batch(self, run))
             elif isinstance(item, Request):
                 yield from self._run_guarded([item], lambda item=item: [_serve_one(self, item)])
             else:
@@ -109,18 +106,27 @@ class Worker:
             return _error(protocol.request_id_of(obj), f"internal error: {type(e).__name__}: {e}")
 
     def _batch_run(self, ready: list[Request | Reply], i: int) -> list[Request]:
-        """The requests from ``ready[i]`` on that can share batched forwards (empty if ``ready[i]`` cannot): one-token
-        steps, or checks (``verify``, which `serve` runs row by row as batched steps where they outnumber their
-        rows: `_verify_batch`), never the two mixed."""
-        kind = _batch_kind(ready[i])
+        """The requests from ``ready[i]`` on that can share batched forwards (empty if ``ready[i]`` cannot): at most
+        the engine's max_batch, of distinct sessions, each `_batch_rows`."""
         run: list[Request] = []
         for item in ready[i:i + self.engine.max_batch]:
-            if not (kind is not None and isinstance(item, Request) and _batch_kind(item) == kind
-                    and all(r.rid != item.rid for r in run)
-                    and self.engine.can_batch(item.rid, item.fields["position"])):
+            if not (isinstance(item, Request) and all(r.rid != item.rid for r in run) and self._batch_rows(item)):
                 break
             run.append(item)
         return run
+
+    def _batch_rows(self, item: Request) -> int:
+        """The rows ``item`` brings to a batched forward; 0 where it runs alone: not a forward op, more than
+        BATCH_ROWS rows (a prompt's prefill), on the last stage rows that are no check (only the last one's logits
+        count there), or rows the engine cannot batch (a new session; several rows on an engine without mixed
+        calls)."""
+        f = item.fields
+        if item.op not in protocol.BATCH_OPS:
+            return 0
+        rows = len(f["tokens"]) if "tokens" in f else f["seq_len"]
+        if rows > BATCH_ROWS or (self.shard.is_last and rows > 1 and f.get("verify") is None):
+            return 0
+        return rows if self.engine.can_batch(item.rid, f["position"], rows) else 0
 
     def _run_guarded(self, run: list[Request], work: Callable[[], list[Reply]]) -> list[Reply]:
         """``work()``'s replies, or an error reply for each request of ``run`` when it fails (its sessions put back
@@ -263,52 +269,19 @@ def _verify(w: Worker, rid: int, f: dict[str, Any]) -> Reply:
     the first that differs is replaced by the model's token. The session then holds the rows up to that one (the
     caller's next step starts right after them). ``accepted``: the guesses kept; ``token_id``: the model's token
     after them."""
+    return _checked(w, rid, f, w.engine.forward_rows(rid, f["hidden"], f["position"], f["seq_len"]))
+
+
+def _checked(w: Worker, rid: int, f: dict[str, Any], rows: Any) -> Reply:
+    """A check's reply (`_verify`) given its rows' logits, the session rewound past the last row kept."""
     position, guesses = f["position"], f["verify"]
     step = {k: v for k, v in f.items() if k != "grammar"}  # a check is never a generation's first step
-    rows = w.engine.forward_rows(rid, f["hidden"], position, f["seq_len"])
     for i, guess in enumerate([*guesses, None]):  # the last row has no guess: it always answers
         token = _pick(w, rid, {**step, "position": position + i, "seq_len": 1}, rows[i])  # a grammar masks each row
         if token != guess:
             w.engine.rewind(rid, position + i + 1)
             return {"token_id": token, "accepted": i}
     raise AssertionError("unreachable: no token equals the last row's missing guess")
-
-
-def _verify_batch(w: Worker, run: list[Request]) -> list[Reply]:
-    """Several sessions' checks (`_verify`) at once: row i of every check still going runs as one batched step, so
-    N checks of k guesses cost k + 1 batched forwards instead of N (k + 1) one-token ones. Each session's rows,
-    tokens and reply are its own check's: a row runs only after every guess before it was kept, a failed row
-    fails that session's check alone (the rows it ran before stay, as in `_verify`)."""
-    replies: dict[int, Reply] = {}
-    going, i = list(run), 0
-    w.batched += len(run)
-    while going:
-        positions = [r.fields["position"] + i for r in going]
-        rows = [_row(r.fields, i) for r in going]
-        try:
-            out = w.engine.step_batch([r.rid for r in going], positions, rows)
-        except (EngineError, GrammarError) as e:
-            for r in going:
-                w.engine.undo(r.rid)
-                replies[r.rid] = _error(r.rid, str(e))
-            break
-        still = []
-        for b, r in enumerate(going):
-            f = {k: v for k, v in r.fields.items() if k != "grammar"} | {"position": positions[b], "seq_len": 1}
-            reply = _row_reply(w, r, lambda r=r, f=f, logits=out[b]: {"token_id": _pick(w, r.rid, f, logits)})
-            guesses = r.fields["verify"]
-            if "error" in reply or i == len(guesses) or reply["token_id"] != guesses[i]:
-                replies[r.rid] = reply if "error" in reply else reply | {"accepted": i}
-            else:
-                still.append(r)
-        going, i = still, i + 1
-    return [replies[r.rid] for r in run]
-
-
-def _row(f: dict[str, Any], i: int) -> bytes:
-    """Row ``i`` of a request's hidden state (its ``seq_len`` rows, one a position)."""
-    size = len(f["hidden"]) // f["seq_len"]
-    return f["hidden"][i * size:(i + 1) * size]
 
 
 def _status(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
@@ -360,36 +333,27 @@ def _batch(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply
     return {"replies": [{k: str(v) if isinstance(v, B64) else v for k, v in r.items()} for r in replies]}
 
 
-def _batch_kind(item: Request | Reply) -> str | None:
-    """What a request can share a batched forward with: "step" (a one-token forward), "check" (forward_and_sample
-    with ``verify``: its rows, each a one-token step), None (nothing: a prefill, a control op, an error reply)."""
-    if not isinstance(item, Request) or item.op not in protocol.BATCH_OPS:
-        return None
-    if item.fields.get("verify") is not None:
-        return "check"
-    return "step" if _one_token(item.fields) else None
-
-
-def _one_token(f: dict[str, Any]) -> bool:
-    return len(f["tokens"]) == 1 if "tokens" in f else f["seq_len"] == 1
-
-
 def _serve_one(w: Worker, r: Request) -> Reply:
     return {"request_id": r.rid, **r.handler(w, r.rid, r.obj, r.fields)}
 
 
-def _step_batch(w: Worker, run: list[Request]) -> list[Reply]:
-    """One token for each request of ``run`` (distinct sessions, all appending) in one forward of the engine."""
+def _forward_batch(w: Worker, run: list[Request]) -> list[Reply]:
+    """The steps of ``run`` (distinct sessions, each `Worker._batch_rows`) in one forward of the engine; each
+    request's reply is its own op's: its hidden rows, its sampled token, or its check's answer (`_checked`)."""
+    rows = [w._batch_rows(r) for r in run]
     positions = [r.fields["position"] for r in run]
-    inputs = [r.fields["tokens"][0] if "tokens" in r.fields else r.fields["hidden"] for r in run]
-    out = w.engine.step_batch([r.rid for r in run], positions, inputs)
+    inputs = [r.fields["tokens"] if "tokens" in r.fields else r.fields["hidden"] for r in run]
+    out = w.engine.forward_batch([r.rid for r in run], positions, inputs, rows)
     w.batched += len(run)
+    starts = np.cumsum([0, *rows]).tolist()
     if w.shard.is_last:
-        return [_row_reply(w, r, lambda b=b, r=r: _sampled(w, r.rid, r.fields, out[b])) for b, r in enumerate(run)]
-    row = len(out) // len(run)
-    return [_row_reply(w, r, lambda b=b, r=r: _hidden_reply(w, out[b * row:(b + 1) * row], 1,
-                                                             (r.op, r.rid, positions[b])))
-            for b, r in enumerate(run)]
+        return [_row_reply(w, r, lambda r=r, logits=out[a:b]: _checked(w, r.rid, r.fields, logits)
+                           if r.fields["verify"] is not None else _sampled(w, r.rid, r.fields, logits[-1]))
+                for r, a, b in zip(run, starts[:-1], starts[1:], strict=True)]
+    size = len(out) // starts[-1]
+    return [_row_reply(w, r, lambda r=r, a=a, b=b: _hidden_reply(w, out[a * size:b * size], b - a,
+                                                                 (r.op, r.rid, r.fields["position"])))
+            for r, a, b in zip(run, starts[:-1], starts[1:], strict=True)]
 
 
 def _row_reply(w: Worker, r: Request, reply: Callable[[], Reply]) -> Reply:

@@ -54,11 +54,13 @@ class Shape:
     dtype: DType
     threads: int
     window: int = 0  # > 0: a sliding window, token t sees positions [start_pos + t - window + 1, start_pos + t]
+    mix: bool = False  # each token at a position of its own, of the session in its row of the page table
 
     @property
     def name(self) -> str:
         return (f"attend_{self.n_heads}_{self.n_kv_heads}_{self.head_dim}_t{self.tokens}_r{self.rows}_p{self.page}"
-                f"_m{self.max_pages}_{self.dtype.name}_{self.threads}" + (f"_w{self.window}" if self.window else ""))
+                f"_m{self.max_pages}_{self.dtype.name}_{self.threads}" + (f"_w{self.window}" if self.window else "")
+                + ("_mix" if self.mix else ""))
 
 
 def source(s: Shape) -> str:
@@ -67,7 +69,7 @@ def source(s: Shape) -> str:
                "PP_TOKENS": s.tokens, "PP_ROWS": s.rows, "PP_PAGE": s.page, "PP_MAX_PAGES": s.max_pages,
                "PP_CHUNK": CHUNK, "PP_THREADS": s.threads, "PP_WINDOW": s.window,
                "PP_SCALE": f"{math.sqrt(s.head_dim)!r}f", "CT": ctype,
-               "IS_HALF": half}
+               "IS_HALF": half, "PP_MIX": int(s.mix)}
     return unit(defines, ["common.h", "attention.c"])
 
 
@@ -88,3 +90,40 @@ def attend(q: Tensor, pool: Tensor, table: Tensor, row: int, table_row: int, sta
     qs = q.reshape(n_heads, tokens, head_dim).transpose(0, 1).cast(dtypes.float32).contiguous()  # (T, H, D)
     return launch(shape.name, source(shape), (out, pool, qs, table), (row, table_row), threads,
                   (start_pos,)).reshape(1, tokens, n_heads * head_dim)
+
+
+def attend_rows(q: Tensor, pool: Tensor, table: Tensor, positions: Tensor, row: int, window: int = 0) -> Tensor:
+    """`attend` for a mixed call's T rows (`CompiledStage`): row t's query (q (1, H, T, D)) at position
+    ``positions[t]`` (int32 (T,)) over [0, positions[t]] of the session whose pages row t of ``table`` (T, max_pages)
+    holds, block ``row``; the rows' keys and values stored first (`store_rows`: pass the pool after it)."""
+    _, n_heads, tokens, head_dim = q.shape
+    _, rows, _, n_kv_heads, page, _ = pool.shape
+    threads = max(1, min(CPU_COUNT.value, n_kv_heads * tokens))
+    shape = Shape(n_heads, n_kv_heads, head_dim, tokens, rows, page, table.shape[-1], pool.dtype, threads, window,
+                  mix=True)
+    out = Tensor.empty(tokens * n_heads * head_dim, dtype=dtypes.float32, device=q.device)
+    qs = q.reshape(n_heads, tokens, head_dim).transpose(0, 1).cast(dtypes.float32).contiguous()  # (T, H, D)
+    return launch(shape.name, source(shape), (out, pool, qs, table, positions), (row,), threads).reshape(
+        1, tokens, n_heads * head_dim)
+
+
+def store_rows(k: Tensor, v: Tensor, pool: Tensor, table: Tensor, positions: Tensor, row: int) -> Tensor:
+    """The pool after a mixed call's T rows' keys and values (k, v (1, KvH, T, D)) went into block ``row`` of their
+    sessions' pages, row t at position ``positions[t]`` of the session in row t of ``table`` (``c/kv_rows.c``)."""
+    _, n_kv_heads, tokens, head_dim = k.shape
+    _, rows, _, _, page, _ = pool.shape
+    ctype, _ = CACHE_TYPES[pool.dtype]
+    name = f"kv_store_{n_kv_heads}_{head_dim}_t{tokens}_r{rows}_p{page}_m{table.shape[-1]}_{pool.dtype.name}"
+    defines = {"NAME": name, "STORE": 1, "PP_KV_HEADS": n_kv_heads, "PP_HEAD_DIM": head_dim, "PP_TOKENS": tokens,
+               "PP_ROWS": rows, "PP_PAGE": page, "PP_MAX_PAGES": table.shape[-1], "CT": ctype}
+    kv = [t.cast(dtypes.float32).contiguous() for t in (k, v)]
+    return launch(name, unit(defines, ["common.h", "kv_rows.c"]), (pool, *kv, positions, table), (row,), 1)
+
+
+def rope_rows(rope: Tensor, positions: Tensor) -> Tensor:
+    """Rows ``positions`` (int32 (T,)) of a RoPE table (max_context, W): a mixed call's rows' angles, (T, W)."""
+    (tokens,), (length, width) = positions.shape, rope.shape
+    name = f"rope_rows_{width}_t{tokens}"
+    out = Tensor.empty(tokens, width, dtype=dtypes.float32, device=rope.device)
+    src = unit({"NAME": name, "STORE": 0, "PP_W": width, "PP_TOKENS": tokens}, ["common.h", "kv_rows.c"])
+    return launch(name, src, (out, rope, positions), (length,), 1)

@@ -24,7 +24,7 @@ from typing import Any
 from tinygrad import Tensor, UOp, nn
 from tinygrad.llm.model import TransformerConfig
 
-from pp_worker.worker.engines.kvcache import CacheBlock, Slot
+from pp_worker.worker.engines.kvcache import CacheBlock, Mix, Slot
 from pp_worker.worker.engines.rope import RopeParams
 from pp_worker.worker.engines.weights import Embedding
 from pp_worker.worker.gguf.header import ModelLoadError
@@ -80,8 +80,9 @@ class GemmaBlock(CacheBlock):
     def _feed_forward(self, x: Tensor) -> Tensor:
         return self.ffn_down(self.ffn_gate(x).gelu().contiguous() * self.ffn_up(x))  # Tensor.gelu: the tanh form
 
-    def _heads(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int | UOp) -> tuple[Tensor, Tensor, Tensor]:
-        q, k, v = super()._heads(q, k, v, start_pos)
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int | UOp,
+               freqs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        q, k, v = super()._heads(q, k, v, start_pos, freqs)
         return (q * self.q_scale if self.q_scale != 1.0 else q), k, v
 
     def step_batch(self, x: Tensor, slots: list[Slot], positions: list[UOp]) -> Tensor:
@@ -90,6 +91,10 @@ class GemmaBlock(CacheBlock):
         rows = [self._attend(*self._heads(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos), slot, pos)
                 for b, (slot, pos) in enumerate(zip(slots, positions, strict=True))]
         h = x + self.post_attention_norm(self.attn_output(rows[0].cat(*rows[1:])))
+        return (h + self.post_ffw_norm(self._feed_forward(self.ffn_norm(h)))).contiguous()
+
+    def step_rows(self, x: Tensor, mix: Mix) -> Tensor:
+        h = x + self.post_attention_norm(self.attn_output(self._attend_rows(self.attn_norm(x), mix)))
         return (h + self.post_ffw_norm(self._feed_forward(self.ffn_norm(h)))).contiguous()
 
 

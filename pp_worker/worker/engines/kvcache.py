@@ -102,6 +102,18 @@ class Slot:
     table_row: int = 0
 
 
+@dataclass(frozen=True)
+class Mix:
+    """What a mixed call's blocks share (`CompiledStage`: the rows of several sessions, several rows each, in one
+    forward; the CPU's C kernels only): the pool, the page tables (T, max_pages) whose row t is row t's session's,
+    the rows' positions (T,) int32, and each RoPE table's rows at those positions (by the table's id)."""
+
+    pool: Tensor
+    table: Tensor
+    positions: Tensor
+    ropes: dict[int, Tensor]
+
+
 class CacheBlock(TransformerBlock):
     """tinygrad's TransformerBlock storing keys and values into pages of the stage's pool, in the pool's dtype, and
     able to step several sessions at once (`step_batch`).
@@ -185,8 +197,24 @@ class CacheBlock(TransformerBlock):
         h = x + self.attn_output(rows[0].cat(*rows[1:]))
         return (h + self._feed_forward(self.ffn_norm(h))).contiguous()
 
-    def _heads(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int | UOp) -> tuple[Tensor, Tensor, Tensor]:
-        """Projections (B, T, *) -> roped heads: q (B, H, T, Hd), k and v (B, KvH, T, Hd)."""
+    def step_rows(self, x: Tensor, mix: Mix) -> Tensor:
+        """A mixed call's rows ``x`` (1, T, D), each at a position and of a session of its own (``mix``): the
+        projections and the feed-forward as one prefill's, the keys and values of all rows stored before any row
+        attends (a session's later row sees its earlier ones), each row's attention over its own session."""
+        assert not self.config.attn_output_gate, "no supported architecture gates its attention output"
+        h = x + self.attn_output(self._attend_rows(self.attn_norm(x), mix))
+        return (h + self._feed_forward(self.ffn_norm(h))).contiguous()
+
+    def _attend_rows(self, h: Tensor, mix: Mix) -> Tensor:
+        """The attention of a mixed call's normed rows ``h`` (1, T, D), before the output projection: (1, T, H*Hd)."""
+        q, k, v = self._heads(*self._qkv(h), 0, mix.ropes[id(self.freqs_cis)])
+        stored = cpu_attention.store_rows(k, v, mix.pool, mix.table, mix.positions, self.kv_row)
+        return cpu_attention.attend_rows(q, stored, mix.table, mix.positions, self.kv_row, self.window)
+
+    def _heads(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int | UOp,
+               freqs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Projections (B, T, *) -> roped heads: q (B, H, T, Hd), k and v (B, KvH, T, Hd); ``freqs``: the rows' RoPE
+        angles where they are not the table's rows from ``start_pos`` on (a mixed call's)."""
         c = self.config
         if c.qk_norm and c.qk_norm != c.head_dim:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
@@ -196,7 +224,7 @@ class CacheBlock(TransformerBlock):
         v = v.reshape(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         if c.qk_norm == c.head_dim:
             q, k = self.attn_q_norm(q), self.attn_k_norm(k)
-        freqs = self.freqs_cis[start_pos:start_pos + T]
+        freqs = self.freqs_cis[start_pos:start_pos + T] if freqs is None else freqs
         q = apply_rope(q[..., :c.rope_dim], freqs).cat(q[..., c.rope_dim:], dim=-1)
         k = apply_rope(k[..., :c.rope_dim], freqs).cat(k[..., c.rope_dim:], dim=-1)
         return q, k, v

@@ -137,11 +137,12 @@ class SessionTable:
         """Record that positions [position, position + seq_len) are now in the cache."""
         session.length = position + seq_len
 
-    def holds(self, rid: int, position: int) -> bool:
-        """Whether a one-token step of ``rid`` at ``position`` just appends to a session held (no rewind, no new
-        session): what a batched step needs of each of its sessions."""
+    def holds(self, rid: int, position: int, rows: int = 1) -> bool:
+        """Whether a step of ``rows`` positions of ``rid`` from ``position`` continues a session held (appends, or
+        rewinds to a position it holds: the rows after a check's last kept guess), no new session: what a batched
+        step needs of each of its sessions."""
         session = self._live.get(rid)
-        return session is not None and session.length == position and position + 1 <= self.max_context
+        return session is not None and position <= session.length and position + rows <= self.max_context
 
     def rewind(self, rid: int, length: int) -> None:
         """Keep positions [0, length) of ``rid`` (held), giving back the pages past them: what a step computed

@@ -100,20 +100,28 @@ class StubEngine:
         """No vocabulary: a ``grammar`` field is validated and then not applied (the stub's logits are no model's)."""
         return None
 
-    def can_batch(self, session: int, position: int) -> bool:
-        return self._sessions.get(session) == position
+    def can_batch(self, session: int, position: int, rows: int = 1) -> bool:
+        length = self._sessions.get(session)
+        return length is not None and position <= length
 
     def step_batch(self, sessions: list[int], positions: list[int], inputs: list[int] | list[bytes]) -> Any:
-        """Each session's one-token step, exactly as its single op computes it, for one delay in all."""
+        ones = [1] * len(sessions)
+        return self.forward_batch(sessions, positions, [[t] for t in inputs] if self.shard.is_first else inputs,
+                                  ones)  # type: ignore[list-item]
+
+    def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
+                      rows: list[int]) -> Any:
+        """Each session's rows exactly as its single op computes them (every row's logits on the last stage), for
+        one delay in all."""
         self.batches.append(len(sessions))
         delay, self.delay_s = self.delay_s, 0.0
-        steps = list(zip(sessions, inputs, positions, strict=True))
+        steps = list(zip(sessions, inputs, positions, rows, strict=True))
         try:
             if self.shard.is_first:
-                return b"".join(self.embed_and_forward(s, [t], p) for s, t, p in steps)  # type: ignore[list-item]
+                return b"".join(self.embed_and_forward(s, t, p) for s, t, p, _ in steps)  # type: ignore[arg-type]
             if self.shard.is_last:
-                return [self.forward_logits(s, h, p, 1) for s, h, p in steps]  # type: ignore[arg-type]
-            return b"".join(self.forward_range(s, h, p, 1) for s, h, p in steps)  # type: ignore[arg-type]
+                return [row for s, h, p, n in steps for row in self.forward_rows(s, h, p, n)]  # type: ignore[arg-type]
+            return b"".join(self.forward_range(s, h, p, n) for s, h, p, n in steps)  # type: ignore[arg-type]
         finally:
             self.delay_s = delay
             if delay:

@@ -53,6 +53,7 @@ from pp_worker.worker.engines.kvcache import (
     KV_DTYPES,
     PAGE,
     KVPool,
+    Mix,
     Slot,
     default_kv_dtype,
     position_bytes,
@@ -71,6 +72,7 @@ from pp_worker.worker.text.vocabulary import Vocabulary
 COMPILE_GUESS_S = 2.0  # compiling a JIT, until one is timed: a cold stage of the bench models (bench/NOTES.md)
 ROW_LOGITS = 8  # the last stage's calls of at most this many tokens give every row's logits (a prompt's calls pay the
 # head for at most 7 rows more): a check of k drafted tokens is then one forward of k + 1 rows, not k + 1 steps
+MIX_ROWS = 64  # the most rows of a mixed call (`CompiledStage.mix`): 8 sessions' checks of 7 guesses each
 WARMUP_SESSION = -1  # request ids are >= 0, so the scratch session never collides with a real one
 
 
@@ -129,16 +131,23 @@ class CompiledStage:
         dtype, row = (dtypes.int32, ()) if w.shard.is_first else (dtypes.float32, (cfg.dim,))
         self.inputs = {n: InputBuffer((1, n, *row), dtype) for n in self.rungs}  # (1, n) ids or (1, n, D) hidden
         self.jits = {n: Replay(self._forward, lean, self._slot("prefill", n)) for n in self.rungs}
-        # batched decode: B sessions one token each, B on a ladder of its own (7 = 4 + 2 + 1; 1 is the decode JIT)
-        self.batch_rungs = ladder(max_batch)
-        self.positions = [UOp.variable(f"pos{b}", 0, cfg.max_context - 1) for b in range(max_batch)]
-        self.pages = [UOp.variable(f"page{b}", 0, pool.n_pages - 1) for b in range(max_batch)]
-        self.offs = [UOp.variable(f"off{b}", 0, pool.page - 1) for b in range(max_batch)]
-        self.batch_inputs = {b: InputBuffer((b, 1, *row), dtype) for b in self.batch_rungs if b > 1}
-        self.batch_jits = {b: Replay(self._forward_batch, lean, self._slot("batch", b))
+        # batched calls. With the C kernels' page tables (``table``), a mixed call: B rows in one (1, B) forward, each
+        # of any session at any position (their positions and page tables are inputs, not variables), so the rows of
+        # several sessions, several rows each (checks of drafted tokens), share one pass over the weights; B on a
+        # ladder up to MIX_ROWS. Else B sessions' one-token steps, (B, 1), each with variables of its own.
+        self.mix = table
+        self.batch_rungs = ladder(max(max_batch, MIX_ROWS) if table and max_batch > 1 else max_batch)
+        self.positions = [UOp.variable(f"pos{b}", 0, cfg.max_context - 1) for b in range(0 if table else max_batch)]
+        self.pages = [UOp.variable(f"page{b}", 0, pool.n_pages - 1) for b in range(len(self.positions))]
+        self.offs = [UOp.variable(f"off{b}", 0, pool.page - 1) for b in range(len(self.positions))]
+        shape = (lambda b: (1, b, *row)) if table else (lambda b: (b, 1, *row))
+        self.batch_inputs = {b: InputBuffer(shape(b), dtype) for b in self.batch_rungs if b > 1}
+        self.row_positions = {b: InputBuffer((b,), dtypes.int32) for b in self.batch_inputs} if table else {}
+        forward = self._forward_mix if table else self._forward_batch
+        self.batch_jits = {b: Replay(forward, lean, self._slot("mix" if table else "batch", b))
                            for b in self.batch_rungs if b > 1}
         # the page tables the C attention reads: (B, max_pages) int32, one for the single-session JITs, one per batch
-        # size; held by the JITs like a weight, written before each call
+        # size (a row each); held by the JITs like a weight, written before each call
         self.tables = {b: InputBuffer((b, self.max_pages), dtypes.int32) for b in (1, *self.batch_inputs)} \
             if table else {}
         self.every_size = False  # see TinygradEngine
@@ -167,6 +176,7 @@ class CompiledStage:
                 if obj is not None:
                     parts |= {f"{name}.{k}": t for k, t in nn.state.get_state_dict(obj).items()}
             parts |= {f"kv.table.{b}": t.tensor for b, t in self.tables.items()}
+            parts |= {f"kv.positions.{b}": t.tensor for b, t in self.row_positions.items()}
             self._named = jitcache.Named.of(parts)
         return self._named
 
@@ -256,6 +266,21 @@ class CompiledStage:
             return x.contiguous()  # (B, 1, D) float32
         return w.output(w.output_norm(x))[:, 0, :].float()  # (B, V)
 
+    def _forward_mix(self, inp: Tensor, pool: Tensor) -> Tensor:
+        w, b = self.w, inp.shape[1]
+        x = w.token_embd(inp).float() if w.token_embd is not None else inp  # (1, B, D)
+        positions = self.row_positions[b].tensor
+        ropes: dict[int, Tensor] = {}
+        for block in w.blocks:  # each RoPE table's rows at the rows' positions, once (Gemma 3's local blocks: theirs)
+            if id(block.freqs_cis) not in ropes:
+                ropes[id(block.freqs_cis)] = cpu_attention.rope_rows(block.freqs_cis, positions)
+        mix = Mix(pool, self.tables[b].tensor, positions, ropes)
+        for block in w.blocks:
+            x = block.step_rows(x, mix)
+        if w.output is None:
+            return x.contiguous()  # (1, B, D) float32
+        return w.output(w.output_norm(x))[0].float()  # (B, V)
+
     def _write_tables(self, size: int, tables: list[list[int]]) -> None:
         if self.tables:
             rows = np.zeros((size, self.max_pages), np.int32)
@@ -266,10 +291,16 @@ class CompiledStage:
     def run_batch(self, values: np.ndarray, positions: list[int], where: list[tuple[int, int]],
                   tables: list[list[int]]) -> Tensor:
         """One token for each of B sessions (B a batch ladder size > 1): ``values`` B token ids or (B, D) rows,
-        session b at ``positions[b]``, written at (page, offset) ``where[b]``, its pages ``tables[b]``."""
+        session b at ``positions[b]``, written at (page, offset) ``where[b]``, its pages ``tables[b]``. On a mixed
+        stage (`mix`), B rows of any sessions, row b at ``positions[b]`` of the session whose pages are
+        ``tables[b]`` (``where`` unused: the kernels find the page in the table)."""
         b = len(values)
         self.batch_inputs[b].write(values)
         self._write_tables(b, tables)
+        if self.mix:
+            self.row_positions[b].write(np.asarray(positions, np.int32))
+            jit, args = self.batch_jits[b], [self.batch_inputs[b].tensor, self.pool.tensor]
+            return out if (out := jit.replay(args, {})) is not None else jit(*args)
         jit, inp = self.batch_jits[b], self.batch_inputs[b].tensor
         variables = [*self.positions[:b], *self.pages[:b], *self.offs[:b]]
         numbers = [*positions, *(p for p, _ in where), *(o for _, o in where)]
@@ -491,42 +522,51 @@ class TinygradEngine:
     def rewind(self, session: int, length: int) -> None:
         self._sessions.rewind(session, length)
 
-    def can_batch(self, session: int, position: int) -> bool:
-        return self._sessions.holds(session, position)
+    def can_batch(self, session: int, position: int, rows: int = 1) -> bool:
+        return (rows == 1 or self._stage.mix) and self._sessions.holds(session, position, rows)
 
     def step_batch(self, sessions: list[int], positions: list[int],
                    inputs: list[int] | list[bytes]) -> memoryview | np.ndarray:
-        """One token for each session, in as few forwards as the batch ladder allows. Inputs: token ids on the first
-        stage, one float16 or float32 row each elsewhere. Output: (B, D) rows (`hidden_dtype`), or (B, V) float32
-        logits on the last stage."""
-        assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions))
+        """One token for each session (see `forward_batch`): token ids on the first stage, one float16 or float32
+        row each elsewhere. Output: (B, D) rows (`hidden_dtype`), or (B, V) float32 logits on the last stage."""
+        ones = [1] * len(sessions)
+        return self.forward_batch(sessions, positions, [[t] for t in inputs] if self.shard.is_first else inputs,
+                                  ones)  # type: ignore[list-item]
+
+    def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
+                      rows: list[int]) -> memoryview | np.ndarray:
+        """``rows[b]`` positions of each session from ``positions[b]`` (each `can_batch`), in as few forwards as the
+        batch ladder allows: inputs are token id lists on the first stage, ``rows[b]`` float16 or float32 rows each
+        elsewhere. Output: every row, session after session: (R, D) rows (`hidden_dtype`), or (R, V) float32 logits
+        on the last stage. Several rows of a session need a mixed stage (`CompiledStage.mix`)."""
+        assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions, rows))
         self._sessions.new_step()
-        n, cfg = len(sessions), self._w.config
+        cfg = self._w.config
         if self.shard.is_first:
-            values = np.asarray(inputs, dtype=np.int32)
+            values = np.asarray([t for tokens in inputs for t in tokens], dtype=np.int32)  # type: ignore[union-attr]
         else:
-            values = np.concatenate([self._hidden(row, 1) for row in inputs])  # type: ignore[arg-type]
+            values = np.concatenate([self._hidden(h, n) for h, n in zip(inputs, rows, strict=True)])  # type: ignore[arg-type]
         # a session crossing into a new page may evict another to find it, never one of this batch
-        held = [self._sessions.begin(rid, position, 1, keep=sessions)
-                for rid, position in zip(sessions, positions, strict=True)]
-        where = [self._where(s, p) for s, p in zip(held, positions, strict=True)]
+        held = [self._sessions.begin(rid, position, n, keep=sessions)
+                for rid, position, n in zip(sessions, positions, rows, strict=True)]
+        at = [(s, p + i) for s, p, n in zip(held, positions, rows, strict=True) for i in range(n)]
         width = cfg.vocab_size * 4 if self.shard.is_last else self._row_bytes
-        out = self._host.view(n * width)
+        out = self._host.view(len(at) * width)
         start = 0
-        for b in split(n, self._stage.batch_usable()):
-            part = slice(start, start + b)
+        for b in split(len(at), self._stage.batch_usable()):
+            part = at[start:start + b]
             if b == 1:
-                result = self._stage.run(values[part], positions[start], where[start], held[start].pages)
+                (session, position), = part
+                result = self._stage.run(values[start:start + 1], position, self._where(session, position),
+                                         session.pages)
             else:
-                result = self._stage.run_batch(values[part], positions[part], where[part],
-                                               [s.pages for s in held[part]])
+                result = self._stage.run_batch(values[start:start + b], [p for _, p in part],
+                                               [self._where(s, p) for s, p in part], [s.pages for s, _ in part])
             self._outputs.copy(result, out[start * width:(start + b) * width])  # before a JIT is called again
             start += b
-        for session, position in zip(held, positions, strict=True):
-            self._sessions.commit(session, position, 1)
-        return np.frombuffer(out, dtype=np.float32).reshape(n, -1) if self.shard.is_last else out
-
-    # ---- sessions
+        for session, position, n in zip(held, positions, rows, strict=True):
+            self._sessions.commit(session, position, n)
+        return np.frombuffer(out, dtype=np.float32).reshape(len(at), -1) if self.shard.is_last else out
 
     def release(self, session: int, keep: bool = False) -> bool:
         return self._sessions.release(session, keep)
@@ -548,10 +588,10 @@ class TinygradEngine:
 
     def warmup(self, full: bool = True) -> None:
         """Compile every JIT (a JIT captures at its first call) on scratch sessions, then drop them (their pages go
-        back to the pool, to be reused first): each size of the prefill ladder, then each batch size (b one-token
-        sessions stepped twice). ``full`` False: only the decode JIT, which every generation needs at once (the
-        worker's default before its ready line: the stages compile it side by side instead of one after the other
-        at the first request)."""
+        back to the pool, to be reused first): each size of the prefill ladder, then each batch size (b rows over as
+        few scratch sessions as a batch may hold, run twice). ``full`` False: only the decode JIT, which every
+        generation needs at once (the worker's default before its ready line: the stages compile it side by side
+        instead of one after the other at the first request)."""
         cfg, first = self._w.config, self.shard.is_first
 
         def fake(n: int) -> np.ndarray:
@@ -567,14 +607,18 @@ class TinygradEngine:
         self._sessions.release(WARMUP_SESSION)
         if not full:
             return
-        for b in self._stage.batch_rungs[:-1] if cfg.max_context >= 3 else ():
-            rids = [WARMUP_SESSION - i for i in range(b)]
+        for b in self._stage.batch_rungs[:-1]:  # b rows over as few sessions as a batch holds (a mixed stage's)
+            per = -(-b // min(b, self.max_batch))
+            rows = [per] * (b // per) + ([b % per] if b % per else [])
+            if 1 + per + 1 > cfg.max_context:  # past a one-token prefix, and a position left to decode
+                continue
+            rids = [WARMUP_SESSION - i for i in range(len(rows))]
             try:
                 for rid in rids:
                     self._run(rid, fake(1), 0, ignore)
-                inputs: list[Any] = [0] * b if first else [bytes(self._row_bytes)] * b
-                for position in (1, 2):
-                    self.step_batch(rids, [position] * b, inputs)
+                inputs: list[Any] = [[0] * n if first else bytes(n * self._row_bytes) for n in rows]
+                for _ in range(2):  # the second call replays what the first captured
+                    self.forward_batch(rids, [1] * len(rids), inputs, rows)
             finally:
                 for rid in rids:
                     self._sessions.release(rid)

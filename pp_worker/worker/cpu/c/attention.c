@@ -5,7 +5,9 @@
    Query head h reads key head h / (H / KVH). Each key and value, read once as 16-wide vectors, serves every query
    head of its group, with an online softmax (running max and sum, rescaled per chunk of C keys, a chunk never
    crossing a page) so no buffer grows with the position; the (key head, token) pairs split over the threads.
-   WINDOW > 0: a sliding window, query t reads only the last WINDOW of its positions. */
+   WINDOW > 0: a sliding window, query t reads only the last WINDOW of its positions.
+   MIX: rows of any sessions instead (`CompiledStage`'s mixed calls): token t is at position pos[t] of the session
+   whose pages row t of the table holds, so one call serves the rows of several sessions, several rows each. */
 
 /* exp(x) for x <= 0 (scores minus their running max): 2^n * p(r), ggml's and Cephes' range reduction and polynomial
    (relative error ~1e-7), written with plain arithmetic so the loops over a chunk vectorize */
@@ -25,16 +27,25 @@ static inline f16v load16(const CT* p) {
   return f_at(p);
 #endif
 }
+#if PP_MIX
+#define LEN(tok) (pos[tok] + 1)
+#define PAGES(tok) (table + (long)(tok) * MAX_PAGES)
+void NAME(float* restrict out, const CT* restrict pool, const float* restrict q, const int* restrict table,
+          const int* restrict pos, const int* restrict dims, int core_id) {
+#else
+#define LEN(tok) (start_pos + (tok) + 1)
+#define PAGES(tok) (table + (long)dims[1] * MAX_PAGES)
 void NAME(float* restrict out, const CT* restrict pool, const float* restrict q, const int* restrict table,
           const int* restrict dims, int core_id, int start_pos) {
+#endif
   enum { H = PP_HEADS, KVH = PP_KV_HEADS, D = PP_HEAD_DIM, T = PP_TOKENS, ROWS = PP_ROWS, PAGE = PP_PAGE,
          MAX_PAGES = PP_MAX_PAGES, G = H / KVH, V = D / 16, C = PP_CHUNK, THREADS = PP_THREADS,
          WINDOW = PP_WINDOW };
   _Static_assert(PAGE % C == 0, "a chunk of keys never crosses a page");
   const float scale = PP_SCALE;
-  const int* pages = table + (long)dims[1] * MAX_PAGES;
   for (int item = core_id; item < KVH * T; item += THREADS) {
-    const int kh = item % KVH, tok = item / KVH, len = start_pos + tok + 1;
+    const int kh = item % KVH, tok = item / KVH, len = LEN(tok);
+    const int* pages = PAGES(tok);
     f16v qv[G][V], acc[G][V];
     float m[G], l[G], s[G][C];
     for (int g = 0; g < G; g++) {
