@@ -202,8 +202,8 @@ def test_greedy_output_with_a_draft_is_exactly_the_output_without(pipeline, conc
 
 def test_checks_of_several_generations_reach_the_last_stage_in_one_batch_with_the_same_tokens(pipeline, monkeypatch):
     """Two of each prompt, 8 in flight in lock-step: the drafting generations' checks are held and sent together, so
-    the last stage gets batches of several checks (run there row by row as batched steps), and the output is still
-    exactly the output without a draft."""
+    the last stage gets batches of several checks (one mixed forward there, as on the stages before), and the output
+    is still exactly the output without a draft."""
     checks: list[int] = []
     write = pipeline._write
 

@@ -162,8 +162,8 @@ def is_step(call: Call) -> bool:
 
 
 def is_token(call: Call) -> bool:
-    """A decoding generation's step: one token, or a check of drafted tokens (the last stage runs the checks of one
-    batch row by row as batched steps where they outnumber their rows; docs/protocol.md)."""
+    """A decoding generation's step: one token, or a check of drafted tokens (a stage on the CPU's C kernels runs a
+    batch's checks and steps as one mixed forward; docs/protocol.md)."""
     return is_step(call) or call.check
 
 
@@ -445,8 +445,8 @@ class Pipeline:
         stage s+1 works on another's, as stages on devices of their own should, and a generation whose token comes
         back waits for its group instead of going on alone (``overlap``'s way: its steps then meet others' only
         by chance, and a stage runs one-token forwards one after another). A check of drafted tokens counts as a
-        step everywhere here: it starts a token, is held and goes in its group's batch request (on the last stage the
-        worker runs a batch's checks row by row as batched steps where they outnumber their rows).
+        step everywhere here: it starts a token, is held and goes in its group's batch request (a stage on the CPU's C
+        kernels runs the batch's checks and steps as one mixed forward).
 
         Without batching (``batch`` false) a stage has at most one one-token forward outstanding: two queued on its
         stdin would be batched by the worker itself."""
@@ -513,7 +513,7 @@ class Pipeline:
         return self.batch and is_token(call) and (st.ready or {}).get("max_batch", 1) > 1
 
     def _write(self, st: Stage, group: list[tuple[int, Call, _Pending]]) -> None:
-        group = sorted(group, key=lambda c: c[1].check)  # steps, then checks: the worker batches a run of each kind
+        group = sorted(group, key=lambda c: c[1].check)  # steps, then checks (one run where the stage mixes rows)
         self._stepping.update(rid for rid, _, pending in group if pending.step)
         if self.trace is not None:
             self.trace += [(time.monotonic(), st.index, rid, call.op, "send") for rid, call, _ in group]
