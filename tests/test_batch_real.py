@@ -70,6 +70,23 @@ def test_a_mixed_forward_gives_each_row_its_one_token_step(model: Path) -> None:
                                                                                               strict=True)]
 
 
+def test_on_tinygrads_kernels_a_batch_is_one_token_steps(model: Path) -> None:
+    """Off the C kernels (a GPU's path, here on the CPU) a batch is B sessions' one-token steps, each session's own
+    step; several rows of a session do not batch (the worker then runs them alone)."""
+    chain = Chain(model, 2, MAX_CONTEXT, max_sessions=3, max_batch=4, kv_dtype="float32", kernels="tinygrad",
+                  every_size=False)
+    first, last = chain.engines
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    alone = [chain.generate(100 + i, p, 2) for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        chain.step(i, p, 0)
+    at = [len(p) for p in prompts]
+    assert all(e.can_batch(0, at[0]) and not e.can_batch(0, at[0], 2) for e in chain.engines)
+    hidden = first.step_batch([0, 1, 2], at, [tokens[0] for tokens, _ in alone])
+    logits = last.step_batch([0, 1, 2], at, wire_rows(first, hidden))
+    np.testing.assert_allclose(logits, np.stack([steps[1] for _, steps in alone]), rtol=0, atol=LOGIT_ATOL)
+
+
 @pytest.fixture(scope="module")
 def pipeline(model: Path):
     env = {"MAX_CONTEXT": str(MAX_CONTEXT), "PP_MAX_SESSIONS": "4", "PP_PREFILL_CHUNK": "8"}
