@@ -245,14 +245,14 @@ def test_warmup_compiles_every_forward_before_ready_and_leaves_no_session_behind
     w = spawn_real(1, 2, model, PP_WARMUP="1")
     try:
         ready = w.wait_ready(120)
-        # one JIT per prefill size (32 on the CPU and the powers of two below it, 1 for decode) and per batch size
-        # (8, 4, 2 with the default PP_MAX_BATCH): all compiled before the ready line
-        assert (ready["jits"], ready["jits_compiled"]) == (6 + 3, 6 + 3)
+        # one JIT per prefill size (32 on the CPU and the powers of two below it, 1 for decode) and per mixed call's
+        # row count (64, 32, 16, 8, 4, 2: MIX_ROWS and below): all compiled before the ready line
+        assert (ready["jits"], ready["jits_compiled"]) == (6 + 6, 6 + 6)
         assert w.request({"op": "status", "request_id": 1})["sessions"] == {}  # the scratch session is gone
         hidden = base64.b64encode(bytes(read_header(model).kv["llama.embedding_length"] * 2)).decode()  # zeros
         reply = w.request({"op": "forward_and_sample", "request_id": 2, "hidden_b64": hidden, "position": 0,
                            "seq_len": 1})
         assert isinstance(reply["token_id"], int)
-        assert w.request({"op": "status", "request_id": 3})["jits_compiled"] == 6 + 3
+        assert w.request({"op": "status", "request_id": 3})["jits_compiled"] == 6 + 6
     finally:
         w.kill()
