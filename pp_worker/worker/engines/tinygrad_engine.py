@@ -568,6 +568,8 @@ class TinygradEngine:
             self._sessions.commit(session, position, n)
         return np.frombuffer(out, dtype=np.float32).reshape(len(at), -1) if self.shard.is_last else out
 
+    # ---- sessions
+
     def release(self, session: int, keep: bool = False) -> bool:
         return self._sessions.release(session, keep)
 
