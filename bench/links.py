@@ -139,6 +139,23 @@ def rate(gens: list[Generation]) -> float:
     return decoded / span if span > 0 else 0.0
 
 
+def stamped(gens: list[Generation]) -> list[Generation]:
+    """``gens``, each keeping when each of its tokens came (``times``, for `steady_rate`)."""
+    for g in gens:
+        g.times = []  # type: ignore[attr-defined]
+        g.on_token = lambda g: g.times.append(g.t_end)  # type: ignore[attr-defined]
+    return gens
+
+
+def steady_rate(gens: list[Generation]) -> float:
+    """tok/s once every stream decodes: the tokens that came after the last stream's first token, over the time from
+    it to the last token. `rate`'s span also holds the later prompts' prefills (8 streams of a long prompt: half the
+    span on smol), which no draft speeds up."""
+    start, end = max(g.t_first for g in gens), max(g.t_end for g in gens)
+    after = sum(1 for g in gens for t in g.times if t > start)  # type: ignore[attr-defined]
+    return after / (end - start) if end > start else 0.0
+
+
 def model_path(model: str | None) -> str | None:
     """A GGUF path, the bench's generated file for a preset name (``smol``: F16), or None (the embedded model)."""
     return model if model is None or "/" in model or model.endswith(".gguf") else str(ensure_model(model))
@@ -164,8 +181,8 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
                     for _ in range(plan.rounds):  # in turn, so that a busy moment of the machine hits all alike
                         for name, draft in arms.items():
                             p.draft, p.trace = draft, []
-                            runs[name].append(p.run(make_generations(p, [TASKS[task]] * n, plan.tokens, Sampling()),
-                                                    n).generations)
+                            gens = stamped(make_generations(p, [TASKS[task]] * n, plan.tokens, Sampling()))
+                            runs[name].append(p.run(gens, n).generations)
                             counted[name] = counters(p.trace, runs[name][-1], delay_ms / 1000)
                             p.trace = None
                     out.setdefault(task, {})[str(n)] = {name: _summary(r) | counted[name] for name, r in runs.items()}
@@ -183,6 +200,7 @@ def _summary(rounds: list[list[Generation]]) -> dict[str, Any]:
     gens = rounds[-1]
     return {"tok_s": round(statistics.median(rate(r) for r in rounds), 1),
             "rounds_tok_s": [round(rate(r), 1) for r in rounds],
+            "steady_tok_s": round(statistics.median(steady_rate(r) for r in rounds), 1),
             "drafted": sum(g.draft.proposed for g in gens if g.draft), "kept": sum(g.draft.accepted for g in gens if
                                                                                  g.draft)}
 
@@ -218,9 +236,15 @@ def rows(raw: dict[str, Any] | None) -> list[Row]:
                     note = f"kept {runs[arm]['kept']} of {runs[arm]['drafted']} guessed tokens; {_counted(runs[arm])}"
                     out.append(Row(SECTION, f"{name}: {flag}", tok_s, "tok/s", note=note))
                     out.append(Row(SECTION, f"{name}: {arm} / plain", plain and tok_s / plain, "x",
-                                   target=_target(arm, float(delay), task, int(n))))
+                                   target=_target(arm, float(delay), task, int(n)), note=_steady(runs[arm], runs)))
     out += _far_rows(delays, label)
     return out + (rows(raw["then"]) if raw and raw.get("then") else [])
+
+
+def _steady(run: dict[str, Any], runs: dict[str, Any]) -> str:
+    """The same ratio once every stream decodes (`steady_rate`; "" for runs measured before it was)."""
+    steady, plain = run.get("steady_tok_s"), runs["plain"].get("steady_tok_s")
+    return f"once every stream decodes: {steady / plain:.2f}x" if steady and plain else ""
 
 
 def _counted(run: dict[str, Any]) -> str:

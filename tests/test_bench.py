@@ -641,6 +641,23 @@ def test_links_rows_set_the_issues_targets() -> None:
     assert links.rows(None)[0].value is None
 
 
+def test_links_steady_rate_counts_the_tokens_after_the_last_streams_first() -> None:
+    """Two streams: b's prompt ends at 2.0 s, while a decodes; from then on 3 tokens (a's at 2.5, b's at 2.5 and 3.0)
+    come in 1 s, where `rate` counts a's earlier tokens over the whole span from 1.0 s."""
+    a, b = links.stamped([Generation(0, "a", 1), Generation(1, "b", 2)])
+    for g, times in ((a, [1.0, 1.5, 1.8, 2.5]), (b, [2.0, 2.5, 3.0])):
+        for t in times:
+            g.t_first, g.t_end = g.t_first or t, t
+            g.tokens.append(7)
+            g.on_token(g)
+    assert links.steady_rate([a, b]) == pytest.approx(3.0)
+    assert links.rate([a, b]) == pytest.approx(5 / 2.0)
+    plain = {"tok_s": 100, "drafted": 0, "kept": 0, "steady_tok_s": 200}
+    raw = {"delays": {"0": {"free": {"8": {"plain": plain, "ngram": plain | {"tok_s": 110, "steady_tok_s": 300}}}}}}
+    assert "once every stream decodes: 1.50x" in {r.name: r for r in links.rows(raw)}[
+        "0 ms, free, 8 stream(s): ngram / plain"].note
+
+
 def test_links_local_rate_is_local_stages_without_the_relay() -> None:
     """What "against plain at 0 ms" compares with: the stages as a user runs them on one machine (no launcher, so
     auto's lock-step on the CPU), not the relay with nothing to delay (a launcher: the schedule of remote stages)."""
