@@ -370,13 +370,15 @@ class DraftWorker:
         no guesses (they go on without) and the failure goes on to ``_serve``."""
         running = [g for g in guesses if g.advance(None)]
         while running:
+            asks = [g.round_ask(together=len(running) > 1) for g in running]
             try:
-                answers: list[int | DraftModelError] = self.next_tokens([(g.session, g.ask) for g in running])
+                answers: list[int | DraftModelError] = self.next_tokens(
+                    [(g.session, ask) for g, ask in zip(running, asks, strict=True)])
             except Exception:
                 for g in running:
                     g.then([])
                 raise
-            running = [g for g, answer in zip(running, answers, strict=True) if g.advance(answer)]
+            running = [g for g, ask, answer in zip(running, asks, answers, strict=True) if g.fed(ask, answer)]
 
     def _failed(self, error: Exception) -> None:
         """The draft model failed: kill its workers, give the guesses queued none, and start it again after 1, 2,
@@ -437,6 +439,7 @@ Ask = tuple[list[int], int]  # tokens to feed a session, at this position
 # dozen about as well as from all, and a long prompt's feed would cost the draft model more than the guesses save
 # (bench/NOTES.md, Speculative decoding)
 WINDOW = 32
+SPLIT = 2  # a feed this short goes one token a round beside other generations' guesses (Guess.round_ask)
 
 
 @dataclass
@@ -448,6 +451,24 @@ class Guess:
     steps: Generator[Ask, int, list[int]]
     then: Callable[[list[int] | Exception], None]
     ask: Ask = ([], 0)
+
+    def round_ask(self, together: bool) -> Ask:
+        """This round's forward: the ask, or, with other generations in the round, the first of a feed of SPLIT
+        tokens (the one after every guess was kept: the last guess and the model's token). One-token forwards of
+        several sessions are one batched forward, a 2-token one is a forward of its own on the last stage (which
+        mixes only checks' rows with others): 8 sessions' 2-token feeds took 3.7-6.2 ms, two rounds of one-token
+        forwards 2.8-3.6 ms (bench/NOTES.md)."""
+        tokens, position = self.ask
+        return (tokens[:1], position) if together and 1 < len(tokens) <= SPLIT else self.ask
+
+    def fed(self, ask: Ask, answer: int | DraftModelError) -> bool:
+        """``ask`` (this round's, `round_ask`) was answered: True while it asks for another forward. The answer to
+        part of a feed is no guess: the rest of the feed is the next round's ask (an error goes to ``advance``)."""
+        done = len(ask[0])
+        if done < len(self.ask[0]) and not isinstance(answer, DraftModelError):
+            self.ask = (self.ask[0][done:], self.ask[1] + done)
+            return True
+        return self.advance(answer)
 
     def advance(self, answer: int | DraftModelError | None) -> bool:
         """Hand it the last ask's answer (None: start it); True while it asks for another forward (``ask``)."""
