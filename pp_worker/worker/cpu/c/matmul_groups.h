@@ -235,8 +235,9 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
    From memory the order of the loads counts: left to the compiler, a block's loads of Q6_K (whose pairs were all
    unrolled) went out in an order the hardware's prefetch did not follow, 8.5 GB/s against the plain rows' 23 (one
    thread); IN_ORDER after each chunk and pass makes them go out as the block lies: Q6_K 1.3x the plain rows, Q4_K
-   1.15x its groups without it, Q2_K 1.0-1.1x; Q3_K 0.8x (its hmask chunks read every pass), so not for it
-   (bench/NOTES.md). */
+   1.15x its groups without it, Q2_K 1.0-1.1x. Q3_K (its hmask chunks reread every pass) streamed a 56 MB matrix on
+   one thread 0.75-0.84x with it, but a stage's decode calls ran 1.05-1.09x (Q3_K_M) and 1.0-1.03x (Q2_K), on one
+   thread or two, prefill 1.0x: the stage is what counts (bench/NOTES.md). */
 #if GROUP_K == 2
 enum { K_QS = 64 + 8 * 32 };
 #elif GROUP_K == 3
@@ -267,11 +268,8 @@ static inline i16x32 i16_pairs(const unsigned char* p) { return __builtin_conver
 static inline u32x16 u32x16_at(const unsigned char* p) { u32x16 v; __builtin_memcpy(&v, p, 64); return v; }
 /* two 32-bit lanes' low halves side by side as 16-bit pairs (a row's pair of scales or sums) */
 static inline i16x32 halves(u32x16 a, u32x16 b) { return (i16x32)((a & 0xFFFF) | (b << 16)); }
-#if GROUP_K == 3
-#define IN_ORDER()
-#else  /* a compiler barrier: the loads written before it are issued before those after it (see above) */
+/* a compiler barrier: the loads written before it are issued before those after it (see above) */
 #define IN_ORDER() __asm__ volatile("" ::: "memory")
-#endif
 /* a pair of sub-blocks of the 16 rows: q (sub-block 2p's K_CH chunks of values, then 2p + 1's), their scales as
    16-bit pairs (sc: Q2_K, Q3_K) or each in 32 bits (sa, sb: Q4_K, Q6_K), and their mins (m) as 16-bit pairs */
 typedef struct { u8x64 q[2 * K_CH]; i16x32 sc, m; i32x16 sa, sb; } kpair;
