@@ -1,8 +1,8 @@
-"""The products of Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K and IQ4_XS on the integer path over rows interleaved at
-load in groups of 16 (`gguf.tensors.grouped`, ``c/matmul_groups.h``): the layout's bytes, the kernel against the numpy
-model of ggml's scheme (testing/ggml_int8.py) in this CPU's build, AVX2's, the baseline x86-64's and aarch64's (under
-qemu), every row of a chunk the same floats as alone, and a stage holding its products' matrices so (the embedding's
-rows plain) with logits near the scheme."""
+"""The products of Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, Q2_K, Q3_K, Q4_K, Q6_K and IQ4_XS on the integer path over rows
+interleaved at load in groups of 16 (`gguf.tensors.grouped`, ``c/matmul_groups.h``): the layout's bytes, the kernel
+against the numpy model of ggml's scheme (testing/ggml_int8.py) in this CPU's build, AVX2's, the baseline x86-64's and
+aarch64's (under qemu), every row of a chunk the same floats as alone, and a stage holding its products' matrices so
+(the embedding's rows plain) with logits near the scheme."""
 
 from __future__ import annotations
 
@@ -25,9 +25,11 @@ from pp_worker.worker.cpu import kernels as cpu_kernels
 from pp_worker.worker.gguf import tensors
 from pp_worker.worker.gguf.tensors import PackedWeight
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, IQ4_NL, IQ4_XS, G = 2, 3, 6, 7, 10, 11, 20, 23, cpu_kernels.GROUP_ROWS
+Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 10, 11, 12, 14, 20, 23
+G = cpu_kernels.GROUP_ROWS
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", Q2_K: "Q2_K", Q3_K: "Q3_K",
-         IQ4_XS: "IQ4_XS"}
+         Q4_K: "Q4_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
+K_TYPES = (Q2_K, Q3_K, Q4_K, Q6_K, IQ4_XS)  # grouped with AVX-512 VNNI only
 GROUPED = pytest.mark.parametrize("ggml_type", list(NAMES), ids=list(NAMES.values()))
 N = 37  # two whole groups and 5 plain rows after them
 
@@ -95,14 +97,20 @@ def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
 
 # a K-quant block's fields in their grouped order: (first byte, end, bytes a field)
 K_FIELDS = {Q2_K: [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales, qs
-            Q3_K: [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)]}  # d, scales, hmask, qs
+            Q3_K: [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)],  # d, scales, hmask, qs
+            Q4_K: [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales, qs
+            # the scales; for each half h and qh word c of its 8: qh's word, ql's words c and 8 + c of the half; d
+            Q6_K: [(192, 208, 4), *((at, at + 4, 4) for h in range(2) for c in range(8)
+                                    for at in (128 + 32 * h + 4 * c, 64 * h + 4 * c, 64 * h + 32 + 4 * c)),
+                   (208, 210, 2)]}
 
 
-@pytest.mark.parametrize("ggml_type", [Q2_K, Q3_K], ids=["Q2_K", "Q3_K"])
+@pytest.mark.parametrize("ggml_type", list(K_FIELDS), ids=[NAMES[t] for t in K_FIELDS])
 def test_k_quants_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     """Block j of group g: each field of the block in turn (Q2_K: d, dmin, the scales in pairs of bytes, qs in words
-    of 4 bytes; Q3_K: d, the scales in pairs, hmask and qs in words), each as the 16 rows' in turn; the rows past the
-    last group unchanged."""
+    of 4 bytes; Q3_K: d, the scales in pairs, hmask and qs in words; Q4_K: d, dmin, the scales and qs in words; Q6_K:
+    the scales, qh and ql in words in triples, d), each as the 16 rows' in turn; the rows past the last group
+    unchanged."""
     k, size = 512, cpu_kernels.TYPES[ggml_type].nbytes
     raw, _ = random_rows(ggml_type, N, k, seed=3)
     got = grouped(raw, ggml_type)
@@ -214,16 +222,16 @@ def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
 
 
 def test_which_weights_are_grouped(monkeypatch):
-    """On the integer path on x86-64 (where they measured faster): the 32-value types with AVX-512 VNNI or AVX2, Q2_K,
-    Q3_K and IQ4_XS with AVX-512 VNNI only; their float path (PP_EXACT=1), other types and aarch64 (not timed on a
-    real core) keep plain rows."""
+    """On the integer path on x86-64 (where they measured faster): the 32-value types with AVX-512 VNNI or AVX2, the
+    K-quants and IQ4_XS with AVX-512 VNNI only; their float path (PP_EXACT=1), other types and aarch64 (not timed on
+    a real core) keep plain rows."""
     import platform
 
-    types, k_types, n = list(NAMES), (Q2_K, Q3_K, IQ4_XS), len(NAMES)
+    types, k_types, n = list(NAMES), K_TYPES, len(NAMES)
     x86 = platform.machine() == "x86_64"
     assert [cpu_kernels.group_rows(t) for t in types] == [
         G if x86 and (t not in k_types or cpu_kernels.avx512_vnni()) else 0 for t in types]
-    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(12) == cpu_kernels.group_rows(14) == 0  # Q8_0 Q4_K Q6_K
+    assert cpu_kernels.group_rows(8) == cpu_kernels.group_rows(13) == 0  # Q8_0, Q5_K
     monkeypatch.setattr(platform, "machine", lambda: "aarch64")
     assert [cpu_kernels.group_rows(t) for t in types] == [0] * n
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")

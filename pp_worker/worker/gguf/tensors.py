@@ -251,7 +251,7 @@ def grouped(rows: np.ndarray, group: int, ggml_type: int) -> None:
         s = min(step, n // group - g0)
         part = rows[g0 * group:(g0 + s) * group]
         blocks = part.reshape(s, group, nb, size).transpose(0, 2, 1, 3)  # (s, nb, row, size)
-        out = (_k_blocks if TYPES[ggml_type].name in ("Q2_K", "Q3_K") else _nibble_blocks)(blocks, ggml_type)
+        out = (_k_blocks if TYPES[ggml_type].name in K_FIELDS else _nibble_blocks)(blocks, ggml_type)
         part[:] = out.reshape(part.shape)
 
 
@@ -301,17 +301,24 @@ def _side_by_side(fields: np.ndarray, width: int) -> np.ndarray:
     return fields.reshape(s, nb, group, size // width, width).transpose(0, 1, 3, 2, 4)
 
 
+# a K-quant block's fields in their grouped order (`_k_blocks`): (first byte, end, bytes a field of a row)
+K_FIELDS = {"Q2_K": [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales in pairs, qs in words
+            "Q3_K": [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)],  # d, scales in pairs, hmask, qs
+            "Q4_K": [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales in words, qs
+            # the scales in words; for each half h and word c of its 8 of qh: qh's word, ql's words c and 8 + c (the
+            # order the kernel reads them); d last
+            "Q6_K": [(192, 208, 4), *((at, at + 4, 4) for h in range(2) for c in range(8)
+                                     for at in (128 + 32 * h + 4 * c, 64 * h + 4 * c, 64 * h + 32 + 4 * c)),
+                     (208, 210, 2)]}
+
+
 def _k_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
-    """(s, nb, group, size) Q2_K or Q3_K blocks -> (s, nb, group size) grouped, each field's bytes of the group's rows
-    side by side: Q2_K (scales[16], qs[64], d, dmin): d, dmin, the scales in pairs of bytes, qs in 4-byte words;
-    Q3_K (hmask[32], qs[64], scales[12], d): d, the scales in pairs of bytes, hmask and qs in 4-byte words."""
+    """(s, nb, group, size) K-quant blocks -> (s, nb, group size) grouped: each field of `K_FIELDS` in turn, its bytes
+    of the group's rows side by side a field (a pair of bytes or a word of 4) at a time."""
     s, nb, group, size = blocks.shape
-    q2 = TYPES[ggml_type].name == "Q2_K"
-    parts = ([(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)] if q2
-             else [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)])  # (from, to, bytes a field)
     out = np.empty((s, nb, size * group), np.uint8)
     at = 0
-    for lo, hi, width in parts:
+    for lo, hi, width in K_FIELDS[TYPES[ggml_type].name]:
         out[..., at:at + (hi - lo) * group].reshape(s, nb, (hi - lo) // width, group, width)[:] = _side_by_side(
             blocks[..., lo:hi], width)
         at += (hi - lo) * group

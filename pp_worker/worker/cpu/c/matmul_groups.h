@@ -1,6 +1,6 @@
 /* The integer path's product (matmul_int.c's NAME) for weights whose rows `gguf.tensors.grouped` interleaved at load,
    PP_GROUP (16) rows a group, a row a 32-bit lane: 32-value blocks (Q4_0, Q5_0, IQ4_NL, Q4_1, Q5_1), IQ4_XS and the
-   K-quants of bit pairs (Q2_K, Q3_K: GROUP_K; below). The rows past the last whole group stay plain, after the groups
+   K-quants (Q2_K, Q3_K, Q4_K, Q6_K: GROUP_K; below). The rows past the last whole group stay plain, after the groups
    (matmul_int.c's rows_pass).
 
    32-value blocks: block j of a group is 16 x BLOCK_BYTES bytes (a group's NB blocks one after another): the 16
@@ -35,7 +35,7 @@ static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
   return (i32x16)__builtin_ia32_vpdpbusd512(acc, (i32x16)w, (i32x16)v);  /* the broadcast folds into its operand */
 #else
-  i8x32 xv = (i8x32)(i32x8)v;  /* q <= 31: AVX2's 16-bit pair sums cannot saturate */
+  i8x32 xv = (i8x32)(i32x8)v;  /* q <= 63: AVX2's 16-bit pair sums cannot saturate */
   return acc + CAT16(dot32u(LO32(w), xv), dot32u(HI32(w), xv));
 #endif
 }
@@ -208,28 +208,53 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
 }
-#else  /* the 256-value K-quants of 2-bit pairs: Q2_K (GROUP_K 2), Q3_K (GROUP_K 3) */
-/* Their values are bit pairs of qs as Q2_K's: the file's 4 bytes m of qs (0..15) hold in bit pair i values 128 (m / 8)
-   + 32i + 4 (m % 8) + t (t = 0..3, the byte); a group's block holds each m as 16 rows' words side by side (a chunk of
-   64 bytes, a transpose of 32-bit words at load), after the type's scales:
+#else  /* the 256-value K-quants: Q2_K (GROUP_K 2), Q3_K (GROUP_K 3), Q4_K (GROUP_K 4), Q6_K (GROUP_K 6) */
+/* Their values' low bits are the file's words of qs (ql), a group's block holding each word m as 16 rows' words side
+   by side (a chunk of 64 bytes, a transpose of 32-bit words at load), after the type's scales, so 4 values of each row
+   a chunk go against x's 4 values broadcast (vpdpbusd, as the 32-value types'): a sub-block's sums of the 16 rows lie
+   in one vector. A pass takes a pair of sub-blocks (p: values 2 K_SUB p ..): their two sums times their scales, the
+   mins (Q2_K, Q4_K) or the scales (Q3_K, Q6_K, whose values are u - 4 and u - 32: their min is 4 s, 32 s) against
+   x's sums the same way. Per (row, x) and block: f += float(sum) (d dx) - float(mins) (dmin dx) (Q3_K: float(sum -
+   4 mins) (d dx), Q6_K: 32 mins), the same steps for any pass.
    - Q2_K (16 x 84 bytes): the 16 rows' d, then their dmin (fp16); then for each pair p of sub-blocks of 16 values
      (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in the
-     high one); then the 16 qs chunks.
+     high one); then the 16 qs chunks. Word m's bit pair i holds values 128 (m / 8) + 32i + 4 (m % 8) + t (t = 0..3,
+     the byte).
    - Q3_K (16 x 110 bytes): the 16 rows' d; the file's 12 scale bytes as 6 pairs (bytes 2q, 2q + 1), each the 16 rows'
      side by side; the file's 4 bytes c of hmask (0..7) as 8 chunks as qs's (value l's third bit is bit l / 32 of
-     hmask byte l % 32); then the 16 qs chunks.
-   Pair p of sub-blocks (half h = p / 4, bit pair i = p % 4; 32-value group p) is bit pair i of the half's 8 chunks, 4
-   values of each row a chunk against x's 4 values broadcast (vpdpbusd, as the 32-value types'), so a sub-block's sums
-   of the 16 rows lie in one vector; the pair's two sums side by side as 16-bit halves (|t| <= 16 7 127 fits) times its
-   scales, widened to 16 bits, in one vpdpwssd; the mins (Q2_K) or the scales (Q3_K, whose values are u - 4: its min is
-   4 s) the same way against x's two 16-value sums. Per (row, x) and block: f += float(sum) (d dx) - float(mins)
-   (dmin dx) (Q3_K: float(sum - 4 mins) (d dx)), the same steps for any pass. */
+     hmask byte l % 32); then the 16 qs chunks, as Q2_K's.
+   - Q4_K (16 x 144 bytes): the 16 rows' d, dmin; the 12 scale bytes as 3 words (chunks); then the 32 qs chunks: word
+     m's low nibbles values 64 (m / 8) + 4 (m % 8) + t (sub-block 2 (m / 8) of 32 values), its high ones 32 more.
+   - Q6_K (16 x 210 bytes): the 16 scale bytes (int8) as 4 words; for each half h (128 values) and word c (0..7) of
+     its qh (bit pair i: the high bits of values 128h + 32i + 4c + t) a triple of chunks: that qh word, then ql's
+     words c and 8 + c of the half (their low nibbles values 128h + 4c + t and 128h + 32 + 4c + t, their high ones 64
+     more), in the order the passes read them; then the 16 rows' d (last: a block's chunks start at a cache line,
+     1.1x from DRAM against d first).
+   Q2_K's and Q3_K's pair sums fit 16 bits (|t| <= 16 7 127): side by side as 16-bit halves times the scales in one
+   vpdpwssd; Q4_K's and Q6_K's (32 15 127, 16 63 127) do not: times their scales in 32 bits (vpmulld).
+   From memory the order of the loads counts: left to the compiler, a block's loads of Q6_K (whose pairs were all
+   unrolled) went out in an order the hardware's prefetch did not follow, 8.5 GB/s against the plain rows' 23 (one
+   thread); IN_ORDER after each chunk and pass makes them go out as the block lies: Q6_K 1.3x the plain rows, Q4_K
+   1.15x its groups without it, Q2_K 1.0-1.1x. Q3_K (its hmask chunks reread every pass) streamed a 56 MB matrix on
+   one thread 0.75-0.84x with it, but a stage's decode calls ran 1.05-1.09x (Q3_K_M) and 1.0-1.03x (Q2_K), on one
+   thread or two, prefill 1.0x: the stage is what counts (bench/NOTES.md). */
 #if GROUP_K == 2
 enum { K_QS = 64 + 8 * 32 };
-#else
+#elif GROUP_K == 3
 enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K3_HM = 32 + 6 * 32, K_QS = K3_HM + 8 * 64 };
+#elif GROUP_K == 4
+enum { K4_SC = 64, K_QS = K4_SC + 3 * 64 };
+#else
+enum { K_QS = 4 * 64, K6_HALF = 24 * 64 };  /* after the scales: each half's 8 triples of chunks (qh, ql, ql) */
 #endif
-_Static_assert(K_QS + 16 * 64 == GB, "a group's block");
+enum { K_D = GROUP_K == 6 ? GB - 32 : 0 };  /* where the 16 rows' d lie */
+#if GROUP_K == 4
+enum { K_SUB = 32 };  /* values a sub-block */
+#else
+enum { K_SUB = 16 };
+#endif
+enum { K_CH = K_SUB / 4, K_PAIRS = 128 / K_SUB };  /* chunks a sub-block, pairs of sub-blocks a block */
+_Static_assert(K_QS + (GROUP_K == 6 ? 48 * 64 + 32 : GROUP_K == 4 ? 32 * 64 : 16 * 64) == GB, "a group's block");
 /* acc + a's and b's 16-bit pairs multiplied and summed into each 32-bit lane (vpdpwssd) */
 static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #if defined(__AVX512BW__)
@@ -240,44 +265,100 @@ static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #endif
 }
 static inline i16x32 i16_pairs(const unsigned char* p) { return __builtin_convertvector(u8x32_at(p), i16x32); }
-/* pair p's weights (q: sub-block 2p's 4 chunks of values, then 2p + 1's), their scales (sc) and mins (m) as 16-bit
-   pairs of the 16 rows */
-static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, u8x64* q, i16x32* sc,
-                                                         i16x32* m) {
+static inline u32x16 u32x16_at(const unsigned char* p) { u32x16 v; __builtin_memcpy(&v, p, 64); return v; }
+/* two 32-bit lanes' low halves side by side as 16-bit pairs (a row's pair of scales or sums) */
+static inline i16x32 halves(u32x16 a, u32x16 b) { return (i16x32)((a & 0xFFFF) | (b << 16)); }
+/* a compiler barrier: the loads written before it are issued before those after it (see above) */
+#define IN_ORDER() __asm__ volatile("" ::: "memory")
+/* a pair of sub-blocks of the 16 rows: q (sub-block 2p's K_CH chunks of values, then 2p + 1's), their scales as
+   16-bit pairs (sc: Q2_K, Q3_K) or each in 32 bits (sa, sb: Q4_K, Q6_K), and their mins (m) as 16-bit pairs */
+typedef struct { u8x64 q[2 * K_CH]; i16x32 sc, m; i32x16 sa, sb; } kpair;
+#if GROUP_K == 4
+/* sub-block j's 6-bit scale and min (ggml's get_scale_min_k4) from the 12 scale bytes as 3 words of the 16 rows */
+static inline void k4_scale(const u32x16* w, int j, u32x16* s, u32x16* m) {
+  if (j < 4) { *s = (w[0] >> 8 * j) & 63; *m = (w[1] >> 8 * j) & 63; return; }
+  int i = 8 * (j - 4);
+  *s = ((w[2] >> i) & 15) | ((w[0] >> (i + 6)) & 3) << 4;
+  *m = ((w[2] >> (i + 4)) & 15) | ((w[1] >> (i + 6)) & 3) << 4;
+}
+#elif GROUP_K == 6
+static inline i32x16 k6_scale(u32x16 w, int k) { return (i32x16)(w << (24 - 8 * k)) >> 24; }  /* byte k, signed */
+#endif
+static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, kpair* kp) {
+#if GROUP_K <= 3
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
     u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
-    q[c] = bits64(v, 2 * (p % 4), 0, 2);
+    kp->q[c] = bits64(v, 2 * (p % 4), 0, 2);
 #if GROUP_K == 3  /* the third bit (bit p of the hmask bytes) at bit 2 */
     u8x64 h; __builtin_memcpy(&h, b + K3_HM + 64 * c, 64);
-    q[c] |= pick64(h, p, 2, 1);
+    kp->q[c] |= pick64(h, p, 2, 1);
 #endif
+    IN_ORDER();
   }
+#endif
 #if GROUP_K == 2
   i16x32 sm = i16_pairs(b + 64 + 32 * p);
-  *sc = sm & 15; *m = sm >> 4;
-#else  /* scale j = 2p, 2p + 1: its low 4 bits nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4) of byte
-   8 + j % 4, minus 32 */
+  kp->sc = sm & 15; kp->m = sm >> 4;
+#elif GROUP_K == 3  /* scale j = 2p, 2p + 1: its low 4 bits nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4)
+   of byte 8 + j % 4, minus 32 */
   i16x32 lo = i16_pairs(b + K3_SA + 32 * (p % 4)), hi = i16_pairs(b + K3_SB + 32 * (p % 2));
-  *sc = *m = ((p < 4 ? lo & 15 : lo >> 4) | ((hi >> 2 * (p / 2)) & 3) << 4) - 32;
+  kp->sc = kp->m = ((p < 4 ? lo & 15 : lo >> 4) | ((hi >> 2 * (p / 2)) & 3) << 4) - 32;
+#elif GROUP_K == 4
+  _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
+    u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * p + c), 64);
+    kp->q[c] = v & 15; kp->q[8 + c] = (u8x64)((u16x32)v >> 4) & 15;
+    IN_ORDER();
+  }
+  u32x16 w[3] = {u32x16_at(b + K4_SC), u32x16_at(b + K4_SC + 64), u32x16_at(b + K4_SC + 128)}, sa, sb, ma, mb;
+  k4_scale(w, 2 * p, &sa, &ma); k4_scale(w, 2 * p + 1, &sb, &mb);
+  kp->sa = (i32x16)sa; kp->sb = (i32x16)sb; kp->m = halves(ma, mb);
+#else  /* sub-blocks 2p, 2p + 1: quarter p % 4 of half p / 4 (the low nibbles of ql's first or second 8 words, or
+   their high ones), the high bits bit pair p % 4 of qh's 8 words */
+  _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
+    const unsigned char* t = b + K_QS + K6_HALF * (p / 4) + 192 * c;  /* triple c: qh's word, ql's words c, 8 + c */
+    u8x64 v, h;
+    __builtin_memcpy(&h, t, 64); __builtin_memcpy(&v, t + 64 + 64 * (p % 2), 64);
+    kp->q[c] = bits64(v, 4 * (p % 4 / 2), 0, 4) | bits64(h, 2 * (p % 4), 4, 2);
+    IN_ORDER();
+  }
+  u32x16 w = u32x16_at(b + 64 * (p / 2));
+  kp->sa = k6_scale(w, 2 * (p % 2)); kp->sb = k6_scale(w, 2 * (p % 2) + 1);
+  kp->m = halves((u32x16)kp->sa, (u32x16)kp->sb);
 #endif
 }
 /* pair p of block b's 16 rows against nx rows of x (block j of theirs): acc += the pair's sums times its scales,
-   mn += its mins (Q3_K: scales) times x's sums */
+   mn += its mins (Q3_K, Q6_K: scales) times x's sums of the sub-blocks */
 static inline __attribute__((always_inline)) void k_pass(const unsigned char* b, int p, const unsigned char* xq,
                                                          int j, int nx, i32x16* acc, i32x16* mn) {
   enum { NB = PP_K / BLOCK_VALUES };
-  u8x64 q[8]; i16x32 sc, m;
-  k_pair(b, p, q, &sc, &m);
+  kpair kp;
+  k_pair(b, p, &kp);
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
-    const unsigned char* xb = xq + ((long)i * NB + j) * XB + 32 * p;
+    const unsigned char* xb = xq + ((long)i * NB + j) * XB;
+    const unsigned char* xv = xb + 2 * K_SUB * p;
     i32x16 t0 = 0, t1 = 0;
-    _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
-      t0 = dot4(t0, q[c], xb + 4 * c); t1 = dot4(t1, q[4 + c], xb + 16 + 4 * c); }
-    int bs; __builtin_memcpy(&bs, xq + ((long)i * NB + j) * XB + X_SUMS + 4 * p, 4);
-    acc[i] = madd_pairs16(acc[i], (i16x32)(((u32x16)t0 & 0xFFFF) | ((u32x16)t1 << 16)), sc);
-    mn[i] = madd_pairs16(mn[i], m, (i16x32)(i32x16)bs);
+    _Pragma("clang loop unroll(full)") for (int c = 0; c < K_CH; c++) {
+      t0 = dot4(t0, kp.q[c], xv + 4 * c); t1 = dot4(t1, kp.q[K_CH + c], xv + K_SUB + 4 * c); }
+#if GROUP_K <= 3
+    acc[i] = madd_pairs16(acc[i], halves((u32x16)t0, (u32x16)t1), kp.sc);
+    int bs; __builtin_memcpy(&bs, xb + X_SUMS + 4 * p, 4);
+#else
+    acc[i] += t0 * kp.sa + t1 * kp.sb;
+#if GROUP_K == 4  /* x's sums of 32 values: two of its sums of 16 each */
+    short s4[4]; __builtin_memcpy(s4, xb + X_SUMS + 8 * p, 8);
+    int bs = (unsigned short)(s4[0] + s4[1]) | (unsigned)(s4[2] + s4[3]) << 16;  /* |sum| <= 32 127 */
+#else
+    int bs; __builtin_memcpy(&bs, xb + X_SUMS + 4 * p, 4);
+#endif
+#endif
+    mn[i] = madd_pairs16(mn[i], kp.m, (i16x32)(i32x16)bs);
   }
 }
+#if GROUP_K == 3
+#define K_OFF 4  /* the values' offset, times the scales: Q3_K's u - 4, Q6_K's u - 32 */
+#elif GROUP_K == 6
+#define K_OFF 32
+#endif
 /* a group's 16 rows against nx (at most GXR) rows of x: each pair of sub-blocks unpacked once for all of them */
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
                                                              const unsigned char* restrict gw,
@@ -291,22 +372,25 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[i] = mn[i] = 0;
     if (GROUP_K == 3 && nx > 1) {  /* Q3_K's passes of several rows of x, the 8 pairs unrolled whole, spilled: two
       pairs a step measured 1.15-1.25x (one row of x and Q2_K's passes 0.86-1.0x) */
-      _Pragma("clang loop unroll_count(2)") for (int p = 0; p < 8; p++) k_pass(b, p, xq, j, nx, acc, mn);
+      _Pragma("clang loop unroll_count(2)") for (int p = 0; p < K_PAIRS; p++) k_pass(b, p, xq, j, nx, acc, mn);
     } else {
-      _Pragma("clang loop unroll(full)") for (int p = 0; p < 8; p++) k_pass(b, p, xq, j, nx, acc, mn);
+      _Pragma("clang loop unroll(full)") for (int p = 0; p < K_PAIRS; p++) {
+        k_pass(b, p, xq, j, nx, acc, mn);
+        IN_ORDER();
+      }
     }
-    h16x16 hd; __builtin_memcpy(&hd, b, 32);
+    h16x16 hd; __builtin_memcpy(&hd, b + K_D, 32);
     f16v d = __builtin_convertvector(hd, f16v);
-#if GROUP_K == 2
+#ifndef K_OFF
     h16x16 hm; __builtin_memcpy(&hm, b + 32, 32);
     f16v dm = __builtin_convertvector(hm, f16v);
 #endif
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
       float dx; __builtin_memcpy(&dx, xq + ((long)i * NB + j) * XB + X_D, 4);
-#if GROUP_K == 2
+#ifndef K_OFF
       f[i] += __builtin_convertvector(acc[i], f16v) * (d * dx) - __builtin_convertvector(mn[i], f16v) * (dm * dx);
 #else
-      f[i] += __builtin_convertvector(acc[i] - 4 * mn[i], f16v) * (d * dx);
+      f[i] += __builtin_convertvector(acc[i] - K_OFF * mn[i], f16v) * (d * dx);
 #endif
     }
   }

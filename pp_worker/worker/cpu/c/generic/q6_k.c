@@ -12,6 +12,7 @@ static inline void decode32_generic(const unsigned char* b, int g, f16v* w) {
 #ifdef PP_INT  /* the integer path (q8.h): unsigned 6-bit values (q + 32), a signed scale per 16 (sub-block g's scale
    is scales[g]), the 32 taken back through the offsets: d sc (u - 32) = d sc u - d (32 sc) */
 #define IQ_SIGNED 0
+#define GROUP_K 6  /* rows in groups (matmul_groups.h) */
 static inline u8x32 iq32(const unsigned char* b, int g) {
   int half = g >> 2, quarter = g & 3;
   u8x32 l = u8x32_at(b + 64 * half + 32 * (quarter & 1)), e = u8x32_at(b + 128 + 32 * half);
