@@ -124,6 +124,14 @@ def test_short_rows_of_held_sessions_share_one_forward(stage: int, num_stages: i
     assert worker.engine.batches == [3]  # type: ignore[attr-defined]
 
 
+def test_a_step_past_max_context_fails_alone_beside_a_batch() -> None:
+    worker = Worker(StubEngine(0, 2, max_context=8), Clock(), "stub")
+    requests = [prefill(0, 2, 1, 3), prefill(0, 2, 2, 6), rows(0, 2, 1, 3, 2), rows(0, 2, 2, 6, 3)]
+    replies = served(worker, requests)
+    assert "hidden_b64" in replies[2] and "max_context" in replies[3]["error"]
+    assert worker.engine.batches == []  # type: ignore[attr-defined]  # the second would overflow: each alone
+
+
 def test_rewinding_steps_batch_and_unknown_or_invalid_ones_run_alone() -> None:
     requests = [prefill(0, 2, 1, 3), prefill(0, 2, 2, 3),
                 step(0, 2, 1, 1),  # a rewind

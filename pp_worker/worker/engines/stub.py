@@ -101,8 +101,10 @@ class StubEngine:
         return None
 
     def can_batch(self, session: int, position: int, rows: int = 1) -> bool:
+        """As a real stage's: a session held, continued (position at most its length), within max_context (past it
+        the step runs alone, to fail alone)."""
         length = self._sessions.get(session)
-        return length is not None and position <= length
+        return length is not None and position <= length and position + rows <= self.info.max_context
 
     def step_batch(self, sessions: list[int], positions: list[int], inputs: list[int] | list[bytes]) -> Any:
         ones = [1] * len(sessions)
