@@ -220,8 +220,8 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
      (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in the
      high one); then the 16 qs chunks. Word m's bit pair i holds values 128 (m / 8) + 32i + 4 (m % 8) + t (t = 0..3,
      the byte).
-     A chunk's bit pair k is taken in place (and-ed, 4^k times the value; `K2_AT`), its sums shifted back before the
-     scales (one and a chunk instead of a shift and an and).
+     For one row of x a chunk's bit pair k is taken in place (and-ed, 4^k times the value; `K2_AT`), its sums shifted
+     back before the scales (one and a chunk instead of a shift and an and).
    - Q3_K (16 x 110 bytes): the 16 rows' d; the file's 12 scale bytes as 6 pairs (bytes 2q, 2q + 1), each the 16 rows'
      side by side; then for each pair p a triple of chunks a, e, c: the pair's 32 values of each row as 3-bit u (ggml's
      q + 4; hmask and qs rewritten at load, the same 96 bytes a row), byte t of a row's words holding values 4v + t
@@ -277,8 +277,10 @@ static inline i16x32 halves(u32x16 a, u32x16 b) { return (i16x32)((a & 0xFFFF) |
 /* the same of a / 2^sa and b / 2^sb, sums of values taken in place (2^s times theirs: their low s bits 0) */
 static inline i16x32 halves_at(i32x16 a, int sa, i32x16 b, int sb) {
   return (i16x32)((((u32x16)a >> sa) & 0xFFFF) | ((u32x16)b << (16 - sb))); }
-/* where a Q2_K bit pair at bit 2k is taken: in place (2^2k times the value: one and a chunk), but at most bit 4 where
-   the dot adds pairs of products in 16 bits (AVX2's vpmaddubsw: 192 127 2 would saturate) */
+/* where a Q2_K bit pair at bit 2k is taken for one row of x: in place (2^2k times the value: one and a chunk, its sums
+   shifted back), but at most bit 4 where the dot adds pairs of products in 16 bits (AVX2's vpmaddubsw: 192 127 2 would
+   saturate). Several rows of x take it at bit 0: each would shift its sums back, where the shift of a chunk is shared
+   (in place there: 0.95x at 64 rows of x) */
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define K2_AT(k) (2 * (k))
 #else
@@ -300,11 +302,11 @@ static inline void k4_scale(const u32x16* w, int j, u32x16* s, u32x16* m) {
 #elif GROUP_K == 6
 static inline i32x16 k6_scale(u32x16 w, int k) { return (i32x16)(w << (24 - 8 * k)) >> 24; }  /* byte k, signed */
 #endif
-static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, kpair* kp) {
+static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, int at2, kpair* kp) {
 #if GROUP_K == 2
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
     u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
-    kp->q[c] = bits64(v, 2 * (p % 4), K2_AT(p % 4), 2);
+    kp->q[c] = bits64(v, 2 * (p % 4), at2, 2);
     IN_ORDER();
   }
 #elif GROUP_K == 3  /* the pair's triple a, e, c: 6 vectors in place by one and each, 2 of two pieces */
@@ -351,7 +353,8 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
                                                          int j, int nx, i32x16* acc, i32x16* mn) {
   enum { NB = PP_K / BLOCK_VALUES };
   kpair kp;
-  k_pair(b, p, &kp);
+  const int at2 = nx == 1 ? K2_AT(p % 4) : 0;  /* Q2_K's bits in place for one row of x only (below) */
+  k_pair(b, p, at2, &kp);
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
     const unsigned char* xb = xq + ((long)i * NB + j) * XB;
     const unsigned char* xv = xb + 2 * K_SUB * p;
@@ -359,7 +362,7 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
     _Pragma("clang loop unroll(full)") for (int c = 0; c < K_CH; c++) {
       t0 = dot4(t0, kp.q[c], xv + 4 * c); t1 = dot4(t1, kp.q[K_CH + c], xv + K_SUB + 4 * c); }
 #if GROUP_K <= 3  /* Q2_K's values 2^K2_AT times theirs, Q3_K's second sub-block's 8 times */
-    acc[i] = madd_pairs16(acc[i], GROUP_K == 2 ? halves_at(t0, K2_AT(p % 4), t1, K2_AT(p % 4)) : halves_at(t0, 0, t1, 3),
+    acc[i] = madd_pairs16(acc[i], GROUP_K == 2 ? halves_at(t0, at2, t1, at2) : halves_at(t0, 0, t1, 3),
                           kp.sc);
     int bs; __builtin_memcpy(&bs, xb + X_SUMS + 4 * p, 4);
 #else
