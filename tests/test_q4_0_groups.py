@@ -97,7 +97,7 @@ def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
 
 # a K-quant block's fields in their grouped order: (first byte, end, bytes a field)
 K_FIELDS = {Q2_K: [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales, qs
-            Q3_K: [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)],  # d, scales, hmask, qs
+            Q3_K: [(108, 110, 2), (96, 108, 2)],  # d, scales; then its values in triples (below)
             Q4_K: [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales, qs
             # the scales; for each half h and qh word c of its 8: qh's word, ql's words c and 8 + c of the half; d
             Q6_K: [(192, 208, 4), *((at, at + 4, 4) for h in range(2) for c in range(8)
@@ -108,9 +108,9 @@ K_FIELDS = {Q2_K: [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmi
 @pytest.mark.parametrize("ggml_type", list(K_FIELDS), ids=[NAMES[t] for t in K_FIELDS])
 def test_k_quants_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     """Block j of group g: each field of the block in turn (Q2_K: d, dmin, the scales in pairs of bytes, qs in words
-    of 4 bytes; Q3_K: d, the scales in pairs, hmask and qs in words; Q4_K: d, dmin, the scales and qs in words; Q6_K:
-    the scales, qh and ql in words in triples, d), each as the 16 rows' in turn; the rows past the last group
-    unchanged."""
+    of 4 bytes; Q3_K: d, the scales in pairs, its values after them as the next test says; Q4_K: d, dmin, the scales
+    and qs in words; Q6_K: the scales, qh and ql in words in triples, d), each as the 16 rows' in turn; the rows past
+    the last group unchanged."""
     k, size = 512, cpu_kernels.TYPES[ggml_type].nbytes
     raw, _ = random_rows(ggml_type, N, k, seed=3)
     got = grouped(raw, ggml_type)
@@ -125,6 +125,38 @@ def test_k_quants_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
                         block = raw[g * G + r, size * j:size * (j + 1)]
                         assert bytes(flat[at + width * r:at + width * (r + 1)]) == bytes(block[f:f + width])
                     at += G * width
+    np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
+
+
+def q3_k_value(block: np.ndarray, v: int) -> int:
+    """Value v's unsigned 3 bits (ggml's q + 4) of a Q3_K block as ggml's dequantize_row_q3_K reads them: the bit
+    pair 2 ((v % 128) // 32) of qs byte 32 (v // 128) + v % 32, the third bit bit v // 32 of hmask byte v % 32."""
+    qs, hmask = block[32:96], block[:32]
+    return int(qs[32 * (v // 128) + v % 32]) >> 2 * (v % 128 // 32) & 3 | (int(hmask[v % 32]) >> v // 32 & 1) << 2
+
+
+def test_q3_k_values_lie_in_triples_of_words():
+    """After the d and scales of a Q3_K group's block, for each pair p of sub-blocks (values 32p..32p + 31) words a,
+    e, c of the 16 rows in turn: byte t of a row's words holds, of values 32p + 4v + t (u0) and 32p + 16 + 4v + t (u1),
+    a: u0, u1 of v = 0 at bits 0-2 and 3-5, u0 of v = 3's bit pair at 6-7; e: the same of v = 1 and u1 of v = 3's
+    pair; c: of v = 2, then the third bits of u0 and u1 of v = 3 at bits 6 and 7. 96 bytes a row, as the file's."""
+    k, size = 512, cpu_kernels.TYPES[Q3_K].nbytes
+    raw, _ = random_rows(Q3_K, N, k, seed=3)
+    got = grouped(raw, Q3_K)
+    nb, head = k // 256, 14
+    flat = got[:2 * G].reshape(-1)
+    for g in range(2):
+        for j in range(nb):
+            at = (g * nb + j) * G * size + G * head
+            for r in range(G):
+                block = raw[g * G + r, size * j:size * (j + 1)]
+                for p in range(8):
+                    a, e, c = (flat[at + 192 * p + 64 * w + 4 * r:at + 192 * p + 64 * w + 4 * r + 4] for w in range(3))
+                    for t in range(4):
+                        u0, u1 = ([q3_k_value(block, 32 * p + 16 * h + 4 * v + t) for v in range(4)] for h in range(2))
+                        assert a[t] == u0[0] | u1[0] << 3 | (u0[3] & 3) << 6, (g, j, r, p, t)
+                        assert e[t] == u0[1] | u1[1] << 3 | (u1[3] & 3) << 6, (g, j, r, p, t)
+                        assert c[t] == u0[2] | u1[2] << 3 | (u0[3] >> 2) << 6 | (u1[3] >> 2) << 7, (g, j, r, p, t)
     np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
 
 

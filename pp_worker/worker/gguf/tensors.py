@@ -303,7 +303,7 @@ def _side_by_side(fields: np.ndarray, width: int) -> np.ndarray:
 
 # a K-quant block's fields in their grouped order (`_k_blocks`): (first byte, end, bytes a field of a row)
 K_FIELDS = {"Q2_K": [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales in pairs, qs in words
-            "Q3_K": [(108, 110, 2), (96, 108, 2), (0, 32, 4), (32, 96, 4)],  # d, scales in pairs, hmask, qs
+            "Q3_K": [(108, 110, 2), (96, 108, 2)],  # d, scales in pairs; then its values in triples (`_q3_k_triples`)
             "Q4_K": [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales in words, qs
             # the scales in words; for each half h and word c of its 8 of qh: qh's word, ql's words c and 8 + c (the
             # order the kernel reads them); d last
@@ -322,4 +322,29 @@ def _k_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
         out[..., at:at + (hi - lo) * group].reshape(s, nb, (hi - lo) // width, group, width)[:] = _side_by_side(
             blocks[..., lo:hi], width)
         at += (hi - lo) * group
+    if TYPES[ggml_type].name == "Q3_K":
+        out[..., at:].view(np.uint32).reshape(s, nb, 8, 3, group)[:] = _q3_k_triples(blocks)
     return out
+
+
+def _q3_k_triples(blocks: np.ndarray) -> np.ndarray:
+    """(s, nb, group, 110) Q3_K blocks -> (s, nb, 8, 3, group) words: each row's 3-bit values u (the bit pair from qs,
+    the hmask bit as bit 2: ggml's q + 4) in 8 triples of words, triple p the values 32p.. (sub-blocks 2p, 2p + 1),
+    so that the kernel takes most by one and. Byte t of words a, e, c holds, of values 4v + t of sub-block 2p (u0) and
+    2p + 1 (u1): a at bits 0-2 u0 of v = 0, at 3-5 u1 of v = 0, at 6-7 u0 of v = 3's bit pair; e the same of v = 1
+    and u1 of v = 3's bit pair; c of v = 2, at bit 6 u0 of v = 3's third bit, at bit 7 u1's. The same 96 bytes a row
+    as hmask and qs. Computed a word (4 values, t = 0..3) at a time: no field leaves its byte."""
+    s, nb, group = blocks.shape[:3]
+    words = np.ascontiguousarray(blocks[..., :96]).view(np.uint32)  # hmask's 8 words, then qs's 16
+    hm, qs = words[..., :8], words[..., 8:]
+    # value 32p + 16h + 4v + t: qs word 8 (p // 4) + 4h + v's bit pair p % 4 and hmask word 4h + v's bit p, byte t
+    pairs = (qs.reshape(s, nb, group, 2, 1, 8) >> (2 * np.arange(4, dtype=np.uint32))[:, None]) & np.uint32(0x03030303)
+    third = (hm.reshape(s, nb, group, 1, 8) >> np.arange(8, dtype=np.uint32)[:, None]) & np.uint32(0x01010101)
+    u = (pairs.reshape(s, nb, group, 8, 8) | third << 2).reshape(s, nb, group, 8, 2, 4)  # (.., p, h, v)
+    lo, hi = u[..., 0, :], u[..., 1, :]
+    two, bit2 = np.uint32(0x03030303), np.uint32(0x04040404)  # each byte's bit pair, its bit 2 (masked before the
+    # shift: a word's shift moves bits across bytes)
+    out = np.stack([lo[..., 0] | hi[..., 0] << 3 | (lo[..., 3] & two) << 6,
+                    lo[..., 1] | hi[..., 1] << 3 | (hi[..., 3] & two) << 6,
+                    lo[..., 2] | hi[..., 2] << 3 | (lo[..., 3] & bit2) << 4 | (hi[..., 3] & bit2) << 5], 4)
+    return out.transpose(0, 1, 3, 4, 2)  # (s, nb, p, word, group)

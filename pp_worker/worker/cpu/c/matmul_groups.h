@@ -220,9 +220,16 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
      (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in the
      high one); then the 16 qs chunks. Word m's bit pair i holds values 128 (m / 8) + 32i + 4 (m % 8) + t (t = 0..3,
      the byte).
+     For one row of x a chunk's bit pair k is taken in place (and-ed, 4^k times the value; `K2_AT`), its sums shifted
+     back before the scales (one and a chunk instead of a shift and an and).
    - Q3_K (16 x 110 bytes): the 16 rows' d; the file's 12 scale bytes as 6 pairs (bytes 2q, 2q + 1), each the 16 rows'
-     side by side; the file's 4 bytes c of hmask (0..7) as 8 chunks as qs's (value l's third bit is bit l / 32 of
-     hmask byte l % 32); then the 16 qs chunks, as Q2_K's.
+     side by side; then for each pair p a triple of chunks a, e, c: the pair's 32 values of each row as 3-bit u (ggml's
+     q + 4; hmask and qs rewritten at load, the same 96 bytes a row), byte t of a row's words holding values 4v + t
+     of sub-block 2p (u0) and 2p + 1 (u1): a u0 and u1 of v = 0 at bits 0-2 and 3-5, e those of v = 1, c those of v =
+     2; u0 of v = 3 from a's bits 6-7 and c's bit 6, u1 of v = 3 from e's bits 6-7 and c's bit 7. So 6 of a pair's 8
+     vectors of values are one and each (u1 8 times its value, in place), the other 2 two picks and an or, where the
+     file's layout took a shift, an and, a pick and an or each with its hmask chunk read again every pass
+     (`gguf.tensors._q3_k_triples`).
    - Q4_K (16 x 144 bytes): the 16 rows' d, dmin; the 12 scale bytes as 3 words (chunks); then the 32 qs chunks: word
      m's low nibbles values 64 (m / 8) + 4 (m % 8) + t (sub-block 2 (m / 8) of 32 values), its high ones 32 more.
    - Q6_K (16 x 210 bytes): the 16 scale bytes (int8) as 4 words; for each half h (128 values) and word c (0..7) of
@@ -235,13 +242,11 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
    From memory the order of the loads counts: left to the compiler, a block's loads of Q6_K (whose pairs were all
    unrolled) went out in an order the hardware's prefetch did not follow, 8.5 GB/s against the plain rows' 23 (one
    thread); IN_ORDER after each chunk and pass makes them go out as the block lies: Q6_K 1.3x the plain rows, Q4_K
-   1.15x its groups without it, Q2_K 1.0-1.1x. Q3_K (its hmask chunks reread every pass) streamed a 56 MB matrix on
-   one thread 0.75-0.84x with it, but a stage's decode calls ran 1.05-1.09x (Q3_K_M) and 1.0-1.03x (Q2_K), on one
-   thread or two, prefill 1.0x: the stage is what counts (bench/NOTES.md). */
+   1.15x its groups without it, Q2_K 1.0-1.1x; Q3_K's triples are read once each, in order (bench/NOTES.md). */
 #if GROUP_K == 2
 enum { K_QS = 64 + 8 * 32 };
 #elif GROUP_K == 3
-enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K3_HM = 32 + 6 * 32, K_QS = K3_HM + 8 * 64 };
+enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K_QS = 32 + 6 * 32 };  /* then a triple of chunks a pair of sub-blocks */
 #elif GROUP_K == 4
 enum { K4_SC = 64, K_QS = K4_SC + 3 * 64 };
 #else
@@ -254,7 +259,8 @@ enum { K_SUB = 32 };  /* values a sub-block */
 enum { K_SUB = 16 };
 #endif
 enum { K_CH = K_SUB / 4, K_PAIRS = 128 / K_SUB };  /* chunks a sub-block, pairs of sub-blocks a block */
-_Static_assert(K_QS + (GROUP_K == 6 ? 48 * 64 + 32 : GROUP_K == 4 ? 32 * 64 : 16 * 64) == GB, "a group's block");
+_Static_assert(K_QS + (GROUP_K == 6 ? 48 * 64 + 32 : GROUP_K == 4 ? 32 * 64 : GROUP_K == 3 ? 24 * 64 : 16 * 64) == GB,
+               "a group's block");
 /* acc + a's and b's 16-bit pairs multiplied and summed into each 32-bit lane (vpdpwssd) */
 static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #if defined(__AVX512BW__)
@@ -268,6 +274,18 @@ static inline i16x32 i16_pairs(const unsigned char* p) { return __builtin_conver
 static inline u32x16 u32x16_at(const unsigned char* p) { u32x16 v; __builtin_memcpy(&v, p, 64); return v; }
 /* two 32-bit lanes' low halves side by side as 16-bit pairs (a row's pair of scales or sums) */
 static inline i16x32 halves(u32x16 a, u32x16 b) { return (i16x32)((a & 0xFFFF) | (b << 16)); }
+/* the same of a / 2^sa and b / 2^sb, sums of values taken in place (2^s times theirs: their low s bits 0) */
+static inline i16x32 halves_at(i32x16 a, int sa, i32x16 b, int sb) {
+  return (i16x32)((((u32x16)a >> sa) & 0xFFFF) | ((u32x16)b << (16 - sb))); }
+/* where a Q2_K bit pair at bit 2k is taken for one row of x: in place (2^2k times the value: one and a chunk, its sums
+   shifted back), but at most bit 4 where the dot adds pairs of products in 16 bits (AVX2's vpmaddubsw: 192 127 2 would
+   saturate). Several rows of x take it at bit 0: each would shift its sums back, where the shift of a chunk is shared
+   (in place there: 0.95x at 64 rows of x) */
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define K2_AT(k) (2 * (k))
+#else
+#define K2_AT(k) (2 * (k) < 4 ? 2 * (k) : 4)
+#endif
 /* a compiler barrier: the loads written before it are issued before those after it (see above) */
 #define IN_ORDER() __asm__ volatile("" ::: "memory")
 /* a pair of sub-blocks of the 16 rows: q (sub-block 2p's K_CH chunks of values, then 2p + 1's), their scales as
@@ -284,17 +302,20 @@ static inline void k4_scale(const u32x16* w, int j, u32x16* s, u32x16* m) {
 #elif GROUP_K == 6
 static inline i32x16 k6_scale(u32x16 w, int k) { return (i32x16)(w << (24 - 8 * k)) >> 24; }  /* byte k, signed */
 #endif
-static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, kpair* kp) {
-#if GROUP_K <= 3
+static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, int at2, kpair* kp) {
+#if GROUP_K == 2
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
     u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
-    kp->q[c] = bits64(v, 2 * (p % 4), 0, 2);
-#if GROUP_K == 3  /* the third bit (bit p of the hmask bytes) at bit 2 */
-    u8x64 h; __builtin_memcpy(&h, b + K3_HM + 64 * c, 64);
-    kp->q[c] |= pick64(h, p, 2, 1);
-#endif
+    kp->q[c] = bits64(v, 2 * (p % 4), at2, 2);
     IN_ORDER();
   }
+#elif GROUP_K == 3  /* the pair's triple a, e, c: 6 vectors in place by one and each, 2 of two pieces */
+  const unsigned char* t = b + K_QS + 192 * p;
+  u8x64 a, e, c;
+  __builtin_memcpy(&a, t, 64); IN_ORDER(); __builtin_memcpy(&e, t + 64, 64); IN_ORDER();
+  __builtin_memcpy(&c, t + 128, 64); IN_ORDER();
+  kp->q[0] = a & 7; kp->q[1] = e & 7; kp->q[2] = c & 7; kp->q[3] = pick64(a, 6, 0, 2) | pick64(c, 6, 2, 1);
+  kp->q[4] = a & 0x38; kp->q[5] = e & 0x38; kp->q[6] = c & 0x38; kp->q[7] = pick64(e, 6, 3, 2) | pick64(c, 7, 5, 1);
 #endif
 #if GROUP_K == 2
   i16x32 sm = i16_pairs(b + 64 + 32 * p);
@@ -332,15 +353,17 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
                                                          int j, int nx, i32x16* acc, i32x16* mn) {
   enum { NB = PP_K / BLOCK_VALUES };
   kpair kp;
-  k_pair(b, p, &kp);
+  const int at2 = nx == 1 ? K2_AT(p % 4) : 0;  /* Q2_K's bits in place for one row of x only (below) */
+  k_pair(b, p, at2, &kp);
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
     const unsigned char* xb = xq + ((long)i * NB + j) * XB;
     const unsigned char* xv = xb + 2 * K_SUB * p;
     i32x16 t0 = 0, t1 = 0;
     _Pragma("clang loop unroll(full)") for (int c = 0; c < K_CH; c++) {
       t0 = dot4(t0, kp.q[c], xv + 4 * c); t1 = dot4(t1, kp.q[K_CH + c], xv + K_SUB + 4 * c); }
-#if GROUP_K <= 3
-    acc[i] = madd_pairs16(acc[i], halves((u32x16)t0, (u32x16)t1), kp.sc);
+#if GROUP_K <= 3  /* Q2_K's values 2^K2_AT times theirs, Q3_K's second sub-block's 8 times */
+    acc[i] = madd_pairs16(acc[i], GROUP_K == 2 ? halves_at(t0, at2, t1, at2) : halves_at(t0, 0, t1, 3),
+                          kp.sc);
     int bs; __builtin_memcpy(&bs, xb + X_SUMS + 4 * p, 4);
 #else
     acc[i] += t0 * kp.sa + t1 * kp.sb;
@@ -370,14 +393,11 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
     const unsigned char* b = gw + (long)j * GB;
     i32x16 acc[GXR], mn[GXR];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[i] = mn[i] = 0;
-    if (GROUP_K == 3 && nx > 1) {  /* Q3_K's passes of several rows of x, the 8 pairs unrolled whole, spilled: two
-      pairs a step measured 1.15-1.25x (one row of x and Q2_K's passes 0.86-1.0x) */
-      _Pragma("clang loop unroll_count(2)") for (int p = 0; p < K_PAIRS; p++) k_pass(b, p, xq, j, nx, acc, mn);
-    } else {
-      _Pragma("clang loop unroll(full)") for (int p = 0; p < K_PAIRS; p++) {
-        k_pass(b, p, xq, j, nx, acc, mn);
-        IN_ORDER();
-      }
+    /* the 8 pairs unrolled whole (Q3_K's file layout spilled so at several rows of x and took two pairs a step; its
+       triples do not: 0.99-1.04x the two a step) */
+    _Pragma("clang loop unroll(full)") for (int p = 0; p < K_PAIRS; p++) {
+      k_pass(b, p, xq, j, nx, acc, mn);
+      IN_ORDER();
     }
     h16x16 hd; __builtin_memcpy(&hd, b + K_D, 32);
     f16v d = __builtin_convertvector(hd, f16v);
