@@ -123,7 +123,7 @@ class Worker:
         f = item.fields
         if item.op not in protocol.BATCH_OPS:
             return 0
-        rows = len(f["tokens"]) if "tokens" in f else f["seq_len"]
+        rows = _rows(f)
         if rows > BATCH_ROWS or (self.shard.is_last and rows > 1 and f.get("verify") is None):
             return 0
         return rows if self.engine.can_batch(item.rid, f["position"], rows) else 0
@@ -333,6 +333,11 @@ def _batch(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply
     return {"replies": [{k: str(v) if isinstance(v, B64) else v for k, v in r.items()} for r in replies]}
 
 
+def _rows(f: dict[str, Any]) -> int:
+    """The positions a forward request runs: its tokens on the first stage, its hidden state's rows elsewhere."""
+    return len(f["tokens"]) if "tokens" in f else f["seq_len"]
+
+
 def _serve_one(w: Worker, r: Request) -> Reply:
     return {"request_id": r.rid, **r.handler(w, r.rid, r.obj, r.fields)}
 
@@ -340,7 +345,7 @@ def _serve_one(w: Worker, r: Request) -> Reply:
 def _forward_batch(w: Worker, run: list[Request]) -> list[Reply]:
     """The steps of ``run`` (distinct sessions, each `Worker._batch_rows`) in one forward of the engine; each
     request's reply is its own op's: its hidden rows, its sampled token, or its check's answer (`_checked`)."""
-    rows = [w._batch_rows(r) for r in run]
+    rows = [_rows(r.fields) for r in run]
     positions = [r.fields["position"] for r in run]
     inputs = [r.fields["tokens"] if "tokens" in r.fields else r.fields["hidden"] for r in run]
     out = w.engine.forward_batch([r.rid for r in run], positions, inputs, rows)
