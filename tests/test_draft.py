@@ -425,37 +425,56 @@ def test_greedy_output_with_the_zen_draft_model_is_exactly_the_output_without(pi
     assert all(g.draft.accepted > g.draft.proposed // 2 for g in drafted)  # it learned the same text: kept
 
 
-def test_beside_other_generations_a_two_token_feed_goes_one_token_a_round_with_the_same_guesses(pipeline,
-                                                                                                  monkeypatch):
-    """After a check kept every guess, a session is fed the last guess and the model's token: with other generations
-    in the round, one token a round, so that every session's forward is one batched forward (a 2-token one runs
-    alone); the guesses, and so the output, are the same."""
+def _recorded(worker: DraftWorker) -> tuple[list[list[list[int]]], list[tuple[int, int]]]:
+    """Each round's feeds (its asks' tokens) from now on, and the (session, position) of every ask that went
+    through the stages' ``batch`` lines."""
+    rounds: list[list[list[int]]] = []
+    lines: list[tuple[int, int]] = []
+    next_tokens, batched = worker.next_tokens, worker._batched
+
+    def record(asks):
+        rounds.append([tokens for _, (tokens, _) in asks])
+        return next_tokens(asks)
+
+    def record_lines(asks):
+        lines.extend((session, position) for session, (_, position) in asks)
+        return batched(asks)
+    worker.next_tokens, worker._batched = record, record_lines
+    return rounds, lines
+
+
+def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_worker_processes_with_the_same_guesses(
+        pipeline, monkeypatch):
+    """In the driver's process every guess and feed of a session its stages hold is one forward of each stage's
+    engine, called directly, 2-token feeds beside one-token guesses (a mixed forward); only a session's first feed
+    (position 0: none is held yet) goes through the stages' ``batch`` lines. Worker processes take ``batch`` lines,
+    where beside other generations a 2-token feed goes one token a round (a 2-token forward runs alone on a last
+    stage), and whole with SPLIT 1. The guesses, and so the output, are the same every way."""
     from pp_worker.driver import draft_model
     from pp_worker.driver.draft import Adaptive
 
     # k as --draft-max alone sets it: the limit that follows the measured trips would make it (and so the guesses)
     # differ from run to run
     monkeypatch.setattr(Adaptive, "limit", property(lambda self: self.max_k))
-    worker, rounds = DraftWorker(ZEN_DRAFT_GGUF), []
-    plain_next_tokens = worker.next_tokens
+    plain = _run(pipeline, None, Sampling(), concurrency=4)
+    runs, recorded = {}, {}
+    for name, processes, split in (("here", False, draft_model.SPLIT), ("split", True, draft_model.SPLIT),
+                                   ("whole", True, 1)):
+        monkeypatch.setattr(draft_model, "SPLIT", split)
+        worker = DraftWorker(ZEN_DRAFT_GGUF, processes=processes)
+        recorded[name] = _recorded(worker)
+        try:
+            runs[name] = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
+        finally:
+            worker.close()
+    assert all([g.tokens for g in run] == [g.tokens for g in plain] for run in runs.values())
+    assert len({tuple(g.draft.accepted for g in run) for run in runs.values()}) == 1
+    (here, here_lines), (split, _), (whole, _) = recorded["here"], recorded["split"], recorded["whole"]
+    assert {position for _, position in here_lines} == {0} and len(here_lines) == len(PROMPTS)  # first feeds only
 
-    def next_tokens(asks):
-        rounds.append([tokens for _, (tokens, _) in asks])
-        return plain_next_tokens(asks)
-    worker.next_tokens = next_tokens
-    try:
-        plain = _run(pipeline, None, Sampling(), concurrency=4)
-        drafted = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
-        together = [r for r in rounds if len(r) > 1]
-        monkeypatch.setattr(draft_model, "SPLIT", 1)  # as before: a feed is one forward, whatever its length
-        rounds.clear()
-        whole = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
-    finally:
-        worker.close()
-    assert [g.tokens for g in drafted] == [g.tokens for g in plain] == [g.tokens for g in whole]
-    assert [g.draft.accepted for g in drafted] == [g.draft.accepted for g in whole]
-    assert together and all(len(tokens) != 2 for r in together for tokens in r)
-    assert any(len(tokens) == 2 for r in rounds if len(r) > 1 for tokens in r)  # what the split avoided
+    def twos_beside_others(rounds: list[list[list[int]]]) -> bool:
+        return any(len(tokens) == 2 for r in rounds if len(r) > 1 for tokens in r)
+    assert twos_beside_others(here) and not twos_beside_others(split) and twos_beside_others(whole)
 
 
 def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):

@@ -3,13 +3,15 @@
 The draft model runs on the driver's host as a two-stage pipeline (a worker is a stage of at least two), driven by a
 thread of its own: a generation's guesses are a job queued to that thread, whose result the pipeline's loop gets back
 through its mailbox (pipeline.Mailbox), so while one generation waits for its guesses the others' steps go on. Its two
-stages are, by default, worker objects in the driver's process (``_Local``: a worker's ``Worker`` over its engine,
-called directly by that thread, the only one here that touches tinygrad), or two local worker processes
+stages are, by default, in the driver's process (``_Local``: a worker's ``Worker`` over its engine, called directly
+by that thread, the only one here that touches tinygrad; the forwards of sessions they hold go straight to the
+engines, `DraftWorker._direct`), or two local worker processes
 (``processes``, ``--draft-processes``: ``_Process``, a JSON line over a pipe each call; isolation at ~0.5 ms a call
 here, bench/NOTES.md).
 Either way they take the same requests and give the same replies. The thread takes every generation's guesses queued
-at that moment together: each of their forwards goes in one ``batch`` request per stage (the one-token ones share a
-forward), so 8 streams cost the draft model little more than one. Each generation keeps a KV session there, fed its
+at that moment together: each round of their forwards is one forward of each stage's engine (with worker processes one
+``batch`` request per stage, where the one-token ones share a forward), so 8 streams cost the draft model little more
+than one. Each generation keeps a KV session there, fed its
 prompt while the pipeline prefills it (``begin``); to guess, it feeds what the session does not hold yet (the tokens
 kept since, the model's own token) and takes k argmax tokens, one forward each; a guess the pipeline did not keep is
 rewound over by the next feed (a forward at a smaller position rewinds, docs/protocol.md). When the generation ends
@@ -313,8 +315,60 @@ class DraftWorker:
 
     def next_tokens(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError]:
         """The draft model's argmax after each ask (session, (tokens, position)): its tokens fed at that position of
-        its session (a smaller position than the session holds rewinds it), every ask in one ``batch`` line per
-        stage. An ask that failed (e.g. its session was evicted) gets its error. On the draft model's thread only."""
+        its session (a smaller position than the session holds rewinds it). In-process stages take the asks of
+        sessions they hold straight to their engines (`_direct`); the others go in one ``batch`` line per stage.
+        An ask that failed (e.g. its session was evicted) gets its error. On the draft model's thread only."""
+        answers = self._direct(asks)
+        rest = [i for i, answer in enumerate(answers) if answer is None]
+        for i, answer in zip(rest, self._batched([asks[i] for i in rest]) if rest else [], strict=True):
+            answers[i] = answer
+        return answers  # type: ignore[return-value]
+
+    def _direct(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError | None]:
+        """The asks that in-process stages (``_Local``) can take as they are (a session each holds, fed from a
+        position it holds: `Engine.can_batch`; token ids in the vocabulary), run as one ``forward_batch`` of each
+        stage's engine, called directly, several rows of a session mixed with others'; None for the others (and for
+        all with worker processes), which go through the ``batch`` lines. What those would compute, without their
+        requests and replies, which cost ~0.4 ms of a 0.6 ms round of 8 sessions here (bench/NOTES.md). The hidden
+        states go between the stages as the default wire (``auto``) carries them: float16, or float32 past its
+        range. An engine's error is each of these asks' error, as in a batch line."""
+        out: list[int | DraftModelError | None] = [None] * len(asks)
+        if self.processes:
+            return out
+        from pp_worker.worker import q8
+        from pp_worker.worker.engines.base import EngineError
+        from pp_worker.worker.sampling import argmax_sample
+
+        first, last = (stage._live().engine for stage in self.stages)  # type: ignore[union-attr]
+        alone, vocab = [s for s, _ in asks], first.info.vocab_size
+        take = [i for i, (session, (tokens, position)) in enumerate(asks) if alone.count(session) == 1 and
+                all(0 <= t < vocab for t in tokens) and first.can_batch(session, position, len(tokens)) and
+                last.can_batch(session, position, len(tokens))]
+        if not take:
+            return out
+        sessions, positions = [asks[i][0] for i in take], [asks[i][1][1] for i in take]
+        rows = [len(asks[i][1][0]) for i in take]
+        ends = list(itertools.accumulate(rows))
+        try:
+            with _tinygrad_here():
+                hidden = first.forward_batch(sessions, positions, [asks[i][1][0] for i in take], rows)
+                payload, _ = q8.emit(hidden, first.hidden_dtype, "auto", first.info.hidden_dim)
+                size = len(payload) // ends[-1]
+                logits = last.forward_batch(sessions, positions, [payload[(end - n) * size:end * size]
+                                                                  for n, end in zip(rows, ends, strict=True)], rows)
+        except EngineError as e:  # what each of these asks would have got from a batch line
+            for i in take:
+                out[i] = DraftModelError(f"draft model {self.path}: {e}")
+            return out
+        for end, i in zip(ends, take, strict=True):
+            try:
+                out[i] = argmax_sample(logits[end - 1])
+            except ValueError as e:  # every logit NaN
+                out[i] = DraftModelError(f"draft model {self.path}: no token: {e}")
+        return out
+
+    def _batched(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError]:
+        """``next_tokens`` through the stages' ``batch`` lines."""
         first, last = self.stages
         hidden = first.batch([{"op": "embed_and_forward", "request_id": session, "tokens": tokens,
                                "position": position} for session, (tokens, position) in asks])
@@ -370,7 +424,7 @@ class DraftWorker:
         no guesses (they go on without) and the failure goes on to ``_serve``."""
         running = [g for g in guesses if g.advance(None)]
         while running:
-            asks = [g.round_ask(together=len(running) > 1) for g in running]
+            asks = [g.round_ask(together=self.processes and len(running) > 1) for g in running]
             try:
                 answers: list[int | DraftModelError] = self.next_tokens(
                     [(g.session, ask) for g, ask in zip(running, asks, strict=True)])
@@ -453,11 +507,12 @@ class Guess:
     ask: Ask = ([], 0)
 
     def round_ask(self, together: bool) -> Ask:
-        """This round's forward: the ask, or, with other generations in the round, the first of a feed of SPLIT
-        tokens (the one after every guess was kept: the last guess and the model's token). One-token forwards of
-        several sessions are one batched forward, a 2-token one is a forward of its own on the last stage (which
-        mixes only checks' rows with others): 8 sessions' 2-token feeds took 3.7-6.2 ms, two rounds of one-token
-        forwards 2.8-3.6 ms (bench/NOTES.md)."""
+        """This round's forward: the ask, or, with other generations in the round (``together``: worker processes'
+        batch lines; in the driver's process the engines mix any rows, `DraftWorker._direct`), the first of a feed
+        of SPLIT tokens (the one after every guess was kept: the last guess and the model's token). There one-token
+        forwards of several sessions are one batched forward, a 2-token one is a forward of its own on the last
+        stage (which mixes only checks' rows with others): 8 sessions' 2-token feeds took 3.7-6.2 ms, two rounds of
+        one-token forwards 2.8-3.6 ms (bench/NOTES.md)."""
         tokens, position = self.ask
         return (tokens[:1], position) if together and 1 < len(tokens) <= SPLIT else self.ask
 
