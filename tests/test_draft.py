@@ -425,19 +425,19 @@ def test_greedy_output_with_the_zen_draft_model_is_exactly_the_output_without(pi
     assert all(g.draft.accepted > g.draft.proposed // 2 for g in drafted)  # it learned the same text: kept
 
 
-def _recorded(worker: DraftWorker) -> tuple[list[list[list[int]]], list[tuple[int, int]]]:
-    """Each round's feeds (its asks' tokens) from now on, and the (session, position) of every ask that went
-    through the stages' ``batch`` lines."""
-    rounds: list[list[list[int]]] = []
-    lines: list[tuple[int, int]] = []
+def _recorded(worker: DraftWorker) -> tuple[list[list[tuple[int, list[int]]]], list[tuple[int, int, int]]]:
+    """Each round's asks (session, tokens) from now on, and (round, session, tokens) of every ask that went through
+    the stages' ``batch`` lines."""
+    rounds: list[list[tuple[int, list[int]]]] = []
+    lines: list[tuple[int, int, int]] = []
     next_tokens, batched = worker.next_tokens, worker._batched
 
     def record(asks):
-        rounds.append([tokens for _, (tokens, _) in asks])
+        rounds.append([(session, tokens) for session, (tokens, _) in asks])
         return next_tokens(asks)
 
     def record_lines(asks):
-        lines.extend((session, position) for session, (_, position) in asks)
+        lines.extend((len(rounds) - 1, session, len(tokens)) for session, (tokens, _) in asks)
         return batched(asks)
     worker.next_tokens, worker._batched = record, record_lines
     return rounds, lines
@@ -445,11 +445,12 @@ def _recorded(worker: DraftWorker) -> tuple[list[list[list[int]]], list[tuple[in
 
 def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_worker_processes_with_the_same_guesses(
         pipeline, monkeypatch):
-    """In the driver's process every guess and feed of a session its stages hold is one forward of each stage's
-    engine, called directly, 2-token feeds beside one-token guesses (a mixed forward); only a session's first feed
-    (position 0: none is held yet) goes through the stages' ``batch`` lines. Worker processes take ``batch`` lines,
-    where beside other generations a 2-token feed goes one token a round (a 2-token forward runs alone on a last
-    stage), and whole with SPLIT 1. The guesses, and so the output, are the same every way."""
+    """In the driver's process a round's guesses and short feeds (at most SPLIT tokens) are one forward of each
+    stage's engine, called directly, 2-token feeds beside one-token guesses (a mixed forward); only a longer feed (a
+    prompt's window, a prefill) and a session's second ask in a round go through the stages' ``batch`` lines.
+    Worker processes take ``batch`` lines, where beside other generations a 2-token feed goes one token a round (a
+    2-token forward runs alone on a last stage), and whole with SPLIT 1. The guesses, and so the output, are the
+    same every way."""
     from pp_worker.driver import draft_model
     from pp_worker.driver.draft import Adaptive
 
@@ -470,10 +471,11 @@ def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_work
     assert all([g.tokens for g in run] == [g.tokens for g in plain] for run in runs.values())
     assert len({tuple(g.draft.accepted for g in run) for run in runs.values()}) == 1
     (here, here_lines), (split, _), (whole, _) = recorded["here"], recorded["split"], recorded["whole"]
-    assert {position for _, position in here_lines} == {0} and len(here_lines) == len(PROMPTS)  # first feeds only
+    assert here_lines and all(n > draft_model.SPLIT or [s for s, _ in here[r]].count(session) > 1
+                              for r, session, n in here_lines)
 
-    def twos_beside_others(rounds: list[list[list[int]]]) -> bool:
-        return any(len(tokens) == 2 for r in rounds if len(r) > 1 for tokens in r)
+    def twos_beside_others(rounds: list[list[tuple[int, list[int]]]]) -> bool:
+        return any(len(tokens) == 2 for r in rounds if len(r) > 1 for _, tokens in r)
     assert twos_beside_others(here) and not twos_beside_others(split) and twos_beside_others(whole)
 
 

@@ -325,13 +325,16 @@ class DraftWorker:
         return answers  # type: ignore[return-value]
 
     def _direct(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError | None]:
-        """The asks that in-process stages (``_Local``) can take as they are (a session each holds, fed from a
-        position it holds: `Engine.can_batch`; token ids in the vocabulary), run as one ``forward_batch`` of each
-        stage's engine, called directly, several rows of a session mixed with others'; None for the others (and for
-        all with worker processes), which go through the ``batch`` lines. What those would compute, without their
-        requests and replies, which cost ~0.4 ms of a 0.6 ms round of 8 sessions here (bench/NOTES.md). The hidden
-        states go between the stages as the default wire (``auto``) carries them: float16, or float32 past its
-        range. An engine's error is each of these asks' error, as in a batch line."""
+        """The asks that in-process stages (``_Local``) can take as they are (a guess or a feed of at most SPLIT
+        tokens, a session's first ask of the round, to a session each stage holds, from a position it holds:
+        `Engine.can_batch`; token ids in the vocabulary), run as one ``forward_batch`` of each stage's engine,
+        called directly, 2-token feeds mixed with others' rows; None for the others (and for all with worker
+        processes), which go through the ``batch`` lines after them. What those would compute, without their
+        requests and replies, which cost ~0.4 ms of a 0.6 ms round of 8 sessions here (bench/NOTES.md). A longer
+        feed (a session's first, or its window again) stays a line's prefill: a prefill needs no JIT of its size,
+        where a forward of that many rows would compile one (~2.5 s) at its first use. The hidden states go
+        between the stages as the default wire (``auto``) carries them: float16, or float32 past its range. An
+        engine's error is each of these asks' error, as in a batch line."""
         out: list[int | DraftModelError | None] = [None] * len(asks)
         if self.processes:
             return out
@@ -340,10 +343,12 @@ class DraftWorker:
         from pp_worker.worker.sampling import argmax_sample
 
         first, last = (stage._live().engine for stage in self.stages)  # type: ignore[union-attr]
-        alone, vocab = [s for s, _ in asks], first.info.vocab_size
-        take = [i for i, (session, (tokens, position)) in enumerate(asks) if alone.count(session) == 1 and
-                all(0 <= t < vocab for t in tokens) and first.can_batch(session, position, len(tokens)) and
-                last.can_batch(session, position, len(tokens))]
+        vocab, firsts = first.info.vocab_size, {}
+        for i, (session, _) in enumerate(asks):  # a session's later asks go after it, through the batch lines
+            firsts.setdefault(session, i)
+        take = [i for i, (session, (tokens, position)) in enumerate(asks) if firsts[session] == i and
+                len(tokens) <= SPLIT and all(0 <= t < vocab for t in tokens) and
+                first.can_batch(session, position, len(tokens)) and last.can_batch(session, position, len(tokens))]
         if not take:
             return out
         sessions, positions = [asks[i][0] for i in take], [asks[i][1][1] for i in take]
@@ -493,7 +498,8 @@ Ask = tuple[list[int], int]  # tokens to feed a session, at this position
 # dozen about as well as from all, and a long prompt's feed would cost the draft model more than the guesses save
 # (bench/NOTES.md, Speculative decoding)
 WINDOW = 32
-SPLIT = 2  # a feed this short goes one token a round beside other generations' guesses (Guess.round_ask)
+SPLIT = 2  # a feed this short goes one token a round beside other generations' guesses through worker processes'
+# batch lines (Guess.round_ask); in the driver's process the longest one the engines take directly (DraftWorker._direct)
 
 
 @dataclass
