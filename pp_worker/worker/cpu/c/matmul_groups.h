@@ -250,7 +250,7 @@ enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K_QS = 32 + 6 * 32 };  /* then a triple 
 #elif GROUP_K == 4
 enum { K4_SC = 64, K_QS = K4_SC + 3 * 64 };
 #else
-enum { K_QS = 4 * 64, K6_HALF = 24 * 64 };  /* after the scales: each half's 8 triples of chunks (qh, ql, ql) */
+enum { K_QS = 4 * 64 };  /* after the scales: a triple of chunks a sub-block */
 #endif
 enum { K_D = GROUP_K == 6 ? GB - 32 : 0 };  /* where the 16 rows' d lie */
 #if GROUP_K == 4
@@ -333,14 +333,14 @@ static inline __attribute__((always_inline)) void k_pair(const unsigned char* b,
   u32x16 w[3] = {u32x16_at(b + K4_SC), u32x16_at(b + K4_SC + 64), u32x16_at(b + K4_SC + 128)}, sa, sb, ma, mb;
   k4_scale(w, 2 * p, &sa, &ma); k4_scale(w, 2 * p + 1, &sb, &mb);
   kp->sa = (i32x16)sa; kp->sb = (i32x16)sb; kp->m = halves(ma, mb);
-#else  /* sub-blocks 2p, 2p + 1: quarter p % 4 of half p / 4 (the low nibbles of ql's first or second 8 words, or
-   their high ones), the high bits bit pair p % 4 of qh's 8 words */
-  _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
-    const unsigned char* t = b + K_QS + K6_HALF * (p / 4) + 192 * c;  /* triple c: qh's word, ql's words c, 8 + c */
-    u8x64 v, h;
-    __builtin_memcpy(&h, t, 64); __builtin_memcpy(&v, t + 64 + 64 * (p % 2), 64);
-    kp->q[c] = bits64(v, 4 * (p % 4 / 2), 0, 4) | bits64(h, 2 * (p % 4), 4, 2);
-    IN_ORDER();
+#else  /* sub-blocks 2p, 2p + 1: a triple a, e, c each, 3 vectors by one and, the fourth gathered from their tops */
+  _Pragma("clang loop unroll(full)") for (int s = 0; s < 2; s++) {
+    const unsigned char* t = b + K_QS + 192 * (2 * p + s);
+    u8x64 a, e, c;
+    __builtin_memcpy(&a, t, 64); IN_ORDER(); __builtin_memcpy(&e, t + 64, 64); IN_ORDER();
+    __builtin_memcpy(&c, t + 128, 64); IN_ORDER();
+    kp->q[4 * s] = a & 63; kp->q[4 * s + 1] = e & 63; kp->q[4 * s + 2] = c & 63;
+    kp->q[4 * s + 3] = pick64(a, 6, 0, 2) | pick64(e, 6, 2, 2) | pick64(c, 6, 4, 2);
   }
   u32x16 w = u32x16_at(b + 64 * (p / 2));
   kp->sa = k6_scale(w, 2 * (p % 2)); kp->sb = k6_scale(w, 2 * (p % 2) + 1);
