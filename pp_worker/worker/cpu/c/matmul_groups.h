@@ -302,11 +302,14 @@ static inline void k4_scale(const u32x16* w, int j, u32x16* s, u32x16* m) {
 #elif GROUP_K == 6
 static inline i32x16 k6_scale(u32x16 w, int k) { return (i32x16)(w << (24 - 8 * k)) >> 24; }  /* byte k, signed */
 #endif
-static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, int at2, kpair* kp) {
+/* where Q2_K's bit pairs of pair p are taken (K2_AT) for nx rows of x: in place for one row only (see above) */
+static inline int k2_at(int p, int nx) { return nx == 1 ? K2_AT(p % 4) : 0; }
+/* pair p's values and scales for nx rows of x */
+static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, int nx, kpair* kp) {
 #if GROUP_K == 2
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
     u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
-    kp->q[c] = bits64(v, 2 * (p % 4), at2, 2);
+    kp->q[c] = bits64(v, 2 * (p % 4), k2_at(p, nx), 2);
     IN_ORDER();
   }
 #elif GROUP_K == 3  /* the pair's triple a, e, c: 6 vectors in place by one and each, 2 of two pieces */
@@ -340,7 +343,8 @@ static inline __attribute__((always_inline)) void k_pair(const unsigned char* b,
     __builtin_memcpy(&a, t, 64); IN_ORDER(); __builtin_memcpy(&e, t + 64, 64); IN_ORDER();
     __builtin_memcpy(&c, t + 128, 64); IN_ORDER();
     kp->q[4 * s] = a & 63; kp->q[4 * s + 1] = e & 63; kp->q[4 * s + 2] = c & 63;
-    kp->q[4 * s + 3] = pick64(a, 6, 0, 2) | pick64(e, 6, 2, 2) | pick64(c, 6, 4, 2);
+    kp->q[4 * s + 3] = nx == 1 ? pick64(a, 6, 0, 2) | pick64(e, 6, 2, 2) | pick64(c, 6, 4, 2)
+                               : bits64(a, 6, 0, 2) | bits64(e, 6, 2, 2) | bits64(c, 6, 4, 2);
   }
   u32x16 w = u32x16_at(b + 64 * (p / 2));
   kp->sa = k6_scale(w, 2 * (p % 2)); kp->sb = k6_scale(w, 2 * (p % 2) + 1);
@@ -353,8 +357,8 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
                                                          int j, int nx, i32x16* acc, i32x16* mn) {
   enum { NB = PP_K / BLOCK_VALUES };
   kpair kp;
-  const int at2 = nx == 1 ? K2_AT(p % 4) : 0;  /* Q2_K's bits in place for one row of x only (below) */
-  k_pair(b, p, at2, &kp);
+  const int at2 = k2_at(p, nx);
+  k_pair(b, p, nx, &kp);
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
     const unsigned char* xb = xq + ((long)i * NB + j) * XB;
     const unsigned char* xv = xb + 2 * K_SUB * p;
