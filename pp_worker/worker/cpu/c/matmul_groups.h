@@ -232,11 +232,14 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
      (`gguf.tensors._q3_k_triples`).
    - Q4_K (16 x 144 bytes): the 16 rows' d, dmin; the 12 scale bytes as 3 words (chunks); then the 32 qs chunks: word
      m's low nibbles values 64 (m / 8) + 4 (m % 8) + t (sub-block 2 (m / 8) of 32 values), its high ones 32 more.
-   - Q6_K (16 x 210 bytes): the 16 scale bytes (int8) as 4 words; for each half h (128 values) and word c (0..7) of
-     its qh (bit pair i: the high bits of values 128h + 32i + 4c + t) a triple of chunks: that qh word, then ql's
-     words c and 8 + c of the half (their low nibbles values 128h + 4c + t and 128h + 32 + 4c + t, their high ones 64
-     more), in the order the passes read them; then the 16 rows' d (last: a block's chunks start at a cache line,
-     1.1x from DRAM against d first).
+   - Q6_K (16 x 210 bytes): the 16 scale bytes (int8) as 4 words; then for each sub-block s (16 values) a triple of
+     chunks a, e, c: its values as 6-bit u (ggml's q + 32; ql and qh rewritten at load, the same 192 bytes a row),
+     byte t of a row's words holding u of value 16s + 4v + t at bits 0-5, a of v = 0, e of v = 1, c of v = 2, and u
+     of v = 3 in their bits 6-7 (a its bits 0-1, e 2-3, c 4-5). So 3 of a sub-block's 4 vectors are one and each, the
+     fourth 3 picks and an or (by shifts at several rows of x: GFNI shares vpdpbusd's pipes), where the file's layout
+     took two loads, a shift or two, two ands and an or each: a block 489 -> 437 instructions at one row of x
+     (`gguf.tensors._q6_k_triples`); then the 16 rows' d (last: a block's chunks start at a cache line, 1.1x from
+     DRAM against d first).
    Q2_K's and Q3_K's pair sums fit 16 bits (|t| <= 16 7 127): side by side as 16-bit halves times the scales in one
    vpdpwssd; Q4_K's and Q6_K's (32 15 127, 16 63 127) do not: times their scales in 32 bits (vpmulld).
    From memory the order of the loads counts: left to the compiler, a block's loads of Q6_K (whose pairs were all
