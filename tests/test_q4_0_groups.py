@@ -95,22 +95,21 @@ def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
 
 
-# a K-quant block's fields in their grouped order: (first byte, end, bytes a field)
+# a K-quant block's fields in their grouped order: (first byte, end, bytes a field); None: its values, in triples of
+# words (the tests below), so many bytes a row
+VALUES = {Q3_K: 96, Q6_K: 192}
 K_FIELDS = {Q2_K: [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales, qs
-            Q3_K: [(108, 110, 2), (96, 108, 2)],  # d, scales; then its values in triples (below)
+            Q3_K: [(108, 110, 2), (96, 108, 2), None],  # d, scales, the values
             Q4_K: [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales, qs
-            # the scales; for each half h and qh word c of its 8: qh's word, ql's words c and 8 + c of the half; d
-            Q6_K: [(192, 208, 4), *((at, at + 4, 4) for h in range(2) for c in range(8)
-                                    for at in (128 + 32 * h + 4 * c, 64 * h + 4 * c, 64 * h + 32 + 4 * c)),
-                   (208, 210, 2)]}
+            Q6_K: [(192, 208, 4), None, (208, 210, 2)]}  # the scales, the values, d
 
 
 @pytest.mark.parametrize("ggml_type", list(K_FIELDS), ids=[NAMES[t] for t in K_FIELDS])
 def test_k_quants_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     """Block j of group g: each field of the block in turn (Q2_K: d, dmin, the scales in pairs of bytes, qs in words
-    of 4 bytes; Q3_K: d, the scales in pairs, its values after them as the next test says; Q4_K: d, dmin, the scales
-    and qs in words; Q6_K: the scales, qh and ql in words in triples, d), each as the 16 rows' in turn; the rows past
-    the last group unchanged."""
+    of 4 bytes; Q3_K: d, the scales in pairs, its values as the tests below say; Q4_K: d, dmin, the scales and qs in
+    words; Q6_K: the scales in words, its values, d), each as the 16 rows' in turn; the rows past the last group
+    unchanged."""
     k, size = 512, cpu_kernels.TYPES[ggml_type].nbytes
     raw, _ = random_rows(ggml_type, N, k, seed=3)
     got = grouped(raw, ggml_type)
@@ -119,7 +118,11 @@ def test_k_quants_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
     for g in range(2):
         for j in range(nb):
             at = (g * nb + j) * G * size
-            for lo, hi, width in K_FIELDS[ggml_type]:
+            for field in K_FIELDS[ggml_type]:
+                if field is None:
+                    at += G * VALUES[ggml_type]
+                    continue
+                lo, hi, width = field
                 for f in range(lo, hi, width):
                     for r in range(G):
                         block = raw[g * G + r, size * j:size * (j + 1)]
@@ -157,6 +160,39 @@ def test_q3_k_values_lie_in_triples_of_words():
                         assert a[t] == u0[0] | u1[0] << 3 | (u0[3] & 3) << 6, (g, j, r, p, t)
                         assert e[t] == u0[1] | u1[1] << 3 | (u1[3] & 3) << 6, (g, j, r, p, t)
                         assert c[t] == u0[2] | u1[2] << 3 | (u0[3] >> 2) << 6 | (u1[3] >> 2) << 7, (g, j, r, p, t)
+    np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
+
+
+def q6_k_value(block: np.ndarray, v: int) -> int:
+    """Value v's unsigned 6 bits (ggml's q + 32) of a Q6_K block as ggml's dequantize_row_q6_K reads them: of the half
+    h = v // 128, i = (v % 128) // 32 and m = v % 32, nibble i // 2 of ql byte 64h + 32 (i % 2) + m, and bit pair i of
+    qh byte 32h + m as bits 4-5."""
+    ql, qh = block[:128], block[128:192]
+    h, i, m = v // 128, v % 128 // 32, v % 32
+    return int(ql[64 * h + 32 * (i % 2) + m]) >> 4 * (i // 2) & 15 | (int(qh[32 * h + m]) >> 2 * i & 3) << 4
+
+
+def test_q6_k_values_lie_in_triples_of_words():
+    """After the scales of a Q6_K group's block, for each sub-block s (values 16s..16s + 15) words a, e, c of the 16
+    rows in turn: byte t of a row's words holds u of value 16s + 4v + t at bits 0-5, a of v = 0, e of v = 1, c of
+    v = 2, and u of v = 3's bits 0-1 at a's bits 6-7, its bits 2-3 at e's, 4-5 at c's. 192 bytes a row, as the
+    file's ql and qh; the d after them."""
+    k, size = 512, cpu_kernels.TYPES[Q6_K].nbytes
+    raw, _ = random_rows(Q6_K, N, k, seed=3)
+    got = grouped(raw, Q6_K)
+    nb, head = k // 256, 16
+    flat = got[:2 * G].reshape(-1)
+    for g in range(2):
+        for j in range(nb):
+            at = (g * nb + j) * G * size + G * head
+            for r in range(G):
+                block = raw[g * G + r, size * j:size * (j + 1)]
+                for s in range(16):
+                    words = [flat[at + 192 * s + 64 * w + 4 * r:at + 192 * s + 64 * w + 4 * r + 4] for w in range(3)]
+                    for t in range(4):
+                        u = [q6_k_value(block, 16 * s + 4 * v + t) for v in range(4)]
+                        for w in range(3):
+                            assert words[w][t] == u[w] | (u[3] >> 2 * w & 3) << 6, (g, j, r, s, t, w)
     np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
 
 

@@ -301,29 +301,34 @@ def _side_by_side(fields: np.ndarray, width: int) -> np.ndarray:
     return fields.reshape(s, nb, group, size // width, width).transpose(0, 1, 3, 2, 4)
 
 
-# a K-quant block's fields in their grouped order (`_k_blocks`): (first byte, end, bytes a field of a row)
+# a K-quant block's fields in their grouped order (`_k_blocks`): (first byte, end, bytes a field of a row); None: the
+# block's values, rewritten as each value's bits together in triples of words (`TRIPLES`)
 K_FIELDS = {"Q2_K": [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales in pairs, qs in words
-            "Q3_K": [(108, 110, 2), (96, 108, 2)],  # d, scales in pairs; then its values in triples (`_q3_k_triples`)
+            "Q3_K": [(108, 110, 2), (96, 108, 2), None],  # d, scales in pairs, the values
             "Q4_K": [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales in words, qs
-            # the scales in words; for each half h and word c of its 8 of qh: qh's word, ql's words c and 8 + c (the
-            # order the kernel reads them); d last
-            "Q6_K": [(192, 208, 4), *((at, at + 4, 4) for h in range(2) for c in range(8)
-                                     for at in (128 + 32 * h + 4 * c, 64 * h + 4 * c, 64 * h + 32 + 4 * c)),
-                     (208, 210, 2)]}
+            # the scales in words, the values, d last
+            "Q6_K": [(192, 208, 4), None, (208, 210, 2)]}
 
 
 def _k_blocks(blocks: np.ndarray, ggml_type: int) -> np.ndarray:
     """(s, nb, group, size) K-quant blocks -> (s, nb, group size) grouped: each field of `K_FIELDS` in turn, its bytes
-    of the group's rows side by side a field (a pair of bytes or a word of 4) at a time."""
+    of the group's rows side by side a field (a pair of bytes or a word of 4) at a time, the values' triples a word
+    at a time."""
     s, nb, group, size = blocks.shape
+    name = TYPES[ggml_type].name
     out = np.empty((s, nb, size * group), np.uint8)
     at = 0
-    for lo, hi, width in K_FIELDS[TYPES[ggml_type].name]:
+    for f in K_FIELDS[name]:
+        if f is None:
+            values = TRIPLES[name](blocks)  # (s, nb, triple, word, group) words
+            n = values.shape[2] * 3 * 4 * group
+            out[..., at:at + n].view(np.uint32).reshape(values.shape)[:] = values
+            at += n
+            continue
+        lo, hi, width = f
         out[..., at:at + (hi - lo) * group].reshape(s, nb, (hi - lo) // width, group, width)[:] = _side_by_side(
             blocks[..., lo:hi], width)
         at += (hi - lo) * group
-    if TYPES[ggml_type].name == "Q3_K":
-        out[..., at:].view(np.uint32).reshape(s, nb, 8, 3, group)[:] = _q3_k_triples(blocks)
     return out
 
 
@@ -348,3 +353,26 @@ def _q3_k_triples(blocks: np.ndarray) -> np.ndarray:
                     lo[..., 1] | hi[..., 1] << 3 | (hi[..., 3] & two) << 6,
                     lo[..., 2] | hi[..., 2] << 3 | (lo[..., 3] & bit2) << 4 | (hi[..., 3] & bit2) << 5], 4)
     return out.transpose(0, 1, 3, 4, 2)  # (s, nb, p, word, group)
+
+
+def _q6_k_triples(blocks: np.ndarray) -> np.ndarray:
+    """(s, nb, group, 210) Q6_K blocks -> (s, nb, 16, 3, group) words: each row's 6-bit values u (ql's nibble, qh's bit
+    pair as bits 4-5: ggml's q + 32) in 16 triples of words, triple j the values 16j.. (sub-block j), so that the
+    kernel takes 3 of a sub-block's 4 vectors by one and each. Byte t of words a, e, c holds u of value 16j + 4v + t
+    at bits 0-5, a of v = 0, e of v = 1, c of v = 2; u of v = 3 in their bits 6-7: a its bits 0-1, e 2-3, c 4-5. The
+    same 192 bytes a row as ql and qh. Computed a word (4 values, t = 0..3) at a time: no field leaves its byte."""
+    s, nb, group = blocks.shape[:3]
+    words = np.ascontiguousarray(blocks[..., :192]).view(np.uint32)  # ql's 32 words, then qh's 16
+    ql, qh = words[..., :32].reshape(s, nb, group, 2, 1, 2, 8), words[..., 32:].reshape(s, nb, group, 2, 1, 8)
+    # value 128h + 32i + 4c + t: ql word 16h + 8 (i % 2) + c's nibble i // 2 and qh word 8h + c's bit pair i, byte t
+    nibble = (ql >> (4 * np.arange(2, dtype=np.uint32))[:, None, None]) & np.uint32(0x0F0F0F0F)  # (.., h, i//2, i%2, c)
+    pair = (qh >> (2 * np.arange(4, dtype=np.uint32))[:, None]) & np.uint32(0x03030303)  # (.., h, i, c)
+    u = (nibble.reshape(s, nb, group, 2, 4, 8) | pair << 4).reshape(s, nb, group, 16, 4)  # (.., sub-block j, v)
+    two = np.uint32(0x03030303)  # each byte's bit pair (masked before the shift: a word's shift moves bits
+    # across bytes)
+    out = np.stack([u[..., v] | (u[..., 3] >> 2 * v & two) << 6 for v in range(3)], 4)  # (.., j, word)
+    return out.transpose(0, 1, 3, 4, 2)  # (s, nb, j, word, group)
+
+
+# each K-quant whose values lie in triples of words: its words (`_k_blocks`)
+TRIPLES = {"Q3_K": _q3_k_triples, "Q6_K": _q6_k_triples}

@@ -232,11 +232,14 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
      (`gguf.tensors._q3_k_triples`).
    - Q4_K (16 x 144 bytes): the 16 rows' d, dmin; the 12 scale bytes as 3 words (chunks); then the 32 qs chunks: word
      m's low nibbles values 64 (m / 8) + 4 (m % 8) + t (sub-block 2 (m / 8) of 32 values), its high ones 32 more.
-   - Q6_K (16 x 210 bytes): the 16 scale bytes (int8) as 4 words; for each half h (128 values) and word c (0..7) of
-     its qh (bit pair i: the high bits of values 128h + 32i + 4c + t) a triple of chunks: that qh word, then ql's
-     words c and 8 + c of the half (their low nibbles values 128h + 4c + t and 128h + 32 + 4c + t, their high ones 64
-     more), in the order the passes read them; then the 16 rows' d (last: a block's chunks start at a cache line,
-     1.1x from DRAM against d first).
+   - Q6_K (16 x 210 bytes): the 16 scale bytes (int8) as 4 words; then for each sub-block s (16 values) a triple of
+     chunks a, e, c: its values as 6-bit u (ggml's q + 32; ql and qh rewritten at load, the same 192 bytes a row),
+     byte t of a row's words holding u of value 16s + 4v + t at bits 0-5, a of v = 0, e of v = 1, c of v = 2, and u
+     of v = 3 in their bits 6-7 (a its bits 0-1, e 2-3, c 4-5). So 3 of a sub-block's 4 vectors are one and each, the
+     fourth 3 picks and an or (by shifts at several rows of x: GFNI shares vpdpbusd's pipes), where the file's layout
+     took two loads, a shift or two, two ands and an or each: a block 489 -> 437 instructions at one row of x
+     (`gguf.tensors._q6_k_triples`); then the 16 rows' d (last: a block's chunks start at a cache line, 1.1x from
+     DRAM against d first).
    Q2_K's and Q3_K's pair sums fit 16 bits (|t| <= 16 7 127): side by side as 16-bit halves times the scales in one
    vpdpwssd; Q4_K's and Q6_K's (32 15 127, 16 63 127) do not: times their scales in 32 bits (vpmulld).
    From memory the order of the loads counts: left to the compiler, a block's loads of Q6_K (whose pairs were all
@@ -250,7 +253,7 @@ enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K_QS = 32 + 6 * 32 };  /* then a triple 
 #elif GROUP_K == 4
 enum { K4_SC = 64, K_QS = K4_SC + 3 * 64 };
 #else
-enum { K_QS = 4 * 64, K6_HALF = 24 * 64 };  /* after the scales: each half's 8 triples of chunks (qh, ql, ql) */
+enum { K_QS = 4 * 64 };  /* after the scales: a triple of chunks a sub-block */
 #endif
 enum { K_D = GROUP_K == 6 ? GB - 32 : 0 };  /* where the 16 rows' d lie */
 #if GROUP_K == 4
@@ -302,11 +305,14 @@ static inline void k4_scale(const u32x16* w, int j, u32x16* s, u32x16* m) {
 #elif GROUP_K == 6
 static inline i32x16 k6_scale(u32x16 w, int k) { return (i32x16)(w << (24 - 8 * k)) >> 24; }  /* byte k, signed */
 #endif
-static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, int at2, kpair* kp) {
+/* where Q2_K's bit pairs of pair p are taken (K2_AT) for nx rows of x: in place for one row only (see above) */
+static inline int k2_at(int p, int nx) { return nx == 1 ? K2_AT(p % 4) : 0; }
+/* pair p's values and scales for nx rows of x */
+static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, int nx, kpair* kp) {
 #if GROUP_K == 2
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
     u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
-    kp->q[c] = bits64(v, 2 * (p % 4), at2, 2);
+    kp->q[c] = bits64(v, 2 * (p % 4), k2_at(p, nx), 2);
     IN_ORDER();
   }
 #elif GROUP_K == 3  /* the pair's triple a, e, c: 6 vectors in place by one and each, 2 of two pieces */
@@ -333,14 +339,15 @@ static inline __attribute__((always_inline)) void k_pair(const unsigned char* b,
   u32x16 w[3] = {u32x16_at(b + K4_SC), u32x16_at(b + K4_SC + 64), u32x16_at(b + K4_SC + 128)}, sa, sb, ma, mb;
   k4_scale(w, 2 * p, &sa, &ma); k4_scale(w, 2 * p + 1, &sb, &mb);
   kp->sa = (i32x16)sa; kp->sb = (i32x16)sb; kp->m = halves(ma, mb);
-#else  /* sub-blocks 2p, 2p + 1: quarter p % 4 of half p / 4 (the low nibbles of ql's first or second 8 words, or
-   their high ones), the high bits bit pair p % 4 of qh's 8 words */
-  _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
-    const unsigned char* t = b + K_QS + K6_HALF * (p / 4) + 192 * c;  /* triple c: qh's word, ql's words c, 8 + c */
-    u8x64 v, h;
-    __builtin_memcpy(&h, t, 64); __builtin_memcpy(&v, t + 64 + 64 * (p % 2), 64);
-    kp->q[c] = bits64(v, 4 * (p % 4 / 2), 0, 4) | bits64(h, 2 * (p % 4), 4, 2);
-    IN_ORDER();
+#else  /* sub-blocks 2p, 2p + 1: a triple a, e, c each, 3 vectors by one and, the fourth gathered from their tops */
+  _Pragma("clang loop unroll(full)") for (int s = 0; s < 2; s++) {
+    const unsigned char* t = b + K_QS + 192 * (2 * p + s);
+    u8x64 a, e, c;
+    __builtin_memcpy(&a, t, 64); IN_ORDER(); __builtin_memcpy(&e, t + 64, 64); IN_ORDER();
+    __builtin_memcpy(&c, t + 128, 64); IN_ORDER();
+    kp->q[4 * s] = a & 63; kp->q[4 * s + 1] = e & 63; kp->q[4 * s + 2] = c & 63;
+    kp->q[4 * s + 3] = nx == 1 ? pick64(a, 6, 0, 2) | pick64(e, 6, 2, 2) | pick64(c, 6, 4, 2)
+                               : bits64(a, 6, 0, 2) | bits64(e, 6, 2, 2) | bits64(c, 6, 4, 2);
   }
   u32x16 w = u32x16_at(b + 64 * (p / 2));
   kp->sa = k6_scale(w, 2 * (p % 2)); kp->sb = k6_scale(w, 2 * (p % 2) + 1);
@@ -353,8 +360,8 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
                                                          int j, int nx, i32x16* acc, i32x16* mn) {
   enum { NB = PP_K / BLOCK_VALUES };
   kpair kp;
-  const int at2 = nx == 1 ? K2_AT(p % 4) : 0;  /* Q2_K's bits in place for one row of x only (below) */
-  k_pair(b, p, at2, &kp);
+  const int at2 = k2_at(p, nx);
+  k_pair(b, p, nx, &kp);
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
     const unsigned char* xb = xq + ((long)i * NB + j) * XB;
     const unsigned char* xv = xb + 2 * K_SUB * p;
