@@ -62,7 +62,7 @@ def test_the_index_follows_a_growing_context():
 def test_a_check_is_a_power_of_two_of_rows():
     """A stage runs a check's rows as calls of its ladder (powers of two): 1, 3, 7 guesses, never 2 or 4 to 6."""
     assert [whole_calls(n) for n in range(10)] == [0, 1, 1, 3, 3, 3, 3, 7, 7, 7]
-    context = [9, 1, 2, 3, 4, 9]  # "9" was followed by five tokens
+    context = [9, 8, 1, 2, 3, 4, 9, 8]  # "9 8" was followed by five tokens
     assert NgramDrafter(max_k=8, k=6).propose(context, 10) == [1, 2, 3]
     assert NgramDrafter(max_k=8, k=8).propose(context, 2) == [1]  # the room left, down to whole calls
 
@@ -331,8 +331,10 @@ def test_pp_serve_metrics_count_the_guessed_and_kept_tokens_as_pp_pipeline_repor
 # (" nested"), and after that what followed that, where the model goes on otherwise, with some spread: a check that
 # kept guesses it should not (e.g. one that always kept them) would move many samples to the guessed continuation. The
 # passage said twice gives spread in the first token, and after most of them guesses the model keeps.
-SPREAD_PROMPTS = ["Flat is better than nested. Sparse is better than dense. Flat is better than",
-                  f"{PASSAGE} {PASSAGE}"]
+# a guess after the first: the latest "than nested" went on " and", which the model hardly ever says (kept ~0 of
+# 100); "Errors should never" goes on as the model goes on (kept ~97 of 100); the first spreads (~16 sequences)
+SPREAD_PROMPTS = ["Flat is better than nested.\nFlat is better than nested and\nFlat is better than",
+                  "Errors should never pass silently.\nErrors should never", f"{PASSAGE} {PASSAGE}"]
 SAMPLES = 300  # per prompt and arm
 P_FAIL = 1e-4  # a correct sampler fails this often by chance
 
@@ -369,8 +371,8 @@ def test_chi2_tail_matches_known_quantiles():
 
 def test_unseeded_sampling_with_a_draft_keeps_the_models_distribution(pipeline):
     """The first three tokens sampled without a seed, as sequences (with their prompt), with and without ngram drafts:
-    one distribution by a chi-squared test at P_FAIL. Checked by hand: a last stage that always keeps the guesses
-    fails it with p < 1e-30."""
+    one distribution by a chi-squared test at P_FAIL. A last stage that kept every guess would give " and" after
+    " nested" nearly every time the first prompt's first token is " nested" (the model hardly ever does): far off."""
     prompts = [p for p in SPREAD_PROMPTS for _ in range(SAMPLES)]
 
     def first_three(draft: Draft | None) -> tuple[collections.Counter, list]:

@@ -18,7 +18,10 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
 DRAFTS = ("ngram",)  # --draft's choices; --draft-model PATH is the kind "model"
-NGRAM_SIZES = (3, 2, 1)  # the longest suffix that occurred before wins: it predicts best
+# the longest suffix that occurred before wins: it predicts best. Not one token: in free text a lone token recurs
+# everywhere and what followed it there is seldom next (the embedded model's free task: 5 guesses in 47 steps, none
+# kept), and a check that keeps nothing costs local stages ~half a step (~4% of the task: bench/NOTES.md)
+NGRAM_SIZES = (3, 2)
 MAX_PAUSE = 16  # steps without a guess after repeated misses, at most (doubling from 1)
 MAX_GUESSES = 16  # behind a slow link k may pass --draft-max (Adaptive.limit), never this
 
@@ -165,7 +168,7 @@ class NgramDrafter(Adaptive):
 
     def propose(self, context: list[int], room: int) -> list[int]:
         """Up to min(k, room) tokens that followed the latest earlier occurrence of the context's longest
-        recurring suffix (3, 2, then 1 tokens); [] when none recurs, when paused, or when ``room`` is 0. Where that
+        recurring suffix (3, then 2 tokens); [] when none recurs, when paused, or when ``room`` is 0. Where that
         occurrence ends less than k tokens before the end (a loop: "a b a b", a token repeated), the copy goes on
         over its own guesses, as LZ77 copies a run: the loop is guessed to go on, k tokens, not only the few the
         context shows after the occurrence."""
