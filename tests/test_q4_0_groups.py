@@ -98,7 +98,7 @@ def test_the_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
 # a K-quant block's fields in their grouped order: (first byte, end, bytes a field); None: its values, in triples of
 # words (the tests below), so many bytes a row
 VALUES = {Q3_K: 96, Q6_K: 192}
-K_FIELDS = {Q2_K: [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales, qs
+K_FIELDS = {Q2_K: [(0, 8, 2), (16, 48, 4), (8, 16, 2), (48, 80, 4), (80, 82, 2), (82, 84, 2)],  # halves; d, dmin
             Q3_K: [(108, 110, 2), (96, 108, 2), None],  # d, scales, the values
             Q4_K: [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales, qs
             Q6_K: [(192, 208, 4), None, (208, 210, 2)]}  # the scales, the values, d
@@ -106,10 +106,10 @@ K_FIELDS = {Q2_K: [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmi
 
 @pytest.mark.parametrize("ggml_type", list(K_FIELDS), ids=[NAMES[t] for t in K_FIELDS])
 def test_k_quants_layout_interleaves_whole_groups_and_keeps_the_rest(ggml_type):
-    """Block j of group g: each field of the block in turn (Q2_K: d, dmin, the scales in pairs of bytes, qs in words
-    of 4 bytes; Q3_K: d, the scales in pairs, its values as the tests below say; Q4_K: d, dmin, the scales and qs in
-    words; Q6_K: the scales in words, its values, d), each as the 16 rows' in turn; the rows past the last group
-    unchanged."""
+    """Block j of group g: each field of the block in turn (Q2_K: for each half of the block its scales in pairs of
+    bytes, then its qs in words of 4 bytes; then d, dmin; Q3_K: d, the scales in pairs, its values as the tests below
+    say; Q4_K: d, dmin, the scales and qs in words; Q6_K: the scales in words, its values, d), each as the 16 rows' in
+    turn; the rows past the last group unchanged."""
     k, size = 512, cpu_kernels.TYPES[ggml_type].nbytes
     raw, _ = random_rows(ggml_type, N, k, seed=3)
     got = grouped(raw, ggml_type)

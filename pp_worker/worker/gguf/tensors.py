@@ -303,7 +303,8 @@ def _side_by_side(fields: np.ndarray, width: int) -> np.ndarray:
 
 # a K-quant block's fields in their grouped order (`_k_blocks`): (first byte, end, bytes a field of a row); None: the
 # block's values, rewritten as each value's bits together in triples of words (`TRIPLES`)
-K_FIELDS = {"Q2_K": [(80, 82, 2), (82, 84, 2), (0, 16, 2), (16, 80, 4)],  # d, dmin, scales in pairs, qs in words
+# Q2_K: each half (pairs of sub-blocks 4h..4h + 3) its scales in pairs and its qs in words, then d, dmin
+K_FIELDS = {"Q2_K": [(0, 8, 2), (16, 48, 4), (8, 16, 2), (48, 80, 4), (80, 82, 2), (82, 84, 2)],
             "Q3_K": [(108, 110, 2), (96, 108, 2), None],  # d, scales in pairs, the values
             "Q4_K": [(0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)],  # d, dmin, scales in words, qs
             # the scales in words, the values, d last

@@ -216,10 +216,12 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
    mins (Q2_K, Q4_K) or the scales (Q3_K, Q6_K, whose values are u - 4 and u - 32: their min is 4 s, 32 s) against
    x's sums the same way. Per (row, x) and block: f += float(sum) (d dx) - float(mins) (dmin dx) (Q3_K: float(sum -
    4 mins) (d dx), Q6_K: 32 mins), the same steps for any pass.
-   - Q2_K (16 x 84 bytes): the 16 rows' d, then their dmin (fp16); then for each pair p of sub-blocks of 16 values
-     (2p, 2p + 1) the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in the
-     high one); then the 16 qs chunks. Word m's bit pair i holds values 128 (m / 8) + 32i + 4 (m % 8) + t (t = 0..3,
-     the byte).
+   - Q2_K (16 x 84 bytes): two halves h, each for its pairs p = 4h..4h + 3 of sub-blocks of 16 values (2p, 2p + 1)
+     the 16 rows' 2 scale bytes (a row's bytes 2r, 2r + 1: the scale in the low nibble, the min in the high one),
+     then its 8 qs chunks (words m = 8h..8h + 7); then the 16 rows' d, then their dmin (fp16). Word m's bit pair i
+     holds values 128 (m / 8) + 32i + 4 (m % 8) + t (t = 0..3, the byte). So a block is read in the order it lies:
+     with d, dmin and all 8 pairs' scales first its first line was read last and the scales' lines between the
+     chunks' (one thread 1.1x cache-hot and from DRAM; bench/NOTES.md).
      For one row of x a chunk's bit pair k is taken in place (and-ed, 4^k times the value; `K2_AT`), its sums shifted
      back before the scales (one and a chunk instead of a shift and an and).
    - Q3_K (16 x 110 bytes): the 16 rows' d; the file's 12 scale bytes as 6 pairs (bytes 2q, 2q + 1), each the 16 rows'
@@ -246,24 +248,24 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
    unrolled) went out in an order the hardware's prefetch did not follow, 8.5 GB/s against the plain rows' 23 (one
    thread); IN_ORDER after each chunk and pass makes them go out as the block lies: Q6_K 1.3x the plain rows, Q4_K
    1.15x its groups without it, Q2_K 1.0-1.1x; Q3_K's triples are read once each, in order (bench/NOTES.md). */
-#if GROUP_K == 2
-enum { K_QS = 64 + 8 * 32 };
-#elif GROUP_K == 3
-enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K_QS = 32 + 6 * 32 };  /* then a triple of chunks a pair of sub-blocks */
+/* K_QS: where the values start; K_D: where the 16 rows' d lie (Q2_K's, Q4_K's dmin after them) */
+#if GROUP_K == 2  /* half h (K2_HALF bytes): pairs 4h..4h + 3's scales, then their 8 chunks; then d, dmin */
+enum { K2_HALF = 4 * 32 + 8 * 64, K_QS = 4 * 32, K_D = 2 * K2_HALF };
+#elif GROUP_K == 3  /* then a triple of chunks a pair of sub-blocks */
+enum { K3_SA = 32, K3_SB = 32 + 4 * 32, K_QS = 32 + 6 * 32, K_D = 0 };
 #elif GROUP_K == 4
-enum { K4_SC = 64, K_QS = K4_SC + 3 * 64 };
+enum { K4_SC = 64, K_QS = K4_SC + 3 * 64, K_D = 0 };
 #else
-enum { K_QS = 4 * 64 };  /* after the scales: a triple of chunks a sub-block */
+enum { K_QS = 4 * 64, K_D = GB - 32 };  /* after the scales: a triple of chunks a sub-block; d last */
 #endif
-enum { K_D = GROUP_K == 6 ? GB - 32 : 0 };  /* where the 16 rows' d lie */
 #if GROUP_K == 4
 enum { K_SUB = 32 };  /* values a sub-block */
 #else
 enum { K_SUB = 16 };
 #endif
 enum { K_CH = K_SUB / 4, K_PAIRS = 128 / K_SUB };  /* chunks a sub-block, pairs of sub-blocks a block */
-_Static_assert(K_QS + (GROUP_K == 6 ? 48 * 64 + 32 : GROUP_K == 4 ? 32 * 64 : GROUP_K == 3 ? 24 * 64 : 16 * 64) == GB,
-               "a group's block");
+_Static_assert(K_QS + (GROUP_K == 6 ? 48 * 64 + 32 : GROUP_K == 4 ? 32 * 64 : GROUP_K == 3 ? 24 * 64
+                       : 4 * 32 + 16 * 64 + 64) == GB, "a group's block");
 /* acc + a's and b's 16-bit pairs multiplied and summed into each 32-bit lane (vpdpwssd) */
 static inline i32x16 madd_pairs16(i32x16 acc, i16x32 a, i16x32 b) {
 #if defined(__AVX512BW__)
@@ -311,7 +313,7 @@ static inline int k2_at(int p, int nx) { return nx == 1 ? K2_AT(p % 4) : 0; }
 static inline __attribute__((always_inline)) void k_pair(const unsigned char* b, int p, int nx, kpair* kp) {
 #if GROUP_K == 2
   _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
-    u8x64 v; __builtin_memcpy(&v, b + K_QS + 64 * (8 * (p / 4) + c), 64);
+    u8x64 v; __builtin_memcpy(&v, b + K2_HALF * (p / 4) + K_QS + 64 * c, 64);
     kp->q[c] = bits64(v, 2 * (p % 4), k2_at(p, nx), 2);
     IN_ORDER();
   }
@@ -324,7 +326,7 @@ static inline __attribute__((always_inline)) void k_pair(const unsigned char* b,
   kp->q[4] = a & 0x38; kp->q[5] = e & 0x38; kp->q[6] = c & 0x38; kp->q[7] = pick64(e, 6, 3, 2) | pick64(c, 7, 5, 1);
 #endif
 #if GROUP_K == 2
-  i16x32 sm = i16_pairs(b + 64 + 32 * p);
+  i16x32 sm = i16_pairs(b + K2_HALF * (p / 4) + 32 * (p % 4));
   kp->sc = sm & 15; kp->m = sm >> 4;
 #elif GROUP_K == 3  /* scale j = 2p, 2p + 1: its low 4 bits nibble j / 8 of byte j % 8, its high 2 bits bits 2 (j / 4)
    of byte 8 + j % 4, minus 32 */
@@ -409,7 +411,7 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
     h16x16 hd; __builtin_memcpy(&hd, b + K_D, 32);
     f16v d = __builtin_convertvector(hd, f16v);
 #ifndef K_OFF
-    h16x16 hm; __builtin_memcpy(&hm, b + 32, 32);
+    h16x16 hm; __builtin_memcpy(&hm, b + K_D + 32, 32);
     f16v dm = __builtin_convertvector(hm, f16v);
 #endif
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
