@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import platform
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -143,23 +144,28 @@ def test_q3_k_values_lie_in_triples_of_words():
     e, c of the 16 rows in turn: byte t of a row's words holds, of values 32p + 4v + t (u0) and 32p + 16 + 4v + t (u1),
     a: u0, u1 of v = 0 at bits 0-2 and 3-5, u0 of v = 3's bit pair at 6-7; e: the same of v = 1 and u1 of v = 3's
     pair; c: of v = 2, then the third bits of u0 and u1 of v = 3 at bits 6 and 7. 96 bytes a row, as the file's."""
-    k, size = 512, cpu_kernels.TYPES[Q3_K].nbytes
-    raw, _ = random_rows(Q3_K, N, k, seed=3)
-    got = grouped(raw, Q3_K)
-    nb, head = k // 256, 14
-    flat = got[:2 * G].reshape(-1)
+    for flat, at, r, block in _grouped_blocks(Q3_K, 14):
+        for p in range(8):
+            a, e, c = (flat[at + 192 * p + 64 * w + 4 * r:at + 192 * p + 64 * w + 4 * r + 4] for w in range(3))
+            for t in range(4):
+                u0, u1 = ([q3_k_value(block, 32 * p + 16 * h + 4 * v + t) for v in range(4)] for h in range(2))
+                assert a[t] == u0[0] | u1[0] << 3 | (u0[3] & 3) << 6, (at, r, p, t)
+                assert e[t] == u0[1] | u1[1] << 3 | (u1[3] & 3) << 6, (at, r, p, t)
+                assert c[t] == u0[2] | u1[2] << 3 | (u0[3] >> 2) << 6 | (u1[3] >> 2) << 7, (at, r, p, t)
+
+
+def _grouped_blocks(ggml_type: int, head: int) -> Iterator[tuple[np.ndarray, int, int, np.ndarray]]:
+    """Two whole groups of random rows of 512 values and 5 more, grouped: for each group's block and row r, the
+    grouped bytes, where that block's values start in them (after its ``head`` bytes a row of fields), r and the
+    row's block as the file has it; once all are seen, the rows past the groups are checked to be as they were."""
+    k, size = 512, cpu_kernels.TYPES[ggml_type].nbytes
+    raw, _ = random_rows(ggml_type, N, k, seed=3)
+    got = grouped(raw, ggml_type)
+    nb, flat = k // 256, got[:2 * G].reshape(-1)
     for g in range(2):
         for j in range(nb):
-            at = (g * nb + j) * G * size + G * head
             for r in range(G):
-                block = raw[g * G + r, size * j:size * (j + 1)]
-                for p in range(8):
-                    a, e, c = (flat[at + 192 * p + 64 * w + 4 * r:at + 192 * p + 64 * w + 4 * r + 4] for w in range(3))
-                    for t in range(4):
-                        u0, u1 = ([q3_k_value(block, 32 * p + 16 * h + 4 * v + t) for v in range(4)] for h in range(2))
-                        assert a[t] == u0[0] | u1[0] << 3 | (u0[3] & 3) << 6, (g, j, r, p, t)
-                        assert e[t] == u0[1] | u1[1] << 3 | (u1[3] & 3) << 6, (g, j, r, p, t)
-                        assert c[t] == u0[2] | u1[2] << 3 | (u0[3] >> 2) << 6 | (u1[3] >> 2) << 7, (g, j, r, p, t)
+                yield flat, (g * nb + j) * G * size + G * head, r, raw[g * G + r, size * j:size * (j + 1)]
     np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
 
 
@@ -177,23 +183,13 @@ def test_q6_k_values_lie_in_triples_of_words():
     rows in turn: byte t of a row's words holds u of value 16s + 4v + t at bits 0-5, a of v = 0, e of v = 1, c of
     v = 2, and u of v = 3's bits 0-1 at a's bits 6-7, its bits 2-3 at e's, 4-5 at c's. 192 bytes a row, as the
     file's ql and qh; the d after them."""
-    k, size = 512, cpu_kernels.TYPES[Q6_K].nbytes
-    raw, _ = random_rows(Q6_K, N, k, seed=3)
-    got = grouped(raw, Q6_K)
-    nb, head = k // 256, 16
-    flat = got[:2 * G].reshape(-1)
-    for g in range(2):
-        for j in range(nb):
-            at = (g * nb + j) * G * size + G * head
-            for r in range(G):
-                block = raw[g * G + r, size * j:size * (j + 1)]
-                for s in range(16):
-                    words = [flat[at + 192 * s + 64 * w + 4 * r:at + 192 * s + 64 * w + 4 * r + 4] for w in range(3)]
-                    for t in range(4):
-                        u = [q6_k_value(block, 16 * s + 4 * v + t) for v in range(4)]
-                        for w in range(3):
-                            assert words[w][t] == u[w] | (u[3] >> 2 * w & 3) << 6, (g, j, r, s, t, w)
-    np.testing.assert_array_equal(got[2 * G:], raw[2 * G:])
+    for flat, at, r, block in _grouped_blocks(Q6_K, 16):
+        for s in range(16):
+            words = [flat[at + 192 * s + 64 * w + 4 * r:at + 192 * s + 64 * w + 4 * r + 4] for w in range(3)]
+            for t in range(4):
+                u = [q6_k_value(block, 16 * s + 4 * v + t) for v in range(4)]
+                for w in range(3):
+                    assert words[w][t] == u[w] | (u[3] >> 2 * w & 3) << 6, (at, r, s, t, w)
 
 
 def products(raw: np.ndarray, x: np.ndarray, k: int, ggml_type: int = Q4_0) -> np.ndarray:
