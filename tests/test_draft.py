@@ -427,11 +427,11 @@ def test_greedy_output_with_the_zen_draft_model_is_exactly_the_output_without(pi
     assert all(g.draft.accepted > g.draft.proposed // 2 for g in drafted)  # it learned the same text: kept
 
 
-def _recorded(worker: DraftWorker) -> tuple[list[list[tuple[int, list[int]]]], list[tuple[int, int, int]]]:
-    """Each round's asks (session, tokens) from now on, and (round, session, tokens) of every ask that went through
-    the stages' ``batch`` lines."""
+def _recorded(worker: DraftWorker) -> tuple[list[list[tuple[int, list[int]]]], list[tuple[int, int, int, int]]]:
+    """Each round's asks (session, tokens) from now on, and (round, session, tokens, position) of every ask that went
+    through the stages' ``batch`` lines."""
     rounds: list[list[tuple[int, list[int]]]] = []
-    lines: list[tuple[int, int, int]] = []
+    lines: list[tuple[int, int, int, int]] = []
     next_tokens, batched = worker.next_tokens, worker._batched
 
     def record(asks):
@@ -439,7 +439,7 @@ def _recorded(worker: DraftWorker) -> tuple[list[list[tuple[int, list[int]]]], l
         return next_tokens(asks)
 
     def record_lines(asks):
-        lines.extend((len(rounds) - 1, session, len(tokens)) for session, (tokens, _) in asks)
+        lines.extend((len(rounds) - 1, session, len(tokens), position) for session, (tokens, position) in asks)
         return batched(asks)
     worker.next_tokens, worker._batched = record, record_lines
     return rounds, lines
@@ -449,10 +449,11 @@ def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_work
         pipeline, monkeypatch):
     """In the driver's process a round's guesses and short feeds (at most SPLIT tokens) are one forward of each
     stage's engine, called directly, 2-token feeds beside one-token guesses (a mixed forward); only a longer feed (a
-    prompt's window, a prefill) and a session's second ask in a round go through the stages' ``batch`` lines.
+    prompt's window, a prefill), a session's first feed (which opens it) and its second ask in a round go through
+    the stages' ``batch`` lines.
     Worker processes take ``batch`` lines, where beside other generations a 2-token feed goes one token a round (a
-    2-token forward runs alone on a last stage), and whole with SPLIT 1. The guesses, and so the output, are the
-    same every way."""
+    2-token forward runs alone on a last stage), and whole with SPLIT 1; so do in-process engines that mix no rows
+    of a session (tinygrad's kernels, a GPU's). The guesses, and so the output, are the same every way."""
     from pp_worker.driver import draft_model
     from pp_worker.driver.draft import Adaptive
 
@@ -461,10 +462,11 @@ def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_work
     monkeypatch.setattr(Adaptive, "limit", property(lambda self: self.max_k))
     plain = _run(pipeline, None, Sampling(), concurrency=4)
     runs, recorded = {}, {}
-    for name, processes, split in (("here", False, draft_model.SPLIT), ("split", True, draft_model.SPLIT),
-                                   ("whole", True, 1)):
+    for name, processes, split, env in (("here", False, draft_model.SPLIT, {}),
+                                        ("split", True, draft_model.SPLIT, {}), ("whole", True, 1, {}),
+                                        ("unmixed", False, draft_model.SPLIT, {"PP_KERNELS": "tinygrad"})):
         monkeypatch.setattr(draft_model, "SPLIT", split)
-        worker = DraftWorker(ZEN_DRAFT_GGUF, processes=processes)
+        worker = DraftWorker(ZEN_DRAFT_GGUF, env, processes=processes)
         recorded[name] = _recorded(worker)
         try:
             runs[name] = _run(pipeline, Draft("model", 7, worker), Sampling(), concurrency=4)
@@ -472,13 +474,15 @@ def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_work
             worker.close()
     assert all([g.tokens for g in run] == [g.tokens for g in plain] for run in runs.values())
     assert len({tuple(g.draft.accepted for g in run) for run in runs.values()}) == 1
-    (here, here_lines), (split, _), (whole, _) = recorded["here"], recorded["split"], recorded["whole"]
-    assert here_lines and all(n > draft_model.SPLIT or [s for s, _ in here[r]].count(session) > 1
-                              for r, session, n in here_lines)
+    (here, here_lines), (split, _), (whole, _), (unmixed, _) = (recorded[k] for k in ("here", "split", "whole",
+                                                                                        "unmixed"))
+    assert here_lines and all(n > draft_model.SPLIT or position == 0 or [s for s, _ in here[r]].count(session) > 1
+                              for r, session, n, position in here_lines)  # a window, a first feed, a later ask
 
     def twos_beside_others(rounds: list[list[tuple[int, list[int]]]]) -> bool:
         return any(len(tokens) == 2 for r in rounds if len(r) > 1 for _, tokens in r)
     assert twos_beside_others(here) and not twos_beside_others(split) and twos_beside_others(whole)
+    assert not twos_beside_others(unmixed)  # in-process engines that mix no rows of a session (tinygrad's kernels)
 
 
 def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):

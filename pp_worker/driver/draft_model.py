@@ -8,7 +8,7 @@ by that thread, the only one here that touches tinygrad; the forwards of session
 engines, `DraftWorker._direct`), or two local worker processes
 (``processes``, ``--draft-processes``: ``_Process``, a JSON line over a pipe each call; isolation at ~0.5 ms a call
 here, bench/NOTES.md).
-Either way they take the same requests and give the same replies. The thread takes every generation's guesses queued
+Either way the guesses are the same. The thread takes every generation's guesses queued
 at that moment together: each round of their forwards is one forward of each stage's engine (with worker processes one
 ``batch`` request per stage, where the one-token ones share a forward), so 8 streams cost the draft model little more
 than one. Each generation keeps a KV session there, fed its
@@ -336,21 +336,17 @@ class DraftWorker:
         between the stages as the default wire (``auto``) carries them: float16, or float32 past its range. An
         engine's error is each of these asks' error, as in a batch line."""
         out: list[int | DraftModelError | None] = [None] * len(asks)
-        if self.processes:
-            return out
         from pp_worker.worker import q8
         from pp_worker.worker.engines.base import EngineError
         from pp_worker.worker.sampling import argmax_sample
 
-        first, last = (stage._live().engine for stage in self.stages)  # type: ignore[union-attr]
-        vocab, firsts = first.info.vocab_size, {}
+        firsts: dict[int, int] = {}
         for i, (session, _) in enumerate(asks):  # a session's later asks go after it, through the batch lines
             firsts.setdefault(session, i)
-        take = [i for i, (session, (tokens, position)) in enumerate(asks) if firsts[session] == i and
-                len(tokens) <= SPLIT and all(0 <= t < vocab for t in tokens) and
-                first.can_batch(session, position, len(tokens)) and last.can_batch(session, position, len(tokens))]
+        take = [i for i, (session, ask) in enumerate(asks) if firsts[session] == i and self._takes(session, ask)]
         if not take:
             return out
+        first, last = (stage._live().engine for stage in self.stages)  # type: ignore[union-attr]
         sessions, positions = [asks[i][0] for i in take], [asks[i][1][1] for i in take]
         rows = [len(asks[i][1][0]) for i in take]
         ends = list(itertools.accumulate(rows))
@@ -371,6 +367,17 @@ class DraftWorker:
             except ValueError as e:  # every logit NaN
                 out[i] = DraftModelError(f"draft model {self.path}: no token: {e}")
         return out
+
+    def _takes(self, session: int, ask: Ask) -> bool:
+        """Whether `_direct` can take ``ask`` as it is: stages in this process, at most SPLIT tokens of the
+        vocabulary, at a position of a session both engines hold, as many rows as both run in one forward
+        (`Engine.can_batch`: a stage on tinygrad's kernels, a GPU's, mixes no several rows of a session)."""
+        if self.processes:
+            return False
+        tokens, position = ask
+        first, last = (stage._live().engine for stage in self.stages)  # type: ignore[union-attr]
+        return len(tokens) <= SPLIT and all(0 <= t < first.info.vocab_size for t in tokens) and \
+            first.can_batch(session, position, len(tokens)) and last.can_batch(session, position, len(tokens))
 
     def _batched(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError]:
         """``next_tokens`` through the stages' ``batch`` lines."""
@@ -429,8 +436,8 @@ class DraftWorker:
         no guesses (they go on without) and the failure goes on to ``_serve``."""
         running = [g for g in guesses if g.advance(None)]
         while running:
-            asks = [g.round_ask(together=self.processes and len(running) > 1) for g in running]
-            try:
+            try:  # a 2-token feed goes whole where the engines take it as it is (`_takes`), else a token a round
+                asks = [g.round_ask(together=len(running) > 1 and not self._takes(g.session, g.ask)) for g in running]
                 answers: list[int | DraftModelError] = self.next_tokens(
                     [(g.session, ask) for g, ask in zip(running, asks, strict=True)])
             except Exception:
@@ -498,8 +505,8 @@ Ask = tuple[list[int], int]  # tokens to feed a session, at this position
 # dozen about as well as from all, and a long prompt's feed would cost the draft model more than the guesses save
 # (bench/NOTES.md, Speculative decoding)
 WINDOW = 32
-SPLIT = 2  # a feed this short goes one token a round beside other generations' guesses through worker processes'
-# batch lines (Guess.round_ask); in the driver's process the longest one the engines take directly (DraftWorker._direct)
+SPLIT = 2  # a feed this short goes one token a round beside other generations' guesses through batch lines
+# (Guess.round_ask); in the driver's process the longest one the engines take directly (DraftWorker._takes)
 
 
 @dataclass
@@ -513,9 +520,9 @@ class Guess:
     ask: Ask = ([], 0)
 
     def round_ask(self, together: bool) -> Ask:
-        """This round's forward: the ask, or, with other generations in the round (``together``: worker processes'
-        batch lines; in the driver's process the engines mix any rows, `DraftWorker._direct`), the first of a feed
-        of SPLIT tokens (the one after every guess was kept: the last guess and the model's token). There one-token
+        """This round's forward: the ask, or, with other generations in the round (``together``, unless the engines
+        in the driver's process take the feed whole, `DraftWorker._takes`), the first of a feed of SPLIT tokens (the
+        one after every guess was kept: the last guess and the model's token). Through batch lines one-token
         forwards of several sessions are one batched forward, a 2-token one is a forward of its own on the last
         stage (which mixes only checks' rows with others): 8 sessions' 2-token feeds took 3.7-6.2 ms, two rounds of
         one-token forwards 2.8-3.6 ms (bench/NOTES.md)."""
