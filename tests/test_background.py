@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_real_process import spawn_real
 
-from pp_worker.testing.chain import Chain, wire_rows
+from pp_worker.testing.chain import Chain, step_batch, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.cpu import graph as cpu_graph
@@ -36,8 +36,8 @@ def test_a_stage_without_its_other_sizes_runs_what_it_has(model):
         chain.step(rid, p, 0)
     first, last = chain.engines
     sessions, positions, tokens = [1, 2, 3], [37, 2, 1], [5, 6, 7]
-    hidden = first.step_batch(sessions, positions, tokens)
-    out = last.step_batch(sessions, positions, wire_rows(first, hidden))
+    hidden = step_batch(first, sessions, positions, tokens)
+    out = step_batch(last, sessions, positions, wire_rows(first, hidden))
     for got, prompt in zip(out, (PROMPT + [5], [7, 8, 6], [9, 7]), strict=True):
         np.testing.assert_allclose(got, ref.logits(prompt)[-1], rtol=0, atol=3e-2)
     for e in chain.engines:  # the decode JIT ran everything: no other size compiled, no request waited on one

@@ -15,7 +15,7 @@ import pytest
 from pp_worker.driver.generation import Call, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
-from pp_worker.testing.chain import Chain, wire_rows
+from pp_worker.testing.chain import Chain, step_batch, wire_rows
 from pp_worker.testing.modelgen import generate
 
 MAX_CONTEXT = 64
@@ -38,9 +38,9 @@ def test_a_batched_step_is_each_sessions_own_step(model: Path) -> None:
     got = [[int(chain.step(i, p, 0).argmax())] for i, p in enumerate(prompts)]
     for ids in ([0, 1, 2, 3], [0, 1, 2], [3, 1], [0, 1, 2, 3]):  # batch sizes 4, 3 (= 2 + 1 on the ladder), 2
         at = [len(prompts[i]) + len(got[i]) - 1 for i in ids]
-        hidden = first.step_batch(ids, at, [got[i][-1] for i in ids])
-        hidden = middle.step_batch(ids, at, wire_rows(first, hidden))
-        logits = last.step_batch(ids, at, wire_rows(middle, hidden)).copy()
+        hidden = step_batch(first, ids, at, [got[i][-1] for i in ids])
+        hidden = step_batch(middle, ids, at, wire_rows(first, hidden))
+        logits = step_batch(last, ids, at, wire_rows(middle, hidden)).copy()
         for b, i in enumerate(ids):
             np.testing.assert_allclose(logits[b], alone[i][1][len(got[i])], rtol=0, atol=LOGIT_ATOL)
             got[i].append(int(logits[b].argmax()))
@@ -82,8 +82,8 @@ def test_on_tinygrads_kernels_a_batch_is_one_token_steps(model: Path) -> None:
         chain.step(i, p, 0)
     at = [len(p) for p in prompts]
     assert all(e.can_batch(0, at[0]) and not e.can_batch(0, at[0], 2) for e in chain.engines)
-    hidden = first.step_batch([0, 1, 2], at, [tokens[0] for tokens, _ in alone])
-    logits = last.step_batch([0, 1, 2], at, wire_rows(first, hidden))
+    hidden = step_batch(first, [0, 1, 2], at, [tokens[0] for tokens, _ in alone])
+    logits = step_batch(last, [0, 1, 2], at, wire_rows(first, hidden))
     np.testing.assert_allclose(logits, np.stack([steps[1] for _, steps in alone]), rtol=0, atol=LOGIT_ATOL)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 
-from pp_worker.testing.chain import Chain, wire_rows
+from pp_worker.testing.chain import Chain, step_batch, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.cpu import attention as cpu_attention
@@ -126,8 +126,8 @@ def test_cpu_stages_decode_through_the_kernel(model, monkeypatch):
     chain.step(1, prompt, 0)
     first, last = chain.engines
     at = [len(prompt) + len(tokens) - 1, len(prompt)]
-    hidden = first.step_batch([0, 1], at, [tokens[-1], tokens[0]])
-    batched = last.step_batch([0, 1], at, wire_rows(first, hidden)).copy()
+    hidden = step_batch(first, [0, 1], at, [tokens[-1], tokens[0]])
+    batched = step_batch(last, [0, 1], at, wire_rows(first, hidden)).copy()
     assert calls == [] and sorted(mixed) == sorted(j for n in blocks for j in range(n)), "each block's, once"
     ref = RefModel.from_gguf(model)
     np.testing.assert_allclose(batched[0], ref.logits(prompt + tokens)[-1], rtol=0, atol=3e-2)

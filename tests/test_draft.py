@@ -861,7 +861,7 @@ def test_a_draft_model_in_the_drivers_process_whose_engine_fails_gives_no_guesse
 
     worker = DraftWorker(ZEN_DRAFT_GGUF, log=io.StringIO())
     engine = worker.stages[1].worker.engine
-    plain_step, plain_logits, failed = engine.step_batch, engine.forward_logits, []
+    plain_batch, plain_logits, failed = engine.forward_batch, engine.forward_logits, []
 
     def fails(plain):
         def call(*args, **kwargs):
@@ -870,7 +870,7 @@ def test_a_draft_model_in_the_drivers_process_whose_engine_fails_gives_no_guesse
                 raise EngineError("the forward failed")
             return plain(*args, **kwargs)
         return call
-    engine.step_batch, engine.forward_logits = fails(plain_step), fails(plain_logits)
+    engine.forward_batch, engine.forward_logits = fails(plain_batch), fails(plain_logits)
     try:
         plain = _run(pipeline, None, Sampling(), concurrency=2)
         log = io.StringIO()

@@ -23,7 +23,7 @@ from pp_worker.driver.generation import Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing import gemma3gen
-from pp_worker.testing.chain import Chain, wire_rows
+from pp_worker.testing.chain import Chain, step_batch, wire_rows
 from pp_worker.testing.npref import Gemma3Ref
 from pp_worker.worker.cpu import attention as cpu_attention
 from pp_worker.worker.engines.gemma3 import attention_scale, is_sliding, sliding_window
@@ -108,8 +108,8 @@ def test_interleaved_and_batched_sessions_equal_solo(chain2, ref):
         outs[rid].append(int(logits[rid][-1].argmax()))
     first, last = chain2.engines
     at = [len(a) + 2, len(b) + 1]  # session 0 has 3 tokens, session 1 has 2: one batched step for 1's third
-    hidden = first.step_batch([0, 1], at, [outs[0][-1], outs[1][-1]])
-    batched = last.step_batch([0, 1], at, wire_rows(first, hidden)).copy()
+    hidden = step_batch(first, [0, 1], at, [outs[0][-1], outs[1][-1]])
+    batched = step_batch(last, [0, 1], at, wire_rows(first, hidden)).copy()
     np.testing.assert_allclose(logits[0][:3], np.stack(solo[0][1]), rtol=0, atol=1e-4)
     np.testing.assert_allclose(logits[1][:2], np.stack(solo[1][1][:2]), rtol=0, atol=1e-4)
     assert outs[0][:3] == solo[0][0] and outs[1][:2] == solo[1][0][:2]

@@ -15,7 +15,7 @@ import pytest
 from gguf import GGUFReader
 
 from pp_worker.testing import gemma3gen, ggml_int8
-from pp_worker.testing.chain import Chain, wire_rows
+from pp_worker.testing.chain import Chain, step_batch, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import Forward, Gemma3Ref, RefModel
 from pp_worker.worker.cpu import kernels as cpu_kernels
@@ -157,8 +157,8 @@ def test_on_the_integer_path_a_batched_step_is_each_sessions_own_step(int8_env, 
     got = [[int(chain.step(i, p, 0).argmax())] for i, p in enumerate(prompts)]
     for ids in ([0, 1, 2], [2, 0], [0, 1, 2], [1, 2]):
         at = [len(prompts[i]) + len(got[i]) - 1 for i in ids]
-        hidden = first.step_batch(ids, at, [got[i][-1] for i in ids])
-        logits = last.step_batch(ids, at, wire_rows(first, hidden)).copy()
+        hidden = step_batch(first, ids, at, [got[i][-1] for i in ids])
+        logits = step_batch(last, ids, at, wire_rows(first, hidden)).copy()
         for b, i in enumerate(ids):
             np.testing.assert_allclose(logits[b], alone[i][1][len(got[i])], rtol=0, atol=LOGIT_ATOL_FP64)
             got[i].append(int(logits[b].argmax()))

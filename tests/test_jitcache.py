@@ -16,7 +16,7 @@ from conftest import clean_env
 
 from pp_worker.driver.pipeline import Pipeline, Sampling, make_generations
 from pp_worker.driver.stage_proc import Launch
-from pp_worker.testing.chain import Chain, wire_rows
+from pp_worker.testing.chain import Chain, step_batch, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.worker.compiled import jitcache
 from pp_worker.worker.cpu import graph as cpu_graph
@@ -39,8 +39,8 @@ def _run(model: Path) -> tuple[Chain, list[list[int]], list[np.ndarray]]:
         tokens.append(t)
         logits += lg
     first, last = c.engines
-    h = first.step_batch([0, 1], [len(p) + 4 for p in PROMPTS], [t[-1] for t in tokens])
-    logits.append(np.array(last.step_batch([0, 1], [len(p) + 4 for p in PROMPTS], wire_rows(first, h))))
+    h = step_batch(first, [0, 1], [len(p) + 4 for p in PROMPTS], [t[-1] for t in tokens])
+    logits.append(np.array(step_batch(last, [0, 1], [len(p) + 4 for p in PROMPTS], wire_rows(first, h))))
     return c, tokens, logits
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pp_worker.testing.chain import Chain
+from pp_worker.testing.chain import Chain, step_batch
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.base import EngineError
@@ -129,7 +129,7 @@ def test_a_step_without_a_page_is_refused_and_harms_no_other_session(model, ref)
     h = chain.engines[0]
     with pytest.raises(EngineError, match=r"session 1 needs 1 more page\(s\) of 128 positions .* the pool has 2 pages "
                        r".* 0 free, 1 held by this session, 1 by the others of this step, 0 by sessions it may evict"):
-        h.step_batch([1, 2], [128, 128], [int(la.argmax()), int(lb.argmax())])  # a batch of both at a new page
+        step_batch(h, [1, 2], [128, 128], [int(la.argmax()), int(lb.argmax())])  # a batch of both at a new page
     assert h.sessions() == {1: 128, 2: 128} and h.describe()["kv_pages_free"] == 0
     for rid, p, logits in ((1, a, la), (2, b, lb)):  # both go on, each on its own keys, one page left each
         np.testing.assert_allclose(logits, ref.logits(p)[-1], rtol=0, atol=ATOL_FP64)

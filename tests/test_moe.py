@@ -14,7 +14,7 @@ import pytest
 from test_cpu_kernels import TYPES, random_rows
 from tinygrad import Tensor
 
-from pp_worker.testing.chain import Chain, wire_rows
+from pp_worker.testing.chain import Chain, step_batch, wire_rows
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.cpu import moe as cpu_moe
@@ -136,9 +136,9 @@ def test_a_batched_decode_across_sessions_is_each_sessions_own(chain):
     got = [[int(c.step(i, p, 0).argmax())] for i, p in enumerate(prompts)]
     for ids in ([0, 1, 2, 3], [0, 1, 2, 3], [3, 1], [0, 1, 2, 3]):
         at = [len(prompts[i]) + len(got[i]) - 1 for i in ids]
-        hidden = first.step_batch(ids, at, [got[i][-1] for i in ids])
-        hidden = middle.step_batch(ids, at, wire_rows(first, hidden))
-        logits = last.step_batch(ids, at, wire_rows(middle, hidden)).copy()
+        hidden = step_batch(first, ids, at, [got[i][-1] for i in ids])
+        hidden = step_batch(middle, ids, at, wire_rows(first, hidden))
+        logits = step_batch(last, ids, at, wire_rows(middle, hidden)).copy()
         for b, i in enumerate(ids):
             np.testing.assert_allclose(logits[b], alone[i][1][len(got[i])], rtol=0, atol=LOGIT_ATOL_SAME)
             got[i].append(int(logits[b].argmax()))

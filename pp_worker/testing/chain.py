@@ -27,6 +27,14 @@ def wire_rows(engine: TinygradEngine, hidden: bytes | memoryview, wire: str = "f
     return [on_wire(engine, hidden[i * width:(i + 1) * width], wire) for i in range(len(hidden) // width)]
 
 
+def step_batch(engine: Any, sessions: list[int], positions: list[int], inputs: list[int] | list[bytes]) \
+        -> Any:
+    """One token for each session in one batched forward (`Engine.forward_batch`): a token id each on the first
+    stage, one row each elsewhere; (B, D) rows or (B, V) logits."""
+    ones = [1] * len(sessions)
+    return engine.forward_batch(sessions, positions, [[t] for t in inputs] if engine.shard.is_first else inputs, ones)
+
+
 class Chain:
     """``num_stages`` engines on one GGUF; ``kw`` goes to every engine (prefill_chunk, kv_dtype...). Its engines
     compile every prefill size a prompt needs (``every_size``) unless told otherwise: the tests cover each size.

@@ -85,18 +85,13 @@ class Engine(Protocol):
         """Whether a step of ``rows`` positions of ``session`` from ``position`` may join a batch: it continues a
         session held (appends, or rewinds to a position it holds), and the engine can batch that many rows."""
 
-    def step_batch(self, sessions: list[int], positions: list[int],
-                   inputs: list[int] | list[bytes]) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
-        """One token for each of several distinct sessions (each `can_batch`) in one forward: inputs are token ids
-        (first stage) or one float16 or float32 row each; the output is the B rows (B, D) in ``hidden_dtype``, or
-        (B, V) logits on the last stage. Each session's result is its single op's (up to float rounding of the
-        batched matmuls)."""
-
     def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
                       rows: list[int]) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
-        """`step_batch` with ``rows[b]`` positions of session b: inputs are token id lists (first stage) or
-        ``rows[b]`` rows each; the output is every row, session after session: (R, D) in ``hidden_dtype``, or
-        (R, V) logits on the last stage (every row's, as `forward_rows`)."""
+        """Several distinct sessions (each `can_batch` with its rows) in one forward, ``rows[b]`` positions of session
+        b from ``positions[b]``: inputs are token id lists (first stage) or ``rows[b]`` float16 or float32 rows
+        each; the output is every row, session after session: (R, D) in ``hidden_dtype``, or (R, V) logits on the
+        last stage (every row's, as `forward_rows`). Each session's result is its single op's (up to float rounding
+        of the batched matmuls)."""
 
     def release(self, session: int, keep: bool = False) -> bool:
         """Drop a session's KV cache; False when it held none. ``keep``: leave it held as cache (evicted before

@@ -106,11 +106,6 @@ class StubEngine:
         length = self._sessions.get(session)
         return length is not None and position <= length and position + rows <= self.info.max_context
 
-    def step_batch(self, sessions: list[int], positions: list[int], inputs: list[int] | list[bytes]) -> Any:
-        ones = [1] * len(sessions)
-        return self.forward_batch(sessions, positions, [[t] for t in inputs] if self.shard.is_first else inputs,
-                                  ones)  # type: ignore[list-item]
-
     def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
                       rows: list[int]) -> Any:
         """Each session's rows exactly as its single op computes them (every row's logits on the last stage), for

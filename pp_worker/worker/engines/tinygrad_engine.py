@@ -525,14 +525,6 @@ class TinygradEngine:
     def can_batch(self, session: int, position: int, rows: int = 1) -> bool:
         return (rows == 1 or self._stage.mix) and self._sessions.holds(session, position, rows)
 
-    def step_batch(self, sessions: list[int], positions: list[int],
-                   inputs: list[int] | list[bytes]) -> memoryview | np.ndarray:
-        """One token for each session (see `forward_batch`): token ids on the first stage, one float16 or float32
-        row each elsewhere. Output: (B, D) rows (`hidden_dtype`), or (B, V) float32 logits on the last stage."""
-        ones = [1] * len(sessions)
-        return self.forward_batch(sessions, positions, [[t] for t in inputs] if self.shard.is_first else inputs,
-                                  ones)  # type: ignore[list-item]
-
     def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
                       rows: list[int]) -> memoryview | np.ndarray:
         """``rows[b]`` positions of each session from ``positions[b]`` (each `can_batch`), in as few forwards as the
