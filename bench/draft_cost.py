@@ -7,7 +7,7 @@ against plain decoding, with ``--draft-max`` 3 and 7.
 
 The per-token part times the draft model's own calls on its thread (``DraftWorker.next_tokens``): one session
 guessing one token (a one-token forward on each of its two stages), 8 sessions one token each (one batched forward
-a stage), and a 32-token feed (a prompt's window), the two modes in turn so that a busy moment of the machine hits
+a stage), a 32-token feed (a prompt's window) and 8 new sessions' first feeds of 32 tokens, the two modes in turn so that a busy moment of the machine hits
 both alike. The pipeline part runs bench.links's tasks with each arm in turn, several rounds: the median counts.
 """
 
@@ -45,7 +45,8 @@ def on_thread(worker: DraftWorker, work: Any) -> Any:
 
 
 def per_token(worker: DraftWorker, calls: int) -> dict[str, float]:
-    """ms per call: one session's one-token guess, 8 sessions' (one batch), a 32-token feed."""
+    """ms per call: one session's one-token guess, 8 sessions' (one batch), a 32-token feed (again, at position 0),
+    8 new sessions' first 32-token feeds (8 generations starting: each evicts a session held before)."""
     def timed(asks_at: Any) -> float:
         t0 = time.perf_counter()
         for i in range(calls):
@@ -57,7 +58,8 @@ def per_token(worker: DraftWorker, calls: int) -> dict[str, float]:
         worker.next_tokens([(s, (list(range(5, 37)), 0)) for s in sessions])  # every session holds 32 tokens
         return {"one": timed(lambda i: [(1, ([9], 32 + i % 64))]),
                 "eight": timed(lambda i: [(s, ([9], 32 + i % 64)) for s in sessions]),
-                "feed32": timed(lambda i: [(1, (list(range(5, 37)), 0))])}
+                "feed32": timed(lambda i: [(1, (list(range(5, 37)), 0))]),
+                "open8x32": timed(lambda i: [(100 + 8 * i + s, (list(range(5, 37)), 0)) for s in sessions])}
     return on_thread(worker, run)
 
 

@@ -447,10 +447,9 @@ def _recorded(worker: DraftWorker) -> tuple[list[list[tuple[int, list[int]]]], l
 
 def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_worker_processes_with_the_same_guesses(
         pipeline, monkeypatch):
-    """In the driver's process a round's guesses and short feeds (at most SPLIT tokens) are one forward of each
-    stage's engine, called directly, 2-token feeds beside one-token guesses (a mixed forward); only a longer feed (a
-    prompt's window, a prefill), a session's first feed (which opens it) and its second ask in a round go through
-    the stages' ``batch`` lines.
+    """In the driver's process a round's guesses and feeds are one forward of each stage's engine, called directly,
+    2-token feeds beside one-token guesses (a mixed forward), a prompt's window too; only a session's second ask in
+    a round goes through the stages' ``batch`` lines.
     Worker processes take ``batch`` lines, where beside other generations a 2-token feed goes one token a round (a
     2-token forward runs alone on a last stage), and whole with SPLIT 1; so do in-process engines that mix no rows
     of a session (tinygrad's kernels, a GPU's). The guesses, and so the output, are the same every way."""
@@ -476,13 +475,51 @@ def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_work
     assert len({tuple(g.draft.accepted for g in run) for run in runs.values()}) == 1
     (here, here_lines), (split, _), (whole, _), (unmixed, _) = (recorded[k] for k in ("here", "split", "whole",
                                                                                         "unmixed"))
-    assert here_lines and all(n > draft_model.SPLIT or position == 0 or [s for s, _ in here[r]].count(session) > 1
-                              for r, session, n, position in here_lines)  # a window, a first feed, a later ask
+    assert all([s for s, _ in here[r]].count(session) > 1 for r, session, _, _ in here_lines)  # a later ask
+    assert any(len(tokens) > draft_model.SPLIT for r in here for _, tokens in r)  # the windows, straight
 
     def twos_beside_others(rounds: list[list[tuple[int, list[int]]]]) -> bool:
         return any(len(tokens) == 2 for r in rounds if len(r) > 1 for _, tokens in r)
     assert twos_beside_others(here) and not twos_beside_others(split) and twos_beside_others(whole)
     assert not twos_beside_others(unmixed)  # in-process engines that mix no rows of a session (tinygrad's kernels)
+
+
+def _on_draft_thread(worker: DraftWorker, work):
+    """``work()`` on the draft model's thread (where its stages may be called), its result."""
+    import threading
+
+    done, out = threading.Event(), []
+    worker.submit(lambda: out.append(work()) or done.set())
+    assert done.wait(120)
+    return out[0]
+
+
+def test_prompts_windows_go_straight_to_the_engines_in_forwards_compiled_already():
+    """8 generations' first feeds (a prompt's window of 32 tokens each) in the driver's process: each session opened
+    by a one-token forward, the rest as rows of one batch of forwards of the sizes compiled already (a forward of
+    all their rows would compile one, ~2.5 s, and no guess would come meanwhile), nothing through the batch lines;
+    the answers are a worker process's."""
+    here, lines = DraftWorker(ZEN_DRAFT_GGUF), DraftWorker(ZEN_DRAFT_GGUF, processes=True)
+    feeds = [(session, (list(range(4 + session, 36 + session)), 0)) for session in range(1, 9)]
+    through_lines = []
+    batched = here._batched
+    here._batched = lambda asks: through_lines.extend(asks) or batched(asks)
+
+    def compiled() -> list[int]:
+        return [stage._live().engine.describe()["jits_compiled"] for stage in here.stages]
+
+    def feed_here():
+        here.next_tokens([(99, ([5], 0)), (98, ([6], 0))])  # the decode call's forward, then a batch of 2
+        here.next_tokens([(99, ([7], 1)), (98, ([8], 1))])
+        before = compiled()
+        return before, here.next_tokens(feeds), compiled()
+    try:
+        before, got, after = _on_draft_thread(here, feed_here)
+        assert _on_draft_thread(lines, lambda: lines.next_tokens(feeds)) == got
+    finally:
+        here.close()
+        lines.close()
+    assert after == before and through_lines == []
 
 
 def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):
@@ -895,9 +932,10 @@ def test_a_draft_model_in_the_drivers_process_that_fails_is_loaded_again_and_the
     worker = DraftWorker(ZEN_DRAFT_GGUF, backoff_s=0, log=log)
     first = worker.stages
 
-    def broken(requests):
+    def broken(*args):
         raise RuntimeError("the stage broke")
-    again = _fail_then_draft_again(pipeline, worker, lambda: setattr(worker.stages[0], "batch", broken))
+    again = _fail_then_draft_again(pipeline, worker,
+                                   lambda: setattr(worker.stages[0]._live().engine, "forward_batch", broken))
     assert "draft model failed: RuntimeError: the stage broke" in log.getvalue()
     assert "draft model: restarted, drafting again" in log.getvalue() and worker.failures == 1
     assert all(s.closed for s in first) and worker.stages[0] is not first[0]  # new stages

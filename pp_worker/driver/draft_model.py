@@ -325,59 +325,99 @@ class DraftWorker:
         return answers  # type: ignore[return-value]
 
     def _direct(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError | None]:
-        """The asks that in-process stages (``_Local``) can take as they are (a guess or a feed of at most SPLIT
-        tokens, a session's first ask of the round, to a session each stage holds, from a position it holds:
-        `Engine.can_batch`; token ids in the vocabulary), run as one ``forward_batch`` of each stage's engine,
-        called directly, 2-token feeds mixed with others' rows; None for the others (and for all with worker
-        processes), which go through the ``batch`` lines after them. What those would compute, without their
-        requests and replies, which cost ~0.4 ms of a 0.6 ms round of 8 sessions here (bench/NOTES.md). A longer
-        feed (a session's first, or its window again) stays a line's prefill: a prefill needs no JIT of its size,
-        where a forward of that many rows would compile one (~2.5 s) at its first use. The hidden states go
-        between the stages as the default wire (``auto``) carries them: float16, or float32 past its range. An
-        engine's error is each of these asks' error, as in a batch line."""
+        """The asks that in-process stages (``_Local``) can take (a session's first ask of the round, token ids in
+        the vocabulary, at a position of a session each stage holds: `Engine.can_batch`), run as one
+        ``forward_batch`` of each stage's engine, called directly, several rows of a session mixed with others'
+        rows; None for the others (and for all with worker processes), which go through the ``batch`` lines after
+        them. What those would compute, without their requests and replies, which cost ~0.4 ms of a 0.6 ms round
+        of 8 sessions here (bench/NOTES.md). A feed at position 0 of a session the stages do not hold (a
+        generation's first: the prompt's window) opens it with a one-token forward first (`_open`). A round with a
+        feed longer than SPLIT (a window) runs in the forwards' sizes compiled already: a forward of its rows would
+        compile one (~2.5 s) at its first use, and no guess would come meanwhile. The hidden states go between the
+        stages as the default wire (``auto``) carries them: float16, or float32 past its range. An engine's error
+        is each of these asks' error, as in a batch line."""
         out: list[int | DraftModelError | None] = [None] * len(asks)
+        if self.processes:
+            return out
         from pp_worker.worker import q8
         from pp_worker.worker.engines.base import EngineError
-        from pp_worker.worker.sampling import argmax_sample
 
         firsts: dict[int, int] = {}
         for i, (session, _) in enumerate(asks):  # a session's later asks go after it, through the batch lines
             firsts.setdefault(session, i)
-        take = [i for i, (session, ask) in enumerate(asks) if firsts[session] == i and self._takes(session, ask)]
+        asks = list(asks)
+        for i, (session, ask) in enumerate(asks):
+            if firsts[session] == i and ask[1] == 0 and self._known(ask[0]) and not self._held(session):
+                out[i], rest = self._open(session, ask[0])
+                asks[i] = (session, rest)
+        take = [i for i, (session, ask) in enumerate(asks)
+                if out[i] is None and firsts[session] == i and self._takes(session, ask)]
         if not take:
             return out
-        first, last = (stage._live().engine for stage in self.stages)  # type: ignore[union-attr]
+        first, last = self._engines()
         sessions, positions = [asks[i][0] for i in take], [asks[i][1][1] for i in take]
         rows = [len(asks[i][1][0]) for i in take]
-        ends = list(itertools.accumulate(rows))
+        ends, compile = list(itertools.accumulate(rows)), max(rows) <= SPLIT
         try:
             with _tinygrad_here():
-                hidden = first.forward_batch(sessions, positions, [asks[i][1][0] for i in take], rows)
+                hidden = first.forward_batch(sessions, positions, [asks[i][1][0] for i in take], rows, compile)
                 payload, _ = q8.emit(hidden, first.hidden_dtype, "auto", first.info.hidden_dim)
                 size = len(payload) // ends[-1]
                 logits = last.forward_batch(sessions, positions, [payload[(end - n) * size:end * size]
-                                                                  for n, end in zip(rows, ends, strict=True)], rows)
+                                                                  for n, end in zip(rows, ends, strict=True)], rows,
+                                            compile)
         except EngineError as e:  # what each of these asks would have got from a batch line
             for i in take:
                 out[i] = DraftModelError(f"draft model {self.path}: {e}")
             return out
         for end, i in zip(ends, take, strict=True):
-            try:
-                out[i] = argmax_sample(logits[end - 1])
-            except ValueError as e:  # every logit NaN
-                out[i] = DraftModelError(f"draft model {self.path}: no token: {e}")
+            out[i] = self._argmax(logits[end - 1])
         return out
 
+    def _open(self, session: int, tokens: list[int]) -> tuple[int | DraftModelError | None, Ask]:
+        """Start ``session`` on both stages with the first of ``tokens`` (a one-token forward each, the decode
+        call's size: a batch only continues sessions): its answer when that was the whole feed (or the error), and
+        what is left to feed (from position 1)."""
+        from pp_worker.worker.engines.base import EngineError
+
+        first, last = self._engines()
+        try:
+            with _tinygrad_here():
+                logits = last.forward_logits(session, bytes(first.embed_and_forward(session, tokens[:1], 0)), 0, 1)
+        except EngineError as e:
+            return DraftModelError(f"draft model {self.path}: {e}"), (tokens, 0)
+        return self._argmax(logits) if len(tokens) == 1 else None, (tokens[1:], 1)
+
+    def _argmax(self, logits: Any) -> int | DraftModelError:
+        from pp_worker.worker.sampling import argmax_sample
+
+        try:
+            return argmax_sample(logits)
+        except ValueError as e:  # every logit NaN
+            return DraftModelError(f"draft model {self.path}: no token: {e}")
+
+    def _engines(self) -> tuple[Any, Any]:
+        return tuple(stage._live().engine for stage in self.stages)  # type: ignore[union-attr, return-value]
+
+    def _known(self, tokens: list[int]) -> bool:
+        """Token ids the draft's vocabulary has (others go through the batch lines, which answer their error)."""
+        size = self._engines()[0].info.vocab_size
+        return bool(tokens) and all(0 <= t < size for t in tokens)
+
+    def _held(self, session: int) -> bool:
+        first, last = self._engines()
+        return first.can_batch(session, 0) and last.can_batch(session, 0)
+
     def _takes(self, session: int, ask: Ask) -> bool:
-        """Whether `_direct` can take ``ask`` as it is: stages in this process, at most SPLIT tokens of the
-        vocabulary, at a position of a session both engines hold, as many rows as both run in one forward
-        (`Engine.can_batch`: a stage on tinygrad's kernels, a GPU's, mixes no several rows of a session)."""
+        """Whether `_direct` can take ``ask`` as it is: stages in this process, token ids of the vocabulary, at a
+        position of a session both engines hold, as many rows as both run in one forward (`Engine.can_batch`: a
+        stage on tinygrad's kernels, a GPU's, mixes no several rows of a session)."""
         if self.processes:
             return False
         tokens, position = ask
-        first, last = (stage._live().engine for stage in self.stages)  # type: ignore[union-attr]
-        return len(tokens) <= SPLIT and all(0 <= t < first.info.vocab_size for t in tokens) and \
-            first.can_batch(session, position, len(tokens)) and last.can_batch(session, position, len(tokens))
+        first, last = self._engines()
+        return self._known(tokens) and first.can_batch(session, position, len(tokens)) and \
+            last.can_batch(session, position, len(tokens))
 
     def _batched(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError]:
         """``next_tokens`` through the stages' ``batch`` lines."""
@@ -506,7 +546,8 @@ Ask = tuple[list[int], int]  # tokens to feed a session, at this position
 # (bench/NOTES.md, Speculative decoding)
 WINDOW = 32
 SPLIT = 2  # a feed this short goes one token a round beside other generations' guesses through batch lines
-# (Guess.round_ask); in the driver's process the longest one the engines take directly (DraftWorker._takes)
+# (Guess.round_ask); in the driver's process the longest in a round whose forwards may compile a size at its first
+# use (a longer one, a window, runs in the sizes compiled: DraftWorker._direct)
 
 
 @dataclass

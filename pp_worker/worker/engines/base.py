@@ -86,12 +86,14 @@ class Engine(Protocol):
         session held (appends, or rewinds to a position it holds), and the engine can batch that many rows."""
 
     def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
-                      rows: list[int]) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
+                      rows: list[int],
+                      compile: bool = True) -> bytes | memoryview | np.ndarray | Sequence[Sequence[float]]:
         """Several distinct sessions (each `can_batch` with its rows) in one forward, ``rows[b]`` positions of session
         b from ``positions[b]``: inputs are token id lists (first stage) or ``rows[b]`` float16 or float32 rows
         each; the output is every row, session after session: (R, D) in ``hidden_dtype``, or (R, V) logits on the
         last stage (every row's, as `forward_rows`). Each session's result is its single op's (up to float rounding
-        of the batched matmuls)."""
+        of the batched matmuls). ``compile`` False: the call compiles no forward of a new size (where an engine
+        compiles them at first use, it runs the rows in the sizes it has: a long feed costs no compile)."""
 
     def release(self, session: int, keep: bool = False) -> bool:
         """Drop a session's KV cache; False when it held none. ``keep``: leave it held as cache (evicted before

@@ -107,9 +107,9 @@ class StubEngine:
         return length is not None and position <= length and position + rows <= self.info.max_context
 
     def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
-                      rows: list[int]) -> Any:
+                      rows: list[int], compile: bool = True) -> Any:
         """Each session's rows exactly as its single op computes them (every row's logits on the last stage), for
-        one delay in all."""
+        one delay in all (it compiles nothing: ``compile`` changes nothing)."""
         self.batches.append(len(sessions))
         delay, self.delay_s = self.delay_s, 0.0
         steps = list(zip(sessions, inputs, positions, rows, strict=True))

@@ -210,10 +210,11 @@ class CompiledStage:
                 self.missed[r] += saves
         return tuple(out)
 
-    def batch_usable(self) -> tuple[int, ...]:
+    def batch_usable(self, compile: bool = True) -> tuple[int, ...]:
         """The batch sizes a batched step runs in: every one, each compiled at its first use; without `on_demand`
-        only those compiled or kept on disk (the others' sessions go in smaller batches, down to the decode JIT)."""
-        if self.on_demand:
+        (or ``compile``) only those compiled or kept on disk (the others' sessions go in smaller batches, down to the
+        decode JIT)."""
+        if self.on_demand and compile:
             return self.batch_rungs
         return tuple(b for b in self.batch_rungs if b == 1 or self.batch_jits[b].ready or self.batch_jits[b].cached)
 
@@ -526,11 +527,12 @@ class TinygradEngine:
         return (rows == 1 or self._stage.mix) and self._sessions.holds(session, position, rows)
 
     def forward_batch(self, sessions: list[int], positions: list[int], inputs: list[list[int]] | list[bytes],
-                      rows: list[int]) -> memoryview | np.ndarray:
+                      rows: list[int], compile: bool = True) -> memoryview | np.ndarray:
         """``rows[b]`` positions of each session from ``positions[b]`` (each `can_batch`), in as few forwards as the
-        batch ladder allows: inputs are token id lists on the first stage, ``rows[b]`` float16 or float32 rows each
-        elsewhere. Output: every row, session after session: (R, D) rows (`hidden_dtype`), or (R, V) float32 logits
-        on the last stage. Several rows of a session need a mixed stage (`CompiledStage.mix`)."""
+        batch ladder allows (``compile`` False: only its sizes compiled or kept on disk): inputs are token id lists
+        on the first stage, ``rows[b]`` float16 or float32 rows each elsewhere. Output: every row, session after
+        session: (R, D) rows (`hidden_dtype`), or (R, V) float32 logits on the last stage. Several rows of a session
+        need a mixed stage (`CompiledStage.mix`)."""
         assert len(set(sessions)) == len(sessions) and all(map(self.can_batch, sessions, positions, rows))
         self._sessions.new_step()
         cfg = self._w.config
@@ -545,7 +547,7 @@ class TinygradEngine:
         width = cfg.vocab_size * 4 if self.shard.is_last else self._row_bytes
         out = self._host.view(len(at) * width)
         start = 0
-        for b in split(len(at), self._stage.batch_usable()):
+        for b in split(len(at), self._stage.batch_usable(compile)):
             part = at[start:start + b]
             if b == 1:
                 (session, position), = part
