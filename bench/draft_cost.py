@@ -5,11 +5,11 @@ against plain decoding, with ``--draft-max`` 3 and 7.
     python -m bench.draft_cost                # both parts, a few minutes on 2 cores
     python -m bench.draft_cost --no-pipeline  # the per-token costs only
 
-The per-token part times the draft model's own calls on its thread (``DraftWorker.next_tokens``): one session
-guessing one token (a one-token forward on each of its two stages), 8 sessions one token each (one batched forward
-a stage), a 32-token feed (a prompt's window) and 8 new sessions' first feeds of 32 tokens, the two modes in turn so that a busy moment of the machine hits
-both alike. The pipeline part runs bench.links's tasks with each arm in turn, several rounds: the median counts.
-"""
+The per-token part times the draft model's own calls on its thread (``DraftWorker.next_tokens``): one session guessing
+one token (a one-token forward on each of its two stages), 8 sessions one token each (one batched forward a stage), a
+32-token feed (a prompt's window) and 8 new sessions' first feeds of 32 tokens, the two modes in turn so that a busy
+moment of the machine hits both alike. The pipeline part runs bench.links's tasks with each arm in turn, several rounds:
+the median counts. """
 
 from __future__ import annotations
 

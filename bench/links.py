@@ -8,15 +8,14 @@ and ngram on the repetitive task.
     python -m bench.links --model smol --delays 0,25 --streams 8 --tasks repetitive --no-draft-model
     python -m bench.run --sections links   # the same rows in make bench's table
 
-At 0 ms (without --rate-mbit) the stages run with no relay at all: local processes, as a user runs them on one
-machine, with the schedule they get there (``--schedule auto``: lock-step on the CPU; behind the relay, a launcher,
-auto picks ``groups``). So "against plain at 0 ms" compares a delayed rate with the local one a user has. Every delay
-gets one pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds: the median counts)
-go on it. A rate is the decoded tokens of a run (each generation's tokens after its first) over the time from its first
-generation's first token to its last generation's last token. The repetitive task asks for a text the prompt
-holds (the embedded model recites the Zen of Python, so its prompt is the Zen and the start of it again); the free
-one gives a few words.
-"""
+At 0 ms (without --rate-mbit) the stages run with no relay at all: local processes, as a user runs them on one machine,
+with the schedule they get there (``--schedule auto``: lock-step on the CPU; behind the relay, a launcher, auto picks
+``groups``). So "against plain at 0 ms" compares a delayed rate with the local one a user has. Every delay gets one
+pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds: each arm's median rate, and the median of
+the rounds' ratios against plain) go on it. A rate is the decoded tokens of a run (each generation's tokens after its
+first) over the time from its first generation's first token to its last generation's last token. The repetitive task
+asks for a text the prompt holds (the embedded model recites the Zen of Python, so its prompt is the Zen and the start
+of it again); the free one gives a few words. """
 
 from __future__ import annotations
 
@@ -235,10 +234,20 @@ def rows(raw: dict[str, Any] | None) -> list[Row]:
                     tok_s, flag = runs[arm]["tok_s"], "--draft ngram" if arm == "ngram" else "--draft-model"
                     note = f"kept {runs[arm]['kept']} of {runs[arm]['drafted']} guessed tokens; {_counted(runs[arm])}"
                     out.append(Row(SECTION, f"{name}: {flag}", tok_s, "tok/s", note=note))
-                    out.append(Row(SECTION, f"{name}: {arm} / plain", plain and tok_s / plain, "x",
+                    out.append(Row(SECTION, f"{name}: {arm} / plain", _ratio(runs[arm], runs["plain"]), "x",
                                    target=_target(arm, float(delay), task, int(n)), note=_steady(runs[arm], runs)))
     out += _far_rows(delays, label)
     return out + (rows(raw["then"]) if raw and raw.get("then") else [])
+
+
+def _ratio(run: dict[str, Any], plain: dict[str, Any]) -> float | None:
+    """``run``'s rate against plain's: the median of the rounds' ratios (the arms of a round ran in turn, in the
+    same seconds of the machine's load; the medians of ~1.5 ms steps moved the ratio of two arms doing the same work
+    by 0.1x from run to run), or the medians' ratio for results measured before the rounds were kept."""
+    mine, theirs = run.get("rounds_tok_s"), plain.get("rounds_tok_s")
+    if mine and theirs and len(mine) == len(theirs) and all(theirs):
+        return statistics.median(a / b for a, b in zip(mine, theirs, strict=True))
+    return run["tok_s"] / plain["tok_s"] if plain["tok_s"] else None
 
 
 def _steady(run: dict[str, Any], runs: dict[str, Any]) -> str:

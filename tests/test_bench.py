@@ -641,6 +641,15 @@ def test_links_rows_set_the_issues_targets() -> None:
     assert links.rows(None)[0].value is None
 
 
+def test_links_ratio_is_the_median_of_the_rounds_ratios() -> None:
+    """Arms that ran in turn compare round by round: plain's rounds 100, 200, 100 and ngram's 150, 210, 160 give
+    ratios 1.5, 1.05, 1.6, so 1.5 (the medians' ratio, 160 / 100, would be 1.6)."""
+    plain = {"tok_s": 100, "rounds_tok_s": [100, 200, 100], "drafted": 0, "kept": 0}
+    ngram = {"tok_s": 160, "rounds_tok_s": [150, 210, 160], "drafted": 9, "kept": 9}
+    raw = {"delays": {"0": {"repetitive": {"8": {"plain": plain, "ngram": ngram}}}}}
+    assert {r.name: r for r in links.rows(raw)}["0 ms, repetitive, 8 stream(s): ngram / plain"].value == 1.5
+
+
 def test_links_steady_rate_counts_the_tokens_after_the_last_streams_first() -> None:
     """Two streams: b's prompt ends at 2.0 s, while a decodes; from then on 3 tokens (a's at 2.5, b's at 2.5 and 3.0)
     come in 1 s, where `rate` counts a's earlier tokens over the whole span from 1.0 s."""
