@@ -9,7 +9,8 @@ The per-token part times the draft model's own calls on its thread (``DraftWorke
 one token (a one-token forward on each of its two stages), 8 sessions one token each (one batched forward a stage), a
 32-token feed (a prompt's window) and 8 new sessions' first feeds of 32 tokens, the two modes in turn so that a busy
 moment of the machine hits both alike. The pipeline part runs bench.links's tasks with each arm in turn, several rounds:
-the median counts. """
+the median counts.
+"""
 
 from __future__ import annotations
 

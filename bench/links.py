@@ -15,7 +15,8 @@ pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds: each
 the rounds' ratios against plain) go on it. A rate is the decoded tokens of a run (each generation's tokens after its
 first) over the time from its first generation's first token to its last generation's last token. The repetitive task
 asks for a text the prompt holds (the embedded model recites the Zen of Python, so its prompt is the Zen and the start
-of it again); the free one gives a few words. """
+of it again); the free one gives a few words.
+"""
 
 from __future__ import annotations
 
