@@ -5,6 +5,8 @@ the switch picks: PP_EXACT=1 is the float path, exact against float64 as before.
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from test_cpu_kernels import AVX512, random_rows
@@ -173,3 +175,26 @@ def test_ties_round_as_ggml_in_the_kernels(ggml_type):
     other = ggml_int8.product(x - nudge, w, qk)  # the ties broken toward zero: other ints
     assert np.abs(want - other).max() > 1e-4 * np.abs(want).max()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+
+
+def _quantizes(outs: list[Tensor]) -> list[str]:
+    """The names of the kernels that quantize x (``q8_<block>_<k>``) among those that realize ``outs``, in order."""
+    names = [call.src[0].arg.name for call in outs[0].schedule_linear(*outs[1:]).src]
+    return [name for name in names if re.fullmatch(r"q8_\d+_\d+", name)]
+
+
+def test_products_of_one_x_quantize_it_once_per_block_size():
+    """q, k and v (gate and up) of one x: x's int8 blocks made once for every product that takes blocks of that size
+    (here two Q8_0 products, 32 values, and a Q4_K, 256), each product's values those it has alone."""
+    from pp_worker.worker.engines.weights import Linear, products
+    from pp_worker.worker.gguf.tensors import PackedWeight
+
+    layers = [Linear(PackedWeight(Tensor(random_rows(t, n, 512, seed=n)[0]).realize(), t, (n, 512)), None, "c")
+              for t, n in ((8, 32), (8, 16), (12, 16))]
+    x = Tensor(np.random.default_rng(3).standard_normal((3, 512)).astype(np.float32)).realize()
+    together = products(x, *layers)
+    assert _quantizes(together) == ["q8_32_512", "q8_256_512"]
+    alone = [layer(x) for layer in layers]
+    assert [name for out in alone for name in _quantizes([out])] == ["q8_32_512", "q8_32_512", "q8_256_512"]
+    for a, b in zip(together, alone, strict=True):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

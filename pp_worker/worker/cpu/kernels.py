@@ -260,16 +260,23 @@ def quantized(x: Tensor, block: int, k: int) -> Tensor:
     return launch(name, quantize_source(block, k, name), (out, x), (b, parts), parts)
 
 
-def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int, group: int = 0) -> Tensor:
+def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int, group: int = 0,
+           shared: dict[tuple[int, int], Tensor] | None = None) -> Tensor:
     """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes),
-    rows interleaved in groups of ``group`` where `gguf.tensors.grouped` did so."""
+    rows interleaved in groups of ``group`` where `gguf.tensors.grouped` did so. ``shared``: x's int8 blocks made
+    for other products of the same x, by (block, k), to take and add to (`weights.products`)."""
     lead = x.shape[:-1]
     b = math.prod(lead)
     threads = max(1, min(matmul_parts(ggml_type, n, k), n // ROWS))
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
     xs = x.reshape(b, k).cast(dtypes.float32)
     if group or uses_int8("matmul", ggml_type):
-        xs = quantized(xs, TYPES[ggml_type].kernel_block, k)
+        key = (TYPES[ggml_type].kernel_block, k)
+        if shared is None or key not in shared:
+            made = quantized(xs, *key)
+            shared = {} if shared is None else shared
+            shared[key] = made
+        xs = shared[key]
     return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads, group).reshape(*lead, n)
 
 

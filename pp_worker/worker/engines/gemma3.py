@@ -26,7 +26,7 @@ from tinygrad.llm.model import TransformerConfig
 
 from pp_worker.worker.engines.kvcache import CacheBlock, Mix, Slot
 from pp_worker.worker.engines.rope import RopeParams
-from pp_worker.worker.engines.weights import Embedding
+from pp_worker.worker.engines.weights import Embedding, products
 from pp_worker.worker.gguf.header import ModelLoadError
 
 ARCH = "gemma3"
@@ -78,7 +78,8 @@ class GemmaBlock(CacheBlock):
         return (h + self.post_ffw_norm(self._feed_forward(self.ffn_norm(h)))).contiguous()
 
     def _feed_forward(self, x: Tensor) -> Tensor:
-        return self.ffn_down(self.ffn_gate(x).gelu().contiguous() * self.ffn_up(x))  # Tensor.gelu: the tanh form
+        gate, up = products(x, self.ffn_gate, self.ffn_up)
+        return self.ffn_down(gate.gelu().contiguous() * up)  # Tensor.gelu: the tanh form
 
     def _heads(self, q: Tensor, k: Tensor, v: Tensor, start_pos: int | UOp,
                freqs: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
@@ -87,7 +88,7 @@ class GemmaBlock(CacheBlock):
 
     def step_batch(self, x: Tensor, slots: list[Slot], positions: list[UOp]) -> Tensor:
         h = self.attn_norm(x)
-        q, k, v = self.attn_q(h), self.attn_k(h), self.attn_v(h)
+        q, k, v = self._qkv(h)
         rows = [self._attend(*self._heads(q[b:b + 1], k[b:b + 1], v[b:b + 1], pos), slot, pos)
                 for b, (slot, pos) in enumerate(zip(slots, positions, strict=True))]
         h = x + self.post_attention_norm(self.attn_output(rows[0].cat(*rows[1:])))

@@ -33,6 +33,7 @@ from tinygrad.uop.ops import resolve
 from pp_worker.worker.cpu import attention as cpu_attention
 from pp_worker.worker.cpu import kernels
 from pp_worker.worker.device import device_kind
+from pp_worker.worker.engines.weights import products
 
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 PAGE = 256  # positions per page where the attention reads through a page table (the CPU's C kernel)
@@ -155,7 +156,8 @@ class CacheBlock(TransformerBlock):
     def _qkv(self, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The projections q, k, v of ``x``: one product where `pack` stacked them."""
         if not self.qkv_split:
-            return self.attn_q(x), self.attn_k(x), self.attn_v(x)
+            q, k, v = products(x, self.attn_q, self.attn_k, self.attn_v)
+            return q, k, v
         nq, nk, nv = self.qkv_split
         y = self.attn_qkv(x).contiguous()  # the one product's output; the rest reads views of it
         return y[..., :nq], y[..., nq:nq + nk], y[..., nq + nk:] if nv else self.attn_v(x)
@@ -182,7 +184,7 @@ class CacheBlock(TransformerBlock):
             h = self.ffn_gate_up(x).contiguous()
             return self.ffn_down(h[..., :self.config.hidden_dim].silu() * h[..., self.config.hidden_dim:])
         if self.c_kernels and not hasattr(self, "ffn_gate_exps") and kernels.silu_mul_fits(self.config.hidden_dim):
-            return self.ffn_down(kernels.silu_mul(self.ffn_gate(x), self.ffn_up(x)))
+            return self.ffn_down(kernels.silu_mul(*products(x, self.ffn_gate, self.ffn_up)))
         return super()._feed_forward(x)
 
     def step_batch(self, x: Tensor, slots: list[Slot], positions: list[UOp]) -> Tensor:

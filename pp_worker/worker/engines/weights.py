@@ -52,14 +52,24 @@ class Linear:
     def __init__(self, weight: Tensor | PackedWeight, bias: Tensor | None = None, kernels: str = "tinygrad"):
         self.weight, self.bias, self.kernels = weight, bias, kernels
 
-    def __call__(self, x: Tensor) -> Tensor:  # (..., k) -> (..., n)
+    def __call__(self, x: Tensor, shared: dict[tuple[int, int], Tensor] | None = None) -> Tensor:
+        """(..., k) -> (..., n); ``shared``: what `products` shares between products of one x (the C kernels' int8
+        blocks of x)."""
         w = self.weight
         if not isinstance(w, PackedWeight):
             return x.linear(w.transpose(), self.bias)
         if self.kernels == "c":
-            y = cpu_kernels.matmul(x, w.raw, w.ggml_type, *w.shape, w.group)
+            y = cpu_kernels.matmul(x, w.raw, w.ggml_type, *w.shape, w.group, shared)
             return y if self.bias is None else y + self.bias
         return x.linear(dequantize(w.raw, w.ggml_type, w.shape[1]).transpose(), self.bias)
+
+
+def products(x: Tensor, *layers: Linear) -> list[Tensor]:
+    """Each layer's product of the same ``x`` (q, k and v; gate and up), x quantized once for all of them where the C
+    kernels' integer path takes it so (one kernel where there were one a product: 3-6 us each a block of a decode
+    call, bench/NOTES.md)."""
+    shared: dict[tuple[int, int], Tensor] = {}
+    return [layer(x, shared) for layer in layers]
 
 
 def stacked(*layers: Linear) -> Linear | None:
