@@ -174,6 +174,11 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
     try:
         with Pipeline(launch, log=None) as p:
             p.run(make_generations(p, ["Beautiful is"], 4, Sampling()))  # first requests: nothing timed
+            if worker is not None:  # the draft model's forwards compiled (each batch size at its first use: ~1 s
+                # each on a fresh cache, which the stages' warmup (PP_WARMUP) does for theirs), nothing timed
+                p.draft = arms["model"]
+                p.run(make_generations(p, [TASKS[plan.tasks[0]]] * max(plan.streams), plan.tokens, Sampling()),
+                      max(plan.streams))
             for task in plan.tasks:
                 for n in plan.streams:
                     runs: dict[str, list[list[Generation]]] = {name: [] for name in arms}
