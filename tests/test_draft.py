@@ -484,6 +484,28 @@ def test_a_draft_round_runs_on_the_engines_in_process_and_in_batch_lines_of_work
     assert not twos_beside_others(unmixed)  # in-process engines that mix no rows of a session (tinygrad's kernels)
 
 
+def test_a_small_draft_model_runs_on_one_thread_and_leaves_the_processes_threads_alone(monkeypatch):
+    """The Zen draft (0.35 MB) on one thread (its forwards are fixed costs, which a helper's wake-ups add to), unless
+    PP_THREADS says otherwise; a bigger one on every CPU. tinygrad's CPU_COUNT is process-wide: the process's other
+    engines (here, this test's) keep theirs, its own value before and after."""
+    from tinygrad.helpers import CPU_COUNT
+
+    from pp_worker.driver import draft_model
+    from pp_worker.worker.cli import default_threads
+
+    before = CPU_COUNT.value
+    for env, small, want in (({}, True, 1), ({"PP_THREADS": "3"}, True, 3), ({}, False, default_threads({}))):
+        monkeypatch.setattr(draft_model, "ONE_THREAD_BYTES", 4 << 20 if small else 0)
+        worker = DraftWorker(ZEN_DRAFT_GGUF, env)
+        try:
+            assert CPU_COUNT.value == before
+            assert [status["threads"] for status in worker.status()] == [want, want]
+            assert _on_draft_thread(worker, lambda w=worker: w.next_tokens([(1, ([5, 6, 7], 0))]))[0] >= 0
+            assert CPU_COUNT.value == before
+        finally:
+            worker.close()
+
+
 def _on_draft_thread(worker: DraftWorker, work):
     """``work()`` on the draft model's thread (where its stages may be called), its result."""
     import threading

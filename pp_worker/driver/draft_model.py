@@ -47,6 +47,11 @@ class DraftModelError(RuntimeError):
 
 
 RESTARTS = 3  # times a failed draft model is started again (after 1, 2, 4 s) before drafting stays off
+# A draft model file smaller than this runs on one thread unless PP_THREADS says otherwise: its forwards are mostly
+# fixed costs, which a helper thread's wake-ups (between small forwards, on cores the stages share) only add to: the
+# Zen draft (0.35 MB) beside the embedded model's local stages, 8 streams 1.32-1.36x -> 1.36-1.43x plain, one stream
+# 2.21-2.25x -> 2.39-2.51x (bench/NOTES.md); a bigger draft streams its weights, where every core helps
+ONE_THREAD_BYTES = 4 << 20
 
 
 class _Process:
@@ -133,7 +138,8 @@ class _Local:
         self.path, self.closed = path, False
         try:
             self.cfg = parse_config([], {**os.environ, **env, "STAGE": str(stage), "NUM_STAGES": "2", "MODEL": path})
-            with _tinygrad_here():
+            self.threads = self.cfg.threads
+            with _tinygrad_here(self.threads):
                 engine = build_engine(self.cfg, _Silent())
         except Exception as e:  # a file that is no model, a bad setting (ConfigError): the draft model's error
             raise DraftModelError(f"draft model {path}: cannot load: {str(e).splitlines()[0] if str(e) else e!r}") \
@@ -144,10 +150,11 @@ class _Local:
         """What the worker process's ready line would say (it has loaded: the constructor loads)."""
         from pp_worker.worker.cli import ready_line
 
-        return ready_line(self.worker.engine, self.cfg, self.worker.clock)
+        with _tinygrad_here(self.threads):
+            return ready_line(self.worker.engine, self.cfg, self.worker.clock)
 
     def call(self, obj: dict[str, Any]) -> dict[str, Any]:
-        with _tinygrad_here():
+        with _tinygrad_here(self.threads):
             reply = self._live().handle_line(json.dumps(obj).encode())
         if "error" in reply:
             raise DraftModelError(f"draft model {self.path}: {reply['error']}")
@@ -156,7 +163,7 @@ class _Local:
     def batch(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """Several requests served as one ``batch`` line's, in order (each may be an error of its own); the hidden
         states stay ``B64`` objects from one stage to the next."""
-        with _tinygrad_here():
+        with _tinygrad_here(self.threads):
             return self._live().handle_objects(requests)
 
     def close(self) -> None:
@@ -177,22 +184,29 @@ _connections: dict[int, Any] = {}  # thread -> its tinygrad compile cache connec
 
 
 @contextmanager
-def _tinygrad_here() -> Iterator[None]:
-    """Run tinygrad on this thread, one thread at a time. One draft model's engines are its thread's alone, but
-    several draft models in one process (tests; pp-serve's is one) are several threads, and tinygrad's compile cache
-    keeps one sqlite connection (``tinygrad.helpers._db_connection``) that only the thread that opened it may use:
-    each thread's own is put in place while it runs, and what was there before is put back after (the process's
-    other users of tinygrad, e.g. a test's reference on the main thread, find theirs)."""
+def _tinygrad_here(threads: int) -> Iterator[None]:
+    """Run tinygrad on this thread, one thread at a time, on ``threads`` CPU threads. One draft model's engines are
+    its thread's alone, but several draft models in one process (tests; pp-serve's is one) are several threads, and
+    tinygrad's compile cache keeps one sqlite connection (``tinygrad.helpers._db_connection``) that only the thread
+    that opened it may use, and its ``CPU_COUNT`` (the threads the kernels a call compiles split over) is the
+    process's: each is set to this thread's own while it runs, and what was there before is put back after (the
+    process's other users of tinygrad, e.g. a test's engines on the main thread, find theirs)."""
     from tinygrad import helpers
 
     with _TINYGRAD:
         me, before = threading.get_ident(), helpers._db_connection
+        count, env = helpers.CPU_COUNT.value, os.environ.get("CPU_COUNT")  # the engine's load sets both
         helpers._db_connection = _connections.get(me)  # None: tinygrad opens one for this thread
+        helpers.CPU_COUNT.value = threads
         try:
             yield
         finally:
             _connections[me] = helpers._db_connection
-            helpers._db_connection = before
+            helpers._db_connection, helpers.CPU_COUNT.value = before, count
+            if env is None:
+                os.environ.pop("CPU_COUNT", None)
+            else:
+                os.environ["CPU_COUNT"] = env
 
 
 class _Silent:
@@ -212,11 +226,13 @@ class DraftWorker:
     def __init__(self, path: str, env: dict[str, str] | None = None, *, processes: bool = False,
                  step_timeout: float | None = 120.0, load_timeout: float | None = 600.0, restarts: int = RESTARTS,
                  backoff_s: float = 1.0, log: TextIO | None = sys.stderr):
-        """``env``: extra variables for its workers (their settings in this process too); ``step_timeout`` and
-        ``load_timeout`` bound a worker process's reply and load (an in-process forward or load cannot be cut short)."""
+        """``env``: extra variables for its workers (their settings in this process too; PP_THREADS 1 by default for
+        a file smaller than ONE_THREAD_BYTES, where the environment sets none); ``step_timeout`` and ``load_timeout``
+        bound a worker process's reply and load (an in-process forward or load cannot be cut short)."""
         if not os.path.isfile(path):
             raise DraftModelError(f"draft model {path!r}: no such file")
-        self.env, self.processes = env or {}, processes
+        one = os.path.getsize(path) < ONE_THREAD_BYTES and "PP_THREADS" not in os.environ
+        self.env, self.processes = {**({"PP_THREADS": "1"} if one else {}), **(env or {})}, processes
         self._launch = Launch(2, model=path, env=self.env)
         self.path, self._ids, self.step_timeout, self.log = path, itertools.count(1), step_timeout, log
         self.load_timeout = load_timeout
@@ -359,7 +375,7 @@ class DraftWorker:
         rows = [len(asks[i][1][0]) for i in take]
         ends, compile = list(itertools.accumulate(rows)), max(rows) <= SPLIT
         try:
-            with _tinygrad_here():
+            with self._here():
                 hidden = first.forward_batch(sessions, positions, [asks[i][1][0] for i in take], rows, compile)
                 payload, _ = q8.emit(hidden, first.hidden_dtype, "auto", first.info.hidden_dim)
                 size = len(payload) // ends[-1]
@@ -382,7 +398,7 @@ class DraftWorker:
 
         first, last = self._engines()
         try:
-            with _tinygrad_here():
+            with self._here():
                 logits = last.forward_logits(session, bytes(first.embed_and_forward(session, tokens[:1], 0)), 0, 1)
         except EngineError as e:
             return DraftModelError(f"draft model {self.path}: {e}"), (tokens, 0)
@@ -395,6 +411,10 @@ class DraftWorker:
             return argmax_sample(logits)
         except ValueError as e:  # every logit NaN
             return DraftModelError(f"draft model {self.path}: no token: {e}")
+
+    def _here(self) -> Any:
+        """`_tinygrad_here` for the in-process stages' engines."""
+        return _tinygrad_here(self.stages[0].threads)  # type: ignore[union-attr]
 
     def _engines(self) -> tuple[Any, Any]:
         return tuple(stage._live().engine for stage in self.stages)  # type: ignore[union-attr, return-value]
