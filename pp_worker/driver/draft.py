@@ -173,11 +173,14 @@ class NgramDrafter(Adaptive):
         over its own guesses, as LZ77 copies a run: the loop is guessed to go on, k tokens, not only the few the
         context shows after the occurrence."""
         self._update_index(context)
-        k = self._budget(room)
-        for n in NGRAM_SIZES:
-            if k > 0 and len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
+        if self._pause:
+            self._budget(room)  # 0: the pause counts down
+            return []
+        for n in NGRAM_SIZES:  # the budget only where a suffix recurs: every step of a free text runs this, on the
+            # pipeline's loop between a reply and the next step's send
+            if len(context) > n and (end := self._index.get(tuple(context[-n:]))) is not None:
                 period = len(context) - end  # >= 1: the occurrence ended before the last token
-                return [context[end + i % period] for i in range(k)]
+                return [context[end + i % period] for i in range(self._budget(room))]
         return []
 
     def begin(self, prompt: list[int]) -> None:
