@@ -334,13 +334,14 @@ class DraftWorker:
         its session (a smaller position than the session holds rewinds it). In-process stages take the asks of
         sessions they hold straight to their engines (`_direct`); the others go in one ``batch`` line per stage.
         An ask that failed (e.g. its session was evicted) gets its error. On the draft model's thread only."""
-        answers = self._direct(asks)
+        answers, asks = self._direct(asks)
         rest = [i for i, answer in enumerate(answers) if answer is None]
         for i, answer in zip(rest, self._batched([asks[i] for i in rest]) if rest else [], strict=True):
             answers[i] = answer
         return answers  # type: ignore[return-value]
 
-    def _direct(self, asks: list[tuple[int, Ask]]) -> list[int | DraftModelError | None]:
+    def _direct(self, asks: list[tuple[int, Ask]]) -> tuple[list[int | DraftModelError | None],
+                                                            list[tuple[int, Ask]]]:
         """The asks that in-process stages (``_Local``) can take (a session's first ask of the round, token ids in
         the vocabulary, at a position of a session each stage holds: `Engine.can_batch`), run as one
         ``forward_batch`` of each stage's engine, called directly, several rows of a session mixed with others'
@@ -351,10 +352,11 @@ class DraftWorker:
         feed longer than SPLIT (a window) runs in the forwards' sizes compiled already: a forward of its rows would
         compile one (~2.5 s) at its first use, and no guess would come meanwhile. The hidden states go between the
         stages as the default wire (``auto``) carries them: float16, or float32 past its range. An engine's error
-        is each of these asks' error, as in a batch line."""
+        is each of these asks' error, as in a batch line. Returns the answers and the asks as they are left (a
+        session opened here is fed the rest of its feed from position 1, whichever way it goes)."""
         out: list[int | DraftModelError | None] = [None] * len(asks)
         if self.processes:
-            return out
+            return out, asks
         from pp_worker.worker import q8
         from pp_worker.worker.engines.base import EngineError
 
@@ -369,7 +371,7 @@ class DraftWorker:
         take = [i for i, (session, ask) in enumerate(asks)
                 if out[i] is None and firsts[session] == i and self._takes(session, ask)]
         if not take:
-            return out
+            return out, asks
         first, last = self._engines()
         sessions, positions = [asks[i][0] for i in take], [asks[i][1][1] for i in take]
         rows = [len(asks[i][1][0]) for i in take]
@@ -385,10 +387,10 @@ class DraftWorker:
         except EngineError as e:  # what each of these asks would have got from a batch line
             for i in take:
                 out[i] = DraftModelError(f"draft model {self.path}: {e}")
-            return out
+            return out, asks
         for end, i in zip(ends, take, strict=True):
             out[i] = self._argmax(logits[end - 1])
-        return out
+        return out, asks
 
     def _open(self, session: int, tokens: list[int]) -> tuple[int | DraftModelError | None, Ask]:
         """Start ``session`` on both stages with the first of ``tokens`` (a one-token forward each, the decode
