@@ -394,6 +394,64 @@ def test_unseeded_sampling_with_a_draft_keeps_the_models_distribution(pipeline):
     assert p > P_FAIL, (stat, df, p, plain.most_common(8), drafted.most_common(8))
 
 
+def test_a_group_waits_for_its_members_guesses_from_a_draft_model_and_checks_them_together():
+    """Two generations step together (lock-step), both waiting for a draft model's guesses; B's come only after the
+    pipeline has flushed once since A's came. A's check waits for B's guesses (up to half a trip through the stages)
+    instead of going alone, which left B's check held until A's whole token was back (behind a link, a trip: 8
+    streams at 25 ms one way made half ngram's rate with as many trips). That the wait ends (a frozen draft model
+    does not stop the others): `test_a_generation_steps_on_while_another_waits_for_its_draft_model`."""
+    import threading
+    import time
+
+    from pp_worker.driver.draft import Adaptive
+
+    gate, b_asked, arrived, times = threading.Event(), threading.Event(), [], {}
+
+    class Held(NgramDrafter):
+        off_loop = True  # as a draft model's: the guesses come from a thread of their own
+
+        def timed(self, trip_s: float) -> None:  # trips of a minute: the others' wait (half a trip) never ends first
+            self.trip_s = 60.0
+
+        def propose_later(self, context, room, then):
+            def guess() -> None:
+                if self is drafters[1]:  # B: once A's guesses came and the pipeline flushed since
+                    b_asked.set()
+                    gate.wait(30)
+                    times.setdefault("b_guessed", time.monotonic())
+                else:  # A: once B waits for its own too
+                    b_asked.wait(30)
+                then([7][:room])
+            threading.Thread(target=guess, daemon=True).start()
+
+    drafters: list[Adaptive] = []
+
+    class Source:
+        def drafter(self, max_k: int) -> Adaptive:
+            drafters.append(Held(max_k=max_k, trip_s=60.0))
+            return drafters[-1]
+
+    with Pipeline(Launch(2, stub=True), log=io.StringIO(), schedule="lockstep") as p:
+        proposed, flush = p._proposed, p._flush
+
+        def on_proposed(rid, g, guesses):
+            arrived.append(g.draft)
+            proposed(rid, g, guesses)
+
+        def on_flush():
+            flush()
+            if any(d is drafters[0] for d in arrived):  # the pipeline flushed since A's guesses came
+                gate.set()
+        p._proposed, p._flush = on_proposed, on_flush
+        p.draft, p.trace = Draft("model", 1, Source()), []
+        a, b = p.run(make_generations(p, ["one two three", "four five six"], 3, Sampling()), 2).generations
+    assert all(g.draft is d for g, d in zip((a, b), drafters, strict=True)) and gate.is_set()
+    sent = [(t, rid) for t, stage, rid, op, kind in p.trace if (stage, op, kind) == (0, "embed_and_forward", "send")]
+    a_check, b_check = ([s for s in sent if s[1] == g.request_id][1] for g in (a, b))  # each one's after its prompt
+    assert a_check[0] >= times["b_guessed"]  # A's first check went once B's guesses were there
+    assert sent.index(b_check) == sent.index(a_check) + 1  # one after the other
+
+
 # --- --draft-model: a small model of the same vocabulary guesses ---------------------------------------------------
 ZEN_GGUF = str(Path(pp_worker.__file__).parent / "data" / "zen.gguf")
 ZEN_DRAFT_GGUF = str(Path(pp_worker.__file__).parent / "data" / "zen-draft.gguf")  # tools/train_demo.py --draft
