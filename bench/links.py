@@ -11,11 +11,11 @@ and ngram on the repetitive task.
 At 0 ms (without --rate-mbit) the stages run with no relay at all: local processes, as a user runs them on one machine,
 with the schedule they get there (``--schedule auto``: lock-step on the CPU; behind the relay, a launcher, auto picks
 ``groups``). So "against plain at 0 ms" compares a delayed rate with the local one a user has. Every delay gets one
-pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds: each arm's median rate, and the median of
-the rounds' ratios against plain) go on it. A rate is the decoded tokens of a run (each generation's tokens after its
-first) over the time from its first generation's first token to its last generation's last token. The repetitive task
-asks for a text the prompt holds (the embedded model recites the Zen of Python, so its prompt is the Zen and the start
-of it again); the free one gives a few words.
+pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds, 15 without delay: each arm's median rate,
+and the median of the rounds' ratios against plain) go on it. A rate is the decoded tokens of a run (each generation's
+tokens after its first) over the time from its first generation's first token to its last generation's last token. The
+repetitive task asks for a text the prompt holds (the embedded model recites the Zen of Python, so its prompt is the Zen
+and the start of it again); the free one gives a few words.
 """
 
 from __future__ import annotations
@@ -73,6 +73,9 @@ class LinksPlan:
     streams: tuple[int, ...] = (1, 8)
     tokens: int = 48  # per generation
     rounds: int = 3  # plain and each draft in turn, this many times each: the median counts
+    # rounds without delay (local stages: a round of the embedded model's takes ~0.1 s, and with 3 the ratio of two
+    # arms doing the same work moved by 0.1x from run to run); None: ``rounds``
+    local_rounds: int | None = 15
     stages: int = 2
     rate_mbit: float = 0.0  # the links' bandwidth cap (0: none)
     draft_max: int | None = None  # None: each arm's default as pp-pipeline has it (flags.DRAFT_MAX)
@@ -82,10 +85,10 @@ class LinksPlan:
     then: LinksPlan | None = None  # another model's runs, measured after these (their rows are named by it)
 
 
-SMOL = LinksPlan(delays_ms=(0.0, 25.0), streams=(8,), tokens=32, rounds=2, model="smol", tasks=("repetitive",),
-                 draft_model=None)
+SMOL = LinksPlan(delays_ms=(0.0, 25.0), streams=(8,), tokens=32, rounds=2, local_rounds=5, model="smol",
+                 tasks=("repetitive",), draft_model=None)
 FULL = LinksPlan(then=SMOL)
-QUICK = LinksPlan(delays_ms=(0.0, 5.0), streams=(1, 2), tokens=12, rounds=1)
+QUICK = LinksPlan(delays_ms=(0.0, 5.0), streams=(1, 2), tokens=12, rounds=1, local_rounds=None)
 
 
 def launcher(delay_ms: float, rate_mbit: float) -> str | None:
@@ -167,6 +170,7 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
     launch = Launch(plan.stages, model=model_path(plan.model), launcher=launcher(delay_ms, plan.rate_mbit),
                     env={"PP_WARMUP": "1", "PP_HEARTBEAT_S": "3600"})
     out: dict[str, Any] = {}
+    rounds = plan.local_rounds or plan.rounds if not delay_ms and not plan.rate_mbit else plan.rounds
     worker = DraftWorker(plan.draft_model) if plan.draft_model else None
     arms = {"plain": None, "ngram": Draft("ngram", plan.draft_max or DRAFT_MAX["ngram"])}
     if worker is not None:
@@ -183,7 +187,7 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
                 for n in plan.streams:
                     runs: dict[str, list[list[Generation]]] = {name: [] for name in arms}
                     counted: dict[str, dict[str, Any]] = {}
-                    for _ in range(plan.rounds):  # in turn, so that a busy moment of the machine hits all alike
+                    for _ in range(rounds):  # in turn, so that a busy moment of the machine hits all alike
                         for name, draft in arms.items():
                             p.draft, p.trace = draft, []
                             gens = stamped(make_generations(p, [TASKS[task]] * n, plan.tokens, Sampling()))
@@ -311,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--streams", help="streams per run, e.g. 1,8")
     ap.add_argument("--tasks", help="repetitive, free or both (comma-separated)")
     ap.add_argument("--tokens", type=int, help="tokens per generation")
-    ap.add_argument("--rounds", type=int, help="rounds of each arm (the median counts)")
+    ap.add_argument("--rounds", type=int, help="rounds of each arm at every delay (default: 15 without delay, 3 "
+                    "with one)")
     ap.add_argument("--no-draft-model", action="store_true", help="no --draft-model arm (the Zen draft shares "
                     "only the embedded model's vocabulary)")
     args = ap.parse_args(argv)
@@ -329,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := set(given["tasks"]) - TASKS.keys():
             ap.error(f"--tasks: {', '.join(sorted(unknown))}: not one of {', '.join(TASKS)}")
     given |= {k: v for k, v in (("tokens", args.tokens), ("rounds", args.rounds)) if v}
+    if args.rounds:
+        given["local_rounds"] = None
     if args.no_draft_model:
         given["draft_model"] = None
     plan = LinksPlan(**{**plan.__dict__, **given, "rate_mbit": args.rate_mbit})
