@@ -222,7 +222,7 @@ def bare_pipeline(stages: int, in_flight: int, max_batch: int = 8) -> Pipeline:
     p = Pipeline.__new__(Pipeline)
     p.stages = [FakeStage(i, max_batch) for i in range(stages)]  # type: ignore[list-item]
     p._pending, p._outbox, p.trace, p.batch, p.schedule, p._stepping = {}, [], None, True, "overlap", set()
-    p._group_of = {}
+    p._group_of, p._drafting = {}, {}
     p._active = dict.fromkeys(range(100, 100 + in_flight))  # type: ignore[arg-type]
     return p
 
