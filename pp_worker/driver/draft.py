@@ -84,6 +84,7 @@ class Drafter(Protocol):
     proposed: int
     accepted: int
     link_s: float
+    trip_s: float  # a trip through the stages as the generation has seen them (0 before the first)
     off_loop: ClassVar[bool]
 
     def begin(self, prompt: list[int]) -> None: ...

@@ -399,11 +399,11 @@ class Pipeline:
         def then(guesses: list[int] | Exception) -> None:  # on the draft model's thread
             self._mail.post(lambda: self._proposed(rid, g, guesses))
         assert g.draft is not None
-        # Its group's others wait for its guesses (their checks and its go together) for up to half a trip of theirs
-        # through the stages: a draft model's generations finish their guesses in different rounds (by their k),
-        # and a check held back once the others' has gone waits for their whole trip (8 streams, 25 ms one way:
-        # 257 tok/s against ngram's 509 with as many trips). Never longer: a slow draft model costs the others half
-        # a trip a step, a frozen one does not stop them.
+        # Its group's others wait for its guesses (their checks and its go together) for up to half a trip of its own
+        # through the stages (`Adaptive.trip_s`, none before the first): a draft model's generations finish their
+        # guesses in different rounds (by their k), and a check held back once the others' has gone waits for their
+        # whole trip (8 streams, 25 ms one way: 257 tok/s against ngram's 509 with as many trips). Never longer: a
+        # slow draft model costs the others half a trip a step, a frozen one does not stop them.
         self._drafting[rid] = time.monotonic() + g.draft.trip_s / 2
         g.draft.propose_later(call.fields["context"], call.fields["room"], then)
 
