@@ -302,6 +302,23 @@ def test_pp_serve_takes_the_draft_flags_to_its_pipeline():
         service.close()
 
 
+def test_pp_serves_draft_model_compiles_its_forwards_in_the_background_as_its_stages_do(monkeypatch):
+    """pp-serve's stages and its draft model both get PP_WARMUP=background (no request waits on a compile), unless
+    the operator set PP_WARMUP."""
+    from pp_worker.driver.flags import draft_from
+    from pp_worker.serve import cli
+
+    args = cli.parse_args(["--stub", "--draft-model", ZEN_DRAFT_GGUF, "--concurrency", "3"])
+    assert cli._launch(args).env["PP_WARMUP"] == "background"
+    draft = draft_from(args, cli._warmup())
+    try:
+        assert draft.worker.env["PP_WARMUP"] == "background" and draft.worker.env["PP_MAX_SESSIONS"] == "3"
+    finally:
+        draft.worker.close()
+    monkeypatch.setenv("PP_WARMUP", "0")
+    assert cli._warmup() == {} and "PP_WARMUP" not in cli._launch(args).env
+
+
 def test_pp_serve_metrics_count_the_guessed_and_kept_tokens_as_pp_pipeline_reports_them():
     """/metrics' draft counters after one greedy completion against pp-pipeline's own summary line for the same
     prompt, stub stages and draft (``drafted N tokens, kept M``)."""
@@ -600,6 +617,34 @@ def test_prompts_windows_go_straight_to_the_engines_in_forwards_compiled_already
         here.close()
         lines.close()
     assert after == before and through_lines == []
+
+
+def test_with_background_warmup_the_draft_models_forwards_compile_in_a_child_and_no_guess_waits_on_one(
+        monkeypatch, tmp_path):
+    """pp-serve's PP_WARMUP=background for an in-process draft model: each stage starts a child process that
+    compiles its other forwards into the cache (as a worker process's stage does) and meanwhile runs in the sizes it
+    has, down to the decode call's: 8 windows and 8 guesses compile nothing on the draft's thread. close() stops
+    the children."""
+    monkeypatch.setenv("PP_CACHE", "1")  # the suite's is off; a cache of this test's own to compile into
+    monkeypatch.setenv("PP_CACHE_DIR", str(tmp_path))
+    worker = DraftWorker(ZEN_DRAFT_GGUF, env={"PP_WARMUP": "background"})
+    children = [stage.child for stage in worker.stages]
+
+    def compiled() -> list[int]:
+        return [stage._live().engine.describe()["jits_compiled"] for stage in worker.stages]
+
+    def rounds():
+        before = compiled()
+        answers = worker.next_tokens([(s, (list(range(4 + s, 36 + s)), 0)) for s in range(1, 9)])
+        answers += worker.next_tokens([(s, ([9], 32)) for s in range(1, 9)])
+        return before, answers, compiled()
+    try:
+        assert all(child is not None for child in children)
+        before, answers, after = _on_draft_thread(worker, rounds)
+    finally:
+        worker.close()
+    assert after == before and all(isinstance(a, int) for a in answers)
+    assert all(child.poll() is not None for child in children)
 
 
 def test_a_draft_model_that_guesses_badly_still_gives_exactly_the_output(pipeline, random_draft):

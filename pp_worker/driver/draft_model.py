@@ -131,7 +131,7 @@ class _Local:
     forward in progress cannot be cut short (no step timeout here: ``--draft-processes`` for that)."""
 
     def __init__(self, env: dict[str, str], stage: int, path: str):
-        from pp_worker.worker.cli import build_engine, parse_config  # tinygrad: only with a draft model
+        from pp_worker.worker.cli import build_engine, parse_config, start_background  # tinygrad: only with a draft
         from pp_worker.worker.dispatch import Worker
         from pp_worker.worker.events import Clock
 
@@ -145,6 +145,10 @@ class _Local:
             raise DraftModelError(f"draft model {path}: cannot load: {str(e).splitlines()[0] if str(e) else e!r}") \
                 from e
         self.worker = Worker(engine, Clock(), path, self.cfg.wire_dtype, self.cfg.strict_finite)
+        # PP_WARMUP=background (pp-serve's): the forwards not compiled yet compiled by a child process into the cache
+        # while this stage runs in the sizes it has, as a worker process's stage does: no guess waits on a compile
+        with _tinygrad_here(self.threads):
+            self.child = start_background(engine, self.cfg, env) if self.cfg.warmup == "background" else None
 
     def ready(self, timeout: float | None) -> dict[str, Any]:
         """What the worker process's ready line would say (it has loaded: the constructor loads)."""
@@ -168,8 +172,11 @@ class _Local:
 
     def close(self) -> None:
         """The calls after this fail (a forward in progress ends first: it is the draft thread's, not the caller's);
-        the engine goes with the last reference to it."""
+        the engine goes with the last reference to it; a background compile stops (what it compiled is on disk)."""
         self.closed = True
+        if self.child is not None and self.child.poll() is None:
+            self.child.kill()
+            self.child.wait()
 
     kill = close
 

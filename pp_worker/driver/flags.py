@@ -157,11 +157,12 @@ def launch_from(args: argparse.Namespace) -> Launch:
                   split=args.split)
 
 
-def draft_from(args: argparse.Namespace) -> Draft | None:
+def draft_from(args: argparse.Namespace, env: dict[str, str] | None = None) -> Draft | None:
     """The draft the flags ask for; ``--draft-model`` starts its worker here (closed at exit; a model that does not
-    load is a DraftModelError), holding a session for each generation in flight (``--concurrency``) and no more."""
+    load is a DraftModelError), holding a session for each generation in flight (``--concurrency``) and no more;
+    ``env``: more settings for its stages (pp-serve's warm-up)."""
     if args.draft_model:
-        worker = DraftWorker(args.draft_model, env={"PP_MAX_SESSIONS": str(max(1, args.concurrency))},
+        worker = DraftWorker(args.draft_model, env={"PP_MAX_SESSIONS": str(max(1, args.concurrency)), **(env or {})},
                              processes=args.draft_processes, step_timeout=args.step_timeout,
                              load_timeout=args.load_timeout)
         atexit.register(worker.close)

@@ -121,8 +121,13 @@ def _launch(args: argparse.Namespace) -> Launch:
     forwards are ready, and meanwhile runs prefills and batches in the sizes already compiled; from the second start
     on, every forward comes from the cache). The operator's own settings win."""
     launch = launch_from(args)
-    env = {"PP_MAX_SESSIONS": str(args.concurrency), "PP_WARMUP": "background"}
+    env = {"PP_MAX_SESSIONS": str(args.concurrency), **_warmup()}
     return dataclasses.replace(launch, env={**{k: v for k, v in env.items() if k not in os.environ}, **launch.env})
+
+
+def _warmup() -> dict[str, str]:
+    """PP_WARMUP=background for the stages and the draft model's (`_launch`), unless the operator set PP_WARMUP."""
+    return {} if "PP_WARMUP" in os.environ else {"PP_WARMUP": "background"}
 
 
 def _exit_on(signum: int, frame: FrameType | None) -> None:
@@ -148,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
                                       step_timeout=args.step_timeout, echo_stderr=args.verbose,
                                       prefill_chunk=args.prefill_chunk, schedule=args.schedule,
                                       restarts=args.restarts, backoff_s=args.restart_backoff,
-                                      draft=draft_from(args))
+                                      draft=draft_from(args, _warmup()))
     except PipelineError as e:
         print(f"pp-serve: {e}", file=sys.stderr, flush=True)
         return e.exit_code

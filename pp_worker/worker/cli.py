@@ -228,16 +228,18 @@ def build_engine(cfg: Config, events: Events) -> Engine:
     return engine
 
 
-def start_background(engine: Engine, cfg: Config) -> subprocess.Popen[bytes] | None:
+def start_background(engine: Engine, cfg: Config,
+                     settings: dict[str, str] | None = None) -> subprocess.Popen[bytes] | None:
     """PP_WARMUP=background: the JITs not compiled yet are compiled by a child process into the compiled-forward
     cache (this stage's settings, at a lower priority), and until a size is there this stage runs without it
     (prefills in the sizes it has, batches split into smaller ones, down to the decode JIT): no request waits on a
     compile, and each size is restored from the cache at its next use. None when there is nothing to compile or no
-    cache to compile into (then sizes compile at their first use, as with PP_WARMUP=0)."""
+    cache to compile into (then sizes compile at their first use, as with PP_WARMUP=0). ``settings``: what the stage
+    was told besides this process's environment (an in-process draft model's)."""
     if not engine.defer_compiles():
         return None
-    env = {**os.environ, "PP_PRECOMPILE": "1", "PP_WARMUP": "1", "MODEL": cfg.model, "STAGE": str(cfg.stage),
-           "NUM_STAGES": str(cfg.num_stages), "MAX_CONTEXT": str(engine.info.max_context),
+    env = {**os.environ, **(settings or {}), "PP_PRECOMPILE": "1", "PP_WARMUP": "1", "MODEL": cfg.model,
+           "STAGE": str(cfg.stage), "NUM_STAGES": str(cfg.num_stages), "MAX_CONTEXT": str(engine.info.max_context),
            "PP_THREADS": str(cfg.threads), **engine.cache_settings()}
     return subprocess.Popen([sys.executable, "-m", "pp_worker"], env=env, stdin=subprocess.DEVNULL,
                             stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
