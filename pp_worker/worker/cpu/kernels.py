@@ -271,11 +271,9 @@ def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int, group: int = 
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
     xs = x.reshape(b, k).cast(dtypes.float32)
     if group or uses_int8("matmul", ggml_type):
-        key = (TYPES[ggml_type].kernel_block, k)
-        if shared is None or key not in shared:
-            made = quantized(xs, *key)
-            shared = {} if shared is None else shared
-            shared[key] = made
+        key, shared = (TYPES[ggml_type].kernel_block, k), {} if shared is None else shared
+        if key not in shared:
+            shared[key] = quantized(xs, *key)
         xs = shared[key]
     return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads, group).reshape(*lead, n)
 
