@@ -170,7 +170,7 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
     launch = Launch(plan.stages, model=model_path(plan.model), launcher=launcher(delay_ms, plan.rate_mbit),
                     env={"PP_WARMUP": "1", "PP_HEARTBEAT_S": "3600"})
     out: dict[str, Any] = {}
-    rounds = plan.local_rounds or plan.rounds if not delay_ms and not plan.rate_mbit else plan.rounds
+    rounds = (plan.local_rounds or plan.rounds) if not delay_ms and not plan.rate_mbit else plan.rounds
     worker = DraftWorker(plan.draft_model) if plan.draft_model else None
     arms = {"plain": None, "ngram": Draft("ngram", plan.draft_max or DRAFT_MAX["ngram"])}
     if worker is not None:

@@ -135,15 +135,20 @@ class _Local:
         from pp_worker.worker.dispatch import Worker
         from pp_worker.worker.events import Clock
 
-        self.path, self.closed = path, False
+        self.path, self.closed, env_count = path, False, os.environ.get("CPU_COUNT")
         try:
             self.cfg = parse_config([], {**os.environ, **env, "STAGE": str(stage), "NUM_STAGES": "2", "MODEL": path})
             self.threads = self.cfg.threads
             with _tinygrad_here(self.threads):
-                engine = build_engine(self.cfg, _Silent())
+                engine = build_engine(self.cfg, _Silent())  # sets the CPU_COUNT variable for tinygrad's import
         except Exception as e:  # a file that is no model, a bad setting (ConfigError): the draft model's error
             raise DraftModelError(f"draft model {path}: cannot load: {str(e).splitlines()[0] if str(e) else e!r}") \
                 from e
+        finally:  # the process's own again (the value tinygrad reads, `_tinygrad_here` puts back per call)
+            if env_count is None:
+                os.environ.pop("CPU_COUNT", None)
+            else:
+                os.environ["CPU_COUNT"] = env_count
         self.worker = Worker(engine, Clock(), path, self.cfg.wire_dtype, self.cfg.strict_finite)
         # PP_WARMUP=background (pp-serve's): the forwards not compiled yet compiled by a child process into the cache
         # while this stage runs in the sizes it has, as a worker process's stage does: no guess waits on a compile
@@ -201,8 +206,7 @@ def _tinygrad_here(threads: int) -> Iterator[None]:
     from tinygrad import helpers
 
     with _TINYGRAD:
-        me, before = threading.get_ident(), helpers._db_connection
-        count, env = helpers.CPU_COUNT.value, os.environ.get("CPU_COUNT")  # the engine's load sets both
+        me, before, count = threading.get_ident(), helpers._db_connection, helpers.CPU_COUNT.value
         helpers._db_connection = _connections.get(me)  # None: tinygrad opens one for this thread
         helpers.CPU_COUNT.value = threads
         try:
@@ -210,10 +214,6 @@ def _tinygrad_here(threads: int) -> Iterator[None]:
         finally:
             _connections[me] = helpers._db_connection
             helpers._db_connection, helpers.CPU_COUNT.value = before, count
-            if env is None:
-                os.environ.pop("CPU_COUNT", None)
-            else:
-                os.environ["CPU_COUNT"] = env
 
 
 class _Silent:
@@ -430,8 +430,7 @@ class DraftWorker:
 
     def _known(self, tokens: list[int]) -> bool:
         """Token ids the draft's vocabulary has (others go through the batch lines, which answer their error)."""
-        size = self._engines()[0].info.vocab_size
-        return bool(tokens) and all(0 <= t < size for t in tokens)
+        return bool(tokens) and all(0 <= t < self.vocab_size for t in tokens)
 
     def _held(self, session: int) -> bool:
         first, last = self._engines()
