@@ -41,16 +41,31 @@ enum { QV = QK / 16, NC = H == 1 || V < 48 ? 1 : (V + 16) / 32,  /* chunks of ~2
 typedef const unsigned char* wsrc;  /* a row's bytes */
 static inline lanes w_at(wsrc row, int v, int h) {
   hlanes q; __builtin_memcpy(&q, row + 2 * (16 * v + XS * h), sizeof q); return __builtin_convertvector(q, lanes); }
+/* Rows shorter than a 4 KiB page (K < 2048): the first tile of a call's first block, which reads the rows from
+   memory, asks for the line at the same place of the rows AHEAD groups of R rows on, a line a row every other step
+   (32 bytes a step). R rows of 18-48 lines read side by side are streams too short for the hardware's prefetch:
+   one thread from DRAM at K 576, 4 and 8 rows of x, 3.6 and 2.8 G weights/s against 12 and 6 from the L2, now 4.4
+   and 3.4; at K 2048 and longer the hardware's prefetch keeps up and the requests only cost (bench/NOTES.md, "A few
+   rows of x from memory"). ~24 KiB ahead. */
+enum { ASK = 2 * K < 4096, AHEAD = (24 << 10) / (R * 2 * K) > 1 ? (24 << 10) / (R * 2 * K) : 1 };
+static inline void ask_ahead(const wsrc* restrict wr, int v) {
+  if (ASK && !(v & 1))
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
+      __builtin_prefetch(wr[r] + 32 * v + (long)AHEAD * R * 2 * K);
+}
 #else
 typedef const float* wsrc;  /* a row decoded into wbuf */
 static inline lanes w_at(wsrc row, int v, int h) { return lanes_at(row + 16 * v + XS * h); }
+static inline void ask_ahead(const wsrc* restrict wr, int v) { (void)wr, (void)v; }  /* rows decoded: L1-hot */
 #endif
 /* steps [v0, v1) of R weight rows' products with nx rows of x (nx a constant where it is inlined), each (row, x)
    summed in 16 lanes over K in order (sums: the lanes so far, carried from chunk to chunk), then hsum: whatever the
    tile or the chunk, the floats of one row of x at a time. x: the tile's first row at the chunk's first step, xr
-   floats a row; with H passes each row's chunk holds its pass 0 lanes of every step, then pass 1's (`split_rows`). */
+   floats a row; with H passes each row's chunk holds its pass 0 lanes of every step, then pass 1's (`split_rows`).
+   ahead: the tile that reads the rows from memory (`ask_ahead`). */
 static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R][16], const wsrc* restrict wr,
-                                                       const float* restrict x, long xr, int v0, int v1, int nx) {
+                                                       const float* restrict x, long xr, int v0, int v1, int nx,
+                                                       int ahead) {
   _Pragma("clang loop unroll(full)") for (int h = 0; h < H; h++) {
     lanes acc[XT][R];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
@@ -58,6 +73,7 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
         acc[i][r] = v0 == 0 ? 0 : lanes_at(&sums[i][r][XS * h]);
     const float* xh = x + (long)h * XS * (v1 - v0);
     for (int v = v0; v < v1; v++) {  /* the tile's x vectors held, each weight vector loaded once */
+      if (ahead && h == 0) ask_ahead(wr, v);
       lanes xv[XT];
       _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
         if (i < nx) xv[i] = lanes_at(xh + i * xr + XS * (v - v0));
@@ -69,6 +85,19 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
     _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
       _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
         if (i < nx) __builtin_memcpy(&sums[i][r][XS * h], &acc[i][r], sizeof(lanes));
+  }
+}
+/* One tile of nx <= XT rows of x (nx a constant in each call of `tile`; ahead, a constant where it is inlined).
+   Fewer than XT rows of x ask for nothing ahead: at 2 rows of x the tile's loads are its limit, and the requests
+   cost more than they gave (K 2048 from the L3 0.73x; from DRAM at K 576 1.07x). */
+static inline __attribute__((always_inline)) void tiles(float (*restrict sums)[R][16], const wsrc* restrict wr,
+                                                        const float* restrict x, long xr, int v0, int v1, int nx,
+                                                        int ahead) {
+  switch (nx) {
+    case 1: tile(sums, wr, x, xr, v0, v1, 1, ahead); break;
+    case 2: tile(sums, wr, x, xr, v0, v1, 2, ahead); break;
+    case 3: tile(sums, wr, x, xr, v0, v1, 3, ahead); break;
+    default: tile(sums, wr, x, xr, v0, v1, XT, ahead);
   }
 }
 /* With H passes: a block's rows of x copied chunk after chunk, each row's chunk as its pass 0 lanes of every step,
@@ -125,12 +154,10 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
         const float* xc = x + (long)b0 * K + 16 * v0; const long xr = K;
 #endif
         int i = 0;
-        for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT);
-        switch (nb - i) {  /* the last rows, fewer than XT, in one tile */
-          case 1: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 1); break;
-          case 2: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 2); break;
-          case 3: if (XT > 3) tile(sums + i, wr, xc + i * xr, xr, v0, v1, 3); break;
-        }
+        if (b0 == 0 && nb >= XT)  /* the first tile reads the rows from memory, and asks for those ahead */
+          tile(sums, wr, xc, xr, v0, v1, XT, 1), i = XT;
+        for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT, 0);
+        if (i < nb) tiles(sums + i, wr, xc + i * xr, xr, v0, v1, nb - i, 0);  /* the last rows, fewer than XT */
       }
       for (int i = 0; i < nb; i++)
         for (int r = 0; r < r_n; r++) out[(long)(b0 + i) * N + n + r] = hsum(f_at(sums[i][r]));
