@@ -87,19 +87,6 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
         if (i < nx) __builtin_memcpy(&sums[i][r][XS * h], &acc[i][r], sizeof(lanes));
   }
 }
-/* One tile of nx <= XT rows of x (nx a constant in each call of `tile`; ahead, a constant where it is inlined).
-   Fewer than XT rows of x ask for nothing ahead: at 2 rows of x the tile's loads are its limit, and the requests
-   cost more than they gave (K 2048 from the L3 0.73x; from DRAM at K 576 1.07x). */
-static inline __attribute__((always_inline)) void tiles(float (*restrict sums)[R][16], const wsrc* restrict wr,
-                                                        const float* restrict x, long xr, int v0, int v1, int nx,
-                                                        int ahead) {
-  switch (nx) {
-    case 1: tile(sums, wr, x, xr, v0, v1, 1, ahead); break;
-    case 2: tile(sums, wr, x, xr, v0, v1, 2, ahead); break;
-    case 3: tile(sums, wr, x, xr, v0, v1, 3, ahead); break;
-    default: tile(sums, wr, x, xr, v0, v1, XT, ahead);
-  }
-}
 /* With H passes: a block's rows of x copied chunk after chunk, each row's chunk as its pass 0 lanes of every step,
    then its pass 1 lanes. In place, pass 0 read the low half of every line of x and pass 1 the high half from the L1,
    so pass 0 asked the L2 for all of a tile's x lines, twice what it gives a core in that time; split, each pass
@@ -157,7 +144,13 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
         if (b0 == 0 && nb >= XT)  /* the first tile reads the rows from memory, and asks for those ahead */
           tile(sums, wr, xc, xr, v0, v1, XT, 1), i = XT;
         for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT, 0);
-        if (i < nb) tiles(sums + i, wr, xc + i * xr, xr, v0, v1, nb - i, 0);  /* the last rows, fewer than XT */
+        switch (nb - i) {  /* the last rows, fewer than XT, in one tile; fewer than XT from memory ask for nothing
+                              ahead: at 2 rows of x the tile's loads are its limit, and the requests cost more than
+                              they gave (K 2048 from the L3 0.73x; K 576 from DRAM 1.07x) */
+          case 1: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 1, 0); break;
+          case 2: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 2, 0); break;
+          case 3: if (XT > 3) tile(sums + i, wr, xc + i * xr, xr, v0, v1, 3, 0); break;
+        }
       }
       for (int i = 0; i < nb; i++)
         for (int r = 0; r < r_n; r++) out[(long)(b0 + i) * N + n + r] = hsum(f_at(sums[i][r]));
