@@ -41,17 +41,17 @@ enum { QV = QK / 16, NC = H == 1 || V < 48 ? 1 : (V + 16) / 32,  /* chunks of ~2
 typedef const unsigned char* wsrc;  /* a row's bytes */
 static inline lanes w_at(wsrc row, int v, int h) {
   hlanes q; __builtin_memcpy(&q, row + 2 * (16 * v + XS * h), sizeof q); return __builtin_convertvector(q, lanes); }
-/* Rows shorter than a 4 KiB page (K < 2048): the first tile of a call's first block, which reads the rows from
-   memory, asks for the line at the same place of the rows AHEAD groups of R rows on, a line a row every other step
-   (32 bytes a step). R rows of 18-48 lines read side by side are streams too short for the hardware's prefetch:
-   one thread from DRAM at K 576, 4 and 8 rows of x, 3.6 and 2.8 G weights/s against 12 and 6 from the L2, now 4.4
-   and 3.4; at K 2048 and longer the hardware's prefetch keeps up and the requests only cost (bench/NOTES.md, "A few
-   rows of x from memory"). ~24 KiB ahead. */
-enum { ASK = 2 * K < 4096, AHEAD = (24 << 10) / (R * 2 * K) > 1 ? (24 << 10) / (R * 2 * K) : 1 };
+/* The first tile of a call's first block reads the rows from memory; it asks for the line at the same place of the
+   rows AHEAD groups of R rows on (~48 KiB ahead) into the L2, a line a row every other step (32 bytes a step).
+   Without it a few rows of x waited on memory: R rows read side by side are streams the hardware's prefetch did
+   not keep ahead of (one thread from DRAM at K 576 and 4 rows of x: 3.6 G weights/s against 12.5 from the L2, now
+   11.3; K 2048 6.8 -> 10.9). Into the L1 (prefetcht0) the lines pushed out the tile's own rows and x: 1.25x at
+   best, a loss at K 2048 (bench/NOTES.md, "A few rows of x from memory"). */
+enum { AHEAD = (48 << 10) / (R * 2 * K) > 1 ? (48 << 10) / (R * 2 * K) : 1 };
 static inline void ask_ahead(const wsrc* restrict wr, int v) {
-  if (ASK && !(v & 1))
+  if (!(v & 1))
     _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++)
-      __builtin_prefetch(wr[r] + 32 * v + (long)AHEAD * R * 2 * K);
+      __builtin_prefetch(wr[r] + 32 * v + (long)AHEAD * R * 2 * K, 0, 2);
 }
 #else
 typedef const float* wsrc;  /* a row decoded into wbuf */
@@ -141,12 +141,15 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
         const float* xc = x + (long)b0 * K + 16 * v0; const long xr = K;
 #endif
         int i = 0;
-        if (b0 == 0 && nb >= XT)  /* the first tile reads the rows from memory, and asks for those ahead */
-          tile(sums, wr, xc, xr, v0, v1, XT, 1), i = XT;
+        if (b0 == 0)  /* the first tile reads the rows from memory, and asks for those ahead */
+          switch (i = nb < XT ? nb : XT) {
+            case 1: tile(sums, wr, xc, xr, v0, v1, 1, 1); break;
+            case 2: tile(sums, wr, xc, xr, v0, v1, 2, 1); break;
+            case 3: tile(sums, wr, xc, xr, v0, v1, 3, 1); break;
+            default: tile(sums, wr, xc, xr, v0, v1, XT, 1);
+          }
         for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT, 0);
-        switch (nb - i) {  /* the last rows, fewer than XT, in one tile; fewer than XT from memory ask for nothing
-                              ahead: at 2 rows of x the tile's loads are its limit, and the requests cost more than
-                              they gave (K 2048 from the L3 0.73x; K 576 from DRAM 1.07x) */
+        switch (nb - i) {  /* the last rows, fewer than XT, in one tile */
           case 1: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 1, 0); break;
           case 2: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 2, 0); break;
           case 3: if (XT > 3) tile(sums + i, wr, xc + i * xr, xr, v0, v1, 3, 0); break;
