@@ -202,6 +202,20 @@ def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, target):
         assert sum(op[0].startswith("vcvtph2ps") and "(" in op[1] for op in b) >= 4, b
 
 
+@pytest.mark.parametrize("target", ["avx2", "avx512"])
+def test_f16_tiles_ask_for_the_rows_ahead_into_the_l2(tmp_path, target):
+    """The F16 tile's pass that reads the rows from memory asks for their lines ~48 KiB on, into the L2
+    (prefetcht1): a few rows of x had waited on memory there (bench/NOTES.md, "A few rows of x from memory"). Never
+    into the L1 (prefetcht0 pushed the tile's own rows and x out of it)."""
+    out = tmp_path / "f16.s"
+    cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
+                source=cpu_kernels.source("matmul", 1, 576, "f16_mm"))
+    blocks = basic_blocks(out.read_text())
+    asks = [[op[0] for op in b if op[0].startswith("prefetch")] for b in blocks]
+    assert {op for b in asks for op in b} == {"prefetcht1"}, asks
+    assert all(len(b) % 4 == 0 for b in asks)  # a line of each of the tile's 4 weight rows
+
+
 def test_every_kernel_compiles_for_avx512(tmp_path):
     """Each type's matmul and gather, attention and the runner, for an AVX-512 CPU (this one may lack it): compiled
     and loaded by tinygrad's loader (`cross.compile_units`; a BuildError holds clang's messages)."""
