@@ -87,6 +87,17 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
         if (i < nx) __builtin_memcpy(&sums[i][r][XS * h], &acc[i][r], sizeof(lanes));
   }
 }
+/* One tile of nx <= XT rows of x, nx a constant in each call of `tile` (ahead: a constant where this is inlined). */
+static inline __attribute__((always_inline)) void tiles(float (*restrict sums)[R][16], const wsrc* restrict wr,
+                                                        const float* restrict x, long xr, int v0, int v1, int nx,
+                                                        int ahead) {
+  switch (nx) {
+    case 1: tile(sums, wr, x, xr, v0, v1, 1, ahead); break;
+    case 2: tile(sums, wr, x, xr, v0, v1, 2, ahead); break;
+    case 3: tile(sums, wr, x, xr, v0, v1, 3, ahead); break;
+    default: tile(sums, wr, x, xr, v0, v1, XT, ahead);
+  }
+}
 /* With H passes: a block's rows of x copied chunk after chunk, each row's chunk as its pass 0 lanes of every step,
    then its pass 1 lanes. In place, pass 0 read the low half of every line of x and pass 1 the high half from the L1,
    so pass 0 asked the L2 for all of a tile's x lines, twice what it gives a core in that time; split, each pass
@@ -142,18 +153,9 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
 #endif
         int i = 0;
         if (b0 == 0)  /* the first tile reads the rows from memory, and asks for those ahead */
-          switch (i = nb < XT ? nb : XT) {
-            case 1: tile(sums, wr, xc, xr, v0, v1, 1, 1); break;
-            case 2: tile(sums, wr, xc, xr, v0, v1, 2, 1); break;
-            case 3: tile(sums, wr, xc, xr, v0, v1, 3, 1); break;
-            default: tile(sums, wr, xc, xr, v0, v1, XT, 1);
-          }
+          i = nb < XT ? nb : XT, tiles(sums, wr, xc, xr, v0, v1, i, 1);
         for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT, 0);
-        switch (nb - i) {  /* the last rows, fewer than XT, in one tile */
-          case 1: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 1, 0); break;
-          case 2: tile(sums + i, wr, xc + i * xr, xr, v0, v1, 2, 0); break;
-          case 3: if (XT > 3) tile(sums + i, wr, xc + i * xr, xr, v0, v1, 3, 0); break;
-        }
+        if (i < nb) tiles(sums + i, wr, xc + i * xr, xr, v0, v1, nb - i, 0);  /* the last rows, fewer than XT */
       }
       for (int i = 0; i < nb; i++)
         for (int r = 0; r < r_n; r++) out[(long)(b0 + i) * N + n + r] = hsum(f_at(sums[i][r]));
