@@ -532,6 +532,36 @@ def test_an_internal_error_is_a_500_in_the_api_error_shape() -> None:
     assert body["error"]["message"] == "internal error: RuntimeError: boom"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/apply-template"])
+def test_a_client_gone_before_its_body_is_a_499_not_a_server_error(path: str) -> None:
+    """A client that closes its connection halfway through its body: the reply (which nobody reads) says so, the log
+    gets no traceback, and the status the metrics count is 499, not a 500 of the server's."""
+
+    class Idle:
+        def new_request_id(self) -> int:
+            raise AssertionError("no request may start without its body")
+
+    api = Defaults(4, Sampling())
+    app = build_app(Idle(), chat_format(None), api)  # type: ignore[arg-type]
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json"), (b"content-length", b"500")],
+             "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1)}
+    messages = iter([{"type": "http.request", "body": b'{"prompt": "half a bo', "more_body": True},
+                     {"type": "http.disconnect"}])
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return next(messages)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))  # nothing raised: no "Exception in ASGI application" in the log
+    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+    assert sent[0]["status"] == 499 and body["error"]["code"] == "client_closed_request", body
+    assert "after 21 bytes" in body["error"]["message"]
+
+
 def _health(s: Server) -> tuple[int, dict]:
     return s.request("/health")
 

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from pp_worker.wire import WireError, parse_json
 
 MAX_BODY_BYTES = 1 << 22  # far above any prompt we accept (MAX_PROMPT_CHARS)
 MAX_PROMPT_CHARS = 1 << 16  # keeps a tokenize line far below the workers' line limit (PP_MAX_LINE_BYTES)
+CLIENT_CLOSED = 499  # nginx's status for a client that closed its connection before the reply: logged and counted
+# as the client's doing, not as a server error
 
 
 class ApiError(Exception):
@@ -33,12 +35,17 @@ def unavailable(message: str) -> ApiError:
 
 
 async def read_body(request: Request) -> dict[str, Any]:
-    """The request's JSON object; 413 past ``MAX_BODY_BYTES`` (counted as it arrives, never held whole)."""
+    """The request's JSON object; 413 past ``MAX_BODY_BYTES`` (counted as it arrives, never held whole); 499 when the
+    client goes before its body has come (nobody reads that reply: it is for the log and the metrics)."""
     raw = bytearray()
-    async for chunk in request.stream():
-        raw += chunk
-        if len(raw) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    try:
+        async for chunk in request.stream():
+            raw += chunk
+            if len(raw) > MAX_BODY_BYTES:
+                raise ApiError(413, f"the body is over {MAX_BODY_BYTES} bytes")
+    except ClientDisconnect:
+        raise ApiError(CLIENT_CLOSED, f"the client closed the connection after {len(raw)} bytes of the body",
+                       code="client_closed_request") from None
     return parse_body(bytes(raw))
 
 
