@@ -31,9 +31,11 @@ from serving import Server, request_id
 from pp_worker.driver.chat import chat_format
 from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import run_pipeline
+from pp_worker.serve import app as serve_app
 from pp_worker.serve.api import Defaults
 from pp_worker.serve.app import build_app
 from pp_worker.serve.cli import _launch, parse_args
+from pp_worker.serve.metrics import Metrics
 from pp_worker.worker.engines.stub import STUB_MAX_CONTEXT
 
 PY = shlex.quote(sys.executable)
@@ -533,16 +535,18 @@ def test_an_internal_error_is_a_500_in_the_api_error_shape() -> None:
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize", "/apply-template"])
-def test_a_client_gone_before_its_body_is_a_499_not_a_server_error(path: str) -> None:
+def test_a_client_gone_before_its_body_is_a_499_not_a_server_error(path: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A client that closes its connection halfway through its body: the reply (which nobody reads) says so, the log
-    gets no traceback, and the status the metrics count is 499, not a 500 of the server's."""
+    gets no traceback, and the metrics count a 499, not a 500 of the server's."""
 
     class Idle:
         def new_request_id(self) -> int:
             raise AssertionError("no request may start without its body")
 
-    api = Defaults(4, Sampling())
-    app = build_app(Idle(), chat_format(None), api)  # type: ignore[arg-type]
+    made: list[Metrics] = []
+    monkeypatch.setattr(serve_app, "Metrics", lambda: made.append(Metrics()) or made[-1])
+    app = build_app(Idle(), chat_format(None), Defaults(4, Sampling()))  # type: ignore[arg-type]
     scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "root_path": "",
              "headers": [(b"content-type", b"application/json"), (b"content-length", b"500")],
              "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1)}
@@ -560,6 +564,7 @@ def test_a_client_gone_before_its_body_is_a_499_not_a_server_error(path: str) ->
     body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
     assert sent[0]["status"] == 499 and body["error"]["code"] == "client_closed_request", body
     assert "after 21 bytes" in body["error"]["message"]
+    assert {status for (_, _, status) in made[0].requests} == {"499"}
 
 
 def _health(s: Server) -> tuple[int, dict]:
