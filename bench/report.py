@@ -16,6 +16,9 @@ target): decode with / without, and the search's cost.
 from __future__ import annotations
 
 import statistics
+import sys
+import traceback
+from collections.abc import Callable
 from typing import Any
 
 from bench import grammar, links
@@ -58,13 +61,30 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def build(raw: dict[str, Any], facts: ModelFacts, shares: dict[int, list[tuple[int, int]]]) -> list[Row]:
-    return [*single(raw), *unjitted(raw), *in_flight(raw), *ttft(raw), *protocol_rows(raw),
-            *memory(raw, facts, shares), *endpoint(raw.get("serve")), *wire_q8(raw.get("q8")),
-            *quantized(raw.get("quant")), *quant_memory(raw.get("qrss")), *cold_start(raw.get("cold")),
-            *thread_rows(raw.get("threads")), *serve_memory(raw.get("servemem")), *moe_rows(raw.get("moe")),
-            *memwall_rows(raw.get("memwall")), *grammar.rows(raw.get("grammar")),
-            *reuse_rows(raw.get("reuse")), *links.rows(raw.get("links")),
-            *prefill_rows(raw.get("prefill"))]
+    """Every section's rows. A section that raised before it measured anything (`run.attempt` left only its
+    seconds) is one not run: its rows say "not measured". Rows that cannot be built from what a section left (it
+    raised halfway) become one n/a row naming the error (its traceback on stderr): the rest of an hour's table
+    stands."""
+    raw = {k: v for k, v in raw.items() if not (isinstance(v, dict) and set(v) <= {"section_s"})}
+    parts: list[tuple[str, Callable[[], list[Row]]]] = [
+        (S1, lambda: single(raw)), (S2, lambda: unjitted(raw)), (S3, lambda: in_flight(raw)), (S4, lambda: ttft(raw)),
+        (S5, lambda: protocol_rows(raw)), (S6, lambda: memory(raw, facts, shares)),
+        (S7, lambda: endpoint(raw.get("serve"))), (S8, lambda: wire_q8(raw.get("q8"))),
+        (S9, lambda: quantized(raw.get("quant"))), (S10, lambda: quant_memory(raw.get("qrss"))),
+        (S11, lambda: cold_start(raw.get("cold"))), (S12, lambda: thread_rows(get(raw, "threads", "threads"))),
+        (S13, lambda: serve_memory(raw.get("servemem"))), (S14, lambda: moe_rows(raw.get("moe"))),
+        (S15, lambda: memwall_rows(raw.get("memwall"))), (grammar.S16, lambda: grammar.rows(raw.get("grammar"))),
+        (S17, lambda: reuse_rows(raw.get("reuse"))), (links.SECTION, lambda: links.rows(raw.get("links"))),
+        (S19, lambda: prefill_rows(raw.get("prefill")))]
+    rows: list[Row] = []
+    for section, part in parts:
+        try:
+            rows += part()
+        except Exception as e:
+            traceback.print_exc(file=sys.stderr)
+            rows.append(Row(section, "its rows", None, "", note=f"not built from what it measured: "
+                                                                 f"{type(e).__name__}: {e}"))
+    return rows
 
 
 def _decode_note(d: dict[str, Any] | None) -> str:

@@ -291,6 +291,36 @@ def test_report_table_and_json(tmp_path: Path, tiny_model: Path) -> None:
     assert set(back["rows"][0]) >= {"section", "name", "value", "unit", "target", "target_text", "verdict", "note"}
 
 
+def test_the_report_takes_each_section_as_run_stores_it_and_survives_one_that_failed(tiny_model: Path) -> None:
+    """`run.attempt` keeps a section's measure() result in raw[section] (with its seconds): the report must read the
+    threads section's files from there (a file's row), and a section that raised (raw[section] holding only its
+    seconds) must leave every row of the table built, its own rows "not measured", never a crash after an hour of
+    measuring."""
+    f = models.facts(tiny_model)
+    shares = {n: models.stage_shares(tiny_model, n, f.context) for n in (2, 4)}
+    one = {"model": "m-F16.gguf", "file_bytes": 2_000_000, "call_ms": {"1": [4.0, 4.2], "2": [2.5, 2.4]},
+           "gb_per_s": {"1": 0.25, "2": 0.4}, "ratio": 1.6, "ratios": [1.6, 1.75], "cpus": 2,
+           "read_gb_per_s": {"1": 30.0, "2": 33.0}, "read_ratio": 1.1}
+    raw: dict = {}
+    run.attempt(raw, "threads", lambda out: out.update({"threads": {"F16": one}}))  # as threads.measure returns
+    rows = [r for r in report.build(raw, f, shares) if r.section == report.S12]
+    assert [r.value for r in rows[:3]] == [4.1, 2.45, 1.6] and rows[0].name.startswith("m-F16.gguf")
+
+    def failed(out: dict) -> None:
+        raise RuntimeError("boom")
+
+    for section in run.SECTIONS:
+        raw = {}
+        run.attempt(raw, section, failed)
+        assert raw["errors"] == {section: "RuntimeError: boom"} and set(raw[section]) == {"section_s"}
+        assert report.build(raw, f, shares)  # every section's rows, none raising
+    # one that raised halfway, leaving what its rows cannot be built from: one n/a row says so, the others stand
+    rows = report.build({"quant": {"files": {}, "section_s": 9.0}, "threads": {"threads": {"F16": one}}}, f, shares)
+    broken = [r for r in rows if r.section == report.S9]
+    assert len(broken) == 1 and broken[0].value is None and "KeyError: 'rounds'" in broken[0].note
+    assert [r.value for r in rows if r.section == report.S12][:3] == [4.1, 2.45, 1.6]
+
+
 def test_grammar_rows_bound_the_masks_share_of_a_step() -> None:
     from bench import grammar
 
