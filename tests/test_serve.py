@@ -22,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -508,6 +509,29 @@ def test_malformed_requests_get_the_error_shape(server: Server, path: str, body:
     assert server.get("/health")["status"] == "ok"  # and nothing broke
 
 
+def _asgi_post(app: Any, path: str, messages: list[dict], sent: list[dict], length: int | None = None) -> None:
+    """``app`` run on one POST to ``path`` (JSON; ``length``: the Content-Length it promises) whose receive() gives
+    ``messages`` in turn; what it sends goes to ``sent``."""
+    headers = [(b"content-type", b"application/json")] + ([(b"content-length", str(length).encode())] if length
+                                                         is not None else [])
+    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "root_path": "", "headers": headers,
+             "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1)}
+    feed = iter(messages)
+
+    async def receive() -> dict:
+        return next(feed)
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    asyncio.run(app(scope, receive, send))
+
+
+def _reply(sent: list[dict]) -> tuple[int, dict]:
+    """The status and JSON body of what an ASGI app sent."""
+    return sent[0]["status"], json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
+
+
 def test_an_internal_error_is_a_500_in_the_api_error_shape() -> None:
     """A bug in a handler (here a service that raises) still gets OpenAI's shape, not a plain-text 500."""
 
@@ -516,21 +540,12 @@ def test_an_internal_error_is_a_500_in_the_api_error_shape() -> None:
             raise RuntimeError("boom")
 
     app = build_app(Broken(), chat_format(None), Defaults(4, Sampling()))  # type: ignore[arg-type]
-    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json")], "http_version": "1.1", "scheme": "http",
-             "server": ("test", 80), "client": ("test", 1)}
     sent: list[dict] = []
-
-    async def receive() -> dict:
-        return {"type": "http.request", "body": b'{"model": "m", "prompt": "a"}', "more_body": False}
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
     with pytest.raises(RuntimeError, match="boom"):  # raised again after the reply, for the server's log
-        asyncio.run(app(scope, receive, send))
-    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
-    assert sent[0]["status"] == 500 and body["error"]["type"] == "server_error", body
+        _asgi_post(app, "/v1/completions", [{"type": "http.request", "body": b'{"model": "m", "prompt": "a"}',
+                                             "more_body": False}], sent)
+    status, body = _reply(sent)
+    assert status == 500 and body["error"]["type"] == "server_error", body
     assert body["error"]["message"] == "internal error: RuntimeError: boom"
 
 
@@ -547,22 +562,11 @@ def test_a_client_gone_before_its_body_is_a_499_not_a_server_error(path: str,
     made: list[Metrics] = []
     monkeypatch.setattr(serve_app, "Metrics", lambda: made.append(Metrics()) or made[-1])
     app = build_app(Idle(), chat_format(None), Defaults(4, Sampling()))  # type: ignore[arg-type]
-    scope = {"type": "http", "method": "POST", "path": path, "query_string": b"", "root_path": "",
-             "headers": [(b"content-type", b"application/json"), (b"content-length", b"500")],
-             "http_version": "1.1", "scheme": "http", "server": ("test", 80), "client": ("test", 1)}
-    messages = iter([{"type": "http.request", "body": b'{"prompt": "half a bo', "more_body": True},
-                     {"type": "http.disconnect"}])
     sent: list[dict] = []
-
-    async def receive() -> dict:
-        return next(messages)
-
-    async def send(message: dict) -> None:
-        sent.append(message)
-
-    asyncio.run(app(scope, receive, send))  # nothing raised: no "Exception in ASGI application" in the log
-    body = json.loads(b"".join(m.get("body", b"") for m in sent[1:]))
-    assert sent[0]["status"] == 499 and body["error"]["code"] == "client_closed_request", body
+    _asgi_post(app, path, [{"type": "http.request", "body": b'{"prompt": "half a bo', "more_body": True},
+                           {"type": "http.disconnect"}], sent, length=500)  # nothing raised: no traceback logged
+    status, body = _reply(sent)
+    assert status == 499 and body["error"]["code"] == "client_closed_request", body
     assert "after 21 bytes" in body["error"]["message"]
     assert {status for (_, _, status) in made[0].requests} == {"499"}
 
