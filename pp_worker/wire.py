@@ -128,6 +128,22 @@ def parse_json(line: bytes, split_from: int = SPLIT_PAYLOAD_FROM) -> Any:
     return _strict_json(line)
 
 
+def lenient_object(line: bytes) -> dict[str, Any] | None:
+    """What Python's own JSON makes of a line the strict parse refused (NaN or Infinity in a field, a number out of
+    range, a repeated key other than request_id): only so that its error reply can name the request it answers
+    (json.dumps writes NaN, so a Python caller's bad float would otherwise leave its request unanswered). None where
+    even that parse fails, the line is no object, or request_id occurs twice (which one was meant is a guess)."""
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        if sum(key == "request_id" for key, _ in items) > 1:
+            raise ValueError("request_id repeated")
+        return dict(items)
+    try:
+        obj = json.loads(line, object_pairs_hook=pairs)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        return None
+    return obj if isinstance(obj, dict) else None
+
+
 def _strict_json(line: bytes) -> Any:
     try:
         return _DECODER.decode(line.decode("utf-8"))

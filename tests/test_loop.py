@@ -400,13 +400,27 @@ def test_error_replies_carry_a_usable_request_id(bad: dict[str, Any]) -> None:
     b'{"op": "ping"}',
     b'[{"op": "ping", "request_id": 3}]',
     b'{"op": "ping", "request_id": 3',
-    b'{"op": "ping", "request_id": 3, "x": NaN}',
     b'{"op": "ping", "request_id": 3, "request_id": 4}',
+    b'{"op": "ping", "x": NaN}',
+    b'{"op": "ping", "request_id": NaN}',
 ])
 def test_error_replies_without_a_usable_request_id_carry_none(line: bytes) -> None:
     replies, _ = serve_bytes(make_worker(0, 2), line + b"\n")
     assert len(replies) == 1
     assert "request_id" not in replies[0] and replies[0]["error"]
+
+
+@pytest.mark.parametrize("line", [
+    b'{"op": "ping", "request_id": 3, "x": NaN}',  # json.dumps of a Python caller's float("nan")
+    b'{"op": "decode_step", "request_id": 3, "position": 1, "token_id": 5, "temperature": Infinity}',
+    b'{"op": "ping", "request_id": 3, "x": 1e999}',
+    b'{"op": "ping", "op": "status", "request_id": 3}',
+])
+def test_a_line_strict_json_refuses_still_gets_its_error_under_its_request_id(line: bytes) -> None:
+    """Not strict JSON, but its request is plain: the error names it, so a caller waiting on it is answered."""
+    replies, _ = serve_bytes(make_worker(0, 2), line + b"\n")
+    assert len(replies) == 1 and replies[0]["request_id"] == 3
+    assert "invalid JSON" in replies[0]["error"] or "duplicate key" in replies[0]["error"]
 
 
 def test_unknown_op_error_does_not_echo_a_huge_op() -> None:

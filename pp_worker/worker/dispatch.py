@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from pp_worker.wire import B64, WireError, encode_payload, parse_json
+from pp_worker.wire import B64, WireError, encode_payload, lenient_object, parse_json
 from pp_worker.worker import protocol, q8
 from pp_worker.worker.engines.base import Engine, EngineError
 from pp_worker.worker.events import Clock, rss_mb
@@ -99,7 +99,11 @@ class Worker:
             if self.strict_finite and fields.get("nonfinite"):  # refused before any session changes
                 raise ProtocolError(f"hidden_b64 {_nonfinite(fields['nonfinite'])}; PP_STRICT_FINITE=1 refuses it")
             return Request(op, rid, obj, fields, handler)
-        except (WireError, ProtocolError) as e:
+        except WireError as e:  # not strict JSON: its id where a lenient parse still finds one
+            if obj is None and line is not None:
+                obj = lenient_object(line)
+            return _error(protocol.request_id_of(obj), str(e))
+        except ProtocolError as e:
             return _error(protocol.request_id_of(obj), str(e))
         except Exception as e:  # a bug must not take the stage down
             traceback.print_exc(file=sys.stderr)
