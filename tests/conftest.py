@@ -9,6 +9,7 @@ import io
 import json
 import os
 import select
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -275,3 +276,12 @@ def started_processes(monkeypatch: pytest.MonkeyPatch) -> list[subprocess.Popen]
 
     monkeypatch.setattr(stage_proc.subprocess, "Popen", recording_popen)
     return started
+
+
+def held_restart(tmp_path: Path) -> tuple[str, Path]:
+    """A launcher whose stages start at once the first time, and the second time (the restart) only once the test
+    creates the gate file it returns: until then the server is restarting, however loaded the machine is."""
+    gate = tmp_path / "gate"
+    mark = f"{tmp_path}/started{{stage}}"
+    return (f"sh -c 'test -e {mark} && until test -e {gate}; do sleep 0.05; done; touch {mark}; "
+            f"exec {shlex.quote(sys.executable)} -m pp_worker'"), gate

@@ -7,6 +7,7 @@ prompt through its own stub stages, or from the same server serving one request 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import os
@@ -26,7 +27,7 @@ from typing import Any
 
 import openai
 import pytest
-from conftest import REPO, gone, group_gone, group_members
+from conftest import REPO, gone, group_gone, group_members, held_restart
 from serving import Server, request_id
 
 from pp_worker.driver.chat import chat_format
@@ -584,34 +585,39 @@ def _completes(s: Server) -> bool:
         return False
 
 
-def held_restart(tmp_path: Path) -> tuple[str, Path]:
-    """A launcher whose stages start at once the first time, and the second time (the restart) only once the test
-    creates the gate file it returns: until then the server is restarting, however loaded the machine is."""
-    gate = tmp_path / "gate"
-    mark = f"{tmp_path}/started{{stage}}"
-    return (f"sh -c 'test -e {mark} && until test -e {gate}; do sleep 0.05; done; touch {mark}; "
-            f"exec {PY} -m pp_worker'"), gate
+def _restart_held_503(s: Server) -> None:
+    """While the new stages wait at the gate, every new request, and /health, gets a 503 that says why."""
+    with pytest.raises(openai.InternalServerError) as e:
+        s.client().completions.create(model="m", prompt="a", max_tokens=2)
+    assert e.value.status_code == 503 and "restarting" in e.value.message, e.value.body
+    assert "stage 1 was killed by SIGKILL" in e.value.message
+    status, health = _health(s)
+    assert status == 503 and health["status"] == "recovering" and "stage 1 was killed" in health["error"]
+    assert health["waiting"] == 1  # the queued request, kept
 
 
 def test_a_dead_stage_is_replaced_and_serving_resumes(tmp_path: Path) -> None:
     launcher, gate = held_restart(tmp_path)
-    s = Server(["--stub", "--stages", "2", "--restart-backoff", "0.5", "--launcher", launcher],
+    s = Server(["--stub", "--stages", "2", "--restart-backoff", "0.5", "--launcher", launcher, "--concurrency", "1"],
                env={"PP_STUB_DELAY_MS": "5"})
     try:
         pids = s.stage_pids()
         stream = s.client().completions.create(model="m", prompt="a b c", max_tokens=100000, stream=True)
         next(iter(stream))
-        os.kill(pids[1], signal.SIGKILL)
-        with pytest.raises(openai.APIError, match="stage 1 was killed by SIGKILL"):
-            list(stream)  # the stream in flight ends with the error
-        # the new stages wait at the gate: meanwhile every request, and /health, gets a 503 that says why
-        with pytest.raises(openai.InternalServerError) as e:
-            s.client().completions.create(model="m", prompt="a", max_tokens=2)
-        assert e.value.status_code == 503 and "restarting" in e.value.message, e.value.body
-        assert "stage 1 was killed by SIGKILL" in e.value.message
-        status, health = _health(s)
-        assert status == 503 and health["status"] == "recovering" and "stage 1 was killed" in health["error"]
-        gate.touch()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a second request, queued behind the first
+            queued = pool.submit(lambda: s.client().completions.create(model="m", prompt="d e", max_tokens=5))
+            try:
+                s.wait_for("the second request queued", lambda: s.get("/health")["waiting"] == 1, timeout=30)
+                os.kill(pids[1], signal.SIGKILL)
+                with pytest.raises(openai.APIError, match="stage 1 was killed by SIGKILL"):
+                    list(stream)  # the stream running ends with the error
+                s.wait_for("the queued request kept",
+                           lambda: "1 queued request(s) wait for the new stages" in s.stderr, timeout=30)
+                _restart_held_503(s)
+            finally:
+                gate.touch()  # (a failure above must not leave the queued request waiting for ever)
+            answer = queued.result(timeout=90)  # it never reached the dead stages: it runs on the new ones
+        assert answer.choices[0].finish_reason == "length" and answer.usage.completion_tokens == 5
         s.wait_for("completions answered again", lambda: _completes(s), timeout=90)
         assert _health(s) == (200, s.get("/health")) and s.get("/health")["status"] == "ok"
         new_pids = s.stage_pids()

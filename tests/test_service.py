@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from conftest import group_members
+from conftest import group_members, held_restart
 
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
@@ -77,3 +77,74 @@ def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, started
         for p in started:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+def test_queued_generations_outlive_a_stage_failure_and_run_on_the_new_stages(tmp_path, started_processes) -> None:
+    """A stage dies while one generation runs and two wait: the running one ends with the failure (503); the queued
+    ones never touched the dead stages, so they wait for the restart and run there (one cancelled meanwhile ends
+    as cancelled, never started), with the tokens they get without any failure."""
+    started = started_processes
+    held, go = held_restart(tmp_path)  # the restart's stages wait for `go`: the service is held in its recovery
+    expected = run_pipeline(PROMPTS[:2], stages=2, stub=True, max_tokens=6).generations
+    ended: list[ServedGeneration] = []
+    all_ended = threading.Event()
+
+    def on_end(g: ServedGeneration) -> None:
+        ended.append(g)
+        if len(ended) == 4:
+            all_ended.set()
+
+    first = len(started)  # run_pipeline's stages came before
+    service = PipelineService(Launch(2, stub=True, launcher=held, env={"PP_STUB_DELAY_MS": "20"}), concurrency=1,
+                              log=None, restarts=1, backoff_s=0)
+    service.pipeline.trace = []
+    try:
+        running = ServedGeneration(3, PROMPTS[2], service.new_request_id(), 400, on_end=on_end)  # ~16 s of steps
+        queued = [ServedGeneration(i, p, service.new_request_id(), 6, on_end=on_end) for i, p in enumerate(PROMPTS)]
+        for g in [running, *queued]:
+            service.submit(g)
+        deadline = time.monotonic() + 30
+        while not any(t[2] == running.request_id and t[4] == "reply" for t in service.pipeline.trace):
+            assert time.monotonic() < deadline, "the first generation never got a reply"
+            time.sleep(0.02)
+        os.kill(started[first + 1].pid, signal.SIGKILL)
+        while len(started) < first + 4:  # the restart's stages are started (and held)
+            assert time.monotonic() < deadline and not service.failure, "no restart"
+            time.sleep(0.02)
+        assert service.status == "recovering" and service.load == (0, 3)
+        service.cancel(queued[2].request_id)
+        go.touch()
+        assert all_ended.wait(60), [g.request_id for g in ended]
+    finally:
+        service.close()
+    assert running.error.startswith("the pipeline failed: stage 1") and running.unavailable
+    assert [g.request_id for g in ended] == [running.request_id, queued[2].request_id, queued[0].request_id,
+                                             queued[1].request_id]
+    assert queued[2].error == "cancelled before it started" and not queued[2].prompt_tokens
+    assert not queued[0].error and not queued[1].error
+    assert [g.tokens for g in queued[:2]] == [g.tokens for g in expected]
+
+
+def test_queued_generations_end_with_the_failure_when_no_restart_comes(started_processes) -> None:
+    """With no restart left, what waited ends too (503), naming the failure: none waits for ever."""
+    started = started_processes
+    ended: list[ServedGeneration] = []
+    done = threading.Event()
+    service = PipelineService(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "20"}), concurrency=1, log=None)
+    service.pipeline.trace = []
+    try:
+        gens = [ServedGeneration(i, p, service.new_request_id(), 400 if i == 0 else 6,
+                                 on_end=lambda g: (ended.append(g), len(ended) == 3 and done.set()))
+                for i, p in enumerate(PROMPTS)]
+        for g in gens:
+            service.submit(g)
+        deadline = time.monotonic() + 30
+        while not any(t[2] == gens[0].request_id and t[4] == "reply" for t in service.pipeline.trace):
+            assert time.monotonic() < deadline, "the first generation never got a reply"
+            time.sleep(0.02)
+        os.kill(started[0].pid, signal.SIGKILL)
+        assert done.wait(30)
+    finally:
+        service.close()
+    assert service.failure and all(g.unavailable and "stage 0" in g.error for g in gens), [g.error for g in gens]
+    assert sorted(g.request_id for g in ended) == [g.request_id for g in gens] and not gens[1].prompt_tokens

@@ -7,11 +7,12 @@ finished, failed alone (a prompt the context cannot hold), cancelled, or lost wi
 generation that is running stops after its current step and, like any finished one, releases its KV session on
 every stage.
 
-When a stage dies, freezes (no reply within the step timeout) or answers an error, every generation in flight ends
+When a stage dies, freezes (no reply within the step timeout) or answers an error, every generation running ends
 with that error (one log line names the stage and its exit code, its stderr tail follows), the stages are stopped (a
 frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most ``restarts`` times; meanwhile
-``recovering`` says why and ``submit`` refuses new generations. Once the attempts are spent the service is down for
-good: ``failure`` says why, ``on_down`` is called, and every call refuses.
+``recovering`` says why and ``submit`` refuses new generations. The generations still queued never touched the
+failed stages: they wait and run on the new ones. Once the attempts are spent the service is down for good:
+``failure`` says why, ``on_down`` is called, every call refuses, and what was queued ends too.
 
 ``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left. ``ask``
 sends one op outside any generation (``status``, ``tokenize``, ``detokenize``) to one stage. What ``/metrics`` reports
@@ -145,9 +146,10 @@ class PipelineService:
         self._post(lambda: self._waiting.append(g), new=True)
 
     def cancel(self, request_id: int) -> None:
-        """Stop a generation (queued or running) and release its sessions; nothing if it is already over."""
-        if self.recovering:  # every generation ended when the pipeline failed; a drain must not wait on this
-            return
+        """Stop a generation (queued or running) and release its sessions; nothing if it is already over. While the
+        stages restart, a queued one is taken off the queue as the new ones start, before anything runs."""
+        if self.recovering and all(g.request_id != request_id for g in list(self._waiting)):
+            return  # it ended with the failure; a posted no-op would hold a drain until the new stages run
         try:
             self._post(lambda: self._cancel(request_id))
         except Unavailable:  # everything has ended already
@@ -278,7 +280,9 @@ class PipelineService:
             if stage is not None:
                 self.failures[stage] += 1
             self._busy = (self.stage_busy_s(), [])  # a dead stage's unanswered request is not busy time
-            self._end_all(f"the pipeline failed: {first}", closing=False)
+            self._end_all(f"the pipeline failed: {first}", closing=False, keep_waiting=True)
+            if self._waiting:
+                self._say(f"{len(self._waiting)} queued request(s) wait for the new stages")
             self.pipeline.close(failed=True)
             if self._restart():
                 return True
@@ -321,17 +325,19 @@ class PipelineService:
         if self.on_down:
             self.on_down()
 
-    def _end_all(self, error: str, closing: bool = True) -> None:
-        """End every generation, queued or running, with ``error`` (a 503); ``closing``: and take nothing more."""
+    def _end_all(self, error: str, closing: bool = True, keep_waiting: bool = False) -> None:
+        """End every generation, queued or running, with ``error`` (a 503); ``closing``: and take nothing more;
+        ``keep_waiting``: the queued ones stay queued (they run on the stages started next)."""
         with self._lock:
             self._closing = self._closing or closing
             inbox, self._inbox = self._inbox, deque()
         for work in inbox:  # a generation submitted meanwhile is queued here, and so ends below with the rest
             work()
-        for g in [*self._waiting, *self._running.values()]:
+        for g in [*([] if keep_waiting else self._waiting), *self._running.values()]:
             g.stop_requested = True  # a running one stops after its current step (and releases its sessions)
             g.end(error, unavailable=True)
-        self._waiting.clear()
+        if not keep_waiting:
+            self._waiting.clear()
         self._running.clear()
         asks, self._asks = self._asks, {}
         for on_reply in asks.values():  # their replies went with the pipeline

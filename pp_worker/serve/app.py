@@ -274,9 +274,11 @@ def _model(api: Api) -> dict[str, Any]:
 def _health(service: PipelineService) -> Response:
     """200 while requests are taken; 503 while draining (SIGTERM), while the stages restart, and once down."""
     status = service.status
-    if status in ("down", "recovering"):
-        return JSONResponse({"status": status, "error": service.failure or service.recovering}, 503)
     running, waiting = service.load
+    if status == "down":
+        return JSONResponse({"status": status, "error": service.failure}, 503)
+    if status == "recovering":  # the requests queued then wait for the new stages
+        return JSONResponse({"status": status, "error": service.recovering, "waiting": waiting}, 503)
     worker = service.pipeline.draft.worker if service.pipeline.draft else None
     draft = {"draft_model": worker.state()} if isinstance(worker, DraftWorker) else {}  # --draft-model's
     return JSONResponse({"status": status, "model": service.model, "stages": len(service.pipeline.stages),
