@@ -612,7 +612,7 @@ def test_a_dead_stage_is_replaced_and_serving_resumes(tmp_path: Path) -> None:
                 with pytest.raises(openai.APIError, match="stage 1 was killed by SIGKILL"):
                     list(stream)  # the stream running ends with the error
                 s.wait_for("the queued request kept",
-                           lambda: "1 queued request(s) wait for the new stages" in s.stderr, timeout=30)
+                           lambda: "1 request(s) wait for the new stages" in s.stderr, timeout=30)
                 _restart_held_503(s)
             finally:
                 gate.touch()  # (a failure above must not leave the queued request waiting for ever)

@@ -97,15 +97,14 @@ def test_queued_generations_outlive_a_stage_failure_and_run_on_the_new_stages(tm
     first = len(started)  # run_pipeline's stages came before
     service = PipelineService(Launch(2, stub=True, launcher=held, env={"PP_STUB_DELAY_MS": "20"}), concurrency=1,
                               log=None, restarts=1, backoff_s=0)
-    service.pipeline.trace = []
     try:
         running = ServedGeneration(3, PROMPTS[2], service.new_request_id(), 400, on_end=on_end)  # ~16 s of steps
         queued = [ServedGeneration(i, p, service.new_request_id(), 6, on_end=on_end) for i, p in enumerate(PROMPTS)]
         for g in [running, *queued]:
             service.submit(g)
         deadline = time.monotonic() + 30
-        while not any(t[2] == running.request_id and t[4] == "reply" for t in service.pipeline.trace):
-            assert time.monotonic() < deadline, "the first generation never got a reply"
+        while not running.tokens:  # past its prompt: a failure ends it
+            assert time.monotonic() < deadline, "the first generation never got a token"
             time.sleep(0.02)
         os.kill(started[first + 1].pid, signal.SIGKILL)
         while len(started) < first + 4:  # the restart's stages are started (and held)
@@ -131,7 +130,6 @@ def test_queued_generations_end_with_the_failure_when_no_restart_comes(started_p
     ended: list[ServedGeneration] = []
     done = threading.Event()
     service = PipelineService(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "20"}), concurrency=1, log=None)
-    service.pipeline.trace = []
     try:
         gens = [ServedGeneration(i, p, service.new_request_id(), 400 if i == 0 else 6,
                                  on_end=lambda g: (ended.append(g), len(ended) == 3 and done.set()))
@@ -139,8 +137,8 @@ def test_queued_generations_end_with_the_failure_when_no_restart_comes(started_p
         for g in gens:
             service.submit(g)
         deadline = time.monotonic() + 30
-        while not any(t[2] == gens[0].request_id and t[4] == "reply" for t in service.pipeline.trace):
-            assert time.monotonic() < deadline, "the first generation never got a reply"
+        while not gens[0].tokens:
+            assert time.monotonic() < deadline, "the first generation never got a token"
             time.sleep(0.02)
         os.kill(started[0].pid, signal.SIGKILL)
         assert done.wait(30)
@@ -148,3 +146,42 @@ def test_queued_generations_end_with_the_failure_when_no_restart_comes(started_p
         service.close()
     assert service.failure and all(g.unavailable and "stage 0" in g.error for g in gens), [g.error for g in gens]
     assert sorted(g.request_id for g in ended) == [g.request_id for g in gens] and not gens[1].prompt_tokens
+
+
+def test_a_generation_still_in_its_prompt_starts_again_on_the_new_stages(started_processes) -> None:
+    """Stage 1 is stopped, then killed, while one generation has tokens and another's prompt waits on it: the first
+    ends with the failure, the second (nothing of it handed on) runs from its start on the new stages, with the
+    tokens it gets without any failure, its end reported once."""
+    started = started_processes
+    expected = run_pipeline(PROMPTS[1:2], stages=2, stub=True, max_tokens=6).generations[0]
+    first = len(started)
+    ended: list[ServedGeneration] = []
+    done = threading.Event()
+    service = PipelineService(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "20"}), concurrency=2, log=None,
+                              restarts=1, backoff_s=0)
+    service.pipeline.trace = []
+    trace = service.pipeline.trace
+    try:
+        on_end = lambda g: (ended.append(g), len(ended) == 2 and done.set())  # noqa: E731
+        running = ServedGeneration(0, PROMPTS[0], service.new_request_id(), 400, on_end=on_end)
+        prompt = ServedGeneration(1, PROMPTS[1], service.new_request_id(), 6, on_end=on_end)
+        service.submit(running)
+        deadline = time.monotonic() + 30
+        while not running.tokens:
+            assert time.monotonic() < deadline, "the first generation never got a token"
+            time.sleep(0.02)
+        os.kill(started[first + 1].pid, signal.SIGSTOP)  # from here stage 1 answers nothing: no new token
+        service.submit(prompt)
+        while not any(t[1:] == (1, prompt.request_id, "forward_and_sample", "send") for t in trace):
+            assert time.monotonic() < deadline, "the second prompt never reached stage 1"
+            time.sleep(0.02)
+        assert not prompt.tokens
+        os.kill(started[first + 1].pid, signal.SIGKILL)
+        assert done.wait(60), [g.request_id for g in ended]
+    finally:
+        service.close()
+    assert running.error.startswith("the pipeline failed: stage 1") and running.unavailable
+    again = ended[1]
+    assert [g.request_id for g in ended] == [running.request_id, prompt.request_id] and again is not prompt
+    assert not again.error and again.tokens == expected.tokens and again.text == expected.text
+    assert not prompt.ended  # the first try never reports an end: the request gets one answer

@@ -7,12 +7,13 @@ finished, failed alone (a prompt the context cannot hold), cancelled, or lost wi
 generation that is running stops after its current step and, like any finished one, releases its KV session on
 every stage.
 
-When a stage dies, freezes (no reply within the step timeout) or answers an error, every generation running ends
-with that error (one log line names the stage and its exit code, its stderr tail follows), the stages are stopped (a
-frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most ``restarts`` times; meanwhile
-``recovering`` says why and ``submit`` refuses new generations. The generations still queued never touched the
-failed stages: they wait and run on the new ones. Once the attempts are spent the service is down for good:
-``failure`` says why, ``on_down`` is called, every call refuses, and what was queued ends too.
+When a stage dies, freezes (no reply within the step timeout) or answers an error, every generation that has
+tokens ends with that error (one log line names the stage and its exit code, its stderr tail follows), the stages
+are stopped (a frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most ``restarts`` times;
+meanwhile ``recovering`` says why and ``submit`` refuses new generations. What has no token yet (queued, or still
+in its prompt: nothing of it was handed on) waits and runs on the new stages, from its start, in the order it came.
+Once the attempts are spent the service is down for good: ``failure`` says why, ``on_down`` is called, every call
+refuses, and what waited ends too.
 
 ``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left. ``ask``
 sends one op outside any generation (``status``, ``tokenize``, ``detokenize``) to one stage. What ``/metrics`` reports
@@ -61,6 +62,12 @@ class ServedGeneration(Generation):
         run: an empty prompt, a prompt longer than the context)."""
         yield from super().steps(num_stages, eos, max_context, prefill_chunk, prefixes)
         self.end()
+
+    def again(self) -> ServedGeneration:
+        """The same request from its start (new stages after a failure; the pipeline gives it its draft)."""
+        return ServedGeneration(self.index, self.prompt, self.request_id, self.max_tokens, self.sampling,
+                                on_text=self.on_text, on_token=self.on_token, keep_session=self.keep_session,
+                                grammar=self.grammar, cache_prompt=self.cache_prompt, on_end=self.on_end)
 
     def end(self, error: str = "", unavailable: bool = False) -> None:
         """Report the end (only the first call counts)."""
@@ -280,9 +287,14 @@ class PipelineService:
             if stage is not None:
                 self.failures[stage] += 1
             self._busy = (self.stage_busy_s(), [])  # a dead stage's unanswered request is not busy time
+            early = [g for g in self._running.values() if not (g.tokens or g.ended or g.stop_requested)]
+            for g in early:  # in their prompt: nothing of them was handed on, so they start again
+                del self._running[g.request_id]
             self._end_all(f"the pipeline failed: {first}", closing=False, keep_waiting=True)
+            self._waiting.extendleft(g.again() for g in reversed(early))  # before the queue: they came first
             if self._waiting:
-                self._say(f"{len(self._waiting)} queued request(s) wait for the new stages")
+                self._say(f"{len(self._waiting)} request(s) wait for the new stages ({len(early)} of them started "
+                          f"again: no token yet)")
             self.pipeline.close(failed=True)
             if self._restart():
                 return True
