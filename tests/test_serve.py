@@ -651,11 +651,11 @@ def test_a_frozen_stage_is_killed_and_replaced() -> None:
     try:
         pids = s.stage_pids()
         os.kill(pids[1], signal.SIGSTOP)
-        with pytest.raises(openai.InternalServerError) as e:  # it waited --step-timeout for the frozen stage
-            s.client().completions.create(model="m", prompt="a b", max_tokens=4)
-        assert e.value.status_code == 503 and "stage 1 gave no reply" in e.value.message, e.value.body
+        # it waits --step-timeout for the frozen stage; the request, still in its prompt, runs on the new stages
+        answer = s.client().completions.create(model="m", prompt="a b", max_tokens=4)
+        assert answer.usage.completion_tokens == 4 and answer.choices[0].finish_reason == "length"
+        assert "stage 1 gave no reply" in s.stderr and "(1 of them started again: no token yet)" in s.stderr
         assert gone(pids[1], timeout=30), "the frozen stage was left behind"
-        s.wait_for("completions answered again", lambda: _completes(s), timeout=60)
         assert not set(s.stage_pids()) & set(pids)
     finally:
         assert s.stop() == 128 + signal.SIGTERM

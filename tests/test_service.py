@@ -185,3 +185,35 @@ def test_a_generation_still_in_its_prompt_starts_again_on_the_new_stages(started
     assert [g.request_id for g in ended] == [running.request_id, prompt.request_id] and again is not prompt
     assert not again.error and again.tokens == expected.tokens and again.text == expected.text
     assert not prompt.ended  # the first try never reports an end: the request gets one answer
+
+
+def test_a_prompt_that_brings_a_stage_down_is_tried_again_once_only(tmp_path, started_processes) -> None:
+    """Stage 0 dies whenever it reads a poisoned prompt: the request starts again once on the new stages, then
+    ends with the failure instead of taking every restart with it, and the service serves the next request."""
+    poison = "POISONED"
+    # every stage behind a shell that kills its process group on reading the marker (only stage 0 reads prompts)
+    launcher = (f"sh -c 'while IFS= read -r l; do case \"$l\" in *{poison}*) kill -9 0;; esac; "
+                f"printf \"%s\\n\" \"$l\"; done | {PY} -m pp_worker'")
+    ended: list[ServedGeneration] = []
+    done = threading.Event()
+    service = PipelineService(Launch(2, stub=True, launcher=launcher), concurrency=2, log=None, restarts=3,
+                              backoff_s=0)
+    try:
+        bad = ServedGeneration(0, f"a {poison} prompt", service.new_request_id(), 4,
+                               on_end=lambda g: (ended.append(g), done.set()))
+        service.submit(bad)
+        assert done.wait(60)
+        deadline = time.monotonic() + 60
+        while service.status != "ok":  # the third set of stages, ready
+            assert time.monotonic() < deadline and not service.failure, service.status
+            time.sleep(0.05)
+        good = ServedGeneration(1, PROMPTS[0], service.new_request_id(), 4,
+                                on_end=lambda g: (ended.append(g), done.set()))
+        done.clear()
+        service.submit(good)
+        assert done.wait(60)
+    finally:
+        service.close()
+    assert len(ended) == 2 and ended[0].again_of == 1 and ended[0].unavailable
+    assert ended[0].error.startswith("the pipeline failed: stage 0"), ended[0].error
+    assert service.restarted == 2 and not ended[1].error and len(ended[1].tokens) == 4

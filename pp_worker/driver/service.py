@@ -11,7 +11,8 @@ When a stage dies, freezes (no reply within the step timeout) or answers an erro
 tokens ends with that error (one log line names the stage and its exit code, its stderr tail follows), the stages
 are stopped (a frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most ``restarts`` times;
 meanwhile ``recovering`` says why and ``submit`` refuses new generations. What has no token yet (queued, or still
-in its prompt: nothing of it was handed on) waits and runs on the new stages, from its start, in the order it came.
+in its prompt: nothing of it was handed on) waits and runs on the new stages, from its start, in the order it came
+(a prompt restarted so fails the second time: it may be what brings the stages down).
 Once the attempts are spent the service is down for good: ``failure`` says why, ``on_down`` is called, every call
 refuses, and what waited ends too.
 
@@ -54,6 +55,7 @@ class ServedGeneration(Generation):
     on_end: Callable[[ServedGeneration], None] | None = None
     unavailable: bool = False  # the error is the pipeline's (503), not the request's (400)
     ended: bool = field(default=False, init=False)
+    again_of: int = field(default=0, init=False)  # how many tries came before this one (`again`)
 
     def steps(self, num_stages: int, eos: frozenset[int], max_context: int | None = None,
               prefill_chunk: int | None = None,
@@ -65,9 +67,11 @@ class ServedGeneration(Generation):
 
     def again(self) -> ServedGeneration:
         """The same request from its start (new stages after a failure; the pipeline gives it its draft)."""
-        return ServedGeneration(self.index, self.prompt, self.request_id, self.max_tokens, self.sampling,
-                                on_text=self.on_text, on_token=self.on_token, keep_session=self.keep_session,
-                                grammar=self.grammar, cache_prompt=self.cache_prompt, on_end=self.on_end)
+        g = ServedGeneration(self.index, self.prompt, self.request_id, self.max_tokens, self.sampling,
+                             on_text=self.on_text, on_token=self.on_token, keep_session=self.keep_session,
+                             grammar=self.grammar, cache_prompt=self.cache_prompt, on_end=self.on_end)
+        g.again_of = self.again_of + 1
+        return g
 
     def end(self, error: str = "", unavailable: bool = False) -> None:
         """Report the end (only the first call counts)."""
@@ -287,8 +291,11 @@ class PipelineService:
             if stage is not None:
                 self.failures[stage] += 1
             self._busy = (self.stage_busy_s(), [])  # a dead stage's unanswered request is not busy time
-            early = [g for g in self._running.values() if not (g.tokens or g.ended or g.stop_requested)]
-            for g in early:  # in their prompt: nothing of them was handed on, so they start again
+            # in their prompt: nothing of them was handed on, so they start again; but once only, in case it was
+            # the prompt that brought the stage down (it must not take every restart with it)
+            early = [g for g in self._running.values()
+                     if not (g.tokens or g.ended or g.stop_requested or g.again_of)]
+            for g in early:
                 del self._running[g.request_id]
             self._end_all(f"the pipeline failed: {first}", closing=False, keep_waiting=True)
             self._waiting.extendleft(g.again() for g in reversed(early))  # before the queue: they came first
