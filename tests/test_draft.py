@@ -803,9 +803,11 @@ def test_a_draft_model_with_less_context_than_the_text_guesses_from_its_last_tok
     assert all(g.draft.accepted > 0 for g in drafted)
 
 
-def test_a_failed_pp_serve_pipeline_releases_its_generations_draft_sessions():
-    """pp-serve's pipeline loses a stage while two generations draft: they end with the failure, and their sessions
-    on the draft model (which outlives the pipeline) go too."""
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_a_failed_pp_serve_pipeline_releases_its_generations_draft_sessions(restarts: int):
+    """pp-serve's pipeline loses a stage while two generations draft: without a restart they end with the failure,
+    with one they go on on the new stages (with new draft sessions); either way every session they held on the
+    draft model (which outlives the pipeline) goes."""
     import signal
     import threading
 
@@ -824,7 +826,8 @@ def test_a_failed_pp_serve_pipeline_releases_its_generations_draft_sessions():
         if len(g.tokens) == 6:
             service.pipeline.stages[1].signal(signal.SIGKILL)
     try:
-        service = PipelineService(Launch(2), concurrency=2, log=None, draft=Draft("model", 4, worker))
+        service = PipelineService(Launch(2), concurrency=2, log=None, draft=Draft("model", 4, worker),
+                                  restarts=restarts, backoff_s=0)
         try:
             gens = [ServedGeneration(i, p, service.new_request_id(), 100, on_end=on_end)
                     for i, p in enumerate(PROMPTS[:2])]
@@ -834,7 +837,11 @@ def test_a_failed_pp_serve_pipeline_releases_its_generations_draft_sessions():
             assert all_ended.wait(60)
         finally:
             service.close()
-        assert all("pipeline failed" in g.error for g in gens) and all(g.draft.proposed > 0 for g in gens)
+        if restarts:
+            assert not any(g.error for g in ended) and all(g.again_of == 1 and g.draft.proposed > 0 for g in ended)
+        else:  # what would have gone on on new stages ends with the failure
+            assert all("stage 1 was killed" in g.error for g in ended)
+        assert all(g.draft.proposed > 0 for g in gens)
         assert [status["sessions"] for status in worker.status()] == [{}, {}]
     finally:
         worker.close()

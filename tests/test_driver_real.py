@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import io
 import math
+import os
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,6 +24,7 @@ from tinygrad.llm.cli import SimpleTokenizer
 from pp_worker.driver.chat import Conversation, TemplateFormat, pipeline_chat_format
 from pp_worker.driver.generation import Generation, Sampling
 from pp_worker.driver.pipeline import Pipeline, make_generations
+from pp_worker.driver.service import PipelineService, ServedGeneration
 from pp_worker.driver.stage_proc import Launch
 from pp_worker.testing.modelgen import PRESETS, builtin_vocab, generate
 from pp_worker.worker.gguf.header import read_header
@@ -215,3 +220,40 @@ def test_logprobs_of_a_real_model_describe_its_choices_alone_or_batched(pipeline
     for b, a in zip(both, alone, strict=True):
         assert b.tokens == a.tokens
         assert [e["logprob"] for e in b.logprobs] == pytest.approx([e["logprob"] for e in a.logprobs], abs=1e-3)
+
+
+def test_a_generation_goes_on_after_its_stage_dies_with_the_tokens_it_would_have_had():
+    """pp-serve's service on the embedded model: one greedy generation runs whole; the same again, its stage 1
+    stopped (nothing more can come) then killed a few tokens in, goes on on the restarted stages from its last
+    token (its prompt and tokens prefilled again): the same tokens and text as the one that never failed, ended
+    once, without an error."""
+    ended: list[ServedGeneration] = []
+    done = threading.Event()
+
+    def on_end(g: ServedGeneration) -> None:
+        ended.append(g)
+        done.set()
+
+    service = PipelineService(Launch(2, model=str(ZEN)), concurrency=1, log=None, restarts=1, backoff_s=0)
+    try:
+        whole = ServedGeneration(0, PROMPTS[0], service.new_request_id(), 96, on_end=on_end)
+        service.submit(whole)
+        assert done.wait(120) and not whole.error and len(whole.tokens) > 20, whole.error
+        done.clear()
+        failed = ServedGeneration(1, PROMPTS[0], service.new_request_id(), 96, on_end=on_end)
+        service.submit(failed)
+        deadline = time.monotonic() + 60
+        while len(failed.tokens) < 5:
+            assert time.monotonic() < deadline and not failed.ended, "no tokens"
+            time.sleep(0.002)
+        stage1 = service.pipeline.stages[1].proc.pid
+        os.kill(stage1, signal.SIGSTOP)  # from here no token comes
+        cut = len(failed.tokens)
+        os.kill(stage1, signal.SIGKILL)
+        assert done.wait(180)
+    finally:
+        service.close()
+    went_on = ended[1]
+    assert went_on is not failed and went_on.again_of == 1 and not went_on.error and not failed.ended
+    assert cut < len(whole.tokens) and went_on.tokens[:cut] == failed.tokens[:cut]
+    assert (went_on.tokens, went_on.text, went_on.stop_reason) == (whole.tokens, whole.text, whole.stop_reason)

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 from conftest import group_members, held_restart
 
@@ -79,112 +80,108 @@ def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, started
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def test_queued_generations_outlive_a_stage_failure_and_run_on_the_new_stages(tmp_path, started_processes) -> None:
-    """A stage dies while one generation runs and two wait: the running one ends with the failure (503); the queued
-    ones never touched the dead stages, so they wait for the restart and run there (one cancelled meanwhile ends
-    as cancelled, never started), with the tokens they get without any failure."""
-    started = started_processes
-    held, go = held_restart(tmp_path)  # the restart's stages wait for `go`: the service is held in its recovery
-    expected = run_pipeline(PROMPTS[:2], stages=2, stub=True, max_tokens=6).generations
+def _until(what: str, check: Any, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def _collect(n: int) -> tuple[list[ServedGeneration], threading.Event, Any]:
+    """(the generations ended, in order; an event set at the n-th; the on_end that records them)"""
     ended: list[ServedGeneration] = []
-    all_ended = threading.Event()
+    done = threading.Event()
 
     def on_end(g: ServedGeneration) -> None:
         ended.append(g)
-        if len(ended) == 4:
-            all_ended.set()
+        if len(ended) == n:
+            done.set()
 
+    return ended, done, on_end
+
+
+def test_nothing_accepted_is_lost_with_a_stage(tmp_path, started_processes) -> None:
+    """Stage 1 is stopped, then killed, while one generation decodes, a second's prompt waits on it and three are
+    queued; the restart is held until one queued is cancelled. On the new stages the first goes on from its last
+    token, the second starts again, the queue runs in order: every end reported once and in order, the cancelled
+    one never started, what started again and what was queued as without a failure. (The stub's outputs are a
+    hash of each call's inputs, so a prefill differs from the steps it replaces: test_driver_real checks that the
+    tokens after going on are the model's own.)"""
+    started = started_processes
+    held, go = held_restart(tmp_path)  # the restart's stages wait for `go`: the service is held in its recovery
+    expected = run_pipeline(PROMPTS, stages=2, stub=True, max_tokens=300).generations
     first = len(started)  # run_pipeline's stages came before
-    service = PipelineService(Launch(2, stub=True, launcher=held, env={"PP_STUB_DELAY_MS": "20"}), concurrency=1,
+    ended, done, on_end = _collect(5)
+    service = PipelineService(Launch(2, stub=True, launcher=held, env={"PP_STUB_DELAY_MS": "2"}), concurrency=2,
                               log=None, restarts=1, backoff_s=0)
+    service.pipeline.trace = []
+    trace = service.pipeline.trace
     try:
-        running = ServedGeneration(3, PROMPTS[2], service.new_request_id(), 400, on_end=on_end)  # ~16 s of steps
-        queued = [ServedGeneration(i, p, service.new_request_id(), 6, on_end=on_end) for i, p in enumerate(PROMPTS)]
-        for g in [running, *queued]:
+        gens = [ServedGeneration(i, p, service.new_request_id(), 300, on_end=on_end)
+                for i, p in enumerate([PROMPTS[2], *PROMPTS, PROMPTS[1]])]
+        decoding, in_prompt, queued = gens[0], gens[1], gens[2:]
+        service.submit(decoding)
+        _until("the first generation never got a token", lambda: decoding.tokens)
+        os.kill(started[first + 1].pid, signal.SIGSTOP)  # from here stage 1 answers nothing: no new token
+        for g in gens[1:]:
             service.submit(g)
-        deadline = time.monotonic() + 30
-        while not running.tokens:  # past its prompt: a failure ends it
-            assert time.monotonic() < deadline, "the first generation never got a token"
-            time.sleep(0.02)
+        _until("the second prompt never reached stage 1",
+               lambda: any(t[1:] == (1, in_prompt.request_id, "forward_and_sample", "send") for t in trace))
+        assert not in_prompt.tokens and len(decoding.tokens) < 300
         os.kill(started[first + 1].pid, signal.SIGKILL)
-        while len(started) < first + 4:  # the restart's stages are started (and held)
-            assert time.monotonic() < deadline and not service.failure, "no restart"
-            time.sleep(0.02)
-        assert service.status == "recovering" and service.load == (0, 3)
-        service.cancel(queued[2].request_id)
+        _until("no restart", lambda: len(started) == first + 4 and service.status == "recovering")
+        assert service.load == (0, 5)
+        service.cancel(queued[-1].request_id)
         go.touch()
-        assert all_ended.wait(60), [g.request_id for g in ended]
+        assert done.wait(60), [g.request_id for g in ended]
     finally:
         service.close()
-    assert running.error.startswith("the pipeline failed: stage 1") and running.unavailable
-    assert [g.request_id for g in ended] == [running.request_id, queued[2].request_id, queued[0].request_id,
-                                             queued[1].request_id]
-    assert queued[2].error == "cancelled before it started" and not queued[2].prompt_tokens
-    assert not queued[0].error and not queued[1].error
-    assert [g.tokens for g in queued[:2]] == [g.tokens for g in expected]
+    assert [g.request_id for g in ended] == [queued[-1].request_id, *[g.request_id for g in gens[:-1]]]
+    assert ended[0].error == "cancelled before it started" and not ended[0].prompt_tokens
+    assert not any(g.error for g in ended[1:]) and not any(g.ended for g in gens[:2])  # the first tries: no end
+    assert [g.again_of for g in ended[1:]] == [1, 1, 0, 0]
+    assert [(g.tokens, g.text) for g in ended[2:]] == [(g.tokens, g.text) for g in expected]
+    went_on = ended[1]
+    assert went_on.tokens[:len(decoding.tokens)] == decoding.tokens and len(went_on.tokens) == 300
+    assert went_on.t_start == decoding.t_start and went_on.t_first == decoding.t_first
 
 
-def test_queued_generations_end_with_the_failure_when_no_restart_comes(started_processes) -> None:
-    """With no restart left, what waited ends too (503), naming the failure: none waits for ever."""
+def test_what_waits_ends_with_the_failure_when_no_restart_comes(started_processes) -> None:
+    """With no restart left, what was running and what waited end too (503), naming the failure: none waits for
+    ever."""
     started = started_processes
-    ended: list[ServedGeneration] = []
-    done = threading.Event()
+    ended, done, on_end = _collect(3)
     service = PipelineService(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "20"}), concurrency=1, log=None)
     try:
-        gens = [ServedGeneration(i, p, service.new_request_id(), 400 if i == 0 else 6,
-                                 on_end=lambda g: (ended.append(g), len(ended) == 3 and done.set()))
+        gens = [ServedGeneration(i, p, service.new_request_id(), 400 if i == 0 else 6, on_end=on_end)
                 for i, p in enumerate(PROMPTS)]
         for g in gens:
             service.submit(g)
-        deadline = time.monotonic() + 30
-        while not gens[0].tokens:
-            assert time.monotonic() < deadline, "the first generation never got a token"
-            time.sleep(0.02)
+        _until("the first generation never got a token", lambda: gens[0].tokens)
         os.kill(started[0].pid, signal.SIGKILL)
         assert done.wait(30)
     finally:
         service.close()
-    assert service.failure and all(g.unavailable and "stage 0" in g.error for g in gens), [g.error for g in gens]
-    assert sorted(g.request_id for g in ended) == [g.request_id for g in gens] and not gens[1].prompt_tokens
+    assert service.failure and all(g.unavailable and "stage 0" in g.error for g in ended), [g.error for g in ended]
+    assert sorted(g.request_id for g in ended) == [g.request_id for g in gens] and not ended[-1].prompt_tokens
 
 
-def test_a_generation_still_in_its_prompt_starts_again_on_the_new_stages(started_processes) -> None:
-    """Stage 1 is stopped, then killed, while one generation has tokens and another's prompt waits on it: the first
-    ends with the failure, the second (nothing of it handed on) runs from its start on the new stages, with the
-    tokens it gets without any failure, its end reported once."""
-    started = started_processes
-    expected = run_pipeline(PROMPTS[1:2], stages=2, stub=True, max_tokens=6).generations[0]
-    first = len(started)
-    ended: list[ServedGeneration] = []
-    done = threading.Event()
-    service = PipelineService(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "20"}), concurrency=2, log=None,
-                              restarts=1, backoff_s=0)
-    service.pipeline.trace = []
-    trace = service.pipeline.trace
-    try:
-        on_end = lambda g: (ended.append(g), len(ended) == 2 and done.set())  # noqa: E731
-        running = ServedGeneration(0, PROMPTS[0], service.new_request_id(), 400, on_end=on_end)
-        prompt = ServedGeneration(1, PROMPTS[1], service.new_request_id(), 6, on_end=on_end)
-        service.submit(running)
-        deadline = time.monotonic() + 30
-        while not running.tokens:
-            assert time.monotonic() < deadline, "the first generation never got a token"
-            time.sleep(0.02)
-        os.kill(started[first + 1].pid, signal.SIGSTOP)  # from here stage 1 answers nothing: no new token
-        service.submit(prompt)
-        while not any(t[1:] == (1, prompt.request_id, "forward_and_sample", "send") for t in trace):
-            assert time.monotonic() < deadline, "the second prompt never reached stage 1"
-            time.sleep(0.02)
-        assert not prompt.tokens
-        os.kill(started[first + 1].pid, signal.SIGKILL)
-        assert done.wait(60), [g.request_id for g in ended]
-    finally:
-        service.close()
-    assert running.error.startswith("the pipeline failed: stage 1") and running.unavailable
-    again = ended[1]
-    assert [g.request_id for g in ended] == [running.request_id, prompt.request_id] and again is not prompt
-    assert not again.error and again.tokens == expected.tokens and again.text == expected.text
-    assert not prompt.ended  # the first try never reports an end: the request gets one answer
+def test_what_cannot_go_on_after_a_failure() -> None:
+    """A generation goes on on new stages unless it is over, was asked to stop, went on once before, or has tokens
+    under a grammar (the new stages' matcher would start over)."""
+    def gen(**fields: Any) -> ServedGeneration:
+        g = ServedGeneration(0, "p", 1, 8, grammar=fields.pop("grammar", None))
+        for name, value in fields.items():
+            setattr(g, name, value)
+        return g
+
+    assert gen().can_go_on and gen(tokens=[3]).can_go_on and gen(grammar={"type": "json_object"}).can_go_on
+    assert not gen(tokens=[3], grammar={"type": "json_object"}).can_go_on
+    assert not gen(stop_requested=True).can_go_on and not gen(ended=True).can_go_on
+    assert not gen(tokens=[3]).again().can_go_on and not gen().again().can_go_on
+    g = gen(prompt_tokens=[1, 2], tokens=[3, 4], t_start=5.0)
+    assert (g.again().prompt_tokens, g.again().tokens, g.again().t_start) == ([1, 2], [3, 4], 5.0)
+    assert (gen(prompt_tokens=[1, 2]).again().prompt_tokens, gen(t_start=5.0).again().t_start) == ([], 5.0)
 
 
 def test_a_prompt_that_brings_a_stage_down_is_tried_again_once_only(tmp_path, started_processes) -> None:

@@ -122,25 +122,29 @@ class Generation:
         """The whole generation as the calls it makes, top to bottom. ``max_context``: positions a KV session
         holds (the stages' ready lines); the generation stops there with reason "length". ``prefill_chunk``: a
         longer prompt is pipelined through the stages in chunks of that many tokens (`_pipelined_prefill`).
-        ``prefixes``: the sessions earlier generations left, which a ``cache_prompt`` generation may take."""
-        self.t_start = time.monotonic()
+        ``prefixes``: the sessions earlier generations left, which a ``cache_prompt`` generation may take.
+        A generation that comes with ``tokens`` (one that went on after a failure: pp-serve's restarts) goes on
+        from them: its prompt and those tokens are the prefill, whose forward gives the next token."""
+        self.t_start = self.t_start or time.monotonic()
         self.session = self.request_id
-        reply = yield Call(0, "tokenize", {"prompt": self.prompt})
-        self.prompt_tokens = reply["tokens"]
-        self.error, self.error_code = _refusal(self.prompt_tokens, max_context)
+        if not self.tokens:
+            reply = yield Call(0, "tokenize", {"prompt": self.prompt})
+            self.prompt_tokens = reply["tokens"]
+            self.error, self.error_code = _refusal(self.prompt_tokens, max_context)
         if self.error:  # this generation alone cannot run; it never touches a KV session
             self.stop_reason = "error"
             self._finish("")
             return
+        held = self.prompt_tokens + self.tokens  # what the sessions are to hold before the next token
         if self.draft:  # a draft model takes the prompt in while the stages do
-            self.draft.begin(self.prompt_tokens)
-        if self.cache_prompt and prefixes is not None:
+            self.draft.begin(held)
+        if self.cache_prompt and prefixes is not None and not self.tokens:
             yield from self._take_prefix(prefixes, num_stages)
-        start = self.reused = reusable(self.cached, self.prompt_tokens)  # only what is new is computed
-        if prefill_chunk and len(self.prompt_tokens) - start > prefill_chunk:
-            start = yield from self._pipelined_prefill(start, prefill_chunk, num_stages)
-        op, feed, position = "embed_and_forward", {"tokens": self.prompt_tokens[start:]}, start
-        seq_len, drafted = len(self.prompt_tokens) - start, []
+        start = self.reused = reusable(self.cached, held)  # only what is new is computed
+        if prefill_chunk and len(held) - start > prefill_chunk:
+            start = yield from self._pipelined_prefill(held, start, prefill_chunk, num_stages)
+        op, feed, position = "embed_and_forward", {"tokens": held[start:]}, start
+        seq_len, drafted = len(held) - start, []
         while True:
             sent = time.monotonic()
             reply = yield from self._forward(op, feed, position, seq_len, num_stages, drafted)
@@ -232,15 +236,16 @@ class Generation:
         (null), so that turn's matcher cannot constrain this one."""
         return {"grammar": self.grammar} if first and (self.grammar is not None or self.cached) else {}
 
-    def _pipelined_prefill(self, start: int, chunk: int, n: int) -> Generator[Call, Reply | None, int]:
+    def _pipelined_prefill(self, held: list[int], start: int, chunk: int,
+                           n: int) -> Generator[Call, Reply | None, int]:
         """Send every chunk of the prompt but the last without waiting: each stage's reply sends that chunk on to
         the next stage, so stage s+1 computes chunk i while stage s computes chunk i+1 (each stage serves its
         requests in order, so a session's chunks arrive in order everywhere). Returns where the last chunk starts;
         the caller sends it as a plain prefill, whose reply comes after every earlier chunk's. The last stage
         answers each chunk with an argmax nobody reads: it costs the head on one row."""
-        last = start + (len(self.prompt_tokens) - start - 1) // chunk * chunk
+        last = start + (len(held) - start - 1) // chunk * chunk
         for position in range(start, last, chunk):
-            tokens = self.prompt_tokens[position:position + chunk]
+            tokens = held[position:position + chunk]
             yield Call(0, "embed_and_forward", {"tokens": tokens, "position": position}, wait=False,
                        on_reply=_onward(1, n, position, len(tokens)))
         return last

@@ -7,14 +7,16 @@ finished, failed alone (a prompt the context cannot hold), cancelled, or lost wi
 generation that is running stops after its current step and, like any finished one, releases its KV session on
 every stage.
 
-When a stage dies, freezes (no reply within the step timeout) or answers an error, every generation that has
-tokens ends with that error (one log line names the stage and its exit code, its stderr tail follows), the stages
-are stopped (a frozen one killed) and a new pipeline is started, after 1, 2, 4, ... s, at most ``restarts`` times;
-meanwhile ``recovering`` says why and ``submit`` refuses new generations. What has no token yet (queued, or still
-in its prompt: nothing of it was handed on) waits and runs on the new stages, from its start, in the order it came
-(a prompt restarted so fails the second time: it may be what brings the stages down).
-Once the attempts are spent the service is down for good: ``failure`` says why, ``on_down`` is called, every call
-refuses, and what waited ends too.
+When a stage dies, freezes (no reply within the step timeout) or answers an error (one log line names the stage
+and its exit code, its stderr tail follows), the stages are stopped (a frozen one killed) and a new pipeline is
+started, after 1, 2, 4, ... s, at most ``restarts`` times; meanwhile ``recovering`` says why and ``submit`` refuses
+new generations. Nothing accepted is lost with them: what was queued waits for the new stages, and what was running
+goes on there in the order it came (``again``): from its start while it had no token, else from its last token (its
+prompt and tokens prefilled again), so a stream only pauses. Only a generation under a grammar that has tokens (the
+new stages' matcher would start over) ends with the failure's error, and so does one that fails again after going
+on (it may be what brings the stages down: it must not take every restart with it). Once the attempts are spent
+the service is down for good: ``failure`` says why, ``on_down`` is called, every call refuses, and what waited ends
+too.
 
 ``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left. ``ask``
 sends one op outside any generation (``status``, ``tokenize``, ``detokenize``) to one stage. What ``/metrics`` reports
@@ -66,12 +68,23 @@ class ServedGeneration(Generation):
         self.end()
 
     def again(self) -> ServedGeneration:
-        """The same request from its start (new stages after a failure; the pipeline gives it its draft)."""
+        """This request for new stages after a failure: from its start, or with its tokens (and the text streamed
+        of them) to go on from the last; the pipeline gives it its draft."""
         g = ServedGeneration(self.index, self.prompt, self.request_id, self.max_tokens, self.sampling,
                              on_text=self.on_text, on_token=self.on_token, keep_session=self.keep_session,
-                             grammar=self.grammar, cache_prompt=self.cache_prompt, on_end=self.on_end)
+                             grammar=self.grammar, cache_prompt=self.cache_prompt, on_end=self.on_end,
+                             t_start=self.t_start)
         g.again_of = self.again_of + 1
+        if self.tokens:
+            g.prompt_tokens, g.tokens, g.logprobs = self.prompt_tokens, self.tokens, self.logprobs
+            g.t_first, g.t_end, g._streamed, g._covered = self.t_first, self.t_end, self._streamed, self._covered
         return g
+
+    @property
+    def can_go_on(self) -> bool:
+        """Whether ``again`` keeps this generation whole: not over, not tried again before, and no grammar whose
+        state went with the stages."""
+        return not (self.ended or self.stop_requested or self.again_of or (self.tokens and self.grammar is not None))
 
     def end(self, error: str = "", unavailable: bool = False) -> None:
         """Report the end (only the first call counts)."""
@@ -202,9 +215,16 @@ class PipelineService:
             self.draining = True
 
     def expire(self, error: str) -> None:
-        """End every generation still running or waiting with ``error`` (a 503: the server's, not the request's)."""
+        """End every generation still running or waiting with ``error`` (a 503: the server's, not the request's);
+        while the stages restart, at once (what waits for them is the pipeline thread's only once it runs again,
+        and it takes the lock to say so)."""
         with self._lock:
             if self.failure or self._closing:
+                return
+            if self.recovering:
+                waiting, self._waiting = self._waiting, deque()
+                for g in waiting:
+                    g.end(error, unavailable=True)
                 return
             self._inbox.append(lambda: self._end_all(error, closing=False))
         self._wake.wake()
@@ -286,22 +306,20 @@ class PipelineService:
         if not self._closed.is_set():  # else the close interrupted it: not a failure
             first, _, rest = error.partition("\n")
             self._say(f"pipeline down: {first}" + (f"\n{rest}" if rest else ""))
-            with self._lock:
-                self.recovering = first
             if stage is not None:
                 self.failures[stage] += 1
             self._busy = (self.stage_busy_s(), [])  # a dead stage's unanswered request is not busy time
-            # in their prompt: nothing of them was handed on, so they start again; but once only, in case it was
-            # the prompt that brought the stage down (it must not take every restart with it)
-            early = [g for g in self._running.values()
-                     if not (g.tokens or g.ended or g.stop_requested or g.again_of)]
-            for g in early:
+            kept = [g for g in self._running.values() if g.can_go_on]
+            for g in kept:
                 del self._running[g.request_id]
             self._end_all(f"the pipeline failed: {first}", closing=False, keep_waiting=True)
-            self._waiting.extendleft(g.again() for g in reversed(early))  # before the queue: they came first
+            self._waiting.extendleft(g.again() for g in reversed(kept))  # before the queue: they came first
+            with self._lock:  # from here `expire` may end what waits (see there); new work is refused
+                self.recovering = first
             if self._waiting:
-                self._say(f"{len(self._waiting)} request(s) wait for the new stages ({len(early)} of them started "
-                          f"again: no token yet)")
+                self._say(f"{len(self._waiting)} request(s) wait for the new stages ({len(kept)} of them were "
+                          f"running: {sum(not g.tokens for g in kept)} start again, the rest go on from their last "
+                          f"token)")
             self.pipeline.close(failed=True)
             if self._restart():
                 return True

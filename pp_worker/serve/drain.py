@@ -57,6 +57,11 @@ class DrainingServer(uvicorn.Server):
                      f"{self.drain_timeout:g} s (a second signal ends them now); new requests get 503")
         if service.idle():
             self.should_exit = True
+        elif service.status == "recovering":  # no stages to finish on; none are started for a server that stops
+            _say(f"{service.load[1]} requests waiting for the restarted stages end with 503 (the server is "
+                 f"shutting down)")
+            service.expire("the server is shutting down")
+            self.should_exit = True
         elif time.monotonic() >= until:
             running, waiting = service.load
             _say(f"{running + waiting} requests still in flight end with 503 (the server is shutting down)")
