@@ -313,7 +313,7 @@ class PipelineService:
             for g in kept:
                 del self._running[g.request_id]
             self._end_all(f"the pipeline failed: {first}", closing=False, keep_waiting=True)
-            self._waiting.extendleft(g.again() for g in reversed(kept))  # before the queue: they came first
+            self._waiting.extendleft([g.again() for g in reversed(kept)])  # first in the queue: they came first
             with self._lock:  # from here `expire` may end what waits (see there); new work is refused
                 self.recovering = first
             if self._waiting:
