@@ -230,7 +230,8 @@ def _state(pid: int) -> tuple[str, int] | None:
     return fields[0], int(fields[2])
 
 
-def _until(check: Callable[[], bool], timeout: float) -> bool:
+def until(check: Callable[[], Any], timeout: float) -> bool:
+    """Whether ``check()`` turns true within ``timeout`` seconds (polled every 50 ms)."""
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() >= deadline:
@@ -241,7 +242,7 @@ def _until(check: Callable[[], bool], timeout: float) -> bool:
 
 def gone(pid: int, timeout: float = 3.0) -> bool:
     """Whether process ``pid`` has ended (exited, or a zombie waiting for its parent) within ``timeout`` seconds."""
-    return _until(lambda: (_state(pid) or ("Z", 0))[0] == "Z", timeout)
+    return until(lambda: (_state(pid) or ("Z", 0))[0] == "Z", timeout)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -252,7 +253,7 @@ def group_members(pgid: int) -> list[int]:
 
 def group_gone(pgid: int, timeout: float = 3.0) -> bool:
     """Whether every process of group ``pgid`` has ended within ``timeout`` seconds."""
-    return _until(lambda: not group_members(pgid), timeout)
+    return until(lambda: not group_members(pgid), timeout)
 
 
 def assert_event(obj: dict[str, Any], stage: int) -> None:

@@ -11,7 +11,7 @@ import threading
 import time
 from typing import Any
 
-from conftest import group_members, held_restart
+from conftest import group_members, held_restart, until
 
 from pp_worker.driver.pipeline import run_pipeline
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
@@ -80,13 +80,6 @@ def test_close_during_a_restart_stops_the_stages_being_started(tmp_path, started
                 os.killpg(p.pid, signal.SIGKILL)
 
 
-def _until(what: str, check: Any, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def _collect(n: int) -> tuple[list[ServedGeneration], threading.Event, Any]:
     """(the generations ended, in order; an event set at the n-th; the on_end that records them)"""
     ended: list[ServedGeneration] = []
@@ -121,15 +114,15 @@ def test_nothing_accepted_is_lost_with_a_stage(tmp_path, started_processes) -> N
                 for i, p in enumerate([PROMPTS[2], *PROMPTS, PROMPTS[1]])]
         decoding, in_prompt, queued = gens[0], gens[1], gens[2:]
         service.submit(decoding)
-        _until("the first generation never got a token", lambda: decoding.tokens)
+        assert until(lambda: decoding.tokens, 30), "the first generation never got a token"
         os.kill(started[first + 1].pid, signal.SIGSTOP)  # from here stage 1 answers nothing: no new token
         for g in gens[1:]:
             service.submit(g)
-        _until("the second prompt never reached stage 1",
-               lambda: any(t[1:] == (1, in_prompt.request_id, "forward_and_sample", "send") for t in trace))
+        assert until(lambda: any(t[1:] == (1, in_prompt.request_id, "forward_and_sample", "send") for t in trace),
+                     30), "the second prompt never reached stage 1"
         assert not in_prompt.tokens and len(decoding.tokens) < 300
         os.kill(started[first + 1].pid, signal.SIGKILL)
-        _until("no restart", lambda: len(started) == first + 4 and service.status == "recovering")
+        assert until(lambda: len(started) == first + 4 and service.status == "recovering", 30), "no restart"
         assert service.load == (0, 5)
         service.cancel(queued[-1].request_id)
         go.touch()
@@ -157,7 +150,7 @@ def test_what_waits_ends_with_the_failure_when_no_restart_comes(started_processe
                 for i, p in enumerate(PROMPTS)]
         for g in gens:
             service.submit(g)
-        _until("the first generation never got a token", lambda: gens[0].tokens)
+        assert until(lambda: gens[0].tokens, 30), "the first generation never got a token"
         os.kill(started[0].pid, signal.SIGKILL)
         assert done.wait(30)
     finally:
@@ -200,10 +193,8 @@ def test_a_prompt_that_brings_a_stage_down_is_tried_again_once_only(tmp_path, st
                                on_end=lambda g: (ended.append(g), done.set()))
         service.submit(bad)
         assert done.wait(60)
-        deadline = time.monotonic() + 60
-        while service.status != "ok":  # the third set of stages, ready
-            assert time.monotonic() < deadline and not service.failure, service.status
-            time.sleep(0.05)
+        # the third set of stages, ready
+        assert until(lambda: service.status == "ok" or service.failure, 60) and not service.failure, service.status
         good = ServedGeneration(1, PROMPTS[0], service.new_request_id(), 4,
                                 on_end=lambda g: (ended.append(g), done.set()))
         done.clear()
