@@ -205,3 +205,30 @@ def test_a_prompt_that_brings_a_stage_down_is_tried_again_once_only(tmp_path, st
     assert len(ended) == 2 and ended[0].again_of == 1 and ended[0].unavailable
     assert ended[0].error.startswith("the pipeline failed: stage 0"), ended[0].error
     assert service.restarted == 2 and not ended[1].error and len(ended[1].tokens) == 4
+
+
+def test_a_generation_asked_to_stop_keeps_its_text_when_a_stage_dies(started_processes) -> None:
+    """pp-serve's stop string found in the streamed text (the generation asked to stop), then the last stage dies
+    before the generation's last reply: it ends as stopped with the text streamed so far, not with the failure's
+    503; the one beside it, not asked to stop, ends with the failure (no restart here)."""
+    started = started_processes
+    ended, done, on_end = _collect(2)
+
+    def on_text(g: ServedGeneration, text: str, finished: bool) -> None:
+        if text and not finished and not g.stop_requested:
+            g.stop_requested = True  # as pp-serve's Feed does on finding a stop string
+            os.kill(started[1].pid, signal.SIGKILL)
+
+    service = PipelineService(Launch(2, stub=True, env={"PP_STUB_DELAY_MS": "20"}), concurrency=2, log=None)
+    try:
+        stopped = ServedGeneration(0, PROMPTS[0], service.new_request_id(), 400, on_text=on_text, on_end=on_end)
+        other = ServedGeneration(1, PROMPTS[1], service.new_request_id(), 400, on_end=on_end)
+        service.submit(other)
+        service.submit(stopped)
+        assert done.wait(30), [g.request_id for g in ended]
+    finally:
+        service.close()
+    assert ended[0] is stopped and not stopped.error and stopped.stop_reason == "stop" and stopped.tokens
+    assert stopped.text and stopped.text == stopped._streamed
+    assert service.failure and ended[1].prompt == other.prompt and ended[1].unavailable  # `other` went on, then
+    assert "stage 1" in ended[1].error, ended[1].error  # ended with the failure: no restart came

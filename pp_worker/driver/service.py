@@ -12,11 +12,11 @@ and its exit code, its stderr tail follows), the stages are stopped (a frozen on
 started, after 1, 2, 4, ... s, at most ``restarts`` times; meanwhile ``recovering`` says why and ``submit`` refuses
 new generations. Nothing accepted is lost with them: what was queued waits for the new stages, and what was running
 goes on there in the order it came (``again``): from its start while it had no token, else from its last token (its
-prompt and tokens prefilled again), so a stream only pauses. Only a generation under a grammar that has tokens (the
-new stages' matcher would start over) ends with the failure's error, and so does one that fails again after going
-on (it may be what brings the stages down: it must not take every restart with it). Once the attempts are spent
-the service is down for good: ``failure`` says why, ``on_down`` is called, every call refuses, and what waited ends
-too.
+prompt and tokens prefilled again), so a stream only pauses; one asked to stop (a stop string found) ends with the
+text streamed so far. Only a generation under a grammar that has tokens (the new stages' matcher would start over)
+ends with the failure's error, and so does one that fails again after going on (it may be what brings the stages
+down: it must not take every restart with it). Once the attempts are spent the service is down for good:
+``failure`` says why, ``on_down`` is called, every call refuses, and what waited ends too.
 
 ``drain`` (SIGTERM) makes ``submit`` refuse while what was accepted runs on; ``expire`` ends what is left. ``ask``
 sends one op outside any generation (``status``, ``tokenize``, ``detokenize``) to one stage. What ``/metrics`` reports
@@ -85,6 +85,13 @@ class ServedGeneration(Generation):
         """Whether ``again`` keeps this generation whole: not over, not tried again before, and no grammar whose
         state went with the stages."""
         return not (self.ended or self.stop_requested or self.again_of or (self.tokens and self.grammar is not None))
+
+    def end_stopped(self) -> None:
+        """End as asked (a stop string found in the streamed text, or the reader gone) though the stages failed
+        before the last text came: with the text streamed so far, which holds the stop string, not the failure."""
+        self.stop_reason = "stop"
+        self._finish(self._streamed)
+        self.end()
 
     def end(self, error: str = "", unavailable: bool = False) -> None:
         """Report the end (only the first call counts)."""
@@ -309,6 +316,9 @@ class PipelineService:
             if stage is not None:
                 self.failures[stage] += 1
             self._busy = (self.stage_busy_s(), [])  # a dead stage's unanswered request is not busy time
+            for g in self._running.values():
+                if g.stop_requested and g.tokens and not g.ended:
+                    g.end_stopped()  # its text is whole: the failure costs it nothing
             kept = [g for g in self._running.values() if g.can_go_on]
             for g in kept:
                 del self._running[g.request_id]
