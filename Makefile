@@ -82,17 +82,20 @@ device-run:
 
 # Optional: llama.cpp (llama-cpp-python, built from source, ~8 minutes a build) for make bench's peer rows. A native
 # build crashes on these VMs: the instruction sets are named instead, and never AMX. .venv-peers is the AVX2 build
-# (for the AVX2 rows, and the only one on a CPU without AVX-512); where /proc/cpuinfo has AVX-512 F/BW/VL/VBMI/VNNI/BF16,
-# .venv-peers-avx512 is built beside it (plus AVX-VNNI where the CPU has that). pip's wheel cache ignores CMAKE_ARGS,
+# (for the AVX2 rows, and the only one on a CPU without AVX-512); where /proc/cpuinfo has AVX-512 F/CD/BW/DQ/VL,
+# .venv-peers-avx512 is built beside it with the extensions this CPU has of VBMI, VNNI, BF16 and AVX-VNNI (an Ice Lake
+# Xeon has no BF16: what llama.cpp built for it is still its AVX-512 build). pip's wheel cache ignores CMAKE_ARGS,
 # so each build is --no-cache-dir: a cached AVX2 wheel would otherwise be reused for the AVX-512 venv.
 PEERS := .venv-peers
 PEERS_AVX512 := .venv-peers-avx512
 LLAMA_CPP_PYTHON := llama-cpp-python==0.3.16
 PEERS_AVX2_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON
 CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
-HAS_AVX512 := $(and $(filter avx512f,$(CPU_FLAGS)),$(filter avx512bw,$(CPU_FLAGS)),$(filter avx512vl,$(CPU_FLAGS)),$(filter avx512vbmi,$(CPU_FLAGS)),$(filter avx512_vnni,$(CPU_FLAGS)),$(filter avx512_bf16,$(CPU_FLAGS)))
-PEERS_AVX512_ARGS := $(PEERS_AVX2_ARGS) -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON \
-	-DGGML_AVX_VNNI=$(if $(filter avx_vnni,$(CPU_FLAGS)),ON,OFF) -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
+on = $(if $(filter $(1),$(CPU_FLAGS)),ON,OFF)
+HAS_AVX512 := $(and $(filter avx512f,$(CPU_FLAGS)),$(filter avx512bw,$(CPU_FLAGS)),$(filter avx512vl,$(CPU_FLAGS)),$(filter avx512dq,$(CPU_FLAGS)),$(filter avx512cd,$(CPU_FLAGS)))
+PEERS_AVX512_ARGS := $(PEERS_AVX2_ARGS) -DGGML_AVX512=ON -DGGML_AVX512_VBMI=$(call on,avx512vbmi) \
+	-DGGML_AVX512_VNNI=$(call on,avx512_vnni) -DGGML_AVX512_BF16=$(call on,avx512_bf16) -DGGML_AVX_VNNI=$(call on,avx_vnni) \
+	-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF
 peers: $(PEERS)/.installed-stamp $(if $(HAS_AVX512),$(PEERS_AVX512)/.installed-stamp)
 
 # $(call peer_build,venv,cmake args)

@@ -116,7 +116,7 @@ def measure_row(path: Path, build: str, env: dict[str, str], plan: MemwallPlan, 
                 ids: list[int]) -> dict[str, Any]:
     """One file: a 2-stage pipeline (``env`` for its workers) and llama.cpp's ``build`` decoding in rounds taken
     in turn."""
-    out: dict[str, Any] = {"build": build, "build_name": peer.BUILD_NAMES[build], "pp2_tps": [], "peer_tps": [],
+    out: dict[str, Any] = {"build": build, "build_name": peer.build_name(build), "pp2_tps": [], "peer_tps": [],
                            "ratios": [], "worker_env": {k: v for k, v in env.items() if k in ("CC", "PYTHONPATH")}}
     with pipe.start(path, 2, env) as p:
         ready = p.stages[0].ready or {}
@@ -154,7 +154,7 @@ def measure(plan: MemwallPlan, avx2: bool = True) -> dict[str, Any]:
         path, maker = ensure_file(plan.preset, dt)
         out["files"][dt] = {"name": path.name, "file_bytes": path.stat().st_size, "streamed_bytes":
                             streamed_bytes(path), "quantizer": maker}
-        say(f"memwall: {dt} ({maker}), 2 stages and llama.cpp ({peer.BUILD_NAMES[build]})")
+        say(f"memwall: {dt} ({maker}), 2 stages and llama.cpp ({peer.build_name(build)})")
         out["rows"][_key(dt, build, plan.label)] = measure_row(path, build, env, plan, prompt, ids) | {"dtype": dt,
                                                                                                   "label": plan.label}
     if avx2 and plan.avx2_dtypes and peer.available("avx2"):

@@ -3,7 +3,8 @@ measured in turn with the pipelines'.
 
 The child runs in a venv of ``make peers`` (llama-cpp-python built from source), which holds no pp_worker: this file
 is run there as a script and imports nothing of the project. Two builds may sit side by side (`BUILDS`):
-``.venv-peers`` for AVX2, and ``.venv-peers-avx512`` (AVX-512 F/BW/VL/VBMI/VNNI/BF16) where the CPU has AVX-512;
+``.venv-peers`` for AVX2, and ``.venv-peers-avx512`` (AVX-512 with those of VBMI, VNNI, BF16 the CPU that built it
+has) where the CPU has AVX-512;
 `default_build` picks the best one the CPU runs, and every row names the build it used.
 Its protocol is `bench.solo`'s ``--serve``:
 ``{"ready": true}`` after a warm-up, then for each line ``{"prompt": [ids], "decode": n}`` the arrival times of a
@@ -25,13 +26,32 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 BUILDS = {"avx2": REPO / ".venv-peers", "avx512": REPO / ".venv-peers-avx512"}  # as the Makefile's peers target
 PEERS_PYTHON = BUILDS["avx2"] / "bin" / "python"  # the AVX2 build: make peers always builds it
-BUILD_NAMES = {"avx2": "AVX2", "avx512": "AVX-512 + VNNI"}
-AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512vbmi", "avx512_vnni", "avx512_bf16")
+AVX512_FLAGS = ("avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl")  # ggml's GGML_AVX512
+# the extensions the Makefile turns on where the CPU has them: a build needs the flags of those it was built with
+EXTENSIONS = {"GGML_AVX512_VBMI": "avx512vbmi", "GGML_AVX512_VNNI": "avx512_vnni", "GGML_AVX512_BF16": "avx512_bf16",
+              "GGML_AVX_VNNI": "avx_vnni"}
 WARMUP = [[1, 2, 3, 4, 5, 6, 7, 8]]
 
 
 def python(build: str) -> Path:
     return BUILDS[build] / "bin" / "python"
+
+
+def extensions(build: str = "avx512") -> list[str]:
+    """The CPU flags of the extensions ``build`` was made with (its ``.cmake-args``, written by ``make peers``)."""
+    try:
+        args = (BUILDS[build] / ".cmake-args").read_text().split()
+    except OSError:
+        return []
+    return [flag for option, flag in EXTENSIONS.items() if f"-D{option}=ON" in args]
+
+
+def build_name(build: str) -> str:
+    """``AVX2``, or ``AVX-512`` with the extensions it was built with: ``AVX-512 (VBMI, VNNI)``."""
+    if build == "avx2":
+        return "AVX2"
+    more = [f.removeprefix("avx512").removeprefix("_").upper().replace("_", "-") for f in extensions(build)]
+    return "AVX-512" + (f" ({', '.join(more)})" if more else "")
 
 
 def cpu_has_avx512(cpuinfo: str | None = None) -> bool:
@@ -42,7 +62,7 @@ def cpu_has_avx512(cpuinfo: str | None = None) -> bool:
         except OSError:
             return False
     flags = next((line.split(":", 1)[1].split() for line in cpuinfo.splitlines() if line.startswith("flags")), [])
-    return all(f in flags for f in AVX512_FLAGS)
+    return all(f in flags for f in (*AVX512_FLAGS, *extensions()))
 
 
 def available(build: str | None = None) -> bool:

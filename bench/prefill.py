@@ -54,7 +54,7 @@ def measure_file(path: Path, build: str, plan: PrefillPlan, env: dict[str, str] 
     count = plan.rounds + 1  # the first prompt warms both sides up
     prompts = {n: models.fixed_length_prompts(path, n, count) for n in plan.lengths}
     tok = models.tokenizer(path)
-    out: dict[str, Any] = {"build": build, "build_name": peer.BUILD_NAMES[build], "lengths": {}}
+    out: dict[str, Any] = {"build": build, "build_name": peer.build_name(build), "lengths": {}}
     context = max(plan.lengths) + 64
     with pipe.start(path, 2, {**plan.extra_env, **(env or {})}) as p:
         out["ready"] = {k: v for k, v in (p.stages[0].ready or {}).items()
@@ -88,7 +88,7 @@ def measure(plan: PrefillPlan, avx2: bool = True) -> dict[str, Any]:
         return out
     for preset, dt in plan.files:
         key, path = _file(out, preset, dt, "")
-        say(f"prefill: {key} ({out['files'][key]['quantizer']}), 2 stages and llama.cpp ({peer.BUILD_NAMES[build]})")
+        say(f"prefill: {key} ({out['files'][key]['quantizer']}), 2 stages and llama.cpp ({peer.build_name(build)})")
         out["rows"][key] = measure_file(path, build, plan)
     if avx2 and plan.avx2_files and not peer.available("avx2"):
         out["avx2_skipped"] = "llama.cpp's AVX2 build (.venv-peers) not built: run make peers"

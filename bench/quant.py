@@ -66,7 +66,7 @@ def measure(plan: QuantPlan, prompts: dict[str, list[str]], decode_ids: list[int
             say(f"quantized files: {dt}, a {prefill[0]}-token prompt's first token x {plan.prefill_reps}")
             out["prefill_s"][dt] = pipe.time_to_first_token(p, prefill[1], plan.prefill_reps)
         out["peak_rss_mb"] = {dt: pipe.peak_rss(p) for dt, p in pipes.items()}
-        build = peer.BUILD_NAMES.get(peer.default_build() or "", "")
+        build = peer.build_name(b) if (b := peer.default_build()) else ""
         out["peer_info"] = {dt: f"{build} build: {s.ready.get('system_info')}" for dt, s in peers.items()}
     return out
 

@@ -513,20 +513,26 @@ def test_a_pinned_stage_runs_on_its_share_of_the_cpus() -> None:
 
 
 def test_peer_builds_follow_the_cpu_flags(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """bench.peer picks llama.cpp's AVX-512 build only where /proc/cpuinfo has every set it is built with."""
+    """bench.peer picks llama.cpp's AVX-512 build only where /proc/cpuinfo has every set it is built with: AVX-512's
+    own, and the extensions its build turned on (an Ice Lake Xeon's build has no BF16 and runs there)."""
     from bench import peer
 
-    full = "flags\t\t: fpu avx2 avx512f avx512bw avx512vl avx512vbmi avx512_vnni avx512_bf16\n"
-    assert peer.cpu_has_avx512(full)
-    assert not peer.cpu_has_avx512(full.replace(" avx512_bf16", ""))
-    assert not peer.cpu_has_avx512("flags\t\t: fpu avx2\n")
     builds = {name: tmp_path / name for name in ("avx2", "avx512")}
     monkeypatch.setattr(peer, "BUILDS", builds)
+    builds["avx512"].mkdir(parents=True)
+    (builds["avx512"] / ".cmake-args").write_text(
+        "-DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=OFF\n")
+    icelake = "flags\t\t: fpu avx2 avx512f avx512cd avx512dq avx512bw avx512vl avx512vbmi avx512_vnni\n"
+    assert peer.cpu_has_avx512(icelake) and peer.build_name("avx512") == "AVX-512 (VBMI, VNNI)"
+    assert not peer.cpu_has_avx512(icelake.replace(" avx512vbmi", ""))  # Cascade Lake: no VBMI
+    assert not peer.cpu_has_avx512("flags\t\t: fpu avx2\n")
+    (builds["avx512"] / ".cmake-args").write_text("-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON\n")
+    assert not peer.cpu_has_avx512(icelake) and peer.cpu_has_avx512(icelake.replace("\n", " avx512_bf16\n"))
+    (builds["avx512"] / ".cmake-args").unlink()
     assert peer.default_build() is None and not peer.available()
     builds["avx2"].mkdir(parents=True)
     (builds["avx2"] / ".installed-stamp").touch()
     assert peer.default_build() == "avx2" and peer.available("avx2") and not peer.available("avx512")
-    builds["avx512"].mkdir(parents=True)
     (builds["avx512"] / ".installed-stamp").touch()
     monkeypatch.setattr(peer, "cpu_has_avx512", lambda cpuinfo=None: False)
     assert peer.default_build() == "avx2"  # built, but this CPU would die on it
