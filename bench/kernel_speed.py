@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
+import re
 import statistics
 import subprocess
 import tempfile
@@ -67,6 +68,8 @@ def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = 
     defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": max(kernels.ROWS, group), "BLOCK_VALUES": t.kernel_block,
                "BLOCK_BYTES": t.row_bytes(t.kernel_block), **({"PP_INT": 1} if int8 else {}),
                **({"PP_GROUP": group} if group else {})}
+    if not int8 and t.kernel == "f16" and kernels.fp16_conversion_takes_an_fma_slot():  # as kernels.source
+        defines["PP_F16_DECODE_FROM"] = kernels.F16_DECODE_FROM
     parts = ["common.h", "q8.h", *files, "matmul_int.c"] if int8 else ["common.h", *files, "matmul.c"]
     units = [kernels.unit(defines, parts, c_dir)]
     if int8 and (c_dir / "quantize.c").exists():
@@ -97,8 +100,12 @@ def base_sources(rev: str, workdir: Path) -> Path:
 
 def base_groups(base_dir: Path, stem: str) -> bool:
     """Whether the C sources at ``base_dir`` read a type's rows in groups: Q4_0 since ``matmul_groups.h``, another type
-    where its generic file defines the groups' parameters (GROUP_OFF, GROUP_K)."""
+    where its generic file, or a header of generic/ it includes, defines the groups' parameters (GROUP_OFF, GROUP_K,
+    GROUP_LEVELS)."""
     generic = (base_dir / f"generic/{stem}.c").read_text()
+    for name in re.findall(r'#include "([^"/]+)"', generic):
+        if (base_dir / "generic" / name).exists():
+            generic += (base_dir / "generic" / name).read_text()
     return (base_dir / "matmul_groups.h").exists() and (stem == "q4_0" or "#define GROUP_" in generic)
 
 

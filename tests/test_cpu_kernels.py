@@ -5,6 +5,8 @@ inside a TinyJit (captured, then replayed with new inputs), and the embedding ga
 
 from __future__ import annotations
 
+import platform
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, quants
@@ -166,6 +168,28 @@ def test_a_long_row_in_many_chunks_and_blocks_of_x(ggml_type, build, request):
     x, raw, chunk, _ = _chunk_near_float64(ggml_type, n, k, 47, seed=11)
     for b in (2, 3, 19):
         assert np.array_equal(cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy(), chunk[:b])
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="the F16 rows' two ways are x86's build without AVX-512")
+@pytest.mark.parametrize("takes_fma_slot", [True, False], ids=["intel", "amd"])
+def test_f16_rows_decoded_or_read_as_they_are_give_the_same_floats(monkeypatch, takes_fma_slot):
+    """Without AVX-512, where converting fp16 takes an FMA slot (forced here either way, whatever this CPU is), F16's
+    rows are decoded a chunk at a time from F16_DECODE_FROM rows of x, else read as they are: at K 2048 (4 chunks),
+    37 weight rows, 1-70 rows of x (two blocks), each within float32 rounding of float64 and the same floats in a
+    call below the threshold and above it."""
+    monkeypatch.setattr(cpu_kernels, "fp16_conversion_takes_an_fma_slot", lambda: takes_fma_slot)
+    native = cpu_kernels._compiler("CPU")
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: ClangJITCompiler([native.arch, "native", "-avx512f"]))
+    cpu_kernels._binary.cache_clear()
+    try:
+        decodes = "#define PP_F16_DECODE_FROM" in cpu_kernels.source("matmul", 1, 2048, "k")
+        assert decodes == takes_fma_slot
+        n, k, edge = 37, 2048, cpu_kernels.F16_DECODE_FROM
+        x, raw, chunk, _ = _chunk_near_float64(1, n, k, 70, seed=13)
+        for b in (2, edge - 1, edge, 33):
+            assert np.array_equal(cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), 1, n, k).numpy(), chunk[:b]), b
+    finally:
+        cpu_kernels._binary.cache_clear()
 
 
 @pytest.mark.parametrize("ggml_type", SIMD, ids=type_name)

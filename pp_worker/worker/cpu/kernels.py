@@ -110,10 +110,25 @@ def source(kind: str, ggml_type: int, k: int, name: str, group: int = 0) -> str:
         defines["PP_GROUP"] = group
     if group or uses_int8(kind, ggml_type):
         return unit({**defines, "PP_INT": 1}, ["common.h", "q8.h", *type_files(t), "matmul_int.c"])
+    if kind == "matmul" and t.kernel == "f16" and fp16_conversion_takes_an_fma_slot():
+        defines["PP_F16_DECODE_FROM"] = F16_DECODE_FROM
     return unit(defines, ["common.h", *type_files(t), f"{kind}.c"])
 
 
 GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a row per int32 lane of 512 bits)
+F16_DECODE_FROM = 12  # rows of x from which matmul.c decodes F16's rows first where converting them takes FMA slots
+
+
+@functools.cache
+def fp16_conversion_takes_an_fma_slot() -> bool:
+    """Whether this CPU's fp16 conversion (vcvtph2ps) issues on the ports of its multiply-adds: Intel's cores. There,
+    without AVX-512, F16's tile at 16 rows of x and more ran 1.14-1.29x faster with the rows decoded a chunk at a time
+    than converted as loaded (one conversion every 3 multiply-adds); on Zen 4 the conversions take no FMA slot and
+    the rows read as they are ran 1.2-1.5x faster (bench/NOTES.md)."""
+    try:
+        return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
 
 
 @functools.cache

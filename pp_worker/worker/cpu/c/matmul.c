@@ -34,13 +34,27 @@ static inline lanes lanes_at(const float* p) { lanes v; __builtin_memcpy(&v, p, 
    they are, whole, still lost 0.85x at K 5632. AVX-512's tile gained nothing from chunks (0.97-1.0x). */
 enum { QV = QK / 16, NC = H == 1 || V < 48 ? 1 : (V + 16) / 32,  /* chunks of ~24-47 steps, about even, whole blocks */
        VC = ((V + NC - 1) / NC + QV - 1) / QV * QV, XS = 16 / H };  /* XS: floats of x a pass takes a step */
+/* F16's rows are read as they are (`ROWS_F16`) or, from F16_DECODE_FROM rows of x a call on (PP_F16_DECODE_FROM,
+   kernels.py: 0 never; only without AVX-512), decoded a chunk at a time into wbuf as the other types': where
+   converting fp16 takes an FMA slot (Intel's cores) a conversion every 3 multiply-adds cost more than the decode,
+   once for the whole block of x (one thread 1.14-1.29x from 16 rows of x, 0.56-0.98x at 2-8; bench/NOTES.md) */
+#if defined(ROWS_F16) && defined(PP_F16_DECODE_FROM) && !defined(__AVX512F__)
+enum { F16_DECODE_FROM = PP_F16_DECODE_FROM };
+#else
+enum { F16_DECODE_FROM = 0 };
+#endif
+typedef const unsigned char* wsrc;  /* a row's bytes, or its floats decoded into wbuf */
+/* row r's vector of step v, pass h: decoded, floats from wbuf; else its fp16 values converted as they are loaded
+   (vcvtph2ps from memory). Against rows decoded into wbuf first, one thread 1.2-1.5x with either build on Zen 4: no
+   decoded copy to write and read back, and half the bytes in the L1 (bench/NOTES.md, "AVX2 F16 tile") */
+static inline lanes w_at(wsrc row, int v, int h, int decoded) {
 #ifdef ROWS_F16
-/* row r's vector of step v, pass h: its fp16 values converted as they are loaded (vcvtph2ps from memory). Against
-   rows decoded into wbuf first, one thread 1.2-1.5x with either build: no decoded copy to write and read back, and
-   half the bytes in the L1 (bench/NOTES.md, "AVX2 F16 tile") */
-typedef const unsigned char* wsrc;  /* a row's bytes */
-static inline lanes w_at(wsrc row, int v, int h) {
-  hlanes q; __builtin_memcpy(&q, row + 2 * (16 * v + XS * h), sizeof q); return __builtin_convertvector(q, lanes); }
+  if (!decoded) {
+    hlanes q; __builtin_memcpy(&q, row + 2 * (16 * v + XS * h), sizeof q); return __builtin_convertvector(q, lanes); }
+#endif
+  return lanes_at((const float*)row + 16 * v + XS * h);
+}
+#ifdef ROWS_F16
 /* The first tile of a call's first block reads the rows from memory; it asks for the line at the same place of the
    rows AHEAD groups of R rows on (~48 KiB ahead) into the L2, a line a row every other step (32 bytes a step).
    Without it a few rows of x waited on memory: R rows read side by side are streams the hardware's prefetch did
@@ -54,18 +68,16 @@ static inline void ask_ahead(const wsrc* restrict wr, int v) {
       __builtin_prefetch(wr[r] + 32 * v + (long)AHEAD * R * 2 * K, 0, 2);
 }
 #else
-typedef const float* wsrc;  /* a row decoded into wbuf */
-static inline lanes w_at(wsrc row, int v, int h) { return lanes_at(row + 16 * v + XS * h); }
 static inline void ask_ahead(const wsrc* restrict wr, int v) { (void)wr, (void)v; }  /* rows decoded: L1-hot */
 #endif
 /* steps [v0, v1) of R weight rows' products with nx rows of x (nx a constant where it is inlined), each (row, x)
    summed in 16 lanes over K in order (sums: the lanes so far, carried from chunk to chunk), then hsum: whatever the
    tile or the chunk, the floats of one row of x at a time. x: the tile's first row at the chunk's first step, xr
    floats a row; with H passes each row's chunk holds its pass 0 lanes of every step, then pass 1's (`split_rows`).
-   ahead: the tile that reads the rows from memory (`ask_ahead`). */
+   ahead: the tile that reads the rows from memory (`ask_ahead`); decoded: wr are rows decoded into wbuf. */
 static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R][16], const wsrc* restrict wr,
                                                        const float* restrict x, long xr, int v0, int v1, int nx,
-                                                       int ahead) {
+                                                       int ahead, int decoded) {
   _Pragma("clang loop unroll(full)") for (int h = 0; h < H; h++) {
     lanes acc[XT][R];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
@@ -73,12 +85,12 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
         acc[i][r] = v0 == 0 ? 0 : lanes_at(&sums[i][r][XS * h]);
     const float* xh = x + (long)h * XS * (v1 - v0);
     for (int v = v0; v < v1; v++) {  /* the tile's x vectors held, each weight vector loaded once */
-      if (ahead && h == 0) ask_ahead(wr, v);
+      if (ahead && h == 0 && !decoded) ask_ahead(wr, v);
       lanes xv[XT];
       _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++)
         if (i < nx) xv[i] = lanes_at(xh + i * xr + XS * (v - v0));
       _Pragma("clang loop unroll(full)") for (int r = 0; r < R; r++) {
-        lanes wv = w_at(wr[r], v, h);
+        lanes wv = w_at(wr[r], v, h, decoded);
         _Pragma("clang loop unroll(full)") for (int i = 0; i < XT; i++) if (i < nx) acc[i][r] += wv * xv[i];
       }
     }
@@ -90,13 +102,23 @@ static inline __attribute__((always_inline)) void tile(float (*restrict sums)[R]
 /* One tile of nx <= XT rows of x, nx a constant in each call of `tile` (ahead: a constant where this is inlined). */
 static inline __attribute__((always_inline)) void tiles(float (*restrict sums)[R][16], const wsrc* restrict wr,
                                                         const float* restrict x, long xr, int v0, int v1, int nx,
-                                                        int ahead) {
+                                                        int ahead, int decoded) {
   switch (nx) {
-    case 1: tile(sums, wr, x, xr, v0, v1, 1, ahead); break;
-    case 2: tile(sums, wr, x, xr, v0, v1, 2, ahead); break;
-    case 3: tile(sums, wr, x, xr, v0, v1, 3, ahead); break;
-    default: tile(sums, wr, x, xr, v0, v1, XT, ahead);
+    case 1: tile(sums, wr, x, xr, v0, v1, 1, ahead, decoded); break;
+    case 2: tile(sums, wr, x, xr, v0, v1, 2, ahead, decoded); break;
+    case 3: tile(sums, wr, x, xr, v0, v1, 3, ahead, decoded); break;
+    default: tile(sums, wr, x, xr, v0, v1, XT, ahead, decoded);
   }
+}
+/* A chunk of the rows against every row of a block of nb rows of x (decoded: a constant where this is inlined) */
+static inline __attribute__((always_inline)) void chunk_pass(float (*restrict sums)[R][16], const wsrc* restrict wr,
+                                                             const float* restrict xc, long xr, int v0, int v1,
+                                                             int nb, int first, int decoded) {
+  int i = 0;
+  if (first)  /* the first tile reads the rows from memory, and asks for those ahead */
+    i = nb < XT ? nb : XT, tiles(sums, wr, xc, xr, v0, v1, i, 1, decoded);
+  for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT, 0, decoded);
+  if (i < nb) tiles(sums + i, wr, xc + i * xr, xr, v0, v1, nb - i, 0, decoded);  /* the last rows, fewer than XT */
 }
 /* With H passes: a block's rows of x copied chunk after chunk, each row's chunk as its pass 0 lanes of every step,
    then its pass 1 lanes. In place, pass 0 read the low half of every line of x and pass 1 the high half from the L1,
@@ -121,9 +143,12 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
     row_products(out, w, x, n0, n1);
     return;
   }
-#ifndef ROWS_F16
-  f16v wbuf[R][V];
+#ifdef ROWS_F16
+  const int decoded = F16_DECODE_FROM && B >= F16_DECODE_FROM;
+#else
+  const int decoded = 1;
 #endif
+  f16v wbuf[R][V];  /* the rows' chunk, decoded */
   float sums[XB][R][16] __attribute__((aligned(64)));  /* each (row of x, weight row)'s lanes */
   const int blocks = B > XB ? (B + XB - 1) / XB : 1, bs = ((B + blocks - 1) / blocks + XT - 1) / XT * XT;  /* <= XB */
   for (int b0 = 0; b0 < B; b0 += bs) {  /* a block of x that stays in L2 while the part's weight rows pass it */
@@ -136,26 +161,17 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
       const int r_n = n1 - n < R ? n1 - n : R;
       wsrc wr[R];
       for (int r = 0; r < R; r++)  /* rows past the part's last (r_n < R) read its first again: their sums unused */
-#ifdef ROWS_F16
-        wr[r] = w + (long)(n + (r < r_n ? r : 0)) * NB * BB;
-#else
-        wr[r] = (const float*)wbuf[r];
-#endif
+        wr[r] = decoded ? (wsrc)wbuf[r] : w + (long)(n + (r < r_n ? r : 0)) * NB * BB;
       for (int v0 = 0; v0 < V; v0 += VC) {  /* a chunk of the rows against every row of x of the block */
         const int v1 = v0 + VC < V ? v0 + VC : V;
-#ifndef ROWS_F16
-        decode_blocks(wbuf, w, n, r_n, v0 / QV, v1 / QV);  /* just before its use: L1-hot */
-#endif
+        if (decoded) decode_blocks(wbuf, w, n, r_n, v0 / QV, v1 / QV);  /* just before its use: L1-hot */
 #ifdef SPLIT_X
         const float* xc = xs + 16L * v0 * nb; const long xr = 16L * (v1 - v0);  /* the chunk's rows of x */
 #else
         const float* xc = x + (long)b0 * K + 16 * v0; const long xr = K;
 #endif
-        int i = 0;
-        if (b0 == 0)  /* the first tile reads the rows from memory, and asks for those ahead */
-          i = nb < XT ? nb : XT, tiles(sums, wr, xc, xr, v0, v1, i, 1);
-        for (; i + XT <= nb; i += XT) tile(sums + i, wr, xc + i * xr, xr, v0, v1, XT, 0);
-        if (i < nb) tiles(sums + i, wr, xc + i * xr, xr, v0, v1, nb - i, 0);  /* the last rows, fewer than XT */
+        if (decoded) chunk_pass(sums, wr, xc, xr, v0, v1, nb, b0 == 0, 1);
+        else chunk_pass(sums, wr, xc, xr, v0, v1, nb, b0 == 0, 0);
       }
       for (int i = 0; i < nb; i++)
         for (int r = 0; r < r_n; r++) out[(long)(b0 + i) * N + n + r] = hsum(f_at(sums[i][r]));
