@@ -122,9 +122,10 @@ F16_DECODE_FROM = 12  # rows of x from which matmul.c decodes F16's rows first w
 @functools.cache
 def fp16_conversion_takes_an_fma_slot() -> bool:
     """Whether this CPU's fp16 conversion (vcvtph2ps) issues on the ports of its multiply-adds: Intel's cores. There,
-    without AVX-512, F16's tile at 16 rows of x and more ran 1.14-1.29x faster with the rows decoded a chunk at a time
-    than converted as loaded (one conversion every 3 multiply-adds); on Zen 4 the conversions take no FMA slot and
-    the rows read as they are ran 1.2-1.5x faster (bench/NOTES.md)."""
+    without AVX-512, F16's tile at 12-64 rows of x ran 1.1-1.4x faster with the rows decoded a chunk at a time than
+    converted as loaded (one conversion every 3 multiply-adds; 0.56-0.98x at 2-8 rows); on Zen 4 the conversions
+    take no FMA slot and the rows read as they are ran 1.2-1.5x faster (bench/NOTES.md, "Prefill on an Intel
+    Xeon")."""
     try:
         return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
     except OSError:

@@ -37,7 +37,8 @@ enum { QV = QK / 16, NC = H == 1 || V < 48 ? 1 : (V + 16) / 32,  /* chunks of ~2
 /* F16's rows are read as they are (`ROWS_F16`) or, from F16_DECODE_FROM rows of x a call on (PP_F16_DECODE_FROM,
    kernels.py: 0 never; only without AVX-512), decoded a chunk at a time into wbuf as the other types': where
    converting fp16 takes an FMA slot (Intel's cores) a conversion every 3 multiply-adds cost more than the decode,
-   once for the whole block of x (one thread 1.14-1.29x from 16 rows of x, 0.56-0.98x at 2-8; bench/NOTES.md) */
+   once for the whole block of x (an Intel Xeon, one thread: 1.1-1.4x at 12-64 rows of x, 0.56-0.98x at 2-8;
+   bench/NOTES.md, "Prefill on an Intel Xeon") */
 #if defined(ROWS_F16) && defined(PP_F16_DECODE_FROM) && !defined(__AVX512F__)
 enum { F16_DECODE_FROM = PP_F16_DECODE_FROM };
 #else
