@@ -5,11 +5,15 @@ everything before its ready line gives, bit for bit."""
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import until
 from test_real_process import spawn_real
 
 from pp_worker.testing.chain import Chain, step_batch, wire_rows
@@ -65,3 +69,29 @@ def test_a_background_compile_fills_the_cache_and_the_stage_restores_from_it(mod
     finally:
         for p in (w, full):
             p.kill()
+
+
+def test_the_background_compile_ends_with_its_stage_and_says_whose_it_was(model, tmp_path):
+    """The stage is SIGKILLed at its ready line, while its child is still starting: the child exits within seconds
+    (its watchdog watches the stage by pid, so a stage gone before the child's watchdog starts counts too), and its
+    stderr line - which a driver shows as the dead stage's stderr tail - names it, not the stage."""
+    w = spawn_real(1, 2, model, PP_WARMUP="background", MAX_CONTEXT="128", PP_CACHE="1",
+                   PP_CACHE_DIR=str(tmp_path / "cache"))
+    try:
+        w.wait_ready(120)
+        children = [int(p) for p in subprocess.run(["pgrep", "-P", str(w.pid)], capture_output=True,
+                                                   text=True).stdout.split()]
+        assert len(children) == 1, children  # the background compile, started before the ready line
+        os.kill(w.pid, signal.SIGKILL)
+        w.proc.wait(10)
+
+        def gone() -> bool:
+            try:
+                return Path(f"/proc/{children[0]}/stat").read_text().split(") ")[1][0] == "Z"  # init's to reap
+            except FileNotFoundError:
+                return True
+
+        assert until(gone, 60), "the background compile outlived its stage"
+        assert "stage 1's background compile: the parent process exited while loading; exiting" in w.stderr_text()
+    finally:
+        w.kill()

@@ -67,6 +67,7 @@ class Config:
     kv_bytes: int | None = None  # PP_KV_BYTES: the KV pool's cap; None: sized from the free memory (engines.pool)
     host_stages: int = 1  # PP_HOST_STAGES: stages started on this host (they share its cores and memory)
     precompile: bool = False  # PP_PRECOMPILE: compile every JIT into the cache, then exit (the background child)
+    parent_pid: int = 0  # PP_PARENT_PID: the process the watchdog watches (the background child's stage), 0: getppid
     exact: bool = False  # PP_EXACT: the C products' float path (cpu.kernels.numerics reads it from the environment)
     layers: tuple[int, int] | None = None  # PP_LAYERS: this stage's blocks (an uneven split); None: the even split
     probe: bool = False  # PP_PROBE: report this host's free memory and the model's block sizes, then exit (probe)
@@ -158,7 +159,7 @@ def parse_config(argv: list[str] | None, env: dict[str, str]) -> Config:
                   threads=default_threads(env), kv_bytes=_env_bytes(env, "PP_KV_BYTES"),
                   host_stages=_env_int(env, "PP_HOST_STAGES", 1, low=1) or 1,
                   precompile=_env_flag(env, "PP_PRECOMPILE"), exact=_env_flag(env, "PP_EXACT"), layers=layers,
-                  probe=_env_flag(env, "PP_PROBE"))
+                  probe=_env_flag(env, "PP_PROBE"), parent_pid=_env_int(env, "PP_PARENT_PID", 0, low=1) or 0)
 
 
 def _env_layers(env: dict[str, str], stage: int) -> tuple[int, int] | None:
@@ -238,7 +239,10 @@ def start_background(engine: Engine, cfg: Config,
     was told besides this process's environment (an in-process draft model's)."""
     if not engine.defer_compiles():
         return None
-    env = {**os.environ, **(settings or {}), "PP_PRECOMPILE": "1", "PP_WARMUP": "1", "MODEL": cfg.model,
+    # PP_PARENT_PID: a stage that dies before the child's watchdog starts is still its parent gone (not whoever
+    # adopted the child by then)
+    env = {**os.environ, **(settings or {}), "PP_PRECOMPILE": "1", "PP_PARENT_PID": str(os.getpid()),
+           "PP_WARMUP": "1", "MODEL": cfg.model,
            "STAGE": str(cfg.stage), "NUM_STAGES": str(cfg.num_stages), "MAX_CONTEXT": str(engine.info.max_context),
            "PP_THREADS": str(cfg.threads), **engine.cache_settings()}
     return subprocess.Popen([sys.executable, "-m", "pp_worker"], env=env, stdin=subprocess.DEVNULL,
@@ -308,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
     events.emit("starting", pid=os.getpid(), stage=cfg.stage, num_stages=cfg.num_stages, stub=cfg.stub,
                 model=model_given(cfg), python_version=sys.version.split()[0])
     stop_heartbeat = start_heartbeat(events, cfg.heartbeat_s, on_closed=lambda: _poke(wake_w))
-    stop_watchdog = start_watchdog(events, state, stdout.fileno(), cfg.exit_on_eof)
+    who = f"stage {cfg.stage}'s background compile" if cfg.precompile else ""
+    stop_watchdog = start_watchdog(events, state, stdout.fileno(), cfg.exit_on_eof, who, cfg.parent_pid)
     try:
         return _run(cfg, out, clock, events, state, wake_r, stop_watchdog)
     finally:

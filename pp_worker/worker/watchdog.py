@@ -50,26 +50,29 @@ def orphaned(parent: int, out_fd: int, exit_on_eof: bool, state: LoopState) -> s
     return None
 
 
-def start_watchdog(events: Events, state: LoopState, out_fd: int, exit_on_eof: bool) -> threading.Event:
+def start_watchdog(events: Events, state: LoopState, out_fd: int, exit_on_eof: bool, who: str = "",
+                   parent: int = 0) -> threading.Event:
     """A daemon thread that exits the process (status 0, after an ``exiting`` event and one stderr line) as soon as
-    ``orphaned`` says why; set the returned Event to stop it."""
-    parent, stop = os.getppid(), threading.Event()
+    ``orphaned`` says why; set the returned Event to stop it. ``who``: the process in that line (default "stage N";
+    a stage's background compile names itself, so its line in the stage's stderr is not read as the stage's).
+    ``parent``: the process whose end is this one's (default the parent now)."""
+    parent, stop = parent or os.getppid(), threading.Event()
 
     def run() -> None:
         while not stop.wait(INTERVAL_S):
             if (reason := orphaned(parent, out_fd, exit_on_eof, state)) and not stop.is_set():
-                _exit(events, state, reason)
+                _exit(events, state, reason, who or f"stage {events.stage_index}")
 
     threading.Thread(target=run, name="pp-worker-watchdog", daemon=True).start()
     return stop
 
 
-def _exit(events: Events, state: LoopState, reason: str) -> None:
+def _exit(events: Events, state: LoopState, reason: str, who: str) -> None:
     what = {"parent_exited": "the parent process exited", "stdout_closed": "stdout has no reader",
             "eof": "stdin closed"}[reason]
     doing = " while loading" if state.loading else " in the middle of an op" if state.busy else ""
     try:
-        print(f"pp_worker: stage {events.stage_index}: {what}{doing}; exiting", file=sys.stderr, flush=True)
+        print(f"pp_worker: {who}: {what}{doing}; exiting", file=sys.stderr, flush=True)
     except (OSError, ValueError):  # stderr's reader may be gone too
         pass
     clock = events.clock
