@@ -191,9 +191,9 @@ def basic_blocks(listing: str) -> list[list[list[str]]]:
 @pytest.mark.parametrize("decodes", [False, True], ids=["amd", "intel"])
 def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, target, decodes):
     """The F16 matmul's tile steps (the runs of at least 12 multiply-adds: 4 weight rows against 3 rows of x without
-    AVX-512, 4 with) take each of their 4 weight vectors by one conversion of fp16 values in memory (vcvtph2ps, or
-    vcvtph2psx with AVX512-FP16): no decoded copy of the rows is written, then read back (bench/NOTES.md, "AVX2 F16
-    tile"). Where the conversion takes an FMA slot (Intel's cores: forced here either way), the AVX2 build has the
+    AVX-512, 6 against 4 with) take each of their weight vectors by one conversion of fp16 values in memory
+    (vcvtph2ps, or vcvtph2psx with AVX512-FP16): no decoded copy of the rows is written, then read back
+    (bench/NOTES.md, "AVX2 F16 tile"). Where the conversion takes an FMA slot (Intel's cores: forced here either way), the AVX2 build has the
     steps of rows decoded a chunk at a time too (floats loaded, nothing converted), for calls of F16_DECODE_FROM
     rows of x and more; AVX-512's never. The baseline x86-64 build, without F16C, decodes a chunk of rows first
     (test_x86_builds_... above)."""
@@ -202,7 +202,8 @@ def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, tar
     cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
                 source=cpu_kernels.source("matmul", 1, 2048, "f16_mm"))
     steps = [b for b in basic_blocks(out.read_text()) if sum(op[0].startswith("vfmadd") for op in b) >= 12]
-    converting = [b for b in steps if sum(op[0].startswith("vcvtph2ps") and "(" in op[1] for op in b) >= 4]
+    rows = 6 if target == "avx512" else 4  # matmul.c's TILE_ROWS
+    converting = [b for b in steps if sum(op[0].startswith("vcvtph2ps") and "(" in op[1] for op in b) >= rows]
     decoded = [b for b in steps if not any(op[0].startswith("vcvtph2ps") for op in b)]
     assert converting and len(converting) + len(decoded) == len(steps), steps
     assert bool(decoded) == (decodes and target == "avx2")
@@ -219,7 +220,8 @@ def test_f16_tiles_ask_for_the_rows_ahead_into_the_l2(tmp_path, target):
     blocks = basic_blocks(out.read_text())
     asks = [[op[0] for op in b if op[0].startswith("prefetch")] for b in blocks]
     assert {op for b in asks for op in b} == {"prefetcht1"}, asks
-    assert all(len(b) % 4 == 0 for b in asks)  # a line of each of the tile's 4 weight rows
+    rows = 6 if target == "avx512" else 4  # matmul.c's TILE_ROWS
+    assert all(len(b) % rows == 0 for b in asks) and any(asks)  # a line of each of the tile's weight rows
 
 
 def test_every_kernel_compiles_for_avx512(tmp_path):

@@ -5,10 +5,19 @@
    so a model needs one kernel per (type, K), whatever its row counts and call sizes. One row of x takes row.h's
    products (the type's one-row product where it has one). */
 #include "row.h"
-enum { K = PP_K, R = PP_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
+/* weight rows a step of a tile: PP_ROWS (4), and 6 in F16's AVX-512 tile (rows converted as they load): 24 sums in
+   registers, each x vector loaded serving 6 products instead of 4, the conversions as many a multiply-add. On an
+   Intel Xeon (two 512-bit FMA pipes) its x from the L2 was the limit: one thread 1.1-1.37x at 8-256 rows of x
+   (bench/NOTES.md, "Prefill on an Intel Xeon") */
+#if defined(__AVX512F__) && defined(ROWS_F16)
+#define TILE_ROWS 6
+#else
+#define TILE_ROWS PP_ROWS
+#endif
+enum { K = PP_K, R = TILE_ROWS, QK = BLOCK_VALUES, BB = BLOCK_BYTES, NB = K / QK, V = K / 16 };
 #if defined(__AVX512F__)
-/* rows of x per tile: R x XT accumulators (16 of the 32 registers), so each weight vector loaded serves XT products
-   and each x vector R (one row of x at a time, 5 loads fed 4 multiply-adds: the loads were the limit) */
+/* rows of x per tile: R x XT accumulators (16 or 24 of the 32 registers), so each weight vector loaded serves XT
+   products and each x vector R (one row of x at a time, 5 loads fed 4 multiply-adds: the loads were the limit) */
 enum { XT = 4, H = 1 };  /* H: the passes over K a tile makes, each on 16 / H lanes of every 16 values */
 typedef f16v lanes;
 typedef h16x16 hlanes;
