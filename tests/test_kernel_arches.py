@@ -193,10 +193,10 @@ def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, tar
     """The F16 matmul's tile steps (the runs of at least 12 multiply-adds: 4 weight rows against 3 rows of x without
     AVX-512, 6 against 4 with) take each of their weight vectors by one conversion of fp16 values in memory
     (vcvtph2ps, or vcvtph2psx with AVX512-FP16): no decoded copy of the rows is written, then read back
-    (bench/NOTES.md, "AVX2 F16 tile"). Where the conversion takes an FMA slot (Intel's cores: forced here either way), the AVX2 build has the
-    steps of rows decoded a chunk at a time too (floats loaded, nothing converted), for calls of F16_DECODE_FROM
-    rows of x and more; AVX-512's never. The baseline x86-64 build, without F16C, decodes a chunk of rows first
-    (test_x86_builds_... above)."""
+    (bench/NOTES.md, "AVX2 F16 tile"). Where the conversion takes an FMA slot (Intel's cores: forced here either
+    way), the AVX2 build has the steps of rows decoded a chunk at a time too (floats loaded, nothing converted), for
+    calls of F16_DECODE_FROM rows of x and more; AVX-512's never. The baseline x86-64 build, without F16C, decodes a
+    chunk of rows first (test_x86_builds_... above)."""
     monkeypatch.setattr(cpu_kernels, "fp16_conversion_takes_an_fma_slot", lambda: decodes)
     out = tmp_path / "f16.s"
     cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
