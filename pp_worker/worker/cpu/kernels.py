@@ -108,6 +108,8 @@ def source(kind: str, ggml_type: int, k: int, name: str, group: int = 0) -> str:
                                "BLOCK_BYTES": t.row_bytes(qk)}
     if group:
         defines["PP_GROUP"] = group
+        if ahead := group_ahead(ggml_type):
+            defines["PP_GROUP_AHEAD"] = ahead
     if group or uses_int8(kind, ggml_type):
         return unit({**defines, "PP_INT": 1}, ["common.h", "q8.h", *type_files(t), "matmul_int.c"])
     if kind == "matmul" and t.kernel == "f16" and fp16_conversion_takes_an_fma_slot():
@@ -120,16 +122,31 @@ F16_DECODE_FROM = 12  # rows of x from which matmul.c decodes F16's rows first w
 
 
 @functools.cache
-def fp16_conversion_takes_an_fma_slot() -> bool:
-    """Whether this CPU's fp16 conversion (vcvtph2ps) issues on the ports of its multiply-adds: Intel's cores. There,
-    without AVX-512, F16's tile at 12-64 rows of x ran 1.1-1.4x faster with the rows decoded a chunk at a time than
-    converted as loaded (one conversion every 3 multiply-adds; 0.56-0.98x at 2-8 rows); on Zen 4 the conversions
-    take no FMA slot and the rows read as they are ran 1.2-1.5x faster (bench/NOTES.md, "Prefill on an Intel
-    Xeon")."""
+def intel() -> bool:
+    """Whether this CPU is Intel's (/proc/cpuinfo's vendor): two kernel choices measured the other way round on an
+    Intel Xeon and on Zen 4 follow it (bench/NOTES.md, "Prefill on an Intel Xeon")."""
     try:
         return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
+
+
+def fp16_conversion_takes_an_fma_slot() -> bool:
+    """Whether this CPU's fp16 conversion (vcvtph2ps) issues on the ports of its multiply-adds: Intel's cores. There,
+    without AVX-512, F16's tile at 12-64 rows of x ran 1.1-1.4x faster with the rows decoded a chunk at a time than
+    converted as loaded (one conversion every 3 multiply-adds; 0.56-0.98x at 2-8 rows); on Zen 4 the conversions
+    take no FMA slot and the rows read as they are ran 1.2-1.5x faster."""
+    return intel()
+
+
+GROUP_AHEAD = 16384  # bytes ahead a grouped IQ4_XS product asks for its blocks on Intel's cores
+
+
+def group_ahead(ggml_type: int) -> int:
+    """Bytes ahead the grouped kernel of ``ggml_type`` asks for its blocks (``matmul_groups.h``), 0 for none: IQ4_XS
+    on Intel's cores, where one thread from DRAM read 1.14x faster so (its prefetch did not keep a group's stream
+    ahead; cache-hot 0.94x); on Zen 4 asking ahead cost the grouped types it was tried on 3-45%."""
+    return GROUP_AHEAD if TYPES[ggml_type].name == "IQ4_XS" and intel() else 0
 
 
 @functools.cache
