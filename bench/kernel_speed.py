@@ -67,10 +67,7 @@ def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = 
     c_dir = c_dir or kernels.C_DIR
     defines = {"NAME": "kern", "PP_K": k, "PP_ROWS": max(kernels.ROWS, group), "BLOCK_VALUES": t.kernel_block,
                "BLOCK_BYTES": t.row_bytes(t.kernel_block), **({"PP_INT": 1} if int8 else {}),
-               **({"PP_GROUP": group} if group else {}),
-               **({"PP_GROUP_AHEAD": a} if group and (a := kernels.group_ahead(t.id)) else {})}
-    if not int8 and t.kernel == "f16" and kernels.fp16_conversion_takes_an_fma_slot():  # as kernels.source
-        defines["PP_F16_DECODE_FROM"] = kernels.F16_DECODE_FROM
+               **({"PP_GROUP": group} if group else {}), **kernels.vendor_choices(t.id, group, int8)}
     parts = ["common.h", "q8.h", *files, "matmul_int.c"] if int8 else ["common.h", *files, "matmul.c"]
     units = [kernels.unit(defines, parts, c_dir)]
     if int8 and (c_dir / "quantize.c").exists():

@@ -177,7 +177,7 @@ def test_f16_rows_decoded_or_read_as_they_are_give_the_same_floats(monkeypatch, 
     rows are decoded a chunk at a time from F16_DECODE_FROM rows of x, else read as they are: at K 2048 (4 chunks),
     37 weight rows, 1-70 rows of x (two blocks), each within float32 rounding of float64 and the same floats in a
     call below the threshold and above it."""
-    monkeypatch.setattr(cpu_kernels, "fp16_conversion_takes_an_fma_slot", lambda: takes_fma_slot)
+    monkeypatch.setattr(cpu_kernels, "intel", lambda: takes_fma_slot)
     native = cpu_kernels._compiler("CPU")
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: ClangJITCompiler([native.arch, "native", "-avx512f"]))
     cpu_kernels._binary.cache_clear()

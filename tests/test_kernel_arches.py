@@ -197,7 +197,7 @@ def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, tar
     way), the AVX2 build has the steps of rows decoded a chunk at a time too (floats loaded, nothing converted), for
     calls of F16_DECODE_FROM rows of x and more; AVX-512's never. The baseline x86-64 build, without F16C, decodes a
     chunk of rows first (test_x86_builds_... above)."""
-    monkeypatch.setattr(cpu_kernels, "fp16_conversion_takes_an_fma_slot", lambda: decodes)
+    monkeypatch.setattr(cpu_kernels, "intel", lambda: decodes)
     out = tmp_path / "f16.s"
     cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
                 source=cpu_kernels.source("matmul", 1, 2048, "f16_mm"))

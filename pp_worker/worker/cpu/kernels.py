@@ -108,45 +108,47 @@ def source(kind: str, ggml_type: int, k: int, name: str, group: int = 0) -> str:
                                "BLOCK_BYTES": t.row_bytes(qk)}
     if group:
         defines["PP_GROUP"] = group
-        if ahead := group_ahead(ggml_type):
-            defines["PP_GROUP_AHEAD"] = ahead
-    if group or uses_int8(kind, ggml_type):
+    int8 = bool(group) or uses_int8(kind, ggml_type)
+    if kind == "matmul":
+        defines |= vendor_choices(ggml_type, group, int8)
+    if int8:
         return unit({**defines, "PP_INT": 1}, ["common.h", "q8.h", *type_files(t), "matmul_int.c"])
-    if kind == "matmul" and t.kernel == "f16" and fp16_conversion_takes_an_fma_slot():
-        defines["PP_F16_DECODE_FROM"] = F16_DECODE_FROM
     return unit(defines, ["common.h", *type_files(t), f"{kind}.c"])
 
 
 GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a row per int32 lane of 512 bits)
-F16_DECODE_FROM = 12  # rows of x from which matmul.c decodes F16's rows first where converting them takes FMA slots
+# Two choices measured the other way round on an Intel Xeon and on Zen 4 (bench/NOTES.md, "Prefill on an Intel
+# Xeon"), made by the CPU's vendor:
+# - F16's float tile without AVX-512 decodes its rows a chunk at a time from F16_DECODE_FROM rows of x: Intel's cores
+#   issue the fp16 conversion (vcvtph2ps) on the ports of their multiply-adds, one every 3 of the tile's, and there
+#   decoded rows ran 1.1-1.4x faster at 12-64 rows of x (0.56-0.98x at 2-8); on Zen 4 the conversions take no FMA
+#   slot and the rows read as they are ran 1.2-1.5x faster.
+# - the grouped IQ4_XS product asks for its blocks GROUP_AHEAD bytes ahead: on Intel's cores one thread from DRAM
+#   read 1.14x faster so (the hardware's prefetch did not keep a group's stream ahead; cache-hot 0.94x); on Zen 4
+#   asking ahead cost the grouped types it was tried on 3-45%.
+F16_DECODE_FROM = 12
+GROUP_AHEAD = 16384
 
 
 @functools.cache
 def intel() -> bool:
-    """Whether this CPU is Intel's (/proc/cpuinfo's vendor): two kernel choices measured the other way round on an
-    Intel Xeon and on Zen 4 follow it (bench/NOTES.md, "Prefill on an Intel Xeon")."""
+    """Whether this CPU is Intel's (/proc/cpuinfo's vendor)."""
     try:
         return "GenuineIntel" in Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
 
 
-def fp16_conversion_takes_an_fma_slot() -> bool:
-    """Whether this CPU's fp16 conversion (vcvtph2ps) issues on the ports of its multiply-adds: Intel's cores. There,
-    without AVX-512, F16's tile at 12-64 rows of x ran 1.1-1.4x faster with the rows decoded a chunk at a time than
-    converted as loaded (one conversion every 3 multiply-adds; 0.56-0.98x at 2-8 rows); on Zen 4 the conversions
-    take no FMA slot and the rows read as they are ran 1.2-1.5x faster."""
-    return intel()
-
-
-GROUP_AHEAD = 16384  # bytes ahead a grouped IQ4_XS product asks for its blocks on Intel's cores
-
-
-def group_ahead(ggml_type: int) -> int:
-    """Bytes ahead the grouped kernel of ``ggml_type`` asks for its blocks (``matmul_groups.h``), 0 for none: IQ4_XS
-    on Intel's cores, where one thread from DRAM read 1.14x faster so (its prefetch did not keep a group's stream
-    ahead; cache-hot 0.94x); on Zen 4 asking ahead cost the grouped types it was tried on 3-45%."""
-    return GROUP_AHEAD if TYPES[ggml_type].name == "IQ4_XS" and intel() else 0
+def vendor_choices(ggml_type: int, group: int, int8: bool) -> dict[str, int]:
+    """The defines of a matmul of ``ggml_type`` (rows in groups of ``group``, on the integer path or not) that the
+    CPU's vendor chooses (above): PP_GROUP_AHEAD, PP_F16_DECODE_FROM, or none."""
+    if not intel():
+        return {}
+    if group and TYPES[ggml_type].name == "IQ4_XS":
+        return {"PP_GROUP_AHEAD": GROUP_AHEAD}
+    if not int8 and TYPES[ggml_type].name == "F16":
+        return {"PP_F16_DECODE_FROM": F16_DECODE_FROM}
+    return {}
 
 
 @functools.cache

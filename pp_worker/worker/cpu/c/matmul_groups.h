@@ -182,8 +182,8 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
   for (int j = 0; j < NB; j++) {
     const unsigned char* b = gw + (long)j * GB;
-#ifdef PP_GROUP_AHEAD  /* kernels.group_ahead: Intel's cores, whose prefetch did not keep a group's stream ahead */
-    _Pragma("clang loop unroll(full)") for (int pf = 0; pf < GB; pf += 64) __builtin_prefetch(b + PP_GROUP_AHEAD + pf);
+#ifdef PP_GROUP_AHEAD  /* kernels.vendor_choices: Intel's cores, whose prefetch did not keep a group's stream ahead */
+    AHEAD_BY(b, GB, PP_GROUP_AHEAD);
 #endif
     u32x16 sl; __builtin_memcpy(&sl, b + XS_SL, 64);
     u16x16 sh16; __builtin_memcpy(&sh16, b + XS_SH, 32);

@@ -26,8 +26,9 @@ enum { BT = 8 };  /* rows of x per pass: each weight row read once per BT rows (
 #ifndef INT_AHEAD
 #define INT_AHEAD 8192
 #endif
-#define AHEAD_N(b, n) _Pragma("clang loop unroll(full)") \
-  for (int pf = 0; INT_AHEAD && pf < (n); pf += 64) __builtin_prefetch((b) + INT_AHEAD + pf)
+#define AHEAD_BY(b, n, d) _Pragma("clang loop unroll(full)") \
+  for (int pf = 0; (d) && pf < (n); pf += 64) __builtin_prefetch((b) + (d) + pf)
+#define AHEAD_N(b, n) AHEAD_BY(b, n, INT_AHEAD)
 #define AHEAD(b) AHEAD_N(b, BLOCK_BYTES)
 #if IQ_SIGNED
 #define IDOT dot32s
