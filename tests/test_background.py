@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import until
+from conftest import gone
 from test_real_process import spawn_real
 
 from pp_worker.testing.chain import Chain, step_batch, wire_rows
@@ -84,14 +84,7 @@ def test_the_background_compile_ends_with_its_stage_and_says_whose_it_was(model,
         assert len(children) == 1, children  # the background compile, started before the ready line
         os.kill(w.pid, signal.SIGKILL)
         w.proc.wait(10)
-
-        def gone() -> bool:
-            try:
-                return Path(f"/proc/{children[0]}/stat").read_text().split(") ")[1][0] == "Z"  # init's to reap
-            except FileNotFoundError:
-                return True
-
-        assert until(gone, 60), "the background compile outlived its stage"
+        assert gone(children[0], 60), "the background compile outlived its stage"
         assert "stage 1's background compile: the parent process exited while loading; exiting" in w.stderr_text()
     finally:
         w.kill()
