@@ -137,6 +137,15 @@ def _chunk_near_float64(ggml_type: int, n: int, k: int, rows: int, seed: int) ->
     return x, raw, chunk, want
 
 
+def gemm_call(ggml_type: int, b: int, build: str) -> bool:
+    """Whether a call of b rows of x takes F16's matrix product (matmul.c's gemm): built with AVX-512 where the CPU's
+    vendor asks for it (Intel's), for calls of F16_GEMM_FROM rows and more whose last panel of 32 rows is more than
+    half full, and every call of twice as many rows."""
+    g = cpu_kernels.F16_GEMM_FROM
+    built = "PP_F16_GEMM_FROM" in cpu_kernels.vendor_choices(ggml_type, 0, False)
+    return built and build == "native" and AVX512 and b >= g and (b >= 2 * g or b % 32 == 0 or b % 32 > 16)
+
+
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
 @pytest.mark.parametrize("build", ARCH_BUILDS)
 def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
@@ -145,14 +154,42 @@ def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
     weight rows 4 at a time; without AVX-512 K in chunks, here 27, 27 and 26 steps of 16, each (row of x, weight
     row)'s lanes carried from chunk to chunk): 1, 7, 8, 33 and 128 rows of x against 37 rows of W, each within float32
     rounding of float64, and a row of x the same floats wherever it falls (alone, in a tile of its chunk's last rows,
-    inside a tile of a longer chunk, in a later block)."""
+    inside a tile of a longer chunk, in a later block) among the calls of one kind: the tiles, or F16's matrix
+    product on Intel's cores (`gemm_call`: 128 rows there)."""
     request.getfixturevalue(build)
     n, k = 37, 1280
     x, raw, chunk, want = _chunk_near_float64(ggml_type, n, k, 128, seed=9)
-    for b in (1, 7, 8, 33):
-        got = cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy()
+    first: dict[bool, np.ndarray] = {}  # each kind's first call: the floats of its rows in every other call
+    for b in (128, 33, 8, 7, 1):
+        got = chunk if b == 128 else cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy()
         np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
-        assert b == 1 or np.array_equal(got, chunk[:b])  # one row alone takes the one-row product (row.h)
+        if b > 1:  # one row alone takes the one-row product (row.h)
+            assert np.array_equal(got, first.setdefault(gemm_call(ggml_type, b, build), got)[:b]), b
+
+
+@pytest.mark.skipif(not AVX512, reason="F16's matrix product is built with AVX-512 only, which this CPU lacks")
+def test_f16_matrix_product_on_intels_cores(monkeypatch):
+    """Where the CPU's vendor asks for it (Intel's: forced here whatever this CPU is), F16's product with AVX-512
+    takes calls of F16_GEMM_FROM rows of x and more as a matrix product over panels of 32 rows (matmul.c's gemm):
+    rows of W not a multiple of its 12 and split into parts (37, 13: one part of a single row, one of none), K in
+    blocks of panels (1280: 3 panels a block, so 100 rows take 2 blocks; 5632: a panel a block), a last panel full,
+    more than half full or at most half (from 64 rows): each within float32 rounding of float64, and a row's floats
+    the same in every call that takes it (each output sums its products in order of k), not the tiles' (31 rows)."""
+    monkeypatch.setattr(cpu_kernels, "intel", lambda: True)
+    cpu_kernels._binary.cache_clear()
+    try:
+        assert "#define PP_F16_GEMM_FROM" in cpu_kernels.source("matmul", 1, 1280, "k")
+        for n, k in ((37, 1280), (13, 5632)):
+            x, raw, chunk, want = _chunk_near_float64(1, n, k, 100, seed=17)
+            for b in (32, 49, 64, 65, 81):
+                assert gemm_call(1, b, "native")
+                got = cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), 1, n, k).numpy()
+                np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
+                assert np.array_equal(got, chunk[:b]), (n, k, b)
+            tiles = cpu_kernels.matmul(Tensor(x[:31]), Tensor(raw), 1, n, k).numpy()
+            assert not np.array_equal(tiles, chunk[:31])
+    finally:
+        cpu_kernels._binary.cache_clear()
 
 
 @pytest.mark.parametrize("ggml_type", [1, 8], ids=type_name)

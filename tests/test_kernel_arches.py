@@ -188,25 +188,28 @@ def basic_blocks(listing: str) -> list[list[list[str]]]:
 
 
 @pytest.mark.parametrize("target", ["avx2", "avx512"])
-@pytest.mark.parametrize("decodes", [False, True], ids=["amd", "intel"])
-def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, target, decodes):
+@pytest.mark.parametrize("vendor", ["amd", "intel"])
+def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, target, vendor):
     """The F16 matmul's tile steps (the runs of at least 12 multiply-adds: 4 weight rows against 3 rows of x without
     AVX-512, 6 against 4 with) take each of their weight vectors by one conversion of fp16 values in memory
     (vcvtph2ps, or vcvtph2psx with AVX512-FP16): no decoded copy of the rows is written, then read back
     (bench/NOTES.md, "AVX2 F16 tile"). Where the conversion takes an FMA slot (Intel's cores: forced here either
     way), the AVX2 build has the steps of rows decoded a chunk at a time too (floats loaded, nothing converted), for
-    calls of F16_DECODE_FROM rows of x and more; AVX-512's never. The baseline x86-64 build, without F16C, decodes a
-    chunk of rows first (test_x86_builds_... above)."""
-    monkeypatch.setattr(cpu_kernels, "intel", lambda: decodes)
+    calls of F16_DECODE_FROM rows of x and more, and the AVX-512 build the matrix product's (`gemm`: 24
+    multiply-adds a step, each of 12 weights broadcast to two, nothing converted) for F16_GEMM_FROM rows and more. The
+    baseline x86-64 build, without F16C, decodes a chunk of rows first (test_x86_builds_... above)."""
+    monkeypatch.setattr(cpu_kernels, "intel", lambda: vendor == "intel")
     out = tmp_path / "f16.s"
     cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
                 source=cpu_kernels.source("matmul", 1, 2048, "f16_mm"))
     steps = [b for b in basic_blocks(out.read_text()) if sum(op[0].startswith("vfmadd") for op in b) >= 12]
     rows = 6 if target == "avx512" else 4  # matmul.c's TILE_ROWS
     converting = [b for b in steps if sum(op[0].startswith("vcvtph2ps") and "(" in op[1] for op in b) >= rows]
-    decoded = [b for b in steps if not any(op[0].startswith("vcvtph2ps") for op in b)]
-    assert converting and len(converting) + len(decoded) == len(steps), steps
-    assert bool(decoded) == (decodes and target == "avx2")
+    plain = [b for b in steps if not any(op[0].startswith("vcvtph2ps") for op in b)]
+    broadcast = [b for b in plain if sum("{1to16}" in " ".join(op) or op[0] == "vbroadcastss" for op in b) >= 12]
+    assert converting and len(converting) + len(plain) == len(steps), steps
+    assert bool(broadcast) == (vendor == "intel" and target == "avx512")
+    assert bool([b for b in plain if b not in broadcast]) == (vendor == "intel" and target == "avx2")
 
 
 @pytest.mark.parametrize("target", ["avx2", "avx512"])

@@ -127,6 +127,7 @@ GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a 
 #   read 1.14x faster so (the hardware's prefetch did not keep a group's stream ahead; cache-hot 0.94x); on Zen 4
 #   asking ahead cost the grouped types it was tried on 3-45%.
 F16_DECODE_FROM = 12
+F16_GEMM_FROM = 32
 GROUP_AHEAD = 16384
 
 
@@ -147,7 +148,7 @@ def vendor_choices(ggml_type: int, group: int, int8: bool) -> dict[str, int]:
     if group and TYPES[ggml_type].name == "IQ4_XS":
         return {"PP_GROUP_AHEAD": GROUP_AHEAD}
     if not int8 and TYPES[ggml_type].name == "F16":
-        return {"PP_F16_DECODE_FROM": F16_DECODE_FROM}
+        return {"PP_F16_DECODE_FROM": F16_DECODE_FROM, "PP_F16_GEMM_FROM": F16_GEMM_FROM}
     return {}
 
 

@@ -59,6 +59,19 @@ static inline u8x32 bit_bytes(const unsigned char* p) {
   const u8x32 bit = {1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8, 16, 32, 64, 128, 1, 2, 4, 8,
                      16, 32, 64, 128};
   return (u8x32)((v & bit) == bit); }
+/* 16 vectors as the rows of a 16 x 16 matrix, transposed: 4 rounds of row r zipped with row r + 8 into rows 2r and
+   2r + 1 (each round rotates an element's 8-bit (row, column) index by one bit; 64 two-source permutes) */
+static inline void transpose16(f16v m[16]) {
+  _Pragma("clang loop unroll(full)") for (int s = 0; s < 4; s++) {
+    f16v t[16];
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < 8; r++) {
+      t[2 * r] = __builtin_shufflevector(m[r], m[r + 8], 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+      t[2 * r + 1] = __builtin_shufflevector(m[r], m[r + 8], 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30,
+                                             15, 31);
+    }
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < 16; r++) m[r] = t[r];
+  }
+}
 static inline i32x16 i32_at(const unsigned char* p) { return __builtin_convertvector(u8_at(p), i32x16); }
 static const f16v FIOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 static const u32x16 IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
