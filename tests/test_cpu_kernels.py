@@ -171,8 +171,9 @@ def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
 def test_f16_matrix_product_on_intels_cores(monkeypatch):
     """Where the CPU's vendor asks for it (Intel's: forced here whatever this CPU is), F16's product with AVX-512
     takes calls of F16_GEMM_FROM rows of x and more as a matrix product over panels of 32 rows (matmul.c's gemm):
-    rows of W not a multiple of its 12 and split into parts (37, 13: one part of a single row, one of none), K in
-    blocks of panels (1280: 3 panels a block, so 100 rows take 2 blocks; 5632: a panel a block), a last panel full,
+    rows of W not a multiple of its 12 and split into parts (37, 13: one part of a single row, one of none), x in
+    blocks of panels (K 1280: 3 panels a block, so 100 rows take 2 blocks; 5632: K in 3 chunks, 2 panels a block), a
+    last panel full,
     more than half full or at most half (from 64 rows): each within float32 rounding of float64, and a row's floats
     the same in every call that takes it (each output sums its products in order of k), not the tiles' (31 rows)."""
     monkeypatch.setattr(cpu_kernels, "intel", lambda: True)

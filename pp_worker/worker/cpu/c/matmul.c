@@ -153,14 +153,17 @@ static void split_rows(float* restrict xs, const float* restrict x, int rows) {
    multiply-adds. The tile above converts a weight vector every 4 multiply-adds (on Intel's cores on the ports of the
    multiply-adds) and loads its x vectors from the L2. Each output sums its products in order of k. 512-bit vectors
    throughout (min_vector_width: clang's default for Intel's CPUs halves those of a function that takes none). */
-enum { GEMM_FROM = PP_F16_GEMM_FROM, GR = 12, PW = 32,
-       PB = (512 << 10) / (K * PW * 4) > 1 ? (512 << 10) / (K * PW * 4) : 1 };  /* panels a block: <= 512 KiB */
-/* rows [b0, b0 + nb) of x as panels at xp: panel p's value k of row 32p + j at xp[(p K + k) 32 + j], rows past nb 0;
-   16 rows' 16 values at a time, transposed */
-static __attribute__((min_vector_width(512))) void panels(float* restrict xp, const float* restrict x, int nb) {
+/* K in GC chunks of KC values (whole vectors, about even, at most 2048: at K 5632 a panel's whole rows (704 KiB)
+   and the converted rows (264 KiB) did not stay in the L2 together) */
+enum { GEMM_FROM = PP_F16_GEMM_FROM, GR = 12, PW = 32, GC = (K + 2047) / 2048, KC = (K / 16 + GC - 1) / GC * 16,
+       PB = (512 << 10) / (KC * PW * 4) > 1 ? (512 << 10) / (KC * PW * 4) : 1 };  /* panels a block: <= 512 KiB */
+/* values [k0, k0 + kn) of rows [0, nb) of x (x: the first row's value k0) as panels at xp: panel p's value k0 + k
+   of row 32p + j at xp[(p kn + k) 32 + j], rows past nb 0; 16 rows' 16 values at a time, transposed */
+static __attribute__((min_vector_width(512))) void panels(float* restrict xp, const float* restrict x, int nb,
+                                                          int kn) {
   for (int p = 0; p < (nb + PW - 1) / PW; p++)
     for (int half = 0; half < PW / 16; half++)
-      for (int k = 0; k < K; k += 16) {
+      for (int k = 0; k < kn; k += 16) {
         f16v m[16];
         _Pragma("clang loop unroll(full)") for (int j = 0; j < 16; j++) {
           const int b = PW * p + 16 * half + j;
@@ -168,19 +171,21 @@ static __attribute__((min_vector_width(512))) void panels(float* restrict xp, co
         }
         transpose16(m);
         _Pragma("clang loop unroll(full)") for (int j = 0; j < 16; j++)
-          __builtin_memcpy(xp + ((long)p * K + k + j) * PW + 16 * half, &m[j], sizeof m[j]);
+          __builtin_memcpy(xp + ((long)p * kn + k + j) * PW + 16 * half, &m[j], sizeof m[j]);
       }
 }
-/* out[b][c] = the sum over k of wc[c][k] xp[k][b], for the panel's rows b < nb and weight rows c < cols; gv: the
-   vectors of the panel that hold rows of x (a constant where inlined: a panel's last 16 rows may be none) */
+/* out[b][c] (+)= the sum over k < kn of wc[c][k] xp[k][b], for the panel's rows b < nb and weight rows c < cols
+   (first: out written, else added to); gv: the vectors of the panel that hold rows of x (a constant where inlined:
+   a panel's last 16 rows may be none) */
 static inline __attribute__((always_inline)) void gemm_tile(float* restrict out, long N, const float* restrict wc,
-                                                            const float* restrict xp, int nb, int cols, int gv) {
+                                                            const float* restrict xp, int kn, int nb, int cols,
+                                                            int first, int gv) {
   f16v acc[GR][2];
   _Pragma("clang loop unroll(full)") for (int r = 0; r < GR; r++) acc[r][0] = acc[r][1] = 0;
-  for (int k = 0; k < K; k++) {  /* xp 64-byte aligned (f_at's copy went by halves, through the stack) */
+  for (int k = 0; k < kn; k++) {  /* xp 64-byte aligned (f_at's copy went by halves, through the stack) */
     const f16v x0 = *(const f16v*)(xp + (long)k * PW), x1 = gv > 1 ? *(const f16v*)(xp + (long)k * PW + 16) : 0;
     _Pragma("clang loop unroll(full)") for (int r = 0; r < GR; r++) {
-      const float wv = wc[(long)r * K + k];
+      const float wv = wc[(long)r * KC + k];
       acc[r][0] += x0 * wv;
       if (gv > 1) acc[r][1] += x1 * wv;
     }
@@ -189,37 +194,43 @@ static inline __attribute__((always_inline)) void gemm_tile(float* restrict out,
     f16v m[16];
     _Pragma("clang loop unroll(full)") for (int r = 0; r < 16; r++) m[r] = r < GR ? acc[r][v] : 0;
     transpose16(m);
-    for (int b = 0; b < 16 && 16 * v + b < nb; b++)
-      if (cols == GR) __builtin_memcpy(out + (16 * v + b) * N, &m[b], GR * sizeof(float));
-      else for (int c = 0; c < cols; c++) out[(16 * v + b) * N + c] = m[b][c];
+    for (int b = 0; b < 16 && 16 * v + b < nb; b++) {
+      float* o = out + (16 * v + b) * N;
+      if (first && cols == GR) __builtin_memcpy(o, &m[b], GR * sizeof(float));
+      else for (int c = 0; c < cols; c++) o[c] = first ? m[b][c] : o[c] + m[b][c];
+    }
   }
 }
 static __attribute__((noinline, min_vector_width(512))) void gemm_tiles(float* restrict out, long N,
                                                                        const float* restrict wc,
-                                                                       const float* restrict xp, int nb, int cols) {
-  if (nb > 16) gemm_tile(out, N, wc, xp, nb, cols, 2);
-  else gemm_tile(out, N, wc, xp, nb, cols, 1);
+                                                                       const float* restrict xp, int kn, int nb,
+                                                                       int cols, int first) {
+  if (nb > 16) gemm_tile(out, N, wc, xp, kn, nb, cols, first, 2);
+  else gemm_tile(out, N, wc, xp, kn, nb, cols, first, 1);
 }
-/* rows [n0, n1) of W against the B rows of x: a block of PB panels of x (it stays in the L2) at a time, arranged
-   for each part (~6% of a part's time at 13-16 parts a product: cheaper than a kernel of its own), GR weight rows
-   converted for each block */
+/* rows [n0, n1) of W against the B rows of x: a block of PB panels of x's chunk of K (it stays in the L2) at a time,
+   arranged for each part (~6% of a part's time at 13-16 parts a product: cheaper than a kernel of its own), GR
+   weight rows' chunk converted for each block */
 static void gemm(float* restrict out, const unsigned char* restrict w, const float* restrict x, int N, int B, int n0,
                  int n1) {
-  float xp[PB * K * PW] __attribute__((aligned(64))), wc[GR * K] __attribute__((aligned(64)));
+  float xp[PB * KC * PW] __attribute__((aligned(64))), wc[GR * KC] __attribute__((aligned(64)));
   for (int b0 = 0; b0 < B; b0 += PB * PW) {
     const int nb = B - b0 < PB * PW ? B - b0 : PB * PW;
-    panels(xp, x + (long)b0 * K, nb);
-    for (int n = n0; n < n1; n += GR) {
-      const int cols = n1 - n < GR ? n1 - n : GR;
-      for (int r = 0; r < GR; r++)  /* rows past n1 are row n0's again: their sums unused */
-        for (int k = 0; k < K; k += 16) {
-          h16x16 q; __builtin_memcpy(&q, w + (long)(r < cols ? n + r : n0) * 2 * K + 2 * k, sizeof q);
-          const f16v f = __builtin_convertvector(q, f16v);
-          __builtin_memcpy(wc + (long)r * K + k, &f, sizeof f);
-        }
-      for (int p = 0; p * PW < nb; p++)
-        gemm_tiles(out + (long)(b0 + p * PW) * N + n, N, wc, xp + (long)p * K * PW,
-                   nb - p * PW < PW ? nb - p * PW : PW, cols);
+    for (int k0 = 0; k0 < K; k0 += KC) {
+      const int kn = K - k0 < KC ? K - k0 : KC;
+      panels(xp, x + (long)b0 * K + k0, nb, kn);
+      for (int n = n0; n < n1; n += GR) {
+        const int cols = n1 - n < GR ? n1 - n : GR;
+        for (int r = 0; r < GR; r++)  /* rows past n1 are row n0's again: their sums unused */
+          for (int k = 0; k < kn; k += 16) {
+            h16x16 q; __builtin_memcpy(&q, w + (long)(r < cols ? n + r : n0) * 2 * K + 2 * (k0 + k), sizeof q);
+            const f16v f = __builtin_convertvector(q, f16v);
+            __builtin_memcpy(wc + (long)r * KC + k, &f, sizeof f);
+          }
+        for (int p = 0; p * PW < nb; p++)
+          gemm_tiles(out + (long)(b0 + p * PW) * N + n, N, wc, xp + (long)p * kn * PW, kn,
+                     nb - p * PW < PW ? nb - p * PW : PW, cols, k0 == 0);
+      }
     }
   }
 }
