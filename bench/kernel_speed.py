@@ -53,6 +53,23 @@ void bench_loop(float* out, const unsigned char* w, const float* x, const int* d
   for (int i = 0; i < reps; i++) {{ kern_q(xq, x, q, 0); kern(out, w, xq, dims, 0); }}
 }}
 """
+# F16's matrix product (matmul.c's gemm, where the vendor asks for it): x arranged as panels (panels.c, its own unit)
+# then the product, each rep, for the calls that take it (dims[3], `kernels.gemm_rows`) in a build with AVX-512
+XP_FLOATS = 16 << 20
+LOOP_PANELS = f"""
+void kern(float*, const unsigned char*, const float*, const int*, int);
+void kern_p(float*, const float*, const int*, int);
+static float xp[{XP_FLOATS}] __attribute__((aligned(64)));
+#ifdef __AVX512F__
+enum {{ GEMM_BUILT = 1 }};
+#else
+enum {{ GEMM_BUILT = 0 }};
+#endif
+void bench_loop(float* out, const unsigned char* w, const float* x, const int* dims, int reps) {{
+  int p[2] = {{dims[1], 1}}, d[4] = {{dims[0], dims[1], dims[2], GEMM_BUILT && dims[3]}};
+  for (int i = 0; i < reps; i++) {{ if (d[3]) kern_p(xp, x, p, 0); kern(out, w, d[3] ? xp : x, d, 0); }}
+}}
+"""
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
@@ -73,6 +90,9 @@ def build(files: list[str], k: int, type_name: str, workdir: Path, int8: bool = 
     if int8 and (c_dir / "quantize.c").exists():
         units.append(kernels.quantize_source(t.kernel_block, k, "kern_q", c_dir))
         units.append(LOOP_INT8)
+    elif "PP_F16_GEMM_FROM" in defines and (c_dir / "panels.c").exists():
+        units.append(kernels.unit({"NAME": "kern_p", "PP_K": k}, ["common.h", "panels.c"], c_dir))
+        units.append(LOOP_PANELS)
     else:
         units[0] += LOOP
     so = workdir / f"{abs(hash(tuple(units)))}.so"
@@ -127,7 +147,7 @@ def measure(libs: dict[str, ctypes.CDLL], w: np.ndarray, n: int, k: int, b: int,
     apart, which this VM's phases (other tenants on the cores) rarely split."""
     x = np.random.default_rng(1).standard_normal((b, k)).astype(np.float32)
     out = np.zeros((b, n), np.float32)
-    dims = np.array([n, b, 1], np.int32)
+    dims = np.array([n, b, 1, kernels.gemm_rows(b)], np.int32)  # the fourth: F16's x as panels (LOOP_PANELS)
     ws = ws or {}
     args = {name: [a.ctypes.data_as(ctypes.c_void_p) for a in (out, ws.get(name, w), x, dims)] for name in libs}
     outs = {}

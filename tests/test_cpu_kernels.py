@@ -137,15 +137,6 @@ def _chunk_near_float64(ggml_type: int, n: int, k: int, rows: int, seed: int) ->
     return x, raw, chunk, want
 
 
-def gemm_call(ggml_type: int, b: int, build: str) -> bool:
-    """Whether a call of b rows of x takes F16's matrix product (matmul.c's gemm): built with AVX-512 where the CPU's
-    vendor asks for it (Intel's), for calls of F16_GEMM_FROM rows and more whose last panel of 32 rows is more than
-    half full, and every call of twice as many rows."""
-    g = cpu_kernels.F16_GEMM_FROM
-    built = "PP_F16_GEMM_FROM" in cpu_kernels.vendor_choices(ggml_type, 0, False)
-    return built and build == "native" and AVX512 and b >= g and (b >= 2 * g or b % 32 == 0 or b % 32 > 16)
-
-
 @pytest.mark.parametrize("ggml_type", TYPES, ids=type_name)
 @pytest.mark.parametrize("build", ARCH_BUILDS)
 def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
@@ -155,7 +146,7 @@ def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
     row)'s lanes carried from chunk to chunk): 1, 7, 8, 33 and 128 rows of x against 37 rows of W, each within float32
     rounding of float64, and a row of x the same floats wherever it falls (alone, in a tile of its chunk's last rows,
     inside a tile of a longer chunk, in a later block) among the calls of one kind: the tiles, or F16's matrix
-    product on Intel's cores (`gemm_call`: 128 rows there)."""
+    product on Intel's cores (`f16_panels`: 128 rows there)."""
     request.getfixturevalue(build)
     n, k = 37, 1280
     x, raw, chunk, want = _chunk_near_float64(ggml_type, n, k, 128, seed=9)
@@ -164,7 +155,8 @@ def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
         got = chunk if b == 128 else cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy()
         np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
         if b > 1:  # one row alone takes the one-row product (row.h)
-            assert np.array_equal(got, first.setdefault(gemm_call(ggml_type, b, build), got)[:b]), b
+            kind = cpu_kernels.f16_panels(ggml_type, b, "CPU")
+            assert np.array_equal(got, first.setdefault(kind, got)[:b]), b
 
 
 @pytest.mark.skipif(not AVX512, reason="F16's matrix product is built with AVX-512 only, which this CPU lacks")
@@ -183,7 +175,7 @@ def test_f16_matrix_product_on_intels_cores(monkeypatch):
         for n, k in ((37, 1280), (13, 5632)):
             x, raw, chunk, want = _chunk_near_float64(1, n, k, 100, seed=17)
             for b in (32, 49, 64, 65, 81):
-                assert gemm_call(1, b, "native")
+                assert cpu_kernels.f16_panels(1, b, "CPU")
                 got = cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), 1, n, k).numpy()
                 np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
                 assert np.array_equal(got, chunk[:b]), (n, k, b)

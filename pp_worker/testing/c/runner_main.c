@@ -45,7 +45,8 @@ static float uniform(void) { return (float)(next() >> 8) / (1 << 24) * 2 - 1; }
 
 static unsigned char wq[K * (K / 32) * 34], wf[K * K * 2];
 static float y[2][6][B * K];  /* the runner's (0) and the serial run's (1) buffers; y[.][0] is x */
-static int dims[6][3] = {{K, B, 4}, {K, B, 1}, {K, B, 3}, {K, 1, 1}, {K, 1, 5}, {K, 1, 2}};  /* N, B, parts */
+/* N, B, parts, and F16's: whether x comes as panels (never here) */
+static int dims[6][4] = {{K, B, 4, 0}, {K, B, 1, 0}, {K, B, 3, 0}, {K, 1, 1, 0}, {K, 1, 5, 0}, {K, 1, 2, 0}};
 static long tbl[2][ROWS * ROW], arrived[2][2], state[16];
 
 static void set_row(long* row, void* fn, long parts, long core, int n, const long* a) {

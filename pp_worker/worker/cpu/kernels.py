@@ -296,22 +296,74 @@ def quantized(x: Tensor, block: int, k: int) -> Tensor:
     return launch(name, quantize_source(block, k, name), (out, x), (b, parts), parts)
 
 
+def gemm_rows(b: int) -> bool:
+    """Whether a call of ``b`` rows of x is one F16's matrix product takes (`f16_panels`): from F16_GEMM_FROM rows;
+    below 64 only where the last panel of 32 is more than half full (a panel's tile of 16 rows ran no faster than
+    the other tile: 40 and 48 rows 0.9-1.15x)."""
+    return b >= F16_GEMM_FROM and (b >= 2 * F16_GEMM_FROM or not 0 < b % 32 <= 16)
+
+
+def f16_panels(ggml_type: int, b: int, device: str) -> bool:
+    """Whether a product of ``b`` rows of x takes x as panels (``c/panels.c``) and runs as matmul.c's matrix product
+    (`gemm`): F16 on the float path where the CPU's vendor asks for it (`vendor_choices`) and the build has AVX-512
+    (`builds_avx512`: the AVX2 build of it ran at 0.55-0.75x of the tile there), for `gemm_rows`."""
+    return (TYPES[ggml_type].name == "F16" and not uses_int8("matmul", ggml_type) and gemm_rows(b)
+            and "PP_F16_GEMM_FROM" in vendor_choices(ggml_type, 0, False) and builds_avx512(device))
+
+
+ISA_PROBE = """#ifdef __AVX512F__
+static const char pp_isa[] __attribute__((used)) = "pp-isa:avx512";
+#else
+static const char pp_isa[] __attribute__((used)) = "pp-isa:other";
+#endif
+void pp_probe(void) {}
+"""
+
+
+def builds_avx512(device: str) -> bool:
+    """Whether the kernels built for ``device`` have AVX-512 (the compiler's own answer, which a test's or the AVX2
+    bench's compiler changes: /proc/cpuinfo's does not): a probe's string in its machine code, cached as kernels are
+    (asked while tinygrad traces a block, as `launch`'s compiles are)."""
+    with Context(ALLOW_DEVICE_USAGE=1):
+        return b"pp-isa:avx512" in _binary(ISA_PROBE, device)
+
+
+def panels(x: Tensor, k: int) -> Tensor:
+    """x (B, k) float32 -> its panels for F16's matrix product (``c/panels.c``), (ceil(B / 32) * 32, k) float32: once
+    per product whatever its parts, split over the threads by panels where there are enough of them."""
+    b = x.shape[0]
+    p = (b + 31) // 32
+    parts = max(1, min(CPU_COUNT.value, p))
+    out = Tensor.empty(p * 32, k, dtype=dtypes.float32, device=x.device)
+    name = f"f16_panels_{k}"
+    return launch(name, unit({"NAME": name, "PP_K": k}, ["common.h", "panels.c"]), (out, x), (b, parts), parts)
+
+
 def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int, group: int = 0,
            shared: dict[tuple[int, int], Tensor] | None = None) -> Tensor:
     """``x`` (..., k) @ W^T -> (..., n) float32, W the (n, k) weight held as ``raw``: its GGUF bytes, (n, row_bytes),
-    rows interleaved in groups of ``group`` where `gguf.tensors.grouped` did so. ``shared``: x's int8 blocks made
-    for other products of the same x, by (block, k), to take and add to (`weights.products`)."""
+    rows interleaved in groups of ``group`` where `gguf.tensors.grouped` did so. ``shared``: x's int8 blocks (by
+    (block, k)) or panels (by (0, k)) made for other products of the same x, to take and add to
+    (`weights.products`)."""
     lead = x.shape[:-1]
     b = math.prod(lead)
     threads = max(1, min(matmul_parts(ggml_type, n, k), n // ROWS))
     out = Tensor.empty(b, n, dtype=dtypes.float32, device=x.device)
     xs = x.reshape(b, k).cast(dtypes.float32)
+    shape: tuple[int, ...] = (n, b, threads)
+    shared = {} if shared is None else shared
     if group or uses_int8("matmul", ggml_type):
-        key, shared = (TYPES[ggml_type].kernel_block, k), {} if shared is None else shared
+        key = (TYPES[ggml_type].kernel_block, k)
         if key not in shared:
             shared[key] = quantized(xs, *key)
         xs = shared[key]
-    return _call("matmul", out, raw, xs, ggml_type, k, (n, b, threads), threads, group).reshape(*lead, n)
+    elif TYPES[ggml_type].name == "F16":  # F16's kernels take a fourth dim: whether x comes as panels
+        shape = (n, b, threads, int(f16_panels(ggml_type, b, x.device)))
+        if shape[3]:
+            if (0, k) not in shared:
+                shared[0, k] = panels(xs, k)
+            xs = shared[0, k]
+    return _call("matmul", out, raw, xs, ggml_type, k, shape, threads, group).reshape(*lead, n)
 
 
 def silu_mul(g: Tensor, u: Tensor) -> Tensor:

@@ -146,34 +146,18 @@ static void split_rows(float* restrict xs, const float* restrict x, int rows) {
   }
 }
 #if defined(ROWS_F16) && defined(PP_F16_GEMM_FROM) && defined(__AVX512F__)
-/* From GEMM_FROM rows of x a call on (PP_F16_GEMM_FROM, kernels.py: Intel's cores), F16's product is a matrix
-   product with no conversion in its inner loop: x's rows arranged in panels of 32 (a value of 32 rows side by side),
-   GR weight rows converted once into wc (floats), then a tile of GR weight rows against a panel keeps GR x 2 vectors
-   of sums in registers, each step of k loading a panel's 2 vectors and broadcasting GR weights, each to 2
-   multiply-adds. The tile above converts a weight vector every 4 multiply-adds (on Intel's cores on the ports of the
-   multiply-adds) and loads its x vectors from the L2. Each output sums its products in order of k. 512-bit vectors
-   throughout (min_vector_width: clang's default for Intel's CPUs halves those of a function that takes none). */
+/* Where the caller asks for it (dims[3]: kernels.py's `f16_panels`, from F16_GEMM_FROM rows of x on Intel's cores),
+   x comes as panels of 32 rows (panels.c: a value of 32 rows side by side) and F16's product is a matrix product
+   with no conversion in its inner loop: GR weight rows converted once into wc (floats), then a tile of GR weight rows
+   against a panel keeps GR x 2 vectors of sums in registers, each step of k loading a panel's 2 vectors and
+   broadcasting GR weights, each to 2 multiply-adds. The tile above converts a weight vector every 4 multiply-adds (on
+   Intel's cores on the ports of the multiply-adds) and loads its x vectors from the L2. Each output sums its products
+   in order of k, a chunk of K at a time. 512-bit vectors throughout (min_vector_width: clang's default for Intel's
+   CPUs halves those of a function that takes none). */
 /* K in GC chunks of KC values (whole vectors, about even, at most 2048: at K 5632 a panel's whole rows (704 KiB)
    and the converted rows (264 KiB) did not stay in the L2 together) */
-enum { GEMM_FROM = PP_F16_GEMM_FROM, GR = 12, PW = 32, GC = (K + 2047) / 2048, KC = (K / 16 + GC - 1) / GC * 16,
+enum { GEMM = 1, GR = 12, PW = 32, GC = (K + 2047) / 2048, KC = (K / 16 + GC - 1) / GC * 16,
        PB = (512 << 10) / (KC * PW * 4) > 1 ? (512 << 10) / (KC * PW * 4) : 1 };  /* panels a block: <= 512 KiB */
-/* values [k0, k0 + kn) of rows [0, nb) of x (x: the first row's value k0) as panels at xp: panel p's value k0 + k
-   of row 32p + j at xp[(p kn + k) 32 + j], rows past nb 0; 16 rows' 16 values at a time, transposed */
-static __attribute__((min_vector_width(512))) void panels(float* restrict xp, const float* restrict x, int nb,
-                                                          int kn) {
-  for (int p = 0; p < (nb + PW - 1) / PW; p++)
-    for (int half = 0; half < PW / 16; half++)
-      for (int k = 0; k < kn; k += 16) {
-        f16v m[16];
-        _Pragma("clang loop unroll(full)") for (int j = 0; j < 16; j++) {
-          const int b = PW * p + 16 * half + j;
-          m[j] = b < nb ? f_at(x + (long)b * K + k) : 0;
-        }
-        transpose16(m);
-        _Pragma("clang loop unroll(full)") for (int j = 0; j < 16; j++)
-          __builtin_memcpy(xp + ((long)p * kn + k + j) * PW + 16 * half, &m[j], sizeof m[j]);
-      }
-}
 /* out[b][c] (+)= the sum over k < kn of wc[c][k] xp[k][b], for the panel's rows b < nb and weight rows c < cols
    (first: out written, else added to); gv: the vectors of the panel that hold rows of x (a constant where inlined:
    a panel's last 16 rows may be none) */
@@ -208,17 +192,15 @@ static __attribute__((noinline, min_vector_width(512))) void gemm_tiles(float* r
   if (nb > 16) gemm_tile(out, N, wc, xp, kn, nb, cols, first, 2);
   else gemm_tile(out, N, wc, xp, kn, nb, cols, first, 1);
 }
-/* rows [n0, n1) of W against the B rows of x: a block of PB panels of x's chunk of K (it stays in the L2) at a time,
-   arranged for each part (~6% of a part's time at 13-16 parts a product: cheaper than a kernel of its own), GR
-   weight rows' chunk converted for each block */
-static void gemm(float* restrict out, const unsigned char* restrict w, const float* restrict x, int N, int B, int n0,
+/* rows [n0, n1) of W against the B rows of x in panels (xp): a block of PB panels' chunk of K (it stays in the L2)
+   at a time, GR weight rows' chunk converted for each block */
+static void gemm(float* restrict out, const unsigned char* restrict w, const float* restrict xp, int N, int B, int n0,
                  int n1) {
-  float xp[PB * KC * PW] __attribute__((aligned(64))), wc[GR * KC] __attribute__((aligned(64)));
-  for (int b0 = 0; b0 < B; b0 += PB * PW) {
-    const int nb = B - b0 < PB * PW ? B - b0 : PB * PW;
+  float wc[GR * KC] __attribute__((aligned(64)));
+  const int P = (B + PW - 1) / PW;
+  for (int p0 = 0; p0 < P; p0 += PB)
     for (int k0 = 0; k0 < K; k0 += KC) {
       const int kn = K - k0 < KC ? K - k0 : KC;
-      panels(xp, x + (long)b0 * K + k0, nb, kn);
       for (int n = n0; n < n1; n += GR) {
         const int cols = n1 - n < GR ? n1 - n : GR;
         for (int r = 0; r < GR; r++)  /* rows past n1 are row n0's again: their sums unused */
@@ -227,15 +209,14 @@ static void gemm(float* restrict out, const unsigned char* restrict w, const flo
             const f16v f = __builtin_convertvector(q, f16v);
             __builtin_memcpy(wc + (long)r * KC + k, &f, sizeof f);
           }
-        for (int p = 0; p * PW < nb; p++)
-          gemm_tiles(out + (long)(b0 + p * PW) * N + n, N, wc, xp + (long)p * kn * PW, kn,
-                     nb - p * PW < PW ? nb - p * PW : PW, cols, k0 == 0);
+        for (int p = p0; p < P && p < p0 + PB; p++)
+          gemm_tiles(out + (long)p * PW * N + n, N, wc, xp + ((long)p * K + k0) * PW, kn,
+                     B - p * PW < PW ? B - p * PW : PW, cols, k0 == 0);
       }
     }
-  }
 }
 #else
-enum { GEMM_FROM = 0, GR = 1, PW = 1 };
+enum { GEMM = 0, GR = 1 };
 static void gemm(float* restrict out, const unsigned char* restrict w, const float* restrict x, int N, int B, int n0,
                  int n1) { (void)out, (void)w, (void)x, (void)N, (void)B, (void)n0, (void)n1; }
 #endif
@@ -247,7 +228,7 @@ void NAME(float* restrict out, const unsigned char* restrict w, const float* res
     row_products(out, w, x, n0, n1);
     return;
   }
-  if (GEMM_FROM && B >= GEMM_FROM && (B >= 2 * GEMM_FROM || B % PW == 0 || B % PW > PW / 2)) {
+  if (GEMM && dims[3]) {  /* x in panels (F16's kernels get a fourth dim: whether) */
     rows_part(N, GR, T, core_id, &n0, &n1);
     if (n0 < n1) gemm(out, w, x, N, B, n0, n1);
     return;
