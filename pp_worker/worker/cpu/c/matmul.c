@@ -1,4 +1,4 @@
-/* out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads}. Rows of W split over the threads (core_id), ROWS rows
+/* out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads} (F16's: and whether x comes as panels, `gemm`). Rows of W split over the threads (core_id), ROWS rows
    at a time, a chunk of K at a time (the whole K with AVX-512), multiplied with a block of XB rows of x, XT at a time
    (a tile). fp16 rows (ROWS_F16) are read as they are, each vector converted as the tile loads it; other types'
    rows are decoded a chunk at a time into wbuf (L1) first. Only K is fixed in the source (it sizes wbuf and unrolls),
