@@ -37,7 +37,9 @@ from pp_worker.worker.hostio import HostBuffer, InputBuffer, pinned_allocator
 
 MAX_CONTEXT = 96  # room for prompts of 70 tokens: two full prefill chunks of 32 and a remainder
 N_TOKENS = 16
-# measured: <= 2.4e-4 (Q8_0), 1.3e-5 (F16) on logits of magnitude ~11; eager-concrete vs JIT-symbolic kernels differ
+# measured: <= 2.4e-4 (Q8_0) on logits of magnitude ~11; eager-concrete vs JIT-symbolic kernels differ. F16 on 4 stages
+# (2026-12-07, an Intel Xeon): 1.1e-3 with the tiles, 1.9e-3 where a 32-row chunk takes F16's matrix product (an fp16
+# rounding at a stage boundary that falls the other way moves a logit ~1e-3)
 LOGIT_ATOL_SAME_CAST = 2e-3
 # measured: <= 6.4e-3 (fp32 compute, fp16 weights and fp16 stage boundaries vs float64)
 LOGIT_ATOL_FP64 = 3e-2
