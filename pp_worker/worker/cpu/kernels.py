@@ -117,8 +117,8 @@ def source(kind: str, ggml_type: int, k: int, name: str, group: int = 0) -> str:
 
 
 GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a row per int32 lane of 512 bits)
-# Two choices measured the other way round on an Intel Xeon and on Zen 4 (bench/NOTES.md, "Prefill on an Intel
-# Xeon"), made by the CPU's vendor:
+# Choices measured on an Intel Xeon against Zen 4 (bench/NOTES.md, "Prefill on an Intel Xeon", "F16 as a matrix
+# product on Intel's cores"), made by the CPU's vendor:
 # - F16's float tile without AVX-512 decodes its rows a chunk at a time from F16_DECODE_FROM rows of x: Intel's cores
 #   issue the fp16 conversion (vcvtph2ps) on the ports of their multiply-adds, one every 3 of the tile's, and there
 #   decoded rows ran 1.1-1.4x faster at 12-64 rows of x (0.56-0.98x at 2-8); on Zen 4 the conversions take no FMA
@@ -126,6 +126,9 @@ GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a 
 # - the grouped IQ4_XS product asks for its blocks GROUP_AHEAD bytes ahead: on Intel's cores one thread from DRAM
 #   read 1.14x faster so (the hardware's prefetch did not keep a group's stream ahead; cache-hot 0.94x); on Zen 4
 #   asking ahead cost the grouped types it was tried on 3-45%.
+# - F16's AVX-512 product from F16_GEMM_FROM rows of x is a matrix product over x in panels (`f16_panels`): no
+#   conversion in its loop, where the tile converts a weight vector every 4 multiply-adds on the multiply-adds' ports
+#   (one thread 1.03-1.4x at 32-256 rows); on Zen 4 the tile already ran at ~88% of its peak.
 F16_DECODE_FROM = 12
 F16_GEMM_FROM = 32
 GROUP_AHEAD = 16384
@@ -142,7 +145,7 @@ def intel() -> bool:
 
 def vendor_choices(ggml_type: int, group: int, int8: bool) -> dict[str, int]:
     """The defines of a matmul of ``ggml_type`` (rows in groups of ``group``, on the integer path or not) that the
-    CPU's vendor chooses (above): PP_GROUP_AHEAD, PP_F16_DECODE_FROM, or none."""
+    CPU's vendor chooses (above): PP_GROUP_AHEAD, PP_F16_DECODE_FROM and PP_F16_GEMM_FROM, or none."""
     if not intel():
         return {}
     if group and TYPES[ggml_type].name == "IQ4_XS":

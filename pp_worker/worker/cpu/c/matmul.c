@@ -152,11 +152,11 @@ static void split_rows(float* restrict xs, const float* restrict x, int rows) {
    against a panel keeps GR x 2 vectors of sums in registers, each step of k loading a panel's 2 vectors and
    broadcasting GR weights, each to 2 multiply-adds. The tile above converts a weight vector every 4 multiply-adds (on
    Intel's cores on the ports of the multiply-adds) and loads its x vectors from the L2. Each output sums its products
-   in order of k, a chunk of K at a time. 512-bit vectors throughout (min_vector_width: clang's default for Intel's
-   CPUs halves those of a function that takes none). */
-/* K in GC chunks of KC values (whole vectors, about even, at most 2048: at K 5632 a panel's whole rows (704 KiB)
-   and the converted rows (264 KiB) did not stay in the L2 together) */
-/* GS: steps a tile sums in registers before adding them to its running sums, so that an output's rounding is the
+   in order of k, GS steps at a time, whatever the call's rows. 512-bit vectors throughout (min_vector_width: clang's
+   default for Intel's CPUs halves those of a function that takes none).
+   K in GC chunks of KC values (whole vectors, about even, at most 2048: at K 5632 a panel's whole rows (704 KiB)
+   and the converted rows (264 KiB) did not stay in the L2 together).
+   GS: steps a tile sums in registers before adding them to its running sums, so that an output's rounding is the
    tile's above (whose 16 lanes each sum K / 16 steps): the rms error against float64 at K 64 / 256 / 576 / 2048,
    relative to the largest output, 2.1 / 2.8 / 3.6 / 4.6e-8 (16, 16, 32, 32) against the tile's 1.7 / 2.5 / 3.3 /
    5.4e-8; one sum over the whole chunk of K made 3.6 / 7.5 / 11.5 / 20.6e-8. 32 steps cost ~5%, 16 ~10%. */
