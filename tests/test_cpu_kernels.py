@@ -155,7 +155,7 @@ def test_prefill_chunks_at_the_edges_of_the_tiles(ggml_type, build, request):
         got = chunk if b == 128 else cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), ggml_type, n, k).numpy()
         np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
         if b > 1:  # one row alone takes the one-row product (row.h)
-            kind = cpu_kernels.f16_panels(ggml_type, b, "CPU")
+            kind = cpu_kernels.f16_panels(ggml_type, b, k, "CPU")
             assert np.array_equal(got, first.setdefault(kind, got)[:b]), b
 
 
@@ -176,7 +176,7 @@ def test_f16_matrix_product_on_intels_cores(monkeypatch):
         for n, k in ((37, 1280), (13, 5632)):
             x, raw, chunk, want = _chunk_near_float64(1, n, k, 100, seed=17)
             for b in (32, 49, 64, 65, 81):
-                assert cpu_kernels.f16_panels(1, b, "CPU")
+                assert cpu_kernels.f16_panels(1, b, k, "CPU")
                 got = cpu_kernels.matmul(Tensor(x[:b]), Tensor(raw), 1, n, k).numpy()
                 np.testing.assert_allclose(got, want[:b], rtol=0, atol=1e-5 * np.abs(want).max())
                 assert np.array_equal(got, chunk[:b]), (n, k, b)

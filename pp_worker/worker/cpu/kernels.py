@@ -259,9 +259,14 @@ def _call(kind: str, out: Tensor, w: Tensor, x: Tensor, ggml_type: int, k: int, 
           threads: int, group: int = 0) -> Tensor:
     """``out`` after the ``kind`` kernel ("matmul" or "gather") ran on (out, w, x, dims); ``group``: w's rows
     interleaved (`gguf.tensors.grouped`)."""
-    op = "gather" if kind == "gather" else f"mm8g{group}" if group else "mm8" if uses_int8(kind, ggml_type) else "mm"
-    name = f"{TYPES[ggml_type].name.lower()}_{op}_{k}"
+    name = kernel_name(kind, ggml_type, k, group)
     return launch(name, source(kind, ggml_type, k, name, group), (out, w, x), shape, threads)
+
+
+def kernel_name(kind: str, ggml_type: int, k: int, group: int = 0) -> str:
+    """The C function name of the ``kind`` kernel ("matmul" or "gather") of ``ggml_type`` for rows of ``k`` values."""
+    op = "gather" if kind == "gather" else f"mm8g{group}" if group else "mm8" if uses_int8(kind, ggml_type) else "mm"
+    return f"{TYPES[ggml_type].name.lower()}_{op}_{k}"
 
 
 def matmul_parts(ggml_type: int, n: int, k: int) -> int:
@@ -306,29 +311,23 @@ def gemm_rows(b: int) -> bool:
     return b >= F16_GEMM_FROM and (b >= 2 * F16_GEMM_FROM or not 0 < b % 32 <= 16)
 
 
-def f16_panels(ggml_type: int, b: int, device: str) -> bool:
+GEMM_MARK = b"pp-f16-gemm"  # in the machine code of an F16 kernel built with the matrix product (matmul.c)
+
+
+def f16_panels(ggml_type: int, b: int, k: int, device: str) -> bool:
     """Whether a product of ``b`` rows of x takes x as panels (``c/panels.c``) and runs as matmul.c's matrix product
-    (`gemm`): F16 on the float path where the CPU's vendor asks for it (`vendor_choices`) and the build has AVX-512
-    (`builds_avx512`: the AVX2 build of it ran at 0.55-0.75x of the tile there), for `gemm_rows`."""
-    return (TYPES[ggml_type].name == "F16" and not uses_int8("matmul", ggml_type) and gemm_rows(b)
-            and "PP_F16_GEMM_FROM" in vendor_choices(ggml_type, 0, False) and builds_avx512(device))
-
-
-ISA_PROBE = """#ifdef __AVX512F__
-static const char pp_isa[] __attribute__((used)) = "pp-isa:avx512";
-#else
-static const char pp_isa[] __attribute__((used)) = "pp-isa:other";
-#endif
-void pp_probe(void) {}
-"""
-
-
-def builds_avx512(device: str) -> bool:
-    """Whether the kernels built for ``device`` have AVX-512 (the compiler's own answer, which a test's or the AVX2
-    bench's compiler changes: /proc/cpuinfo's does not): a probe's string in its machine code, cached as kernels are
-    (asked while tinygrad traces a block, as `launch`'s compiles are)."""
-    with Context(ALLOW_DEVICE_USAGE=1):
-        return b"pp-isa:avx512" in _binary(ISA_PROBE, device)
+    (`gemm`): F16 on the float path where the CPU's vendor asks for it (`vendor_choices`), for `gemm_rows`, and where
+    the kernel the call runs has it (built with AVX-512: the AVX2 build of it ran at 0.55-0.75x of the tile there).
+    That kernel's own machine code answers (GEMM_MARK; compiled once, as the call would): /proc/cpuinfo cannot say
+    what a test's or the AVX2 bench's compiler built, nor can a probe of its own (tinygrad's disk cache keys a
+    source's machine code without the compiler, so a probe and a kernel could come from two compilers)."""
+    if TYPES[ggml_type].name != "F16" or uses_int8("matmul", ggml_type) or not gemm_rows(b):
+        return False
+    if "PP_F16_GEMM_FROM" not in vendor_choices(ggml_type, 0, False):
+        return False
+    name = kernel_name("matmul", ggml_type, k)
+    with Context(ALLOW_DEVICE_USAGE=1):  # asked while tinygrad traces a block, as `launch`'s compiles are
+        return GEMM_MARK in _binary(source("matmul", ggml_type, k, name), device)
 
 
 def panels(x: Tensor, k: int) -> Tensor:
@@ -361,7 +360,7 @@ def matmul(x: Tensor, raw: Tensor, ggml_type: int, n: int, k: int, group: int = 
             shared[key] = quantized(xs, *key)
         xs = shared[key]
     elif TYPES[ggml_type].name == "F16":  # F16's kernels take a fourth dim: whether x comes as panels
-        shape = (n, b, threads, int(f16_panels(ggml_type, b, x.device)))
+        shape = (n, b, threads, int(f16_panels(ggml_type, b, k, x.device)))
         if shape[3]:
             if (0, k) not in shared:
                 shared[0, k] = panels(xs, k)

@@ -162,6 +162,8 @@ static void split_rows(float* restrict xs, const float* restrict x, int rows) {
    5.4e-8; one sum over the whole chunk of K made 3.6 / 7.5 / 11.5 / 20.6e-8. 32 steps cost ~5%, 16 ~10%. */
 enum { GEMM = 1, GR = 12, PW = 32, GS = K <= 256 ? 16 : 32, GC = (K + 2047) / 2048, KC = (K / 16 + GC - 1) / GC * 16,
        PB = (512 << 10) / (KC * PW * 4) > 1 ? (512 << 10) / (KC * PW * 4) : 1 };  /* panels a block: <= 512 KiB */
+/* what kernels.py's `f16_panels` looks for in this kernel's machine code: whether to send x as panels */
+static const char gemm_mark[] __attribute__((used)) = "pp-f16-gemm";
 /* out[b][c] (+)= the sum over k < kn of wc[c][k] xp[k][b], for the panel's rows b < nb and weight rows c < cols
    (first: out written, else added to); gv: the vectors of the panel that hold rows of x (a constant where inlined:
    a panel's last 16 rows may be none) */
