@@ -6,8 +6,8 @@
 __attribute__((min_vector_width(512))) void NAME(float* restrict xp, const float* restrict x, const int* restrict dims,
                                                   int core_id) {
   enum { K = PP_K };
-  const int B = dims[0], T = dims[1], P = (B + 31) / 32;
-  const int per = (P + T - 1) / T, p0 = core_id * per, p1 = p0 + per < P ? p0 + per : P;
+  const int B = dims[0], T = dims[1];
+  int p0, p1; rows_part((B + 31) / 32, 1, T, core_id, &p0, &p1);  /* this part's panels */
   for (int p = p0; p < p1; p++)
     for (int half = 0; half < 2; half++)
       for (int k = 0; k < K; k += 16) {  /* 16 rows' 16 values at a time, transposed */
