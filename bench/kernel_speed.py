@@ -193,6 +193,9 @@ def main() -> None:
     if a.int8 and (worst := max(batches) * max(k for _, k in shapes) * 2) > XQ_BYTES:
         ap.error(f"--batch {max(batches)} at K {max(k for _, k in shapes)}: x's quantized rows need up to {worst} "
                  f"bytes, past the loop's buffer of {XQ_BYTES}")
+    if (worst := -(-max(batches) // 32) * 32 * max(k for _, k in shapes)) > XP_FLOATS:
+        ap.error(f"--batch {max(batches)} at K {max(k for _, k in shapes)}: F16's panels of x need up to {worst} "
+                 f"floats, past the loop's buffer of {XP_FLOATS}")
     workdir = Path(tempfile.mkdtemp(prefix="kernel_speed_"))
     rng = np.random.default_rng(0)
     base_dir = base_sources(a.base, workdir) if a.base else None

@@ -1,9 +1,9 @@
-/* out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads} (F16's: and whether x comes as panels, `gemm`). Rows of W split over the threads (core_id), ROWS rows
-   at a time, a chunk of K at a time (the whole K with AVX-512), multiplied with a block of XB rows of x, XT at a time
-   (a tile). fp16 rows (ROWS_F16) are read as they are, each vector converted as the tile loads it; other types'
-   rows are decoded a chunk at a time into wbuf (L1) first. Only K is fixed in the source (it sizes wbuf and unrolls),
-   so a model needs one kernel per (type, K), whatever its row counts and call sizes. One row of x takes row.h's
-   products (the type's one-row product where it has one). */
+/* out (B, N) = x (B, K) @ W (N, K)^T; dims = {N, B, threads} (F16's: and whether x comes as panels, `gemm`). Rows
+   of W split over the threads (core_id), ROWS rows at a time, a chunk of K at a time (the whole K with AVX-512),
+   multiplied with a block of XB rows of x, XT at a time (a tile). fp16 rows (ROWS_F16) are read as they are, each
+   vector converted as the tile loads it; other types' rows are decoded a chunk at a time into wbuf (L1) first. Only
+   K is fixed in the source (it sizes wbuf and unrolls), so a model needs one kernel per (type, K), whatever its row
+   counts and call sizes. One row of x takes row.h's products (the type's one-row product where it has one). */
 #include "row.h"
 /* weight rows a step of a tile: PP_ROWS (4), and 6 in F16's AVX-512 tile (rows converted as they load): 24 sums in
    registers, each x vector loaded serving 6 products instead of 4, the conversions as many a multiply-add. On an
