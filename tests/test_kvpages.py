@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from pp_worker.testing.chain import Chain, step_batch
+from pp_worker.testing.devmem import device_memory
 from pp_worker.testing.modelgen import generate
 from pp_worker.testing.npref import RefModel
 from pp_worker.worker.engines.base import EngineError
@@ -147,3 +148,39 @@ def test_the_context_is_the_models_own_up_to_what_the_pool_holds(model):
         TinygradEngine(str(model), 1, 2, max_context=CONTEXT, kv_page=PAGE, kv_bytes=3 * page_bytes)
     with pytest.raises(PoolError, match=rf"a KV pool of {page_bytes - 1} bytes \(PP_KV_BYTES\) holds no page"):
         TinygradEngine(str(model), 1, 2, kv_page=PAGE, kv_bytes=page_bytes - 1)
+
+
+def _forked_equals_computed(chain: Chain) -> None:
+    """Session 3, forked from session 1's first 200 positions after 1 went on past them with other tokens (into
+    the page the fork copies last), then prefilled and decoded on its own, gives session 2's logits bit for bit:
+    2 computed the same 200 positions itself. A fork of all 260 of 1's positions answers as 1 did, after 1 was
+    released and a session took its pages and wrote over them."""
+    p, other = prompt(260, 12), prompt(60, 13)
+    chain.step(1, p[:200], 0)
+    chain.step(1, other, 200)
+    assert chain.fork(3, 1, 200) == [200] * len(chain.engines)
+    assert chain.fork(4, 1, 400) == [260] * len(chain.engines)  # no more than the source holds
+    assert chain.fork(5, 77, 10) == [0] * len(chain.engines)  # an unknown source: nothing made
+    assert all(e.sessions() == {1: 260, 3: 200, 4: 260} for e in chain.engines)
+    one = chain.step(1, [9], 260)
+    chain.release(1)
+    chain.step(6, prompt(300, 14), 0)  # 1's pages, rewritten
+    want = [chain.step(2, p[:200], 0), chain.step(2, p[200:], 200)]
+    assert chain.fork(7, 2, 100) == [100] * len(chain.engines)  # another fork changes nothing for 2 nor 3
+    got = [chain.step(3, p[200:], 200)]
+    for i in range(4):
+        token = int(want[-1].argmax())
+        want.append(chain.step(2, [token], 260 + i))
+        got.append(chain.step(3, [token], 260 + i))
+    assert all(np.array_equal(a, b) for a, b in zip(want[1:], got, strict=True))
+    assert np.array_equal(chain.step(4, [9], 260), one)  # 4's copy of all 260 positions outlived 1's pages
+
+
+@pytest.mark.parametrize("kernels", ["c", "tinygrad"])
+def test_a_fork_holds_the_sources_keys(model, kernels):
+    _forked_equals_computed(Chain(model, 2, CONTEXT, kv_page=PAGE, kernels=kernels, every_size=False))
+
+
+def test_a_fork_copies_device_memory_through_the_host(model):
+    with device_memory():
+        _forked_equals_computed(Chain(model, 2, CONTEXT, kv_page=PAGE, every_size=False))

@@ -41,6 +41,7 @@ REQUESTS: dict[str, dict[str, Any]] = {
     "ping": {},
     "release": {},
     "claim": {},
+    "fork": {"from": 99, "positions": 3},
     "reset": {},
 }
 # who may run what (contract: tokenize/embed/decode on the first stage, forward_range on middles, sample and
@@ -144,6 +145,19 @@ def test_release_with_keep_leaves_the_session_as_cache_until_claimed() -> None:
     assert replies[3] == {"request_id": 7, "positions": 3}
     assert replies[4] == {"request_id": 9, "positions": 0}  # not held: a generation under it starts at 0
     assert replies[5]["sessions"] == {"7": 3} and replies[5]["cached_sessions"] == []
+
+
+def test_fork_copies_a_held_sessions_positions_into_a_new_one() -> None:
+    replies = run_requests(1, 3, [req("forward_range", 7), req("release", 7, keep=True),
+                                  req("fork", 8, **{"from": 7}, positions=2), req("fork", 9, **{"from": 7}, positions=50),
+                                  req("fork", 10, **{"from": 6}), req("status", 11), req("fork", 8, **{"from": 7}),
+                                  req("fork", 12, **{"from": 12}), req("fork", 12, positions=0)])
+    assert [r.get("positions") for r in replies[2:5]] == [2, 3, 0]  # at most what 7 holds; 6 is not held
+    assert replies[5]["sessions"] == {"7": 3, "8": 2, "9": 3} and replies[5]["cached_sessions"] == [7]
+    assert "session 8 is held already" in replies[6]["error"]
+    assert "'from' must name another session" in replies[7]["error"]
+    assert "'positions' must be a positive int" in replies[8]["error"]
+    assert all(r["request_id"] == rid for r, rid in zip(replies[6:], (8, 12, 12), strict=True))
 
 
 def test_reset_drops_every_session() -> None:

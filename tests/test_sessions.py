@@ -394,3 +394,46 @@ def test_reset_drops_every_session_and_gives_their_pages_back():
         step(t, rid, 0, 5)
     assert t.reset() == 3 and t.positions() == {} and t._pool.free == 64
     assert t.reset() == 0
+
+
+def test_a_fork_takes_pages_of_its_own_for_the_positions_it_copies():
+    t, _ = table()  # pages of 4 positions
+    src = step(t, 1, 0, 10)  # 3 pages
+    t.release(1, keep=True)
+    n, pairs = t.fork(2, 1, 6)
+    new = t._live[2]
+    assert n == 6 and [a for a, _ in pairs] == src.pages[:2] and [b for _, b in pairs] == new.pages
+    assert not set(new.pages) & set(src.pages) and new.length == 6 and not new.cached
+    assert t.cached() == [1] and t.positions() == {1: 10, 2: 6}  # the source stays as it was, cache included
+    assert t.fork(3, 1, 99)[0] == 10  # never more than the source holds
+    assert t.fork(4, 9, 5) == (0, []) and 4 not in t.positions()  # an unknown source: nothing made
+    step(t, 2, 6, 3)  # the fork goes on as any session does
+    assert t.positions()[2] == 9 and t.positions()[1] == 10
+
+
+def test_a_fork_into_a_held_session_or_with_one_slot_is_refused():
+    t, _ = table()
+    step(t, 1, 0, 4)
+    step(t, 2, 0, 4)
+    with pytest.raises(EngineError, match="session 2 is held already"):
+        t.fork(2, 1, 4)
+    one, _ = table(max_sessions=1)
+    step(one, 1, 0, 4)
+    with pytest.raises(EngineError, match="max_sessions=1"):
+        one.fork(2, 1, 4)
+    assert one.positions() == {1: 4}
+
+
+def test_a_fork_evicts_for_room_but_never_its_source():
+    t, rec = table(max_sessions=3, n_pages=4)
+    step(t, 1, 0, 8)  # the source, the least recently used: 2 pages
+    step(t, 2, 0, 4)
+    step(t, 3, 0, 4)
+    assert t.fork(4, 1, 8)[0] == 8  # 2 pages, none free: 2 goes for room, 3 for the session slot
+    assert t.positions() == {1: 8, 4: 8}
+    assert [f["session"] for _, f in rec.events] == [2, 3]
+    full, _ = table(n_pages=2)
+    step(full, 1, 0, 8)  # every page
+    with pytest.raises(EngineError, match=r"session 5 needs 2 more page\(s\)"):
+        full.fork(5, 1, 8)  # only the source could go: refused, nothing changes
+    assert full.positions() == {1: 8}

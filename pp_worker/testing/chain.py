@@ -83,6 +83,10 @@ class Chain:
         for e in self.engines:
             e.release(rid)
 
+    def fork(self, rid: int, source: int, positions: int) -> list[int]:
+        """Each stage's `Engine.fork` of ``source``'s first ``positions`` into ``rid``: the positions each copied."""
+        return [e.fork(rid, source, positions) for e in self.engines]
+
     def generate(self, rid: int, prompt: list[int], n: int) -> tuple[list[int], list[np.ndarray]]:
         """``n`` greedy tokens after ``prompt`` and the logits each was the argmax of."""
         logits = [self.step(rid, prompt, 0)]

@@ -315,6 +315,10 @@ def _claim(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply
     return {"positions": w.engine.claim(rid)}
 
 
+def _fork(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
+    return {"positions": w.engine.fork(rid, f["from"], f["positions"])}
+
+
 def _reset(w: Worker, rid: int, obj: dict[str, Any], f: dict[str, Any]) -> Reply:
     released = w.engine.reset()
     w.constraints.keep_only(w.engine.sessions())  # no session, no matcher
@@ -385,6 +389,7 @@ OPS: dict[str, tuple[frozenset[Role], Handler]] = {
     "status": (ANY, _status),
     "release": (ANY, _release),
     "claim": (ANY, _claim),
+    "fork": (ANY, _fork),
     "reset": (ANY, _reset),
     "ping": (ANY, _ping),
     "shutdown": (ANY, _shutdown),

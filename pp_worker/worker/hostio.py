@@ -51,7 +51,7 @@ def filled(shape: tuple[int, ...], dtype: Any, fill: Callable[[memoryview], None
     if fill is None and not host:
         return Tensor.zeros(*shape, dtype=dtype, device=device).contiguous().realize()  # a device memset
     buf = t.uop.base.buffer.ensure_allocated()
-    if (mv := _host_bytes(buf)) is not None:
+    if (mv := host_bytes(buf)) is not None:
         if fill is None:
             ctypes.memset((ctypes.c_char * len(mv)).from_buffer(mv), 0, len(mv))
         else:
@@ -89,10 +89,11 @@ def settle(dev: Any) -> None:
 def host_view(t: Tensor) -> memoryview | None:
     """A zero-copy byte view of a realized tensor's memory where that is host memory we may write (the CPU's), else
     None (device memory: copy with copyin/copyout)."""
-    return _host_bytes(device_buffer(t))
+    return host_bytes(device_buffer(t))
 
 
-def _host_bytes(buf: Buffer) -> memoryview | None:
+def host_bytes(buf: Buffer) -> memoryview | None:
+    """A zero-copy byte view of a device buffer where its memory is host memory we may write, else None."""
     if not hasattr(buf.allocator, "_as_buffer") or buf.options is not None:
         return None
     return buf.as_memoryview(force_zero_copy=True).cast("B")

@@ -344,7 +344,16 @@ _FIELDS: dict[str, Callable[[dict[str, Any], Limits], dict[str, Any]]] = {
                                                       "logprobs": logprobs_count(o), **parse_grammar(o)}, lim),
     "batch": _requests,
     "release": lambda o, lim: {"keep": flag(o, "keep", False)},
+    "fork": lambda o, lim: _fork(o),
 }
+
+
+def _fork(obj: dict[str, Any]) -> dict[str, Any]:
+    """fork's source session and how many of its positions to copy; the source is never the new session itself."""
+    fields = {"from": nonneg_int(obj, "from"), "positions": nonneg_int(obj, "positions", positive=True)}
+    if fields["from"] == obj.get("request_id"):
+        raise ProtocolError("'from' must name another session than this request's own")
+    return fields
 
 
 def parse_fields(op: str, obj: dict[str, Any], lim: Limits) -> dict[str, Any]:

@@ -102,6 +102,10 @@ class Engine(Protocol):
     def claim(self, session: int) -> int:
         """Take a session back for a live generation (no longer cache); the positions it holds, 0 for none."""
 
+    def fork(self, session: int, source: int, positions: int) -> int:
+        """A new session holding a copy of the first ``positions`` positions of ``source`` (fewer where it holds
+        fewer); how many, 0 where ``source`` is not held (no session made). The two are independent from then on."""
+
     def undo(self, session: int) -> None:
         """The last forward call failed for ``session`` (in it, or in what the worker did with its output): put the
         session back as that call found it (`sessions.SessionTable.undo`)."""

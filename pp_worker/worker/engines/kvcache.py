@@ -33,6 +33,7 @@ from tinygrad.uop.ops import resolve
 from pp_worker.worker.cpu import attention as cpu_attention
 from pp_worker.worker.cpu import kernels
 from pp_worker.worker.device import device_kind
+from pp_worker.worker.hostio import host_bytes
 from pp_worker.worker.engines.weights import products
 
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
@@ -88,6 +89,20 @@ class KVPool:
 
     def give(self, pages: list[int]) -> None:
         self._free.extend(reversed(pages))
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy each (source, target) page's contents (a fork, `sessions.SessionTable.fork`): in place where the
+        device memory is host memory (the CPU's), else through one host buffer a page (copyout, copyin)."""
+        buf = self.tensor.uop.base.buffer
+        size = self.page_bytes
+        if (mem := host_bytes(buf)) is not None:
+            for src, dst in pairs:
+                mem[dst * size:(dst + 1) * size] = mem[src * size:(src + 1) * size]
+            return
+        staging = memoryview(bytearray(size))
+        for src, dst in pairs:
+            buf.view(size // self.dtype.itemsize, self.dtype, src * size).ensure_allocated().copyout(staging)
+            buf.view(size // self.dtype.itemsize, self.dtype, dst * size).ensure_allocated().copyin(staging)
 
 
 @dataclass(frozen=True)

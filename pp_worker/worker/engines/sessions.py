@@ -175,6 +175,29 @@ class SessionTable:
         self._live.move_to_end(rid)
         return session.length
 
+    def fork(self, rid: int, source: int, positions: int) -> tuple[int, list[tuple[int, int]]]:
+        """A new session ``rid`` holding the first ``positions`` positions of ``source`` (fewer where it holds
+        fewer): how many, and the (source page, new page) pairs whose contents the caller copies. (0, []) where
+        ``source`` is not held: nothing is made. ``source`` is touched (its cache mark stays) and never evicted to
+        make room; the rules are checked before anything changes, as `begin`'s are."""
+        if rid in self._live:
+            raise EngineError(f"session {rid} is held already: a fork makes a new session (release it first)")
+        held = self._live.get(source)
+        n = 0 if held is None else min(positions, held.length)
+        if n == 0:
+            return 0, []
+        if self.max_sessions < 2:
+            raise EngineError(f"a fork needs room for two sessions; this stage holds max_sessions="
+                              f"{self.max_sessions} (PP_MAX_SESSIONS)")
+        need = -(-n // self._pool.page)
+        self._check_room(rid, need, {source}, new=True)
+        self._live.move_to_end(source)
+        session = self._create(rid, {source})
+        self._make_room(need, rid, {source})
+        session.pages = [self._pool.take() for _ in range(need)]
+        session.length = n
+        return n, list(zip(held.pages[:need], session.pages, strict=True))
+
     def cached(self) -> list[int]:
         """The sessions held as cache, least recently used first."""
         return [rid for rid, s in self._live.items() if s.cached]

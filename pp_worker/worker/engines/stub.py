@@ -136,6 +136,17 @@ class StubEngine:
         self._cached.discard(session)
         return self._sessions.get(session, 0)
 
+    def fork(self, session: int, source: int, positions: int) -> int:
+        """As a real stage's (`sessions.SessionTable.fork`), for the lengths the stub tracks."""
+        if session in self._sessions:
+            raise EngineError(f"session {session} is held already: a fork makes a new session (release it first)")
+        n = min(positions, self._sessions.get(source, 0))
+        if n:
+            self._sessions.move_to_end(source)
+            self._sessions[session] = n
+            self._forget_oldest()
+        return n
+
     def undo(self, session: int) -> None:
         if session not in self._before:
             return
@@ -188,6 +199,10 @@ class StubEngine:
         self._sessions[session] = position + seq_len
         self._sessions.move_to_end(session)
         self._cached.discard(session)
+        self._forget_oldest()
+
+    def _forget_oldest(self) -> None:
+        """Forget the least recently used session past the ones the stub remembers."""
         if len(self._sessions) > _MAX_TRACKED:
             evicted = self._sessions.popitem(last=False)[0]
             self._cached.discard(evicted)

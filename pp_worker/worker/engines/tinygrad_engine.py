@@ -570,6 +570,15 @@ class TinygradEngine:
     def claim(self, session: int) -> int:
         return self._sessions.claim(session)
 
+    def fork(self, session: int, source: int, positions: int) -> int:
+        n, pairs = self._sessions.fork(session, source, positions)
+        try:
+            self.kv_pool.copy(pairs)
+        except BaseException:
+            self._sessions.release(session)
+            raise
+        return n
+
     def undo(self, session: int) -> None:
         self._sessions.undo(session)
 
