@@ -148,10 +148,11 @@ def test_release_with_keep_leaves_the_session_as_cache_until_claimed() -> None:
 
 
 def test_fork_copies_a_held_sessions_positions_into_a_new_one() -> None:
-    replies = run_requests(1, 3, [req("forward_range", 7), req("release", 7, keep=True),
-                                  req("fork", 8, **{"from": 7}, positions=2), req("fork", 9, **{"from": 7}, positions=50),
-                                  req("fork", 10, **{"from": 6}), req("status", 11), req("fork", 8, **{"from": 7}),
-                                  req("fork", 12, **{"from": 12}), req("fork", 12, positions=0)])
+    def fork(rid: int, source: int = 99, positions: int = 3) -> dict[str, Any]:
+        return req("fork", rid, **{"from": source}, positions=positions)
+
+    replies = run_requests(1, 3, [req("forward_range", 7), req("release", 7, keep=True), fork(8, 7, 2), fork(9, 7, 50),
+                                  fork(10, 6), req("status", 11), fork(8, 7), fork(12, 12), fork(12, positions=0)])
     assert [r.get("positions") for r in replies[2:5]] == [2, 3, 0]  # at most what 7 holds; 6 is not held
     assert replies[5]["sessions"] == {"7": 3, "8": 2, "9": 3} and replies[5]["cached_sessions"] == [7]
     assert "session 8 is held already" in replies[6]["error"]

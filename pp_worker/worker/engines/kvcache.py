@@ -33,8 +33,8 @@ from tinygrad.uop.ops import resolve
 from pp_worker.worker.cpu import attention as cpu_attention
 from pp_worker.worker.cpu import kernels
 from pp_worker.worker.device import device_kind
-from pp_worker.worker.hostio import host_bytes
 from pp_worker.worker.engines.weights import products
+from pp_worker.worker.hostio import host_bytes
 
 KV_DTYPES: dict[str, DType] = {"float32": dtypes.float32, "float16": dtypes.float16}
 PAGE = 256  # positions per page where the attention reads through a page table (the CPU's C kernel)
