@@ -15,7 +15,9 @@ pipeline; its runs (task x streams, plain and each draft in turn, 3 rounds, 15 w
 and the median of the rounds' ratios against plain) go on it. A rate is the decoded tokens of a run (each generation's
 tokens after its first) over the time from its first generation's first token to its last generation's last token. The
 repetitive task asks for a text the prompt holds (the embedded model recites the Zen of Python, so its prompt is the Zen
-and the start of it again); the free one gives a few words.
+and the start of it again); the free one gives a few words. A run's streams share their prompt, as clients sending one
+document at once: the first computes it and the others fork its session (the driver's prefix reuse,
+docs/driver.md); no run starts with the sessions of the run before it (`Pipeline.drop_cache`).
 """
 
 from __future__ import annotations
@@ -189,6 +191,7 @@ def one_delay(plan: LinksPlan, delay_ms: float) -> dict[str, Any]:
                     counted: dict[str, dict[str, Any]] = {}
                     for _ in range(rounds):  # in turn, so that a busy moment of the machine hits all alike
                         for name, draft in arms.items():
+                            p.drop_cache()  # no run finds the last one's sessions: its first computes the prompt
                             p.draft, p.trace = draft, []
                             gens = stamped(make_generations(p, [TASKS[task]] * n, plan.tokens, Sampling()))
                             runs[name].append(p.run(gens, n).generations)
@@ -317,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, help="tokens per generation")
     ap.add_argument("--rounds", type=int, help="rounds of each arm at every delay (default: 15 without delay, 3 "
                     "with one)")
+    ap.add_argument("--draft-max", type=int, help="--draft-max of each draft arm (default: pp-pipeline's)")
     ap.add_argument("--no-draft-model", action="store_true", help="no --draft-model arm (the Zen draft shares "
                     "only the embedded model's vocabulary)")
     args = ap.parse_args(argv)
@@ -333,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         given["tasks"] = tuple(args.tasks.split(","))
         if unknown := set(given["tasks"]) - TASKS.keys():
             ap.error(f"--tasks: {', '.join(sorted(unknown))}: not one of {', '.join(TASKS)}")
-    given |= {k: v for k, v in (("tokens", args.tokens), ("rounds", args.rounds)) if v}
+    given |= {k: v for k, v in (("tokens", args.tokens), ("rounds", args.rounds), ("draft_max", args.draft_max)) if v}
     if args.rounds:
         given["local_rounds"] = None
     if args.no_draft_model:

@@ -86,6 +86,25 @@ def test_concurrency_above_max_sessions_is_capped_instead_of_evicting(pipeline):
     assert f"running {MAX_SESSIONS} at a time" in pipeline.log.getvalue()
 
 
+def test_prompts_sent_together_compute_their_common_beginning_once(pipeline):
+    """Two generations of one prompt in flight at once: the second forks the first's session on each stage (its
+    forks queued behind the first's prefill, which each stage serves first) and computes only the last prompt token;
+    both give the tokens of a generation that computes the whole prompt alone, without reuse."""
+    prompt = " ".join(PROMPTS)
+    pipeline.drop_cache()
+    alone = Generation(0, prompt, pipeline.new_request_id(), 8, cache_prompt=False)
+    pipeline.run([alone])
+    assert alone.reused == 0 and pipeline.cached_sessions() == {}
+    pipeline.trace = []
+    a, b = pipeline.run(make_generations(pipeline, [prompt, prompt], 8, Sampling()), concurrency=2).generations
+    trace, pipeline.trace = pipeline.trace, None
+    assert (a.reused, b.reused) == (0, len(b.prompt_tokens) - 1)
+    assert sorted(stage for _, stage, rid, op, way in trace if op == "fork" and way == "send" and rid == b.session) \
+        == [0, 1]
+    assert a.tokens == b.tokens == alone.tokens
+    assert sorted(pipeline.cached_sessions()) == sorted([a.session, b.session])  # each left its own as cache
+
+
 def _most_in_flight(trace) -> int:
     """The most generations that had been prefilled and not yet released, at any moment."""
     live, most = set(), 0

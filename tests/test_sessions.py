@@ -411,29 +411,32 @@ def test_a_fork_takes_pages_of_its_own_for_the_positions_it_copies():
     assert t.positions()[2] == 9 and t.positions()[1] == 10
 
 
-def test_a_fork_into_a_held_session_or_with_one_slot_is_refused():
+def test_a_fork_into_a_held_session_is_refused():
     t, _ = table()
     step(t, 1, 0, 4)
     step(t, 2, 0, 4)
     with pytest.raises(EngineError, match="session 2 is held already"):
         t.fork(2, 1, 4)
+
+
+def test_a_fork_evicts_cached_sessions_for_room_but_never_a_live_one_nor_its_source():
+    t, rec = table(max_sessions=4, n_pages=5)
+    for rid in (1, 2, 3):  # 1, the source, 2 pages; 2 and 3 one page each
+        step(t, rid, 0, 8 if rid == 1 else 4)
+    t.release(1, keep=True)
+    t.release(2, keep=True)
+    assert t.fork(4, 1, 8)[0] == 8  # 2 pages, 1 free: the cached 2 goes, never the source
+    assert t.positions() == {3: 4, 1: 8, 4: 8} and t.cached() == [1]
+    assert [(f["session"], f["reason"]) for _, f in rec.events] == [(2, "kv_pages")]
+    assert t.fork(5, 1, 8) == (0, [])  # no room but in live sessions (and the source): nothing made, none evicted
+    assert t.positions() == {3: 4, 1: 8, 4: 8} and len(rec.events) == 1
     one, _ = table(max_sessions=1)
     step(one, 1, 0, 4)
-    with pytest.raises(EngineError, match="max_sessions=1"):
-        one.fork(2, 1, 4)
-    assert one.positions() == {1: 4}
-
-
-def test_a_fork_evicts_for_room_but_never_its_source():
-    t, rec = table(max_sessions=3, n_pages=4)
-    step(t, 1, 0, 8)  # the source, the least recently used: 2 pages
-    step(t, 2, 0, 4)
-    step(t, 3, 0, 4)
-    assert t.fork(4, 1, 8)[0] == 8  # 2 pages, none free: 2 goes for room, 3 for the session slot
-    assert t.positions() == {1: 8, 4: 8}
-    assert [f["session"] for _, f in rec.events] == [2, 3]
-    full, _ = table(n_pages=2)
-    step(full, 1, 0, 8)  # every page
-    with pytest.raises(EngineError, match=r"session 5 needs 2 more page\(s\)"):
-        full.fork(5, 1, 8)  # only the source could go: refused, nothing changes
-    assert full.positions() == {1: 8}
+    one.release(1, keep=True)
+    assert one.fork(2, 1, 4) == (0, []) and one.positions() == {1: 4}  # one slot: no room for a copy
+    two, rec = table(max_sessions=2)
+    for rid in (1, 2):
+        step(two, rid, 0, 4)
+        two.release(rid, keep=True)
+    assert two.fork(3, 2, 4)[0] == 4 and two.positions() == {2: 4, 3: 4}  # a slot: the cached 1 goes
+    assert [(f["session"], f["reason"]) for _, f in rec.events] == [(1, "max_sessions")]

@@ -122,7 +122,8 @@ class Generation:
         """The whole generation as the calls it makes, top to bottom. ``max_context``: positions a KV session
         holds (the stages' ready lines); the generation stops there with reason "length". ``prefill_chunk``: a
         longer prompt is pipelined through the stages in chunks of that many tokens (`_pipelined_prefill`).
-        ``prefixes``: the sessions earlier generations left, which a ``cache_prompt`` generation may take.
+        ``prefixes``: the sessions earlier generations left and those in flight, which a ``cache_prompt`` generation
+        may take or fork.
         A generation that comes with ``tokens`` (one that went on after a failure: pp-serve's restarts) goes on
         from them: its prompt and those tokens are the prefill, whose forward gives the next token."""
         self.t_start = self.t_start or time.monotonic()
@@ -138,8 +139,10 @@ class Generation:
         held = self.prompt_tokens + self.tokens  # what the sessions are to hold before the next token
         if self.draft:  # a draft model takes the prompt in while the stages do
             self.draft.begin(held)
-        if self.cache_prompt and prefixes is not None and not self.tokens:
-            yield from self._take_prefix(prefixes, num_stages)
+        if self.cache_prompt and prefixes is not None:
+            if not self.tokens:
+                yield from self._share_prefix(prefixes, num_stages)
+            prefixes.offer(self.session, held)  # others may fork it once the prefill below is sent
         start = self.reused = reusable(self.cached, held)  # only what is new is computed
         if prefill_chunk and len(held) - start > prefill_chunk:
             start = yield from self._pipelined_prefill(held, start, prefill_chunk, num_stages)
@@ -173,18 +176,21 @@ class Generation:
         shown = self.tokens[:-1] if token in eos else self.tokens
         self._finish((yield Call(num_stages - 1, "detokenize", {"tokens": shown}))["text"])
 
-    def _take_prefix(self, prefixes: PrefixCache, n: int) -> Generator[Call, Reply | None, None]:
-        """Take the cached session sharing the longest prefix with the prompt, if any: claim it on every stage
-        (one at a time: a stage that evicted it meanwhile says 0) and hold as ``cached`` what all of them still
-        hold."""
-        found = prefixes.take(self.prompt_tokens)
+    def _share_prefix(self, prefixes: PrefixCache, n: int) -> Generator[Call, Reply | None, None]:
+        """Start from the session where the prompt begins already, if any (`PrefixCache.source`): claim a cached one
+        it continues whole, else fork the common positions into this generation's own session; on every stage, one
+        at a time (a stage that evicted the source meanwhile says 0), holding as ``cached`` what all of them hold."""
+        found = prefixes.source(self.prompt_tokens)
         if found is None:
             return
-        self.session, held = found
-        least = len(held)
+        if found.take:
+            self.session, op, fields = found.session, "claim", {}
+        else:
+            op, fields = "fork", {"from": found.session, "positions": found.common}
+        least = len(found.held)
         for s in range(n):
-            least = min(least, (yield Call(s, "claim", {}))["positions"])
-        self.cached = held[:least]
+            least = min(least, (yield Call(s, op, fields))["positions"])
+        self.cached = found.held[:least]
 
     def _forward(self, op: str, feed: dict[str, Any], position: int, seq_len: int, n: int,
                  drafted: list[int]) -> Generator[Call, Reply | None, Reply]:

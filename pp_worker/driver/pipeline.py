@@ -214,7 +214,7 @@ class Pipeline:
                     raise PipelineError(f"cannot start stage {i}: {e}") from e
             self._wait_ready(load_timeout)
             if reuse or reuse is None and not any((st.ready or {}).get("stub") for st in self.stages):
-                self.prefixes = PrefixCache(self.max_sessions or 1)
+                self.prefixes = PrefixCache(self.max_sessions or 1, self._room_for_a_fork)
             if schedule == "auto":
                 self.schedule = "lockstep" if self._share_cores(launch) else "groups"
         except BaseException as e:
@@ -319,6 +319,9 @@ class Pipeline:
                     g.draft.end()
             raise
         finally:
+            for g, _ in self._active.values():
+                if self.prefixes is not None:
+                    self.prefixes.withdraw(g.session)
             self._active.clear()
             self._group_of.clear()
             self._drafting.clear()
@@ -382,6 +385,8 @@ class Pipeline:
         except StopIteration:
             del self._active[rid]
             self._group_of.pop(g.session, None)
+            if self.prefixes is not None:
+                self.prefixes.withdraw(g.session)
             if g.draft:
                 g.draft.end()
             if g.keep_session:
@@ -415,6 +420,21 @@ class Pipeline:
             self._say(f"request {rid}: no guesses at this step: {type(guesses).__name__}: {guesses}")
             guesses = []
         self._advance(rid, {"tokens": guesses})
+
+    def _room_for_a_fork(self) -> bool:
+        """Whether the stages hold a cached session beside every generation in flight (the one asking included)
+        and the kept ones: a fork of it keeps it, and a stage never evicts a live session for a fork (it evicts the
+        other cached ones as needed)."""
+        return len(self._active) + len(self._kept) < (self.max_sessions or 0)
+
+    def drop_cache(self) -> None:
+        """Release every session left as cache, on every stage (a benchmark's rounds start from the same state)."""
+        if self.prefixes is not None:
+            for session in self.prefixes.sizes():
+                self.prefixes.drop(session)
+                self._release(session)
+        while self._pending:
+            self._pump(time.monotonic() + self.step_timeout)
 
     def cached_sessions(self) -> dict[int, int]:
         """The sessions left as cache for prefix reuse -> the tokens each holds (a copy, for any thread)."""
@@ -710,6 +730,8 @@ def run_pipeline(prompts: list[str], *, stages: int = 2, model: str | None = Non
 
 def make_generations(p: Pipeline, prompts: list[str], max_tokens: int, sampling: Sampling,
                      on_text: TextSink | None = None) -> list[Generation]:
-    return [Generation(i, prompt, p.new_request_id(), max_tokens, sampling, on_text=on_text)
-            for i, prompt in enumerate(prompts)]
+    """One generation a prompt; where the pipeline reuses prefixes, prompts that begin alike compute that beginning
+    once (a later one forks an earlier one's session) and leave their sessions as cache for the next run."""
+    return [Generation(i, prompt, p.new_request_id(), max_tokens, sampling, on_text=on_text,
+                       cache_prompt=p.prefixes is not None) for i, prompt in enumerate(prompts)]
 

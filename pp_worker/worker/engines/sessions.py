@@ -177,25 +177,31 @@ class SessionTable:
 
     def fork(self, rid: int, source: int, positions: int) -> tuple[int, list[tuple[int, int]]]:
         """A new session ``rid`` holding the first ``positions`` positions of ``source`` (fewer where it holds
-        fewer): how many, and the (source page, new page) pairs whose contents the caller copies. (0, []) where
-        ``source`` is not held: nothing is made. ``source`` is touched (its cache mark stays) and never evicted to
-        make room; the rules are checked before anything changes, as `begin`'s are."""
+        fewer): how many, and the (source page, new page) pairs whose contents the caller copies. A copy is an
+        optimisation, so it makes room by evicting sessions left as cache only (least recently used first, never
+        ``source``), never a live one: (0, []), nothing made, where ``source`` is not held or that is not enough
+        (the caller computes the positions itself). ``source`` is touched; its cache mark stays."""
         if rid in self._live:
             raise EngineError(f"session {rid} is held already: a fork makes a new session (release it first)")
         held = self._live.get(source)
         n = 0 if held is None else min(positions, held.length)
-        if n == 0:
+        if held is None or n == 0:
             return 0, []
-        if self.max_sessions < 2:
-            raise EngineError(f"a fork needs room for two sessions; this stage holds max_sessions="
-                              f"{self.max_sessions} (PP_MAX_SESSIONS)")
         need = -(-n // self._pool.page)
-        self._check_room(rid, need, {source}, new=True)
+        free, count, victims = self._pool.free, len(self._live) + 1, []
+        for r in (r for r, s in self._live.items() if s.cached and r != source):
+            if free >= need and count <= self.max_sessions:
+                break
+            victims.append((r, "max_sessions" if count > self.max_sessions else "kv_pages"))
+            free, count = free + len(self._live[r].pages), count - 1
+        if free < need or count > self.max_sessions:
+            return 0, []
+        for r, reason in victims:
+            self._evict(r, reason)
         self._live.move_to_end(source)
-        session = self._create(rid, {source})
-        self._make_room(need, rid, {source})
+        session = self._live[rid] = Session(length=n)
+        self._evicted.pop(rid, None)
         session.pages = [self._pool.take() for _ in range(need)]
-        session.length = n
         return n, list(zip(held.pages[:need], session.pages, strict=True))
 
     def cached(self) -> list[int]:
