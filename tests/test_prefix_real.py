@@ -1,6 +1,7 @@
 """Prefix reuse in pp-serve, real mode (tinygrad stages on the embedded model): greedy answers are the same with
 reuse as without (``cache_prompt: false`` prefills everything) for a multi-turn chat, an identical repeat, prompts
-sharing part of a prefix and prompts shorter than a cached one, in exact and int8 numerics; live requests evict
+sharing part of a prefix and prompts shorter than a cached one, in exact and int8 numerics, and n choices of one
+prompt (computed once); live requests evict
 cached sessions (max_sessions, and a KV pool of few pages) and never fail; /slots needs the key; a killed stage's
 cache goes with it and the next request just prefills."""
 
@@ -123,6 +124,18 @@ def test_cache_prompt_false_prefills_everything_and_the_metrics_count_reuse(serv
         assert 1 <= m[("pp_serve_stage_kv_cached_sessions", (("stage", st),))] <= 2
         assert 1 <= m[("pp_serve_stage_kv_cached_pages", (("stage", st),))] <= m[
             ("pp_serve_stage_kv_pages_used", (("stage", st),))]
+
+
+def test_n_choices_compute_their_prompt_once_and_answer_as_the_prompt_alone(server: Server) -> None:
+    """Greedy choices of one request are each the answer the prompt gets alone; the second copies the first's KV
+    (it forks the first's session while that one prefills) instead of computing the prompt again."""
+    prompt = "Now is better than never. Although never is often better than right now. If the implementation"
+    whole, _ = _reuse(server, "text", cache_prompt=False, prompt=prompt)
+    before = server.metrics()[("pp_serve_prompt_tokens_reused_total", ())]
+    r = server.client().completions.create(model="zen", temperature=0, max_tokens=10, prompt=prompt, n=2)
+    assert [(c.index, c.text) for c in r.choices] == [(0, whole), (1, whole)] and whole
+    reused = server.metrics()[("pp_serve_prompt_tokens_reused_total", ())] - before
+    assert reused == r.usage.prompt_tokens_details.cached_tokens + r.usage.prompt_tokens - 1
 
 
 def test_llama_servers_completion_reuses_and_counts_what_it_reused(server: Server) -> None:

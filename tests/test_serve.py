@@ -120,6 +120,31 @@ def test_sampling_fields_and_seed_reach_the_workers(server: Server) -> None:
         assert r.choices[0].text == text
 
 
+def test_n_choices_are_generations_of_their_own_streamed_or_not(server: Server) -> None:
+    """Choice i samples with the seed plus i (each its own draw, the request repeatable), each text as the driver
+    gives it; the usage counts the prompt once and every choice's tokens; a stream's chunks name their choice."""
+    texts = [driver_text(PROMPTS[2], 10, Sampling(temperature=0.9, seed=11 + i))[0] for i in range(3)]
+    assert len(set(texts)) == 3  # otherwise this test could not tell the choices apart
+    _, n_prompt, _ = driver_text(PROMPTS[2], 10)
+    client = server.client()
+    r = client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=10, temperature=0.9, seed=11, n=3)
+    assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(i, t, "length") for i, t in enumerate(texts)]
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (n_prompt, 30, n_prompt + 30)
+    chunks = list(client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=10, temperature=0.9, seed=11,
+                                            n=3, stream=True, stream_options={"include_usage": True}))
+    assert ["".join(c.choices[0].text for c in chunks if c.choices and c.choices[0].index == i) for i in range(3)] \
+        == texts
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [30] and chunks[-1].choices == []
+    assert len({c.id for c in chunks}) == 1
+    messages = [{"role": "user", "content": "hello there pipeline"}]
+    chat = list(client.chat.completions.create(model="m", messages=messages, max_tokens=4, n=2, stream=True))
+    assert sorted(c.choices[0].index for c in chat if c.choices[0].delta.role == "assistant") == [0, 1]
+    assert sorted(c.choices[0].index for c in chat if c.choices[0].finish_reason == "length") == [0, 1]
+    whole = client.chat.completions.create(model="m", messages=messages, max_tokens=4, n=2)
+    assert [c.message.content for c in whole.choices] == \
+        ["".join(c.choices[0].delta.content or "" for c in chat if c.choices[0].index == i) for i in range(2)]
+
+
 def test_logit_bias_reaches_the_last_stage(server: Server) -> None:
     greedy, _, _ = driver_text(PROMPTS[2], 6)
     first = greedy.split()[0]  # the stub's text is each token id after a space
@@ -192,7 +217,7 @@ def test_metrics_count_the_requests_and_tokens_served(server: Server) -> None:
     chunks = list(client.completions.create(model="m", prompt=PROMPTS[6], max_tokens=5, stream=True,
                                             stream_options={"include_usage": True}))
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="a", n=2)
+        client.completions.create(model="m", prompt="a", n=0)
     assert server.request("/nowhere")[0] == 404
     server.request("/tokenize", b'{"content": "a b"}')
     after = server.metrics()
@@ -314,7 +339,7 @@ def test_chat_stream_chunks_end_on_token_boundaries(server: Server) -> None:
 @pytest.mark.parametrize("fields, param", [
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"logprobs": True, "top_logprobs": -1}, "top_logprobs"), ({"presence_penalty": -2.1}, "presence_penalty"),
-    ({"n": 3}, "n"),
+    ({"n": 0}, "n"), ({"n": 129}, "n"),
 ])
 def test_bad_chat_values_get_400_naming_the_field(server: Server, fields: dict, param: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:
@@ -474,7 +499,7 @@ def test_waiting_client_that_disconnects_releases_its_sessions(server: Server) -
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"n": 2}, "n"), ({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
+    ({"n": 0}, "n"), ({"temperature": 5}, "temperature"), ({"top_p": 0}, "top_p"), ({"max_tokens": 0}, "max_tokens"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"logprobs": 21}, "logprobs"), ({"seed": -2}, "seed"),
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
     ({"prompt": ""}, "prompt"), ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x" * 70000}, "prompt"),

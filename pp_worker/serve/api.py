@@ -19,6 +19,7 @@ from pp_worker.serve.fields import ApiError, boolean, integer, number, prompt_te
 MAX_STOPS = 4  # as OpenAI
 MAX_LOGIT_BIAS = 100.0  # as OpenAI (and the workers)
 SEED_LIMIT = 1 << 63  # the workers' seed range
+MAX_CHOICES = 128  # n, as OpenAI's
 MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI's top_logprobs (and the workers)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
@@ -37,6 +38,7 @@ class Ask:
     grammar: dict[str, Any] | None = None  # the last stage's grammar field (structured output, a forced tool call)
     tools: tools.ToolUse | None = None  # the chat's tools: its output is parsed for calls (`tools.result`)
     cache_prompt: bool = True  # llama-server's field: reuse a cached session's common prefix (docs/serve.md)
+    n: int = 1  # OpenAI's: choices, each a generation of its own from the one prompt (its KV computed once)
 
     @property
     def logprobs(self) -> int | None:
@@ -125,10 +127,7 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
 
 
 def _ask(body: dict[str, Any], prompt: str, defaults: Defaults, *, chat: bool, max_tokens_field: str) -> Ask:
-    n = integer(body, "n", 1, 1 << 30)
-    if n not in (None, 1):  # n choices would each decode from the prompt's KV: one session forked n ways
-        raise ApiError(400, "n: only 1 choice per request is supported (the stages cannot yet fork a KV session "
-                       "to share the prompt; send n requests instead)", "n")
+    n = integer(body, "n", 1, MAX_CHOICES) or 1
     stream = boolean(body, "stream") or False
     options = typed(body, "stream_options", dict)
     include_usage = bool(stream and options and options.get("include_usage") is True)
@@ -137,7 +136,12 @@ def _ask(body: dict[str, Any], prompt: str, defaults: Defaults, *, chat: bool, m
     if not chat:  # the legacy completions' logprobs: how many alternatives (chat's is a boolean)
         sampling = replace(sampling, logprobs=integer(body, "logprobs", 0, MAX_LOGPROBS))
     return Ask(prompt, max_tokens or defaults.max_tokens, sampling, stop_strings(body), stream, include_usage, chat,
-               cache_prompt=boolean(body, "cache_prompt") is not False)
+               cache_prompt=boolean(body, "cache_prompt") is not False, n=n)
+
+
+def choice_sampling(sampling: Sampling, index: int) -> Sampling:
+    """Choice ``index``'s sampling: a seed moves by the index (each choice its own draw, the request repeatable)."""
+    return sampling if sampling.seed is None else replace(sampling, seed=(sampling.seed + index) % SEED_LIMIT)
 
 
 def sampling_fields(body: dict[str, Any], defaults: Defaults, repetition_penalty: str = "repetition_penalty",

@@ -3,8 +3,9 @@ the model, ``/health``; with the routes of ``stages`` (``/stages``, ``/tokenize`
 chat page, ``/props``), ``metrics`` (``/metrics``), ``slots`` (``/slots``) and ``llamacpp`` (llama-server's
 ``/completion``, ``/apply-template``...), behind the middleware of ``access`` (API keys, CORS).
 
-A request becomes one ``ServedGeneration`` submitted to the pipeline service; its ``Feed`` brings the text back to
-the event loop. A client that disconnects cancels its generation, which then releases its KV sessions.
+A request becomes one ``ServedGeneration`` a choice (``n``), submitted to the pipeline service; each one's ``Feed``
+brings its text back to the event loop. A client that disconnects cancels its generations, which then release their
+KV sessions.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from contextlib import aclosing
+from dataclasses import dataclass, replace
 from typing import Any
 
 from starlette.applications import Starlette
@@ -29,7 +31,7 @@ from pp_worker.driver.draft_model import DraftWorker
 from pp_worker.driver.service import PipelineService, ServedGeneration, Unavailable
 from pp_worker.serve import tools
 from pp_worker.serve.access import RequireKey, cors
-from pp_worker.serve.api import Ask, Defaults, chat_ask, completion_ask
+from pp_worker.serve.api import Ask, Defaults, chat_ask, choice_sampling, completion_ask
 from pp_worker.serve.feed import Feed, Shape, Update
 from pp_worker.serve.fields import ApiError, read_body, unavailable
 from pp_worker.serve.llamacpp import llamacpp_routes
@@ -92,77 +94,122 @@ def build_app(service: PipelineService, chat_format: Format, defaults: Defaults,
 
 # --- generating -----------------------------------------------------------------------------------------------
 async def _generate(api: Api, request: Request, ask: Ask, shape: Shape | None = None) -> Response:
-    """Run ``ask``; the reply in ``shape`` (OpenAI's by default): one JSON body, or an SSE stream."""
+    """Run ``ask``, a generation a choice (``n``: their prompt's KV computed once, the others forking it); the reply
+    in ``shape`` (OpenAI's by default; only OpenAI's asks have more than one choice): one JSON body, or an SSE
+    stream."""
     shape = shape or OPENAI
-    service, feed, timing = api.service, Feed(asyncio.get_running_loop(), ask.stop), api.metrics.timing()
-    rid = service.new_request_id()
-    # per-token text only where it is needed: to stream it, or to find a stop string while generating
-    on_text = feed.on_text if ask.stream or ask.stop else None
+    service, loop = api.service, asyncio.get_running_loop()
+    feeds = [Feed(loop, ask.stop) for _ in range(ask.n)]
+    rids: list[int] = []
+    try:
+        for i, feed in enumerate(feeds):
+            rids.append(service.new_request_id())
+            service.submit(_choice(api, ask, rids[-1], i, feed))
+    except Unavailable as e:
+        for rid in rids[:-1]:
+            service.cancel(rid)
+        raise unavailable(str(e)) from None
+    watch = asyncio.create_task(_cancel_on_disconnect(request, service, rids))
+    done = False
+    try:
+        first = await feeds[0].next()  # before the status line: a request that fails alone still gets its 400
+        _raise_for(first)
+        if ask.stream:
+            body = _events(api, ask, rids, first, feeds, watch, shape)
+            watch = None  # the stream owns it now
+            return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        updates: list[list[Update]] = [[] for _ in feeds]
+        async with aclosing(_updates(feeds, first)) as each:
+            async for i, update in each:
+                _raise_for(update)
+                updates[i].append(update)
+        done = True
+        return JSONResponse(_whole(shape, api.service.model, ask, rids[0], updates))
+    finally:
+        if watch is not None:
+            _stop(service, rids, watch, done)
+
+
+def _choice(api: Api, ask: Ask, rid: int, index: int, feed: Feed) -> ServedGeneration:
+    """Choice ``index``'s generation, its text and end to ``feed``, its timing to the metrics."""
+    timing = api.metrics.timing()
 
     def on_end(g: ServedGeneration) -> None:
         timing.on_end(g)  # counted before the client can have its answer (and scrape /metrics)
         feed.on_end(g)
 
-    g = ServedGeneration(0, ask.prompt, rid, ask.max_tokens, ask.sampling, on_text=on_text, on_end=on_end,
-                         on_token=timing.on_token, grammar=ask.grammar, cache_prompt=ask.cache_prompt)
+    # per-token text only where it is needed: to stream it, or to find a stop string while generating
+    on_text = feed.on_text if ask.stream or ask.stop else None
+    return ServedGeneration(0, ask.prompt, rid, ask.max_tokens, choice_sampling(ask.sampling, index), on_text=on_text,
+                            on_end=on_end, on_token=timing.on_token, grammar=ask.grammar,
+                            cache_prompt=ask.cache_prompt)
+
+
+async def _updates(feeds: list[Feed], first: Update) -> AsyncIterator[tuple[int, Update]]:
+    """(choice, update) as the choices' updates come, ``first`` (choice 0's) first, each choice's up to its last."""
+    waiting: dict[asyncio.Future[Update], int] = {}
+
+    def follow(i: int) -> None:
+        waiting[asyncio.ensure_future(feeds[i].next())] = i
+
+    yield 0, first
+    for i in range(len(feeds)):
+        if i or first.finish_reason is None and not first.error:
+            follow(i)
     try:
-        service.submit(g)
-    except Unavailable as e:
-        raise unavailable(str(e)) from None
-    watch = asyncio.create_task(_cancel_on_disconnect(request, service, rid))
-    done = False
-    try:
-        first = await feed.next()  # before the status line: a request that fails alone still gets its 400
-        _raise_for(first)
-        done = first.finish_reason is not None
-        if ask.stream:
-            body = _events(api, ask, rid, first, feed, watch, shape)
-            watch = None  # the stream owns it now
-            return StreamingResponse(body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        updates = [first]
-        while not done:
-            updates.append(await feed.next())
-            _raise_for(updates[-1])
-            done = updates[-1].finish_reason is not None
-        return JSONResponse(shape.whole(api.service.model, ask, rid, updates))
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.__getitem__):
+                i, update = waiting.pop(task), task.result()
+                yield i, update
+                if update.finish_reason is None and not update.error:
+                    follow(i)
     finally:
-        if watch is not None:
-            _stop(service, rid, watch, done)
+        for task in waiting:
+            task.cancel()
 
 
-async def _events(api: Api, ask: Ask, rid: int, first: Update, feed: Feed, watch: asyncio.Task[None],
+async def _events(api: Api, ask: Ask, rids: list[int], first: Update, feeds: list[Feed], watch: asyncio.Task[None],
                   shape: Shape) -> AsyncIterator[str]:
-    """The SSE stream: the shape's events for each update, then [DONE] where the shape has it, an error too.
-    Cancelled on disconnect."""
-    update, done, stream = first, False, shape.stream(api.service.model, ask, rid)
+    """The SSE stream: the shape's events for each choice's updates as they come (each chunk names its choice), the
+    usage of all of them last where asked, then [DONE] where the shape has it, an error too. Cancelled on
+    disconnect."""
+    model, done = api.service.model, False
+    streams = [shape.stream(model, ask, rids[0])] if len(feeds) == 1 else \
+        [OpenAIStream(model, replace(ask, include_usage=False), rids[0], i) for i in range(len(feeds))]
+    usages: list[dict[str, Any] | None] = [None] * len(feeds)
     try:
-        while True:
-            if update.error:  # an OpenAI stream ends in [DONE] after an error too: clients wait for it
-                yield _sse(_error(update).body())
-                break
-            for event in stream.events(update):
-                yield _sse(event)
-            if update.finish_reason is not None:
+        async with aclosing(_updates(feeds, first)) as each:
+            async for i, update in each:
+                if update.error:  # an OpenAI stream ends in [DONE] after an error too: clients wait for it
+                    yield _sse(_error(update).body())
+                    break
+                for event in streams[i].events(update):
+                    yield _sse(event)
+                usages[i] = update.usage
+            else:
                 done = True
-                break
-            update = await feed.next()
+                if len(feeds) > 1 and ask.include_usage:
+                    yield _sse({**_chunk(model, ask, rids[0], "", None), "choices": [], "usage": _usage(usages)})
         if shape.done_line:
             yield "data: [DONE]\n\n"
     finally:
-        _stop(api.service, rid, watch, done)
+        _stop(api.service, rids, watch, done)
 
 
-async def _cancel_on_disconnect(request: Request, service: PipelineService, rid: int) -> None:
+async def _cancel_on_disconnect(request: Request, service: PipelineService, rids: list[int]) -> None:
     """The body is read, so the next ASGI message is the client leaving."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    service.cancel(rid)
-
-
-def _stop(service: PipelineService, rid: int, watch: asyncio.Task[None], done: bool) -> None:
-    watch.cancel()
-    if not done:  # the client left, or the server is stopping: the generation's sessions go now
+    for rid in rids:
         service.cancel(rid)
+
+
+def _stop(service: PipelineService, rids: list[int], watch: asyncio.Task[None], done: bool) -> None:
+    watch.cancel()
+    if not done:  # the client left, or the server is stopping: the generations' sessions go now
+        for rid in rids:
+            service.cancel(rid)
 
 
 def _raise_for(update: Update) -> None:
@@ -181,31 +228,31 @@ class OpenAIStream:
     """OpenAI's chunks: chat's opening role chunk, text chunks (with their tokens' log-probabilities if asked), the
     finish reason, the usage if asked for."""
 
-    def __init__(self, model: str, ask: Ask, rid: int):
-        self.model, self.ask, self.rid = model, ask, rid
+    def __init__(self, model: str, ask: Ask, rid: int, index: int = 0):
+        self.model, self.ask, self.rid, self.index = model, ask, rid, index
         self.offset = 0  # characters of the tokens' texts sent so far (completions' text_offset)
         self.opened = not ask.chat
         self.calls = ask.tools is not None and ask.tools.parses  # the text may be a call: held back until the end
         self.held = ""
 
     def events(self, update: Update) -> Iterator[dict[str, Any]]:
-        model, ask, rid = self.model, self.ask, self.rid
+        model, ask, rid, index = self.model, self.ask, self.rid, self.index
         if not self.opened:
             self.opened = True
-            yield _chunk(model, ask, rid, {"role": "assistant", "content": ""}, None)
+            yield _chunk(model, ask, rid, {"role": "assistant", "content": ""}, None, index=index)
         if self.calls:
             self.held += update.text
         elif update.text or update.logprobs:
             yield _chunk(model, ask, rid, {"content": update.text} if ask.chat else update.text, None,
-                         _logprobs(ask, update.logprobs, self.offset))
+                         _logprobs(ask, update.logprobs, self.offset), index)
             self.offset += sum(len(e["text"]) for e in update.logprobs)
         if update.finish_reason is not None:
             finish = update.finish_reason
             if self.calls:
                 deltas, finish = _held_deltas(ask, self.held, finish)
                 for delta in deltas:
-                    yield _chunk(model, ask, rid, delta, None)
-            yield _chunk(model, ask, rid, {} if ask.chat else "", finish)
+                    yield _chunk(model, ask, rid, delta, None, index=index)
+            yield _chunk(model, ask, rid, {} if ask.chat else "", finish, index=index)
             if ask.include_usage:
                 yield {**_chunk(model, ask, rid, "", None), "choices": [], "usage": update.usage}
 
@@ -231,6 +278,24 @@ def _completion(model: str, ask: Ask, rid: int, updates: list[Update]) -> dict[s
 OPENAI = Shape(_completion, OpenAIStream)
 
 
+def _whole(shape: Shape, model: str, ask: Ask, rid: int, updates: list[list[Update]]) -> dict[str, Any]:
+    """The body of an answer not streamed: the shape's, with every choice's (OpenAI's shape where there are several)
+    and their usage."""
+    bodies = [shape.whole(model, ask, rid, u) for u in updates]
+    if len(bodies) == 1:
+        return bodies[0]
+    return {**bodies[0], "choices": [{**b["choices"][0], "index": i} for i, b in enumerate(bodies)],
+            "usage": _usage([u[-1].usage for u in updates])}
+
+
+def _usage(usages: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """Several choices' usage as OpenAI counts it: the prompt once (and what of it was reused: the first choice's,
+    which computed it), every choice's tokens."""
+    first = usages[0] or {}
+    completion = sum((u or {}).get("completion_tokens", 0) for u in usages)
+    return {**first, "completion_tokens": completion, "total_tokens": first.get("prompt_tokens", 0) + completion}
+
+
 def _held_deltas(ask: Ask, text: str, finish: str) -> tuple[list[dict[str, Any]], str]:
     """A held-back text's deltas at the end of a stream with tools: its calls as OpenAI streams them (and the
     reason "tool_calls"), else its content."""
@@ -242,8 +307,8 @@ def _held_deltas(ask: Ask, text: str, finish: str) -> tuple[list[dict[str, Any]]
 
 
 def _chunk(model: str, ask: Ask, rid: int, content: dict[str, Any] | str, finish: str | None,
-           logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": logprobs}
+           logprobs: dict[str, Any] | None = None, index: int = 0) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": logprobs}
     choice["delta" if ask.chat else "text"] = content
     return {**_head(model, ask, rid, "chat.completion.chunk" if ask.chat else "text_completion"), "choices": [choice]}
 
