@@ -19,8 +19,10 @@ WIRE_DTYPES = ("f16", "auto", "f32", "q8")  # worker.q8.WIRE_DTYPES; the driver 
 MAX_LOGIT_BIAS = 100.0  # worker.protocol.MAX_LOGIT_BIAS, as OpenAI
 # --draft-max's default: a draft model's guesses cost a forward each, and a good one's are nearly all kept, so a check
 # of 7 (8 rows, one call of each stage's ladder) beat 3 on the embedded model with the Zen draft, 1 and 8 streams;
-# prompt lookup did as well with 3 (bench/NOTES.md, Speculative decoding). k adapts down on misses either way.
-DRAFT_MAX = {"ngram": 3, "model": 7}
+# prompt lookup too once 8 streams compute their prompt once (fewer trips where every row costs compute: smol's
+# 8 streams 1.46-1.52x of plain against 1.28-1.36x; free text drafts nothing either way; bench/NOTES.md, Prompts
+# that begin alike). k adapts down on misses either way.
+DRAFT_MAX = {"ngram": 7, "model": 7}
 
 
 def add_pipeline_flags(ap: argparse.ArgumentParser, *, concurrency: int, max_tokens_help: str) -> None:
