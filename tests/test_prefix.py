@@ -50,22 +50,39 @@ def test_a_short_common_prefix_is_shared_only_where_it_is_half_of_what_could_be(
 def test_a_generation_in_flight_is_forked_until_it_ends() -> None:
     c = PrefixCache(4)
     prompt = list(range(40))
-    c.offer(5, prompt)  # its prefill is sent: the stages will hold it by the time a fork reaches them
+    c.offer(15, 5, prompt)  # generation 15 sent its prefill: session 5 will hold it by the time a fork reaches it
     assert c.source([*prompt, 1]) == Source(5, prompt, 40, take=False)  # never taken: it is in use
     c.put(6, prompt[:30])
     assert c.source([*prompt, 1]).session == 5  # the longest beginning, live or cached
-    c.withdraw(5)
+    c.withdraw(15, 5)
     assert c.source([*prompt, 1]) == Source(6, prompt[:30], 30, take=True)
     assert c.source(prompt) is None and c.sizes() == {}
+
+
+def test_a_generation_choosing_where_it_starts_is_waited_for_where_it_shares_more() -> None:
+    ready: list[int] = []
+    c = PrefixCache(4, ready=ready.append)
+    header, doc = list(range(20)), list(range(100, 160))
+    c.put(1, header)
+    c.expect(7, [*header, *doc])  # generation 7 forks 1's header, then prefills the document
+    assert c.source([*header, *doc, 5]) == Source(7, [*header, *doc], 80, take=False, wait=True)
+    assert c.source([*header, *doc, 5], wait=False) == Source(1, header, 20, take=True)  # taken: out of the cache
+    c.put(1, header)
+    assert c.source([*header, 9, 9]) == Source(1, header, 20, take=True)  # the cache has as much: no wait
+    c.offer(7, 3, [*header, *doc])  # sent its prefill, under session 3: the waiting go on, and fork 3
+    assert ready == [7] and c.source([*header, *doc, 5]) == Source(3, [*header, *doc], 80, take=False)
+    c.expect(8, list(range(200, 240)))
+    c.withdraw(8, 8)  # ended before it sent its prefill (a prompt the stages refused): the waiting go on too
+    assert ready == [7, 8] and c.source(list(range(200, 241))) is None
 
 
 def test_without_room_for_a_copy_a_cached_session_is_taken_and_rewound() -> None:
     c = PrefixCache(4, room=lambda: False)  # every session slot but the cache's held by live (or kept) ones
     c.put(1, list(range(40)))
-    c.offer(2, list(range(50)))
+    c.offer(12, 2, list(range(50)))
     assert c.source([*range(20), 7]) == Source(1, list(range(40)), 20, take=True)  # a tie with the live 2
     assert c.source([*range(30), 7]) == Source(2, list(range(50)), 30, take=False)  # a live one holds its slot
-    c.withdraw(2)
+    c.withdraw(12, 2)
     assert c.source([*range(5), *[7] * 30]) is None  # 5 of 34: less than half
 
 
@@ -147,6 +164,16 @@ def test_a_prompt_sent_while_the_same_prompt_prefills_forks_its_session(served: 
     gens = served.run([prompt] * 3)
     # the first computes it; the others fork it, each stage serving their forks after its prefill
     assert [g.reused for g in gens] == [0, 39, 39] and len({g.session for g in gens}) == 3
+
+
+def test_prompts_sent_while_the_first_forks_a_shorter_beginning_wait_for_its_prefill(served: Served) -> None:
+    header = " ".join(f"h{i}" for i in range(20))
+    (a,) = served.run([header])  # leaves 20 + 4 tokens cached
+    doc = header + " " + " ".join(["doc"] * 40)
+    first, *others = served.run([doc] * 3)
+    # the first forks the cached header (each stage in turn); the others, sent meanwhile, wait until it has sent its
+    # prefill and fork all of it, rather than fork the header too and compute the document each
+    assert first.reused == 20 and [g.reused for g in others] == [59, 59]
 
 
 def test_a_stage_that_lost_the_session_makes_the_next_request_prefill_from_zero(served: Served) -> None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from pp_worker.driver.draft import Drafter
 
 DRAFT = -1  # a Call's "stage" for a draft model's guesses (fields: context, room), made off the pipeline's loop
+WAIT = -2  # a Call's "stage" for waiting until generation ``for`` has sent its prefill (`PrefixCache.source`)
 RECENT_TOKENS = 64  # the window the repetition penalty looks at, as llama.cpp's default penalty_last_n
 Reply = dict[str, Any]
 
@@ -142,7 +143,7 @@ class Generation:
         if self.cache_prompt and prefixes is not None:
             if not self.tokens:
                 yield from self._share_prefix(prefixes, num_stages)
-            prefixes.offer(self.session, held)  # others may fork it once the prefill below is sent
+            prefixes.offer(self.request_id, self.session, held)  # others may fork it once the prefill below is sent
         start = self.reused = reusable(self.cached, held)  # only what is new is computed
         if prefill_chunk and len(held) - start > prefill_chunk:
             start = yield from self._pipelined_prefill(held, start, prefill_chunk, num_stages)
@@ -177,10 +178,15 @@ class Generation:
         self._finish((yield Call(num_stages - 1, "detokenize", {"tokens": shown}))["text"])
 
     def _share_prefix(self, prefixes: PrefixCache, n: int) -> Generator[Call, Reply | None, None]:
-        """Start from the session where the prompt begins already, if any (`PrefixCache.source`): claim a cached one
-        it continues whole, else fork the common positions into this generation's own session; on every stage, one
-        at a time (a stage that evicted the source meanwhile says 0), holding as ``cached`` what all of them hold."""
+        """Start from the session where the prompt begins already, if any (`PrefixCache.source`; where that is a
+        generation still choosing where it starts, once it has sent its prefill): claim a cached one it continues
+        whole, else fork the common positions into this generation's own session; on every stage, one at a time (a
+        stage that evicted the source meanwhile says 0), holding as ``cached`` what all of them hold."""
         found = prefixes.source(self.prompt_tokens)
+        prefixes.expect(self.request_id, self.prompt_tokens)
+        if found is not None and found.wait:  # one that begins as this does is choosing where it starts: its prefill
+            yield Call(WAIT, "wait", {"for": found.session})  # first, then fork it (or what else is there by then)
+            found = prefixes.source(self.prompt_tokens, wait=False)
         if found is None:
             return
         if found.take:

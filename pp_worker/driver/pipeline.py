@@ -26,7 +26,7 @@ from typing import Any, TextIO
 
 from pp_worker.driver import split
 from pp_worker.driver.draft import Draft
-from pp_worker.driver.generation import DRAFT, Call, Generation, Reply, Sampling, TextSink
+from pp_worker.driver.generation import DRAFT, WAIT, Call, Generation, Reply, Sampling, TextSink
 from pp_worker.driver.prefix import PrefixCache
 from pp_worker.driver.stage_proc import Launch, Stage, stop_all, wait_io
 from pp_worker.wire import B64, parse_object
@@ -189,6 +189,8 @@ class Pipeline:
         self._stepping: set[int] = set()  # generations with a step (one token, or a check) sent and not answered yet
         self._drafting: dict[int, float] = {}  # generation -> until when its group waits for its draft model's guesses
         self._group_of: dict[int, int] = {}  # schedule "groups": each stepping session's group (_group)
+        self._waiting: dict[int, list[int]] = {}  # generation -> those waiting for it to send its prefill (WAIT)
+        self._woken: list[int] = []  # generations whose wait ended, to go on once the current one has sent its calls
         self.stages: list[Stage] = []
         self._pending: dict[tuple[int, int], deque[_Pending]] = {}
         self._outbox: list[tuple[int, Call, _Pending]] = []  # calls of this round, sent by _flush, batched if they may
@@ -214,7 +216,7 @@ class Pipeline:
                     raise PipelineError(f"cannot start stage {i}: {e}") from e
             self._wait_ready(load_timeout)
             if reuse or reuse is None and not any((st.ready or {}).get("stub") for st in self.stages):
-                self.prefixes = PrefixCache(self.max_sessions or 1, self._room_for_a_fork)
+                self.prefixes = PrefixCache(self.max_sessions or 1, self._room_for_a_fork, self._ready)
             if schedule == "auto":
                 self.schedule = "lockstep" if self._share_cores(launch) else "groups"
         except BaseException as e:
@@ -319,11 +321,13 @@ class Pipeline:
                     g.draft.end()
             raise
         finally:
-            for g, _ in self._active.values():
+            for rid, (g, _) in self._active.items():
                 if self.prefixes is not None:
-                    self.prefixes.withdraw(g.session)
+                    self.prefixes.withdraw(rid, g.session)
             self._active.clear()
             self._group_of.clear()
+            self._waiting.clear()
+            self._woken.clear()
             self._drafting.clear()
         return RunStats(gens, time.monotonic() - t0, [st.busy_s - b for st, b in zip(self.stages, busy0, strict=True)],
                         [st.requests - r for st, r in zip(self.stages, req0, strict=True)])
@@ -380,13 +384,15 @@ class Pipeline:
                 call = coro.send(None)
             if call.stage == DRAFT:
                 self._propose(rid, g, call)
+            elif call.stage == WAIT:
+                self._waiting.setdefault(call.fields["for"], []).append(rid)
             else:
                 self._send(g.session, call, rid)
         except StopIteration:
             del self._active[rid]
             self._group_of.pop(g.session, None)
             if self.prefixes is not None:
-                self.prefixes.withdraw(g.session)
+                self.prefixes.withdraw(rid, g.session)
             if g.draft:
                 g.draft.end()
             if g.keep_session:
@@ -397,6 +403,14 @@ class Pipeline:
                 self._release(g.session)
         except (KeyError, TypeError, ValueError) as e:  # a reply without its field, or a payload that is not base64
             raise PipelineError(f"request {rid}: malformed reply {reply!r:.200}: {type(e).__name__} {e}") from e
+        while self._woken:  # after this generation's calls (its prefill's): theirs (their forks) go behind them
+            if (woken := self._woken.pop(0)) in self._active:
+                self._advance(woken, {})
+
+    def _ready(self, rid: int) -> None:
+        """Generation ``rid`` has sent its prefill, or ended: those waiting for it go on (`_advance`, once its calls
+        are queued)."""
+        self._woken += self._waiting.pop(rid, [])
 
     def _propose(self, rid: int, g: Generation, call: Call) -> None:
         """A draft model's guesses for ``g``: made on the draft model's thread, while this loop moves the other

@@ -42,38 +42,49 @@ FORK_MIN = 16  # tokens in common: a shorter beginning (a BOS, a template's firs
 class Source:
     """Where a new generation's prompt begins already (`PrefixCache.source`): a session and the tokens it holds (or
     will hold once the calls already sent have run), ``common`` of them the prompt's; ``take``: a cached session the
-    prompt continues whole, taken out of the cache (claimed) instead of copied (forked)."""
+    prompt continues whole, taken out of the cache (claimed) instead of copied (forked); ``wait``: a generation that
+    has not sent its prefill yet (it is choosing where it starts: ``session`` is its request id), whose session will
+    be the source once it has (`PrefixCache.offer`)."""
 
     session: int
     held: list[int]
     common: int
     take: bool
+    wait: bool = False
 
 
 class PrefixCache:
     """session id -> the tokens its KV holds on every stage, least recently used first, at most ``limit`` sessions
-    (the stages' ``max_sessions``: more could never be held beside a live generation); and the sessions of the
-    generations in flight, by the tokens their queued prefills make them hold (`offer`), which a new generation may
-    fork too. ``room``: whether the stages hold a cached session beside every live one (a fork of it keeps it; a
-    stage never evicts a live session for a fork, nor its source)."""
+    (the stages' ``max_sessions``: more could never be held beside a live generation); and the generations in
+    flight: those whose prefill is sent, by the tokens it makes their sessions hold (`offer`), which a new generation
+    may fork too, and those still choosing where they start (`expect`), which it may wait for. ``room``: whether the
+    stages hold a cached session beside every live one (a fork of it keeps it; a stage never evicts a live session
+    for a fork, nor its source). ``ready``: called with a waited-for generation's request id once it has offered its
+    session or ended."""
 
-    def __init__(self, limit: int, room: Callable[[], bool] = lambda: True):
-        self.limit, self.room = max(1, limit), room
+    def __init__(self, limit: int, room: Callable[[], bool] = lambda: True,
+                 ready: Callable[[int], None] = lambda rid: None):
+        self.limit, self.room, self.ready = max(1, limit), room, ready
         self._held: OrderedDict[int, list[int]] = OrderedDict()
-        self._live: dict[int, list[int]] = {}
+        self._live: dict[int, list[int]] = {}  # session -> tokens, of generations whose prefill is sent
+        self._expected: dict[int, list[int]] = {}  # request id -> tokens, of generations choosing where they start
 
-    def source(self, tokens: list[int]) -> Source | None:
+    def source(self, tokens: list[int], wait: bool = True) -> Source | None:
         """Where ``tokens`` begins already: the session sharing the longest prefix with it (on a tie one taken
-        before one forked, the most recently cached before a live one). A cached session the prompt continues
-        whole is taken (out of the cache); any other is forked where it shares at least ``FORK_MIN`` tokens or half
-        of what the two could share (`similar`: a short prompt). Without ``room`` to copy a cached session, one that
-        shares that half is taken and rewound instead (a live one is always copied: its slot is held already). None
-        where none shares enough: an unrelated prompt that shares a BOS or a template's first words starts afresh."""
+        before one forked, the most recently cached before a live one, either before one to wait for). A cached
+        session the prompt continues whole is taken (out of the cache); any other is forked where it shares at
+        least ``FORK_MIN`` tokens or half of what the two could share (`similar`: a short prompt). Without ``room``
+        to copy a cached session, one that shares that half is taken and rewound instead (a live one is always
+        copied: its slot is held already). ``wait``: a generation still choosing where it starts counts too (eight
+        clients sending one document at once: the first computes it, the others wait for its prefill to be sent
+        and fork it). None where none shares enough: an unrelated prompt that shares a BOS or a template's first
+        words starts afresh."""
         best: Source | None = None
         copy = self.room()
-        candidates = [*((s, h, True) for s, h in reversed(self._held.items())),
-                      *((s, h, False) for s, h in self._live.items())]
-        for session, held, cached in candidates:
+        candidates = [*((s, h, True, False) for s, h in reversed(self._held.items())),
+                      *((s, h, False, False) for s, h in self._live.items()),
+                      *((r, h, False, True) for r, h in self._expected.items() if wait)]
+        for session, held, cached, later in candidates:
             k = reusable(held, tokens)
             half = similar(k, held, tokens)
             if cached and (k == len(held) or half and not copy):
@@ -83,19 +94,28 @@ class PrefixCache:
             else:
                 continue
             if best is None or k > best.common or k == best.common and take and not best.take:
-                best = Source(session, held, k, take)
+                best = Source(session, held, k, take, later)
         if best is not None and best.take:
             del self._held[best.session]
         return best
 
-    def offer(self, session: int, tokens: list[int]) -> None:
-        """A generation in flight whose session will hold ``tokens`` once the calls it has sent have run (its
-        prefill's): a stage serves its requests in order, so a fork sent after them copies what they wrote."""
-        self._live[session] = tokens
+    def expect(self, rid: int, tokens: list[int]) -> None:
+        """Generation ``rid`` is choosing where it starts (a claim or a fork, each stage in turn), then prefills
+        ``tokens``: others that begin as it does may wait for it (`source`) rather than compute the same tokens."""
+        self._expected[rid] = tokens
 
-    def withdraw(self, session: int) -> None:
-        """A generation ended (its session is released or left as cache): no longer a live source."""
+    def offer(self, rid: int, session: int, tokens: list[int]) -> None:
+        """Generation ``rid``'s session will hold ``tokens`` once the calls it has sent have run (its prefill's, sent
+        right after this): a stage serves its requests in order, so a fork sent after them copies what they wrote."""
+        self._live[session] = tokens
+        if self._expected.pop(rid, None) is not None:
+            self.ready(rid)
+
+    def withdraw(self, rid: int, session: int) -> None:
+        """Generation ``rid`` ended (its session is released or left as cache): no longer a source."""
         self._live.pop(session, None)
+        if self._expected.pop(rid, None) is not None:
+            self.ready(rid)
 
     def put(self, session: int, tokens: list[int]) -> list[int]:
         """Hold a finished generation's session; the sessions dropped to stay within ``limit`` (to release)."""
