@@ -199,9 +199,8 @@ class SessionTable:
         for r, reason in victims:
             self._evict(r, reason)
         self._live.move_to_end(source)
-        session = self._live[rid] = Session(length=n)
-        self._evicted.pop(rid, None)
-        session.pages = [self._pool.take() for _ in range(need)]
+        session = self._create(rid, {source})  # the evictions above left it a slot: it evicts nothing
+        session.pages, session.length = [self._pool.take() for _ in range(need)], n
         return n, list(zip(held.pages[:need], session.pages, strict=True))
 
     def cached(self) -> list[int]:
