@@ -154,7 +154,9 @@ def _forked_equals_computed(chain: Chain) -> None:
     """Session 3, forked from session 1's first 200 positions after 1 went on past them with other tokens (into
     the page the fork copies last), then prefilled and decoded on its own, gives session 2's logits bit for bit:
     2 computed the same 200 positions itself. A fork of all 260 of 1's positions answers as 1 did, after 1 was
-    released and a session took its pages and wrote over them."""
+    released and a session took its pages and wrote over them. The chain compiles every prefill size at its first use
+    (Chain's default): where a size is used only once it pays (timed), or once another process left it on disk, two
+    prefills of the same rows could run in different calls and round apart."""
     p, other = prompt(260, 12), prompt(60, 13)
     chain.step(1, p[:200], 0)
     chain.step(1, other, 200)
@@ -178,9 +180,9 @@ def _forked_equals_computed(chain: Chain) -> None:
 
 @pytest.mark.parametrize("kernels", ["c", "tinygrad"])
 def test_a_fork_holds_the_sources_keys(model, kernels):
-    _forked_equals_computed(Chain(model, 2, CONTEXT, kv_page=PAGE, kernels=kernels, every_size=False))
+    _forked_equals_computed(Chain(model, 2, CONTEXT, kv_page=PAGE, kernels=kernels))
 
 
 def test_a_fork_copies_device_memory_through_the_host(model):
     with device_memory():
-        _forked_equals_computed(Chain(model, 2, CONTEXT, kv_page=PAGE, every_size=False))
+        _forked_equals_computed(Chain(model, 2, CONTEXT, kv_page=PAGE))
