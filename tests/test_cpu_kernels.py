@@ -164,11 +164,11 @@ def test_f16_matrix_product_on_intels_cores(monkeypatch):
     """Where the CPU's vendor asks for it (Intel's: forced here whatever this CPU is), F16's product with AVX-512
     takes calls of F16_GEMM_FROM rows of x and more as a matrix product over panels of 32 rows (matmul.c's gemm):
     rows of W not a multiple of its 12 and split into parts (37, 13: one part of a single row, one of none), x in
-    blocks of panels (K 1280: 3 panels a block, so 100 rows take 2 blocks; 5632: K in 3 chunks, 2 panels a block), a
-    last panel full,
-    more than half full or at most half (from 64 rows): each within float32 rounding of float64, and a row's floats
-    the same in every call that takes it (each output sums its products in order of k), not the tiles' (31 rows),
-    and as near float64's as theirs."""
+    blocks of panels taken two at a time (K 1280 and 5632 (K in 3 chunks): 2 panels a block, so 100 rows take 2
+    blocks, the second pair's last panel 4 rows), a last panel alone (65, 81 rows), full, more than half full or at
+    most half (from 64 rows): each within float32 rounding of float64, and a row's floats the same in every call that
+    takes it (each output sums its products in order of k, alone or paired), not the tiles' (31 rows), and as near
+    float64's as theirs."""
     monkeypatch.setattr(cpu_kernels, "intel", lambda: True)
     cpu_kernels._binary.cache_clear()
     try:

@@ -196,8 +196,9 @@ def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, tar
     (bench/NOTES.md, "AVX2 F16 tile"). Where the conversion takes an FMA slot (Intel's cores: forced here either
     way), the AVX2 build has the steps of rows decoded a chunk at a time too (floats loaded, nothing converted), for
     calls of F16_DECODE_FROM rows of x and more, and the AVX-512 build the matrix product's (`gemm`: 24
-    multiply-adds a step, each of 12 weights broadcast to two, nothing converted) for F16_GEMM_FROM rows and more. The
-    baseline x86-64 build, without F16C, decodes a chunk of rows first (test_x86_builds_... above)."""
+    multiply-adds a step, 12 weights each broadcast to a panel's two vectors, or 6 to two panels' four (18 where the
+    second has one), nothing converted) for F16_GEMM_FROM rows and more. The baseline x86-64 build, without F16C,
+    decodes a chunk of rows first (test_x86_builds_... above)."""
     monkeypatch.setattr(cpu_kernels, "intel", lambda: vendor == "intel")
     out = tmp_path / "f16.s"
     cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
@@ -206,17 +207,22 @@ def test_f16_tiles_convert_the_rows_as_they_load_them(tmp_path, monkeypatch, tar
     rows = 6 if target == "avx512" else 4  # matmul.c's TILE_ROWS
     converting = [b for b in steps if sum(op[0].startswith("vcvtph2ps") and "(" in op[1] for op in b) >= rows]
     plain = [b for b in steps if not any(op[0].startswith("vcvtph2ps") for op in b)]
-    broadcast = [b for b in plain if sum("{1to16}" in " ".join(op) or op[0] == "vbroadcastss" for op in b) >= 12]
+    broadcast = [b for b in plain if sum("{1to16}" in " ".join(op) or op[0] == "vbroadcastss" for op in b) >= 6]
     assert converting and len(converting) + len(plain) == len(steps), steps
     assert bool(broadcast) == (vendor == "intel" and target == "avx512")
     assert bool([b for b in plain if b not in broadcast]) == (vendor == "intel" and target == "avx2")
+    paired = [b for b in broadcast if sum(op[0].startswith("vfmadd") for op in b) >= 24
+              and sum("{1to16}" in " ".join(op) or op[0] == "vbroadcastss" for op in b) == 6]
+    assert bool(paired) == (vendor == "intel" and target == "avx512")  # two panels at once
 
 
 @pytest.mark.parametrize("target", ["avx2", "avx512"])
-def test_f16_tiles_ask_for_the_rows_ahead_into_the_l2(tmp_path, target):
+def test_f16_tiles_ask_for_the_rows_ahead_into_the_l2(tmp_path, monkeypatch, target):
     """The F16 tile's pass that reads the rows from memory asks for their lines ~48 KiB on, into the L2
     (prefetcht1): a few rows of x had waited on memory there (bench/NOTES.md, "A few rows of x from memory"). Never
-    into the L1 (prefetcht0 pushed the tile's own rows and x out of it)."""
+    into the L1 (prefetcht0 pushed the tile's own rows and x out of it). The matrix product's (AVX-512 on Intel's
+    cores, forced here) asks for a line of each of the next 12 rows every 32 steps of its first panel's tile."""
+    monkeypatch.setattr(cpu_kernels, "intel", lambda: True)
     out = tmp_path / "f16.s"
     cross.clang("-S", "-x", "c", *cross.TARGETS[target].kernel_flags(), "-", "-o", str(out),
                 source=cpu_kernels.source("matmul", 1, 576, "f16_mm"))
@@ -225,6 +231,7 @@ def test_f16_tiles_ask_for_the_rows_ahead_into_the_l2(tmp_path, target):
     assert {op for b in asks for op in b} == {"prefetcht1"}, asks
     rows = 6 if target == "avx512" else 4  # matmul.c's TILE_ROWS
     assert all(len(b) % rows == 0 for b in asks) and any(asks)  # a line of each of the tile's weight rows
+    assert any(len(b) == 12 for b in asks) == (target == "avx512")  # gemm's GR rows
 
 
 def test_every_kernel_compiles_for_avx512(tmp_path):

@@ -161,49 +161,72 @@ static void split_rows(float* restrict xs, const float* restrict x, int rows) {
    relative to the largest output, 2.1 / 2.8 / 3.6 / 4.6e-8 (16, 16, 32, 32) against the tile's 1.7 / 2.5 / 3.3 /
    5.4e-8; one sum over the whole chunk of K made 3.6 / 7.5 / 11.5 / 20.6e-8. 32 steps cost ~5%, 16 ~10%. */
 enum { GEMM = 1, GR = 12, PW = 32, GS = K <= 256 ? 16 : 32, GC = (K + 2047) / 2048, KC = (K / 16 + GC - 1) / GC * 16,
-       PB = (512 << 10) / (KC * PW * 4) > 1 ? (512 << 10) / (KC * PW * 4) : 1 };  /* panels a block: <= 512 KiB */
+       PB0 = (512 << 10) / (KC * PW * 4), PB = PB0 > 1 ? PB0 & ~1 : 1 };  /* panels a block: <= 512 KiB, paired */
 /* what kernels.py's `f16_panels` looks for in this kernel's machine code: whether to send x as panels */
 static const char gemm_mark[] __attribute__((used)) = "pp-f16-gemm";
-/* out[b][c] (+)= the sum over k < kn of wc[c][k] xp[k][b], for the panel's rows b < nb and weight rows c < cols
-   (first: out written, else added to); gv: the vectors of the panel that hold rows of x (a constant where inlined:
-   a panel's last 16 rows may be none) */
-static inline __attribute__((always_inline)) void gemm_tile(float* restrict out, long N, const float* restrict wc,
-                                                            const float* restrict xp, int kn, int nb, int cols,
-                                                            int first, int gv) {
-  f16v acc[GR][2], part[GR][2];
-  _Pragma("clang loop unroll(full)") for (int r = 0; r < GR; r++) acc[r][0] = acc[r][1] = 0;
+/* out[b][c] (+)= the sum over k < kn of wc[c][k] xp[k][b], for weight rows c < cols of the tile's h and the rows b
+   of x its gv vectors hold: 1 or 2 of panel xa's (h = GR), or both of xa's and 1 or 2 of xb's (h = GR / 2: two panels
+   at once, each step 4 vector loads and 6 broadcasts for 24 multiply-adds, where one panel's 12 rows take 2 and 12:
+   1.17x on this Xeon, bench/NOTES.md). first: out written, else added to. h and gv are constants where inlined. The
+   sums of an output are the same operations whichever tile computes it, so its floats are too. ahead: the next
+   weight rows (GR of them) at this chunk, asked for a line a row every GS steps (GS halves: a line or half of one) */
+static inline __attribute__((always_inline)) void gemm_tile(float* restrict out_a, float* restrict out_b, long N,
+                                                            const float* restrict wc, const float* restrict xa,
+                                                            const float* restrict xb, int kn, int nb_a, int nb_b,
+                                                            int cols, int first, int h, int gv,
+                                                            const unsigned char* ahead) {
+  f16v acc[GR][4], part[GR][4];
+  _Pragma("clang loop unroll(full)") for (int r = 0; r < h; r++)
+    _Pragma("clang loop unroll(full)") for (int v = 0; v < gv; v++) acc[r][v] = 0;
   for (int k0 = 0; k0 < kn; k0 += GS) {  /* GS steps' sums in registers (part), added to acc's */
-    _Pragma("clang loop unroll(full)") for (int r = 0; r < GR; r++) part[r][0] = part[r][1] = 0;
-    for (int k = k0; k < k0 + GS && k < kn; k++) {  /* xp 64-byte aligned (f_at's copy went by halves) */
-      const f16v x0 = *(const f16v*)(xp + (long)k * PW), x1 = gv > 1 ? *(const f16v*)(xp + (long)k * PW + 16) : 0;
-      _Pragma("clang loop unroll(full)") for (int r = 0; r < GR; r++) {
+    if (ahead)
+      _Pragma("clang loop unroll(full)") for (int r = 0; r < GR; r++) __builtin_prefetch(ahead + r * 2L * K + 2 * k0, 0, 2);
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < h; r++)
+      _Pragma("clang loop unroll(full)") for (int v = 0; v < gv; v++) part[r][v] = 0;
+    for (int k = k0; k < k0 + GS && k < kn; k++) {  /* panels 64-byte aligned (f_at's copy went by halves) */
+      f16v x[4];
+      _Pragma("clang loop unroll(full)") for (int v = 0; v < gv; v++)
+        x[v] = *(const f16v*)((v < 2 ? xa : xb) + (long)k * PW + 16 * (v % 2));
+      _Pragma("clang loop unroll(full)") for (int r = 0; r < h; r++) {
         const float wv = wc[(long)r * KC + k];
-        part[r][0] += x0 * wv;
-        if (gv > 1) part[r][1] += x1 * wv;
+        _Pragma("clang loop unroll(full)") for (int v = 0; v < gv; v++) part[r][v] += x[v] * wv;
       }
     }
-    _Pragma("clang loop unroll(full)") for (int r = 0; r < GR; r++) {
-      acc[r][0] += part[r][0];
-      if (gv > 1) acc[r][1] += part[r][1];
-    }
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < h; r++)
+      _Pragma("clang loop unroll(full)") for (int v = 0; v < gv; v++) acc[r][v] += part[r][v];
   }
   _Pragma("clang loop unroll(full)") for (int v = 0; v < gv; v++) {  /* 16 rows of x's sums, each a row of out */
     f16v m[16];
-    _Pragma("clang loop unroll(full)") for (int r = 0; r < 16; r++) m[r] = r < GR ? acc[r][v] : 0;
+    _Pragma("clang loop unroll(full)") for (int r = 0; r < 16; r++) m[r] = r < h ? acc[r][v] : 0;
     transpose16(m);
-    for (int b = 0; b < 16 && 16 * v + b < nb; b++) {
-      float* o = out + (16 * v + b) * N;
-      if (first && cols == GR) __builtin_memcpy(o, &m[b], GR * sizeof(float));
+    const int nb = v < 2 ? nb_a : nb_b;
+    for (int b = 0; b < 16 && 16 * (v % 2) + b < nb; b++) {
+      float* o = (v < 2 ? out_a : out_b) + (16 * (v % 2) + b) * N;
+      if (first && cols == h) __builtin_memcpy(o, &m[b], h * sizeof(float));
       else for (int c = 0; c < cols; c++) o[c] = first ? m[b][c] : o[c] + m[b][c];
     }
   }
 }
+/* one panel (xb 0), or two: GR rows against one, each half of them against both */
 static __attribute__((noinline, min_vector_width(512))) void gemm_tiles(float* restrict out, long N,
                                                                        const float* restrict wc,
-                                                                       const float* restrict xp, int kn, int nb,
-                                                                       int cols, int first) {
-  if (nb > 16) gemm_tile(out, N, wc, xp, kn, nb, cols, first, 2);
-  else gemm_tile(out, N, wc, xp, kn, nb, cols, first, 1);
+                                                                       const float* restrict xa,
+                                                                       const float* restrict xb, int kn, int nb_a,
+                                                                       int nb_b, int cols, int first,
+                                                                       const unsigned char* ahead) {
+  enum { HR = GR / 2 };
+  float* out_b = out + (long)PW * N;
+  if (!xb) {
+    if (nb_a > 16) gemm_tile(out, 0, N, wc, xa, 0, kn, nb_a, 0, cols, first, GR, 2, ahead);
+    else gemm_tile(out, 0, N, wc, xa, 0, kn, nb_a, 0, cols, first, GR, 1, ahead);
+    return;
+  }
+  const int lo = cols < HR ? cols : HR;
+  if (nb_b > 16) gemm_tile(out, out_b, N, wc, xa, xb, kn, nb_a, nb_b, lo, first, HR, 4, ahead);
+  else gemm_tile(out, out_b, N, wc, xa, xb, kn, nb_a, nb_b, lo, first, HR, 3, ahead);
+  if (cols <= HR) return;
+  if (nb_b > 16) gemm_tile(out + HR, out_b + HR, N, wc + HR * KC, xa, xb, kn, nb_a, nb_b, cols - HR, first, HR, 4, 0);
+  else gemm_tile(out + HR, out_b + HR, N, wc + HR * KC, xa, xb, kn, nb_a, nb_b, cols - HR, first, HR, 3, 0);
 }
 /* rows [n0, n1) of W against the B rows of x in panels (xp): a block of PB panels' chunk of K (it stays in the L2)
    at a time, GR weight rows' chunk converted for each block */
@@ -222,9 +245,16 @@ static void gemm(float* restrict out, const unsigned char* restrict w, const flo
             const f16v f = __builtin_convertvector(q, f16v);
             __builtin_memcpy(wc + (long)r * KC + k, &f, sizeof f);
           }
-        for (int p = p0; p < P && p < p0 + PB; p++)
-          gemm_tiles(out + (long)p * PW * N + n, N, wc, xp + ((long)p * K + k0) * PW, kn,
-                     B - p * PW < PW ? B - p * PW : PW, cols, k0 == 0);
+        /* the first panel's tile asks for the next weight rows' chunk, converted next (from memory: a stage's
+           weights are bigger than the L3) */
+        const unsigned char* ahead = n + GR < n1 ? w + (long)(n + GR) * 2 * K + 2 * k0 : 0;
+        const int pe = P < p0 + PB ? P : p0 + PB;
+        for (int p = p0; p < pe; p += 2) {  /* panels two at a time, the last alone if odd */
+          const float* xb = p + 1 < pe ? xp + ((long)(p + 1) * K + k0) * PW : 0;
+          gemm_tiles(out + (long)p * PW * N + n, N, wc, xp + ((long)p * K + k0) * PW, xb, kn,
+                     B - p * PW < PW ? B - p * PW : PW, xb ? (B - (p + 1) * PW < PW ? B - (p + 1) * PW : PW) : 0,
+                     cols, k0 == 0, p == p0 ? ahead : 0);
+        }
       }
     }
 }
