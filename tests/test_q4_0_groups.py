@@ -216,22 +216,21 @@ def test_grouped_products_are_ggmls_scheme(n, k, b, ggml_type):
     check(n, k, b, ggml_type)
 
 
-@pytest.mark.skipif(not CASCADE, reason="IQ4_XS is grouped with AVX-512 VNNI only")
-def test_grouped_iq4_xs_asks_ahead_on_intels_cores_with_the_same_floats(monkeypatch):
-    """On Intel's cores the grouped IQ4_XS product asks for its blocks GROUP_AHEAD bytes ahead (forced here either
-    way, whatever this CPU is): the define in its source only there, and the same floats as without."""
-    got = {}
+@GROUPED
+def test_grouped_products_ask_ahead_on_intels_cores_with_the_same_floats(monkeypatch, ggml_type):
+    """On Intel's cores a grouped product asks for its blocks GROUP_AHEAD bytes ahead, in the first pass of a block
+    of x over a group (forced here either way, whatever this CPU is): the define in its source only there, and the
+    same floats as without (1 row of x, and 33: passes after the first)."""
+    k, got = width(512, ggml_type), {}
+    raw, _ = random_rows(ggml_type, N, k, seed=7)
+    x = np.random.default_rng(8).standard_normal((33, k)).astype(np.float32)
     for intel in (False, True):
         monkeypatch.setattr(cpu_kernels, "intel", lambda intel=intel: intel)
         cpu_kernels._binary.cache_clear()
-        src = cpu_kernels.source("matmul", IQ4_XS, 512, "k", G)
-        assert ("#define PP_GROUP_AHEAD" in src) == intel
-        assert "#define PP_GROUP_AHEAD" not in cpu_kernels.source("matmul", Q4_0, 512, "k", G)
-        raw, _ = random_rows(IQ4_XS, N, 512, seed=7)
-        x = np.random.default_rng(8).standard_normal((3, 512)).astype(np.float32)
-        got[intel] = products(raw, x, 512, IQ4_XS)
+        assert ("#define PP_GROUP_AHEAD" in cpu_kernels.source("matmul", ggml_type, k, "k", G)) == intel
+        got[intel] = [products(raw, x[:b], k, ggml_type) for b in (1, 33)]
     cpu_kernels._binary.cache_clear()
-    assert np.array_equal(got[False], got[True])
+    assert all(np.array_equal(a, b) for a, b in zip(got[False], got[True], strict=True))
 
 
 def test_grouped_rows_take_the_grouped_kernel_whatever_pp_exact_says_later(monkeypatch):

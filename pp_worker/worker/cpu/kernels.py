@@ -123,9 +123,11 @@ GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a 
 #   issue the fp16 conversion (vcvtph2ps) on the ports of their multiply-adds, one every 3 of the tile's, and there
 #   decoded rows ran 1.1-1.4x faster at 12-64 rows of x (0.56-0.98x at 2-8); on Zen 4 the conversions take no FMA
 #   slot and the rows read as they are ran 1.2-1.5x faster.
-# - the grouped IQ4_XS product asks for its blocks GROUP_AHEAD bytes ahead: on Intel's cores one thread from DRAM
-#   read 1.14x faster so (the hardware's prefetch did not keep a group's stream ahead; cache-hot 0.94x); on Zen 4
-#   asking ahead cost the grouped types it was tried on 3-45%.
+# - every grouped product asks for its blocks GROUP_AHEAD bytes ahead (in a block of x's first pass over a group):
+#   on Intel's cores one thread from DRAM read 1.09-1.14x faster so (the hardware's prefetch did not keep a group's
+#   stream ahead; cache-hot 0.88-0.94x), and a stage's decode bytes/s against F16's rose 0.92-0.95 -> 1.05-1.09
+#   (Q4_1, IQ4_NL, Q4_0), 0.94 -> 1.0 (Q2_K, Q3_K_M); on Zen 4 asking ahead cost the grouped types it was tried on
+#   3-45%.
 # - F16's AVX-512 product from F16_GEMM_FROM rows of x is a matrix product over x in panels (`f16_panels`): no
 #   conversion in its loop, where the tile converts a weight vector every 4 multiply-adds on the multiply-adds' ports
 #   (one thread 1.03-1.4x at 32-256 rows); on Zen 4 the tile already ran at ~88% of its peak.
@@ -148,7 +150,7 @@ def vendor_choices(ggml_type: int, group: int, int8: bool) -> dict[str, int]:
     CPU's vendor chooses (above): PP_GROUP_AHEAD, PP_F16_DECODE_FROM and PP_F16_GEMM_FROM, or none."""
     if not intel():
         return {}
-    if group and TYPES[ggml_type].name == "IQ4_XS":
+    if group:
         return {"PP_GROUP_AHEAD": GROUP_AHEAD}
     if not int8 and TYPES[ggml_type].name == "F16":
         return {"PP_F16_DECODE_FROM": F16_DECODE_FROM, "PP_F16_GEMM_FROM": F16_GEMM_FROM}

@@ -113,6 +113,13 @@ static inline __attribute__((always_inline)) void chunks_at(const unsigned char*
     q[2 * c] = levels64(q[2 * c]); q[2 * c + 1] = levels64(q[2 * c + 1]);
 #endif
   } }
+/* a group's block b and what follows it PP_GROUP_AHEAD bytes on, asked for in the first pass of a block of x over it
+   (kernels.vendor_choices: Intel's cores, whose prefetch did not keep a group's stream ahead); none elsewhere */
+#ifdef PP_GROUP_AHEAD
+#define GROUP_ASK(b, ask) do { if (ask) { AHEAD_BY(b, GB, PP_GROUP_AHEAD); } } while (0)
+#else
+#define GROUP_ASK(b, ask) (void)(ask)
+#endif
 #if BLOCK_VALUES == 32
 #if GROUP_LEVELS
 #define GROUP_OFF LEVEL_OFF
@@ -156,12 +163,13 @@ static inline __attribute__((always_inline)) void group_dot(f16v* f, const gbloc
 /* a group's 16 rows against nx (at most GXR) rows of x: each block unpacked once for all of them */
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
                                                              const unsigned char* restrict gw,
-                                                             const unsigned char* restrict xq, int nx) {
+                                                             const unsigned char* restrict xq, int nx, int ask) {
   enum { NB = PP_K / BLOCK_VALUES };
   f16v f[GXR];
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
   for (int j = 0; j < NB; j++) {
     const unsigned char* b = gw + (long)j * GB;
+    GROUP_ASK(b, ask);
     gblock g; gblock_at(b, &g);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++)
       if (i < nx) group_dot(&f[i], &g, xq + ((long)i * NB + j) * XB, nx == 1 ? 2 : 1);
@@ -176,15 +184,13 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
 enum { XS_SH = 32, XS_SL = 64, XS_QS = 128 };
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
                                                              const unsigned char* restrict gw,
-                                                             const unsigned char* restrict xq, int nx) {
+                                                             const unsigned char* restrict xq, int nx, int ask) {
   enum { NB = PP_K / BLOCK_VALUES };
   f16v f[GXR];
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
   for (int j = 0; j < NB; j++) {
     const unsigned char* b = gw + (long)j * GB;
-#ifdef PP_GROUP_AHEAD  /* kernels.vendor_choices: Intel's cores, whose prefetch did not keep a group's stream ahead */
-    AHEAD_BY(b, GB, PP_GROUP_AHEAD);
-#endif
+    GROUP_ASK(b, ask);
     u32x16 sl; __builtin_memcpy(&sl, b + XS_SL, 64);
     u16x16 sh16; __builtin_memcpy(&sh16, b + XS_SH, 32);
     u32x16 sh = __builtin_convertvector(sh16, u32x16);
@@ -397,12 +403,13 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
 /* a group's 16 rows against nx (at most GXR) rows of x: each pair of sub-blocks unpacked once for all of them */
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
                                                              const unsigned char* restrict gw,
-                                                             const unsigned char* restrict xq, int nx) {
+                                                             const unsigned char* restrict xq, int nx, int ask) {
   enum { NB = PP_K / BLOCK_VALUES };
   f16v f[GXR];
   _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[i] = 0;
   for (int j = 0; j < NB; j++) {
     const unsigned char* b = gw + (long)j * GB;
+    GROUP_ASK(b, ask);
     i32x16 acc[GXR], mn[GXR];
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[i] = mn[i] = 0;
     /* the 8 pairs unrolled whole (Q3_K's file layout spilled so at several rows of x and took two pairs a step; its
@@ -443,9 +450,10 @@ void NAME(float* restrict out, const unsigned char* restrict w, const unsigned c
       for (int b0 = c0; b0 < c1; b0 += GXR) {
         int nx = c1 - b0;
         float* o = out + (long)b0 * N + n; const unsigned char* x = xq + (long)b0 * NB * XB;
-        if (nx >= GXR) group_rows(o, N, gw, x, GXR);  /* constants: the loops without their guards */
-        else if (nx == 1) group_rows(o, N, gw, x, 1);
-        else group_rows(o, N, gw, x, nx);
+        const int ask = b0 == c0;  /* the block's first pass reads the group from memory; the others, from cache */
+        if (nx >= GXR) group_rows(o, N, gw, x, GXR, ask);  /* constants: the loops without their guards */
+        else if (nx == 1) group_rows(o, N, gw, x, 1, ask);
+        else group_rows(o, N, gw, x, nx, ask);
       }
     }
     for (int n = n0 > NG ? n0 : NG; n < n1; n++) rows_pass(out, w + (long)n * NB * BLOCK_BYTES, xq, N, n, c0, c1);
