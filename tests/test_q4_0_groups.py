@@ -216,19 +216,24 @@ def test_grouped_products_are_ggmls_scheme(n, k, b, ggml_type):
     check(n, k, b, ggml_type)
 
 
-@GROUPED
-def test_grouped_products_ask_ahead_on_intels_cores_with_the_same_floats(monkeypatch, ggml_type):
-    """On Intel's cores a grouped product asks for its blocks GROUP_AHEAD bytes ahead, in the first pass of a block
-    of x over a group (forced here either way, whatever this CPU is): the define in its source only there, and the
-    same floats as without (1 row of x, and 33: passes after the first)."""
-    k, got = width(512, ggml_type), {}
-    raw, _ = random_rows(ggml_type, N, k, seed=7)
-    x = np.random.default_rng(8).standard_normal((33, k)).astype(np.float32)
+def test_grouped_products_ask_ahead_on_intels_cores_with_the_same_floats(monkeypatch):
+    """On Intel's cores every grouped product asks for its blocks GROUP_AHEAD bytes ahead, in the first pass of a
+    block of x over a group (forced here either way, whatever this CPU is): the define in each grouped type's source
+    only there, and the same floats as without (1 row of x, and 33: passes after the first) for each of the three
+    ways a group is read (Q4_1: a 32-value block with a min, Q4_K: a K-quant's, IQ4_XS: its levels' superblock)."""
+    got: dict[bool, list[np.ndarray]] = {}
     for intel in (False, True):
         monkeypatch.setattr(cpu_kernels, "intel", lambda intel=intel: intel)
         cpu_kernels._binary.cache_clear()
-        assert ("#define PP_GROUP_AHEAD" in cpu_kernels.source("matmul", ggml_type, k, "k", G)) == intel
-        got[intel] = [products(raw, x[:b], k, ggml_type) for b in (1, 33)]
+        for ggml_type in NAMES:
+            src = cpu_kernels.source("matmul", ggml_type, width(512, ggml_type), "k", G)
+            assert ("#define PP_GROUP_AHEAD" in src) == intel, NAMES[ggml_type]
+        got[intel] = []
+        for ggml_type in (Q4_1, Q4_K, IQ4_XS):
+            k = width(512, ggml_type)
+            raw, _ = random_rows(ggml_type, N, k, seed=7)
+            x = np.random.default_rng(8).standard_normal((33, k)).astype(np.float32)
+            got[intel] += [products(raw, x[:b], k, ggml_type) for b in (1, 33)]
     cpu_kernels._binary.cache_clear()
     assert all(np.array_equal(a, b) for a, b in zip(got[False], got[True], strict=True))
 
