@@ -125,8 +125,8 @@ GROUP_ROWS = 16  # rows interleaved per group at load (``c/matmul_groups.h``: a 
 #   slot and the rows read as they are ran 1.2-1.5x faster.
 # - every grouped product asks for its blocks GROUP_AHEAD bytes ahead (in a block of x's first pass over a group):
 #   on Intel's cores one thread from DRAM read 1.09-1.14x faster so (the hardware's prefetch did not keep a group's
-#   stream ahead; cache-hot 0.88-0.94x), and a stage's decode bytes/s against F16's rose 0.92-0.95 -> 1.05-1.09
-#   (Q4_1, IQ4_NL, Q4_0), 0.94 -> 1.0 (Q2_K, Q3_K_M); on Zen 4 asking ahead cost the grouped types it was tried on
+#   stream ahead; cache-hot 0.88-0.94x), and a stage's decode bytes/s against F16's rose Q4_1 0.92-0.95 -> 1.09,
+#   IQ4_NL 0.92-0.99 -> 1.03-1.07, Q2_K 0.94 -> 1.0; on Zen 4 asking ahead cost the grouped types it was tried on
 #   3-45%.
 # - F16's AVX-512 product from F16_GEMM_FROM rows of x is a matrix product over x in panels (`f16_panels`): no
 #   conversion in its loop, where the tile converts a weight vector every 4 multiply-adds on the multiply-adds' ports

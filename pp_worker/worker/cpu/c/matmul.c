@@ -221,13 +221,15 @@ static __attribute__((noinline, min_vector_width(512))) void gemm_tiles(float* r
     else gemm_tile(out, 0, N, wc, xa, 0, kn, nb_a, 0, cols, first, GR, 1, ahead);
     return;
   }
-  const int lo = cols < HR ? cols : HR;
-  if (nb_b > 16) gemm_tile(out, out_b, N, wc, xa, xb, kn, nb_a, nb_b, lo, first, HR, 4, ahead);
-  else gemm_tile(out, out_b, N, wc, xa, xb, kn, nb_a, nb_b, lo, first, HR, 3, ahead);
-  if (cols <= HR) return;
-  if (nb_b > 16) gemm_tile(out + HR, out_b + HR, N, wc + HR * KC, xa, xb, kn, nb_a, nb_b, cols - HR, first, HR, 4, 0);
-  else gemm_tile(out + HR, out_b + HR, N, wc + HR * KC, xa, xb, kn, nb_a, nb_b, cols - HR, first, HR, 3, 0);
+  for (int c0 = 0; c0 < cols; c0 += HR) {  /* the first half asks ahead for all GR rows */
+    const int hc = cols - c0 < HR ? cols - c0 : HR;
+    const unsigned char* asks = c0 ? 0 : ahead;
+    if (nb_b > 16) gemm_tile(out + c0, out_b + c0, N, wc + c0 * KC, xa, xb, kn, nb_a, nb_b, hc, first, HR, 4, asks);
+    else gemm_tile(out + c0, out_b + c0, N, wc + c0 * KC, xa, xb, kn, nb_a, nb_b, hc, first, HR, 3, asks);
+  }
 }
+/* rows of x in panel p of B rows' panels: PW, the last fewer */
+static inline int panel_rows(int B, int p) { return B - p * PW < PW ? B - p * PW : PW; }
 /* rows [n0, n1) of W against the B rows of x in panels (xp): a block of PB panels' chunk of K (it stays in the L2)
    at a time, GR weight rows' chunk converted for each block */
 static void gemm(float* restrict out, const unsigned char* restrict w, const float* restrict xp, int N, int B, int n0,
@@ -250,10 +252,10 @@ static void gemm(float* restrict out, const unsigned char* restrict w, const flo
         const unsigned char* ahead = n + GR < n1 ? w + (long)(n + GR) * 2 * K + 2 * k0 : 0;
         const int pe = P < p0 + PB ? P : p0 + PB;
         for (int p = p0; p < pe; p += 2) {  /* panels two at a time, the last alone if odd */
-          const float* xb = p + 1 < pe ? xp + ((long)(p + 1) * K + k0) * PW : 0;
-          gemm_tiles(out + (long)p * PW * N + n, N, wc, xp + ((long)p * K + k0) * PW, xb, kn,
-                     B - p * PW < PW ? B - p * PW : PW, xb ? (B - (p + 1) * PW < PW ? B - (p + 1) * PW : PW) : 0,
-                     cols, k0 == 0, p == p0 ? ahead : 0);
+          const int pair = p + 1 < pe;
+          gemm_tiles(out + (long)p * PW * N + n, N, wc, xp + ((long)p * K + k0) * PW,
+                     pair ? xp + ((long)(p + 1) * K + k0) * PW : 0, kn, panel_rows(B, p),
+                     pair ? panel_rows(B, p + 1) : 0, cols, k0 == 0, p == p0 ? ahead : 0);
         }
       }
     }
