@@ -6,6 +6,7 @@ aarch64's (under qemu), every row of a chunk the same floats as alone, and a sta
 
 from __future__ import annotations
 
+import collections
 import platform
 import sys
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 10,
 G = cpu_kernels.GROUP_ROWS
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", IQ4_NL: "IQ4_NL", Q2_K: "Q2_K", Q3_K: "Q3_K",
          Q4_K: "Q4_K", Q6_K: "Q6_K", IQ4_XS: "IQ4_XS"}
-K_TYPES = (Q2_K, Q3_K, Q4_K, Q6_K, IQ4_XS)  # grouped with AVX-512 VNNI only
+K_TYPES = (Q2_K, Q3_K, Q6_K, IQ4_XS)  # grouped with AVX-512 VNNI only (Q4_K with AVX2 too)
 GROUPED = pytest.mark.parametrize("ggml_type", list(NAMES), ids=list(NAMES.values()))
 N = 37  # two whole groups and 5 plain rows after them
 CASCADE = AVX512 and "avx512_vnni" in open("/proc/cpuinfo").read().split()
@@ -278,6 +279,44 @@ def test_avx2s_build_reads_the_groups(ggml_type):
     check(N, 512, 35, ggml_type)
 
 
+@pytest.mark.skipif(not AVX512 or not cpu_kernels.avx512_vnni(),
+                    reason="compares AVX2's build with this CPU's AVX-512 VNNI one")
+def test_avx2s_q4_k_groups_are_the_avx512_vnni_builds_floats(monkeypatch):
+    """AVX2's Q4_K groups sum a sub-block's pairs in 16 bits, then times its scale (``k4_block``), where AVX-512 VNNI
+    sums each chunk's 4 products in 32 bits, then multiplies: the same int32 sums, so the same floats, row for row,
+    at 1, 2 (a pass), 3 and 35 rows of x (the plain rows past the groups too), each row as alone."""
+    from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+
+    k = 512
+    raw, _ = random_rows(Q4_K, N, k, seed=7)
+    x = np.random.default_rng(8).standard_normal((35, k)).astype(np.float32)
+    native = {b: products(raw, x[:b], k, Q4_K) for b in (1, 2, 3, 35)}
+    portable = ClangJITCompiler([cpu_kernels._compiler("CPU").arch, "native", "-avx512f", "-avx512vnni", "-avxvnni"])
+    monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
+    cpu_kernels._binary.cache_clear()
+    try:
+        avx2 = {b: products(raw, x[:b], k, Q4_K) for b in native}
+    finally:
+        cpu_kernels._binary.cache_clear()
+    for b in native:
+        assert np.array_equal(avx2[b], native[b]), b
+        assert np.array_equal(avx2[b], avx2[35][:b]), b
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86 assembly")
+def test_avx2s_q4_k_groups_add_pairs_in_16_bits(tmp_path):
+    """AVX2's Q4_K groups (Haswell's instructions): each chunk's pair products (`vpmaddubsw`) added in 16 bits
+    (`vpaddw`), a sub-block's sums times its scale by `vpmaddwd`: no pair sums widened a chunk at a time and no
+    `vpmulld` (clang wrote a scale put in both halves of a lane as one)."""
+    out = tmp_path / "g.s"
+    cross.clang("-S", "-x", "c", *cross.TARGETS["avx2"].kernel_flags(), "-", "-o", str(out),
+                source=cpu_kernels.source("matmul", Q4_K, 2048, "g", G))
+    ops = collections.Counter(line.split()[0] for line in out.read_text().splitlines()
+                              if line.startswith("\t") and line.split())
+    assert ops["vpaddw"] >= ops["vpmaddubsw"] // 2 > 0, ops
+    assert ops["vpmulld"] == 0, ops
+
+
 @pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
                     reason="these builds cross from a Linux x86-64 machine (and run aarch64 under qemu)")
 @pytest.mark.parametrize("target", ["aarch64", "x86-64", pytest.param("cascadelake", marks=pytest.mark.skipif(
@@ -311,9 +350,9 @@ def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
 
 
 def test_which_weights_are_grouped(monkeypatch):
-    """On the integer path on x86-64 (where they measured faster): the 32-value types with AVX-512 VNNI or AVX2, the
-    K-quants and IQ4_XS with AVX-512 VNNI only; their float path (PP_EXACT=1), other types and aarch64 (not timed on
-    a real core) keep plain rows."""
+    """On the integer path on x86-64 (where they measured faster): the 32-value types and Q4_K with AVX-512 VNNI or
+    AVX2, the other K-quants and IQ4_XS with AVX-512 VNNI only; their float path (PP_EXACT=1), other types and
+    aarch64 (not timed on a real core) keep plain rows."""
     import platform
 
     types, k_types, n = list(NAMES), K_TYPES, len(NAMES)
@@ -326,7 +365,7 @@ def test_which_weights_are_grouped(monkeypatch):
     monkeypatch.setattr(platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(cpu_kernels, "avx512_vnni", lambda: True)
     assert [cpu_kernels.group_rows(t) for t in types] == [G] * n
-    monkeypatch.setattr(cpu_kernels, "avx512_vnni", lambda: False)  # AVX2: the K-quants' groups lost in prefill
+    monkeypatch.setattr(cpu_kernels, "avx512_vnni", lambda: False)  # AVX2: Q2_K's, Q3_K's, Q6_K's lost in prefill
     assert [cpu_kernels.group_rows(t) for t in types] == [0 if t in k_types else G for t in types]
     monkeypatch.setenv("PP_EXACT", "1")
     assert [cpu_kernels.group_rows(t) for t in types] == [0] * n

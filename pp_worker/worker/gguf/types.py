@@ -52,7 +52,7 @@ TYPES: dict[int, GGMLType] = {t.id: t for t in (
     GGMLType(10, "Q2_K", 256, 84, "q2_k", AVX512, int8=True, int8_default=True, grouped=AVX512),
     GGMLType(11, "Q3_K", 256, 110, "q3_k", AVX512, int8=True, int8_default=True, grouped=AVX512),
     GGMLType(12, "Q4_K", 256, 144, "q4_k", ("avx512", "avx2", "neon"), int8=True, int8_default=True,
-             grouped=AVX512),
+             grouped=X86),
     GGMLType(13, "Q5_K", 256, 176, "q5_k", ("avx512", "avx2"), int8=True, int8_default=True),
     GGMLType(14, "Q6_K", 256, 210, "q6_k", ("avx512", "avx2"), int8=True, int8_default=True, grouped=AVX512),
     GGMLType(15, "Q8_K", 256, 292),

@@ -400,6 +400,90 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
 #elif GROUP_K == 6
 #define K_OFF 32
 #endif
+#if GROUP_K == 4 && defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
+/* Q4_K with AVX2 and no vpdpbusd (16 ymm registers; AVX-512 without VNNI runs the same steps). A chunk's two sub-blocks' products with x (vpmaddubsw: each 16-bit
+   lane a pair of products) are added in 16 bits over the pair's 8 chunks (8 2 15 127 < 2^15), then times their
+   scales, the scale in both halves of a 32-bit lane, and summed into 32 bits by one vpmaddwd: 2 instructions a chunk,
+   row of x and 8 weight rows, where dot4 took 3 and a vpmulld each sub-block. A chunk is unpacked, both of its 8-row
+   halves, just before its products with the GXR rows of x (the pair's 16 unpacked chunks, 32 registers, spilled
+   first: 0.72-0.83x the plain rows at 64 rows of x); each x broadcast serves both halves (two rows of x: 1.1-1.3x one
+   half against four rows, whose broadcasts took the loads' ports; bench/NOTES.md). KEEP holds each 16-bit sum one
+   chain (clang split them in two, 16 registers of sums, and spilled). The same int32 sums, so the same floats as the
+   other builds' passes. */
+#define KEEP(v) __asm__("" : "+x"(v))  /* v opaque to the compiler (no instruction): its adds stay one chain */
+static inline i16x16 half16(i16x32 v, int h) {  /* lanes 16h..16h + 15 */
+  return h ? __builtin_shufflevector(v, v, S16(16)) : __builtin_shufflevector(v, v, S16(0)); }
+/* half h's 8 lanes of s (< 2^16) in both 16-bit halves of each (a shift and an or: clang wrote them as vpmulld) */
+static inline i16x16 twice16(u32x16 s, int h) {
+  u32x8 v = h ? __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15) : __builtin_shufflevector(s, s, 0, 1, 2, 3,
+                                                                                                   4, 5, 6, 7);
+  u32x8 t = v << 16;
+  KEEP(t);
+  return (i16x16)(v | t); }
+/* block b of the group (j of x's) against nx (at most GXR) rows of x: f[h][i] += its products, half h's rows */
+static inline __attribute__((always_inline)) void k4_block(f8v (*f)[GXR], const unsigned char* b,
+                                                           const unsigned char* restrict xq, int j, int nx) {
+  enum { NB = PP_K / BLOCK_VALUES };
+  const u32x16 w[3] = {u32x16_at(b + K4_SC), u32x16_at(b + K4_SC + 64), u32x16_at(b + K4_SC + 128)};
+  i32x8 acc[2][GXR], mn[2][GXR];
+  _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++)
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) acc[h][i] = mn[h][i] = 0;
+  _Pragma("clang loop unroll(full)") for (int p = 0; p < K_PAIRS; p++) {
+    i16x16 p0[2][GXR], p1[2][GXR];  /* sub-block 2p's 16-bit sums, 2p + 1's */
+    _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++)
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) p0[h][i] = p1[h][i] = 0;
+    _Pragma("clang loop unroll(full)") for (int c = 0; c < 8; c++) {
+      u8x32 lo[2], hi[2];
+      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+        u8x32 v = u8x32_at(b + K_QS + 64 * (8 * p + c) + 32 * h);
+        lo[h] = v & 15; hi[h] = (u8x32)((u16x16)v >> 4) & 15;
+      }
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+        const unsigned char* xv = xq + ((long)i * NB + j) * XB + 2 * K_SUB * p + 4 * c;
+        int x0, x1; __builtin_memcpy(&x0, xv, 4); __builtin_memcpy(&x1, xv + K_SUB, 4);
+        _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+          p0[h][i] += pairs_u(lo[h], (i8x32)(i32x8)x0); p1[h][i] += pairs_u(hi[h], (i8x32)(i32x8)x1);
+          KEEP(p0[h][i]); KEEP(p1[h][i]);
+        }
+      }
+      IN_ORDER();
+    }
+    u32x16 sa, sb, ma, mb;
+    k4_scale(w, 2 * p, &sa, &ma); k4_scale(w, 2 * p + 1, &sb, &mb);
+    i16x32 m2 = halves(ma, mb);
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+      short s4[4]; __builtin_memcpy(s4, xq + ((long)i * NB + j) * XB + X_SUMS + 8 * p, 8);
+      int bs = (unsigned short)(s4[0] + s4[1]) | (unsigned)(s4[2] + s4[3]) << 16;  /* |sum| <= 32 127 */
+      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+        acc[h][i] = madd16_acc(madd16_acc(acc[h][i], p0[h][i], twice16(sa, h)), p1[h][i], twice16(sb, h));
+        mn[h][i] = madd16_acc(mn[h][i], half16(m2, h), (i16x16)(i32x8)bs);
+      }
+    }
+  }
+  _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+    h16x8 hd, hm; __builtin_memcpy(&hd, b + K_D + 16 * h, 16); __builtin_memcpy(&hm, b + K_D + 32 + 16 * h, 16);
+    f8v d = __builtin_convertvector(hd, f8v), dm = __builtin_convertvector(hm, f8v);
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+      float dx; __builtin_memcpy(&dx, xq + ((long)i * NB + j) * XB + X_D, 4);
+      f[h][i] += __builtin_convertvector(acc[h][i], f8v) * (d * dx) - __builtin_convertvector(mn[h][i], f8v) * (dm * dx);
+    }
+  }
+}
+static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
+                                                             const unsigned char* restrict gw,
+                                                             const unsigned char* restrict xq, int nx, int ask) {
+  enum { NB = PP_K / BLOCK_VALUES };
+  f8v f[2][GXR];  /* half h's 8 rows' sums, a row of x each */
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[0][i] = f[1][i] = 0;
+  for (int j = 0; j < NB; j++) {
+    const unsigned char* b = gw + (long)j * GB;
+    GROUP_ASK(b, ask);
+    k4_block(f, b, xq, j, nx);
+  }
+  for (int i = 0; i < nx; i++)
+    for (int h = 0; h < 2; h++) __builtin_memcpy(out + i * stride + 8 * h, &f[h][i], sizeof f[h][i]);
+}
+#else
 /* a group's 16 rows against nx (at most GXR) rows of x: each pair of sub-blocks unpacked once for all of them */
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
                                                              const unsigned char* restrict gw,
@@ -435,6 +519,7 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
 }
+#endif
 #endif
 void NAME(float* restrict out, const unsigned char* restrict w, const unsigned char* restrict xq,
           const int* restrict dims, int core_id) {
