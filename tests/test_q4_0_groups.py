@@ -35,6 +35,7 @@ K_TYPES = (Q2_K, Q3_K, Q6_K, IQ4_XS)  # grouped with AVX-512 VNNI only (Q4_K wit
 GROUPED = pytest.mark.parametrize("ggml_type", list(NAMES), ids=list(NAMES.values()))
 N = 37  # two whole groups and 5 plain rows after them
 CASCADE = AVX512 and "avx512_vnni" in open("/proc/cpuinfo").read().split()
+SKYLAKE = AVX512 and {"avx512bw", "avx512vl", "avx512dq", "avx512cd"} <= set(open("/proc/cpuinfo").read().split())
 
 
 @pytest.fixture(autouse=True)
@@ -320,12 +321,15 @@ def test_avx2s_q4_k_groups_add_pairs_in_16_bits(tmp_path):
 @pytest.mark.skipif(platform.machine() != "x86_64" or not sys.platform.startswith("linux"),
                     reason="these builds cross from a Linux x86-64 machine (and run aarch64 under qemu)")
 @pytest.mark.parametrize("target", ["aarch64", "x86-64", pytest.param("cascadelake", marks=pytest.mark.skipif(
-    not CASCADE, reason="this CPU has no AVX-512 VNNI: it cannot run that build"))])
+    not CASCADE, reason="this CPU has no AVX-512 VNNI: it cannot run that build")), pytest.param(
+    "skylake", marks=pytest.mark.skipif(not SKYLAKE, reason="this CPU has no AVX-512 BW: it cannot run that build"))])
 @GROUPED
 def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
-    """The grouped kernel built for aarch64 (run under qemu), the baseline x86-64 and an AVX-512 VNNI CPU without
-    GFNI (Cascade Lake: single bits shifted and masked, not picked by vgf2p8affineqb) by `testing.cross`, in 3 parts
-    (a part starts at a group): one row of x and 35 (a block of 32, then 3), against ggml's scheme."""
+    """The grouped kernel built for aarch64 (run under qemu), the baseline x86-64, an AVX-512 VNNI CPU without
+    GFNI (Cascade Lake: single bits shifted and masked, not picked by vgf2p8affineqb) and an AVX-512 CPU without VNNI
+    (Skylake-X: the 32-value types' and Q4_K's groups by AVX2's products on 512 bits, or, Q4_K, its 16-bit sums) by
+    `testing.cross`, in 3 parts (a part starts at a group): one row of x and 35 (a block of 32, then 3), against
+    ggml's scheme."""
     k, b, t = width(288, ggml_type), 35, cpu_kernels.TYPES[ggml_type]
     name = cross.pair(ggml_type, k)
     defines = {"PP_K": k, "PP_ROWS": G, "BLOCK_VALUES": t.kernel_block, "BLOCK_BYTES": t.nbytes}

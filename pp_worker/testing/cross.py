@@ -52,6 +52,7 @@ TARGETS = {
     "native": Target(("x86_64", "native"), "x86_64-linux-gnu"),  # this CPU
     "avx512": Target(("x86_64", "sapphirerapids"), "x86_64-linux-gnu"),
     "cascadelake": Target(("x86_64", "cascadelake"), "x86_64-linux-gnu"),  # AVX-512 VNNI without GFNI
+    "skylake": Target(("x86_64", "skylake-avx512"), "x86_64-linux-gnu"),  # AVX-512 (F, BW, VL, DQ) without VNNI
     "avx2": Target(("x86_64", "haswell"), "x86_64-linux-gnu"),  # AVX2, FMA, F16C
     "x86-64": Target(("x86_64", "x86-64"), "x86_64-linux-gnu"),  # the baseline: SSE2
     "aarch64": Target(("arm64", "generic"), "aarch64-linux-gnu", "qemu-aarch64-static"),  # armv8-a (NEON)
