@@ -280,23 +280,29 @@ def test_avx2s_build_reads_the_groups(ggml_type):
     check(N, 512, 35, ggml_type)
 
 
+SUMS16 = pytest.mark.parametrize("ggml_type", [Q4_0, Q4_1, Q5_0, Q5_1, Q4_K],
+                                 ids=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K"])  # AVX2 adds their pairs in 16 bits
+
+
 @pytest.mark.skipif(not AVX512 or not cpu_kernels.avx512_vnni(),
                     reason="compares AVX2's build with this CPU's AVX-512 VNNI one")
-def test_avx2s_q4_k_groups_are_the_avx512_vnni_builds_floats(monkeypatch):
-    """AVX2's Q4_K groups sum a sub-block's pairs in 16 bits, then times its scale (``k4_block``), where AVX-512 VNNI
-    sums each chunk's 4 products in 32 bits, then multiplies: the same int32 sums, so the same floats, row for row,
-    at 1, 2 (a pass), 3 and 35 rows of x (the plain rows past the groups too), each row as alone."""
+@SUMS16
+def test_avx2s_groups_are_the_avx512_vnni_builds_floats(monkeypatch, ggml_type):
+    """AVX2's groups of the unsigned types sum pair products in 16 bits over several chunks, then widen them or take
+    Q4_K's scales (``k4_block``), where AVX-512 VNNI sums each chunk's 4 products in 32 bits: the same int32 sums, so
+    the same floats, row for row, at 1, 2 (a pass), 3 and 35 rows of x, each row as alone (the groups' rows; the
+    plain rows past them take each build's own plain product)."""
     from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
 
-    k = 512
-    raw, _ = random_rows(Q4_K, N, k, seed=7)
+    k = width(512, ggml_type)
+    raw, _ = random_rows(ggml_type, N, k, seed=7)
     x = np.random.default_rng(8).standard_normal((35, k)).astype(np.float32)
-    native = {b: products(raw, x[:b], k, Q4_K) for b in (1, 2, 3, 35)}
+    native = {b: products(raw, x[:b], k, ggml_type)[:, :2 * G] for b in (1, 2, 3, 35)}
     portable = ClangJITCompiler([cpu_kernels._compiler("CPU").arch, "native", "-avx512f", "-avx512vnni", "-avxvnni"])
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
     cpu_kernels._binary.cache_clear()
     try:
-        avx2 = {b: products(raw, x[:b], k, Q4_K) for b in native}
+        avx2 = {b: products(raw, x[:b], k, ggml_type)[:, :2 * G] for b in native}
     finally:
         cpu_kernels._binary.cache_clear()
     for b in native:
@@ -305,16 +311,18 @@ def test_avx2s_q4_k_groups_are_the_avx512_vnni_builds_floats(monkeypatch):
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64", reason="reads x86 assembly")
-def test_avx2s_q4_k_groups_add_pairs_in_16_bits(tmp_path):
-    """AVX2's Q4_K groups (Haswell's instructions): each chunk's pair products (`vpmaddubsw`) added in 16 bits
-    (`vpaddw`), a sub-block's sums times its scale by `vpmaddwd`: no pair sums widened a chunk at a time and no
-    `vpmulld` (clang wrote a scale put in both halves of a lane as one)."""
+@SUMS16
+def test_avx2s_groups_add_pairs_in_16_bits(tmp_path, ggml_type):
+    """AVX2's groups of the unsigned types (Haswell's instructions): each chunk's pair products (`vpmaddubsw`) added
+    in 16 bits (`vpaddw`), widened or times Q4_K's scale by one `vpmaddwd` for several chunks (one each before), and
+    no `vpmulld` (clang wrote a scale put in both halves of a lane as one)."""
     out = tmp_path / "g.s"
     cross.clang("-S", "-x", "c", *cross.TARGETS["avx2"].kernel_flags(), "-", "-o", str(out),
-                source=cpu_kernels.source("matmul", Q4_K, 2048, "g", G))
+                source=cpu_kernels.source("matmul", ggml_type, 2048, "g", G))
     ops = collections.Counter(line.split()[0] for line in out.read_text().splitlines()
                               if line.startswith("\t") and line.split())
     assert ops["vpaddw"] >= ops["vpmaddubsw"] // 2 > 0, ops
+    assert ops["vpmaddwd"] < ops["vpmaddubsw"] / 2, ops
     assert ops["vpmulld"] == 0, ops
 
 

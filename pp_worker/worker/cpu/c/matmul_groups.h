@@ -29,6 +29,10 @@ enum { GXR = 8 };
 #else
 enum { GXR = 4 };  /* 256-value blocks: one or two int32 sums a row of x besides its floats */
 #endif
+/* a compiler barrier: the loads written before it are issued before those after it (the K-quants' order, below) */
+#define IN_ORDER() __asm__ volatile("" ::: "memory")
+/* v opaque to the compiler (no instruction): a chain of adds into it stays one chain, in one register */
+#define KEEP(v) __asm__("" : "+x"(v))
 /* acc + each lane's 4 bytes of w times the 4 bytes at x4 (int8) */
 static inline i32x16 dot4(i32x16 acc, u8x64 w, const unsigned char* x4) {
   int v; __builtin_memcpy(&v, x4, 4);
@@ -160,6 +164,67 @@ static inline __attribute__((always_inline)) void group_dot(f16v* f, const gbloc
   *f += __builtin_convertvector(lo + hi, f16v) * (g->d * dx);
 #endif
 }
+#if !GROUP_LEVELS && defined(__AVX2__) && !defined(__AVX512F__)
+/* AVX2, the unsigned 32-value types (Q4_0, Q4_1, Q5_0, Q5_1): as Q4_K's (below), a chunk's pair products (vpmaddubsw)
+   added in 16 bits, here over a block's chunks (4 of Q4's values at most 15: 8 2 15 127 < 2^15; 2 of Q5's, at most
+   31), then into 32 bits by one vpmaddwd with ones, where dot4 took one a chunk; each chunk unpacked (both 8-row
+   halves) just before its products with the rows of x. The same int32 sums: the same floats as the other builds'. */
+enum { CH16 = GROUP_FIFTH ? 2 : 4 };  /* chunks a 16-bit sum holds */
+static inline i32x8 widen16(i16x16 p) { return (i32x8)__builtin_ia32_pmaddwd256(p, (i16x16)(short)1); }
+static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
+                                                             const unsigned char* restrict gw,
+                                                             const unsigned char* restrict xq, int nx, int ask) {
+  enum { NB = PP_K / BLOCK_VALUES };
+  f8v f[2][GXR];  /* half h's 8 rows' sums, a row of x each */
+  _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) f[0][i] = f[1][i] = 0;
+  for (int j = 0; j < NB; j++) {
+    const unsigned char* b = gw + (long)j * GB;
+    GROUP_ASK(b, ask);
+    i32x8 sum[2][GXR];
+    i16x16 p[2][GXR];
+    _Pragma("clang loop unroll(full)") for (int c = 0; c < 4; c++) {
+      u8x32 lo[2], hi[2];
+      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+        u8x32 v = u8x32_at(b + G_QS + 64 * c + 32 * h);
+        lo[h] = v & 15; hi[h] = (u8x32)((u16x16)v >> 4) & 15;
+#if GROUP_FIFTH  /* bits 2c, 2c + 1 of each byte of the half's words to bit 4 */
+        u8x32 fb = u8x32_at(b + G_QH + 32 * h);
+        lo[h] |= field8(fb, 2 * c, 4, 1); hi[h] |= field8(fb, 2 * c + 1, 4, 1);
+#endif
+      }
+      _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+        const unsigned char* xb = xq + ((long)i * NB + j) * XB + 8 * c;
+        int x0, x1; __builtin_memcpy(&x0, xb, 4); __builtin_memcpy(&x1, xb + 4, 4);
+        _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+          i16x16 t = pairs_u(lo[h], (i8x32)(i32x8)x0) + pairs_u(hi[h], (i8x32)(i32x8)x1);
+          p[h][i] = c % CH16 ? p[h][i] + t : t;
+          KEEP(p[h][i]);
+          if (c % CH16 == CH16 - 1) sum[h][i] = c < CH16 ? widen16(p[h][i]) : sum[h][i] + widen16(p[h][i]);
+        }
+      }
+      IN_ORDER();
+    }
+    _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
+      const unsigned char* xb = xq + ((long)i * NB + j) * XB;
+      short bs[2]; float dx;
+      __builtin_memcpy(bs, xb + X_SUMS, 4); __builtin_memcpy(&dx, xb + X_D, 4);
+      _Pragma("clang loop unroll(full)") for (int h = 0; h < 2; h++) {
+        h16x8 hd; __builtin_memcpy(&hd, b + 16 * h, 16);
+        f8v d = __builtin_convertvector(hd, f8v);
+        i32x8 s = sum[h][i] + (i32x8)(-GROUP_OFF * (bs[0] + bs[1]));
+#if IQ_MIN
+        h16x8 hm; __builtin_memcpy(&hm, b + 32 + 16 * h, 16);
+        f[h][i] += __builtin_convertvector(s, f8v) * (d * dx) + __builtin_convertvector(hm, f8v) * (dx * (float)(bs[0] + bs[1]));
+#else
+        f[h][i] += __builtin_convertvector(s, f8v) * (d * dx);
+#endif
+      }
+    }
+  }
+  for (int i = 0; i < nx; i++)
+    for (int h = 0; h < 2; h++) __builtin_memcpy(out + i * stride + 8 * h, &f[h][i], sizeof f[h][i]);
+}
+#else
 /* a group's 16 rows against nx (at most GXR) rows of x: each block unpacked once for all of them */
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
                                                              const unsigned char* restrict gw,
@@ -176,6 +241,7 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
   }
   for (int i = 0; i < nx; i++) __builtin_memcpy(out + i * stride, &f[i], sizeof f[i]);
 }
+#endif
 #elif GROUP_LEVELS  /* IQ4_XS */
 /* Block j of a group (16 x 136 bytes): the 16 rows' d (fp16), their scales_h (2 bytes a row), their scales_l (4 bytes
    a row), then each of the 8 sub-blocks of 32 values as 4 chunks as IQ4_NL's block. A sub-block's 16 row sums in one
@@ -300,8 +366,6 @@ static inline i16x32 halves_at(i32x16 a, int sa, i32x16 b, int sb) {
 #else
 #define K2_AT(k) (2 * (k) < 4 ? 2 * (k) : 4)
 #endif
-/* a compiler barrier: the loads written before it are issued before those after it (see above) */
-#define IN_ORDER() __asm__ volatile("" ::: "memory")
 /* a pair of sub-blocks of the 16 rows: q (sub-block 2p's K_CH chunks of values, then 2p + 1's), their scales as
    16-bit pairs (sc: Q2_K, Q3_K) or each in 32 bits (sa, sb: Q4_K, Q6_K), and their mins (m) as 16-bit pairs */
 typedef struct { u8x64 q[2 * K_CH]; i16x32 sc, m; i32x16 sa, sb; } kpair;
@@ -410,7 +474,6 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
    half against four rows, whose broadcasts took the loads' ports; bench/NOTES.md). KEEP holds each 16-bit sum one
    chain (clang split them in two, 16 registers of sums, and spilled). The same int32 sums, so the same floats as the
    other builds' passes. */
-#define KEEP(v) __asm__("" : "+x"(v))  /* v opaque to the compiler (no instruction): its adds stay one chain */
 static inline i16x16 half16(i16x32 v, int h) {  /* lanes 16h..16h + 15 */
   return h ? __builtin_shufflevector(v, v, S16(16)) : __builtin_shufflevector(v, v, S16(0)); }
 /* half h's 8 lanes of s (< 2^16) in both 16-bit halves of each (a shift and an or: clang wrote them as vpmulld) */
