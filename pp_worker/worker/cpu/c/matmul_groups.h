@@ -214,7 +214,8 @@ static inline __attribute__((always_inline)) void group_rows(float* restrict out
         i32x8 s = sum[h][i] + (i32x8)(-GROUP_OFF * (bs[0] + bs[1]));
 #if IQ_MIN
         h16x8 hm; __builtin_memcpy(&hm, b + 32 + 16 * h, 16);
-        f[h][i] += __builtin_convertvector(s, f8v) * (d * dx) + __builtin_convertvector(hm, f8v) * (dx * (float)(bs[0] + bs[1]));
+        f[h][i] += __builtin_convertvector(s, f8v) * (d * dx)
+                 + __builtin_convertvector(hm, f8v) * (dx * (float)(bs[0] + bs[1]));
 #else
         f[h][i] += __builtin_convertvector(s, f8v) * (d * dx);
 #endif
@@ -465,8 +466,9 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
 #define K_OFF 32
 #endif
 #if GROUP_K == 4 && defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
-/* Q4_K with AVX2 and no vpdpbusd (16 ymm registers; AVX-512 without VNNI runs the same steps). A chunk's two sub-blocks' products with x (vpmaddubsw: each 16-bit
-   lane a pair of products) are added in 16 bits over the pair's 8 chunks (8 2 15 127 < 2^15), then times their
+/* Q4_K with AVX2 and no vpdpbusd (16 ymm registers; AVX-512 without VNNI takes the same steps). A chunk's two
+   sub-blocks' products with x (vpmaddubsw: each 16-bit lane a pair of products) are added in 16 bits over the pair's
+   8 chunks (8 2 15 127 < 2^15), then times their
    scales, the scale in both halves of a 32-bit lane, and summed into 32 bits by one vpmaddwd: 2 instructions a chunk,
    row of x and 8 weight rows, where dot4 took 3 and a vpmulld each sub-block. A chunk is unpacked, both of its 8-row
    halves, just before its products with the GXR rows of x (the pair's 16 unpacked chunks, 32 registers, spilled
@@ -539,7 +541,8 @@ static inline __attribute__((always_inline)) void k4_block(f8v (*f)[2], const un
     f8v d = __builtin_convertvector(hd, f8v), dm = __builtin_convertvector(hm, f8v);
     _Pragma("clang loop unroll(full)") for (int i = 0; i < GXR; i++) if (i < nx) {
       float dx; __builtin_memcpy(&dx, xq + ((long)i * NB + j) * XB + X_D, 4);
-      f[i][h] += __builtin_convertvector(acc[h][i], f8v) * (d * dx) - __builtin_convertvector(mn[h][i], f8v) * (dm * dx);
+      f[i][h] += __builtin_convertvector(acc[h][i], f8v) * (d * dx)
+               - __builtin_convertvector(mn[h][i], f8v) * (dm * dx);
     }
   }
 }
