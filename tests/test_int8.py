@@ -91,14 +91,18 @@ def test_the_generic_integer_dot_products_are_ggmls_scheme(ggml_type, generic):
     check(ggml_type, 13, 512, 3)
 
 
+def _avx2():
+    """A compiler for this CPU as if it had no AVX-512 or VNNI: an AVX2 CPU's integer paths."""
+    from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
+
+    return ClangJITCompiler([cpu_kernels._compiler("CPU").arch, "native", "-avx512f", "-avx512vnni", "-avxvnni"])
+
+
 @pytest.fixture
 def avx2_build(monkeypatch):
     """The kernels compiled as for an AVX2 CPU without AVX-512 or VNNI (its integer paths), for the test's
     duration."""
-    from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
-
-    native = cpu_kernels._compiler("CPU")
-    portable = ClangJITCompiler([native.arch, "native", "-avx512f", "-avx512vnni", "-avxvnni"])
+    portable = _avx2()
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
     cpu_kernels._binary.cache_clear()
     yield

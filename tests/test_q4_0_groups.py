@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from test_cpu_kernels import AVX512, random_rows
-from test_int8 import _plain_x86_64, avx2_build  # noqa: F401 (a fixture)
+from test_int8 import _avx2, _plain_x86_64, avx2_build  # noqa: F401 (a fixture)
 from test_int8_model import assert_near_ggmls_scheme
 from tinygrad import Tensor
 
@@ -292,13 +292,11 @@ def test_avx2s_groups_are_the_avx512_vnni_builds_floats(monkeypatch, ggml_type):
     Q4_K's scales (``k4_block``), where AVX-512 VNNI sums each chunk's 4 products in 32 bits: the same int32 sums, so
     the same floats, row for row, at 1, 2 (a pass), 3 and 35 rows of x, each row as alone (the groups' rows; the
     plain rows past them take each build's own plain product)."""
-    from tinygrad.runtime.support.compiler_cpu import ClangJITCompiler
-
     k = width(512, ggml_type)
     raw, _ = random_rows(ggml_type, N, k, seed=7)
     x = np.random.default_rng(8).standard_normal((35, k)).astype(np.float32)
     native = {b: products(raw, x[:b], k, ggml_type)[:, :2 * G] for b in (1, 2, 3, 35)}
-    portable = ClangJITCompiler([cpu_kernels._compiler("CPU").arch, "native", "-avx512f", "-avx512vnni", "-avxvnni"])
+    portable = _avx2()
     monkeypatch.setattr(cpu_kernels, "_compiler", lambda device: portable)
     cpu_kernels._binary.cache_clear()
     try:
@@ -335,7 +333,7 @@ def test_avx2s_groups_add_pairs_in_16_bits(tmp_path, ggml_type):
 def test_other_cpus_builds_read_the_groups(tmp_path, target, ggml_type):
     """The grouped kernel built for aarch64 (run under qemu), the baseline x86-64, an AVX-512 VNNI CPU without
     GFNI (Cascade Lake: single bits shifted and masked, not picked by vgf2p8affineqb) and an AVX-512 CPU without VNNI
-    (Skylake-X: the 32-value types' and Q4_K's groups by AVX2's products on 512 bits, or, Q4_K, its 16-bit sums) by
+    (Skylake-X: the 32-value types' groups by AVX2's products on 512 bits, Q4_K's by its 16-bit sums) by
     `testing.cross`, in 3 parts (a part starts at a group): one row of x and 35 (a block of 32, then 3), against
     ggml's scheme."""
     k, b, t = width(288, ggml_type), 35, cpu_kernels.TYPES[ggml_type]

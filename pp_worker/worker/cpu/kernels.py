@@ -172,7 +172,7 @@ def group_rows(ggml_type: int) -> int:
     type on the integer path (`uses_int8`) on an x86-64 CPU its row's ``grouped`` names, where the grouped kernel
     measured faster than the plain one (bench/NOTES.md): the 32-value types on AVX-512 VNNI and on AVX2 (1.4-7x: a
     block's 16 row sums in one vector, scaled at once, its values unpacked once per 2-8 rows of x); Q4_K there too
-    (AVX2: 1.3-1.5x at 64 rows of x, its pairs summed in 16 bits); Q2_K, Q3_K, Q6_K and IQ4_XS (256-value blocks) with
+    (AVX2: 1.75-2x at 64 rows of x, its pairs summed in 16 bits); Q2_K, Q3_K, Q6_K and IQ4_XS (256-value blocks) with
     AVX-512 VNNI only (1.2-3x, from DRAM and at 64 rows of x; with AVX2 0.6-0.85x in prefill). Every build reads the
     groups (the tests run aarch64's under qemu), but aarch64's generic C ran ~1.1x the plain kernel's instructions
     there (Q4_0), and no aarch64 core was at hand to time: it keeps the plain rows. Only a product's matrix

@@ -168,7 +168,8 @@ static inline __attribute__((always_inline)) void group_dot(f16v* f, const gbloc
 /* AVX2, the unsigned 32-value types (Q4_0, Q4_1, Q5_0, Q5_1): as Q4_K's (below), a chunk's pair products (vpmaddubsw)
    added in 16 bits, here over a block's chunks (4 of Q4's values at most 15: 8 2 15 127 < 2^15; 2 of Q5's, at most
    31), then into 32 bits by one vpmaddwd with ones, where dot4 took one a chunk; each chunk unpacked (both 8-row
-   halves) just before its products with the rows of x. The same int32 sums: the same floats as the other builds'. */
+   halves) just before its products with the rows of x. The same int32 sums: the same floats as the other builds'.
+   AVX-512 without VNNI keeps dot4 (its 8 rows of x a pass; these sums not tried there). */
 enum { CH16 = GROUP_FIFTH ? 2 : 4 };  /* chunks a 16-bit sum holds */
 static inline i32x8 widen16(i16x16 p) { return (i32x8)__builtin_ia32_pmaddwd256(p, (i16x16)(short)1); }
 static inline __attribute__((always_inline)) void group_rows(float* restrict out, long stride,
@@ -468,9 +469,9 @@ static inline __attribute__((always_inline)) void k_pass(const unsigned char* b,
 #if GROUP_K == 4 && defined(__AVX2__) && !(defined(__AVX512VNNI__) && defined(__AVX512BW__))
 /* Q4_K with AVX2 and no vpdpbusd (16 ymm registers; AVX-512 without VNNI takes the same steps). A chunk's two
    sub-blocks' products with x (vpmaddubsw: each 16-bit lane a pair of products) are added in 16 bits over the pair's
-   8 chunks (8 2 15 127 < 2^15), then times their
-   scales, the scale in both halves of a 32-bit lane, and summed into 32 bits by one vpmaddwd: 2 instructions a chunk,
-   row of x and 8 weight rows, where dot4 took 3 and a vpmulld each sub-block. A chunk is unpacked, both of its 8-row
+   8 chunks (8 2 15 127 < 2^15), then times their scales, the scale in both halves of a 32-bit lane, and summed into
+   32 bits by one vpmaddwd: 2 instructions a chunk, row of x and 8 weight rows, where dot4 took 3 and a vpmulld each
+   sub-block. A chunk is unpacked, both of its 8-row
    halves, just before its products with the GXR rows of x (the pair's 16 unpacked chunks, 32 registers, spilled
    first: 0.72-0.83x the plain rows at 64 rows of x); each x broadcast serves both halves (two rows of x: 1.1-1.3x one
    half against four rows, whose broadcasts took the loads' ports; bench/NOTES.md). KEEP holds each 16-bit sum one
@@ -480,9 +481,7 @@ static inline i16x16 half16(i16x32 v, int h) {  /* lanes 16h..16h + 15 */
   return h ? __builtin_shufflevector(v, v, S16(16)) : __builtin_shufflevector(v, v, S16(0)); }
 /* half h's 8 lanes of s (< 2^16) in both 16-bit halves of each (a shift and an or: clang wrote them as vpmulld) */
 static inline i16x16 twice16(u32x16 s, int h) {
-  u32x8 v = h ? __builtin_shufflevector(s, s, 8, 9, 10, 11, 12, 13, 14, 15) : __builtin_shufflevector(s, s, 0, 1, 2, 3,
-                                                                                                   4, 5, 6, 7);
-  u32x8 t = v << 16;
+  u32x8 v = h ? HI8(s) : LO8(s), t = v << 16;
   KEEP(t);
   return (i16x16)(v | t); }
 /* a block's scales as its passes take them, pair p's for half h: sub-block 2p's and 2p + 1's in both 16-bit halves
