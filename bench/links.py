@@ -87,7 +87,9 @@ class LinksPlan:
     then: LinksPlan | None = None  # another model's runs, measured after these (their rows are named by it)
 
 
-SMOL = LinksPlan(delays_ms=(0.0, 25.0), streams=(8,), tokens=32, rounds=2, local_rounds=5, model="smol",
+# smol's local rounds (~2 s a pair): with 5, one tree's row moved 1.32-1.62x between two runs; with 15,
+# 1.52-1.57x (bench/NOTES.md)
+SMOL = LinksPlan(delays_ms=(0.0, 25.0), streams=(8,), tokens=32, rounds=2, local_rounds=15, model="smol",
                  tasks=("repetitive",), draft_model=None)
 FULL = LinksPlan(then=SMOL)
 QUICK = LinksPlan(delays_ms=(0.0, 5.0), streams=(1, 2), tokens=12, rounds=1, local_rounds=None)

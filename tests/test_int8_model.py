@@ -179,6 +179,34 @@ def test_on_the_integer_path_a_checks_rows_are_its_one_token_steps(int8_env, mod
     assert [int(r.argmax()) for r in rows] == tokens[1:5]
 
 
+def test_a_mixed_forward_padded_to_one_larger_call_gives_each_row_its_one_token_step(int8_env, model, monkeypatch):
+    # 7 rows as one call of 8 (`plan`: that size's measured time less than 4 + 2 + 1's), its last row computed twice:
+    # each row still takes its one-token step's token, the session whose row repeated holds it once and goes on from
+    # it, and the other sessions' next steps are theirs.
+    chain = Chain(model, 2, MAX_CONTEXT, max_sessions=3, max_batch=4, kv_dtype="float32")
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12], [13]]
+    alone = [chain.generate(100 + i, p, 6) for i, p in enumerate(prompts)]
+    for i, p in enumerate(prompts):
+        chain.step(i, p, 0)
+    sizes: list[int] = []
+    for e in chain.engines:
+        e._stage.batch_s.update({8: 0.001, 4: 1.0, 2: 1.0, 1: 1.0})
+        run = e._stage.run_batch
+        monkeypatch.setattr(e._stage, "run_batch", lambda values, *a, run=run: sizes.append(len(values)) or
+                            run(values, *a))
+    ids, rows = [0, 1, 2], [4, 1, 2]
+    logits = chain.batch(ids, [alone[i][0][:n] for i, n in zip(ids, rows, strict=True)],
+                         [len(prompts[i]) for i in ids])
+    assert sizes == [8, 8] and len(logits) == 7
+    want = [alone[i][1][j + 1] for i, n in zip(ids, rows, strict=True) for j in range(n)]
+    np.testing.assert_allclose(logits, np.stack(want), rtol=0, atol=LOGIT_ATOL_FP64)
+    assert [int(r.argmax()) for r in logits] == [int(w.argmax()) for w in want]
+    assert all(e.sessions()[i] == len(prompts[i]) + n for e in chain.engines for i, n in zip(ids, rows, strict=True))
+    for i, n in zip(ids, rows, strict=True):
+        step = chain.step(i, [alone[i][0][n]], len(prompts[i]) + n)
+        np.testing.assert_allclose(step, alone[i][1][n + 1], rtol=0, atol=LOGIT_ATOL_FP64)
+
+
 def test_on_the_integer_path_a_mixed_forward_gives_each_row_its_one_token_step(int8_env, model):
     # Several sessions' checks in one mixed forward (`forward_batch`), one of them a one-token step and one a session
     # rewound to a position it holds: each row takes its one-token step's token, the logits within the float path's

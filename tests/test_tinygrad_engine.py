@@ -30,6 +30,7 @@ from pp_worker.worker.engines.tinygrad_engine import (
     TinygradEngine,
     default_prefill_chunk,
     ladder,
+    plan,
     split,
 )
 from pp_worker.worker.gguf.header import ModelLoadError, read_header
@@ -225,6 +226,24 @@ def test_ladder_and_split():
     assert ladder(32) == (32, 16, 8, 4, 2, 1) and ladder(48) == (48, 32, 16, 8, 4, 2, 1) and ladder(1) == (1,)
     assert split(37, ladder(32)) == [32, 4, 1] and split(70, ladder(32)) == [32, 32, 4, 2] and split(1, (1,)) == [1]
     assert all(sum(split(n, ladder(c))) == n for c in (1, 5, 32) for n in range(1, 100))
+
+
+def test_a_mixed_calls_rows_go_as_one_larger_call_where_its_measured_time_is_less():
+    rungs = ladder(64)
+    times = {64: 0.06, 32: 0.04, 16: 0.025, 8: 0.015, 4: 0.01, 2: 0.009, 1: 0.008}
+    assert plan(56, rungs, times) == [64]  # 64 rows in 60 ms against 32 + 16 + 8 in 80
+    assert plan(36, rungs, times) == [32, 4]  # 50 ms against 64's 60
+    assert plan(11, rungs, times) == [8, 4]  # the 3 rows after 8 as one call of 4: 25 ms against 8 + 2 + 1's 32
+    assert plan(11, rungs, times | {16: 0.02}) == [16]
+    assert plan(64, rungs, times) == [64] and plan(1, rungs, times) == [1] and plan(0, rungs, times) == []
+    assert plan(72, rungs, times) == [64, 8]  # nothing above the ladder's top
+    assert plan(56, rungs, times | {64: 0.09}) == [32, 16, 8]
+    assert plan(56, rungs, {k: v for k, v in times.items() if k != 64}) == [32, 16, 8]  # 64 not timed yet
+    assert plan(56, rungs, {}) == split(56, rungs)
+    # every plan covers its rows, the padding (rows past n) in its last call only, less than that call's size
+    for n in range(1, 130):
+        calls = plan(n, rungs, times)
+        assert sum(calls[:-1]) < n <= sum(calls) and sum(calls) - n < calls[-1]
 
 
 def test_the_cpus_prefill_chunk_is_a_page_at_most_half_the_context():

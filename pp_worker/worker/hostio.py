@@ -127,7 +127,8 @@ class Outputs:
         self._views: dict[int, tuple[Tensor, Any, memoryview | None]] = {}  # id -> (tensor, device, view)
 
     def copy(self, t: Tensor, dst: memoryview) -> None:
-        """``dst`` (exactly the tensor's size) = the tensor's bytes, once the kernels writing them are done."""
+        """``dst`` = the tensor's first len(dst) bytes (all of them, or a padded call's real rows), once the kernels
+        writing them are done."""
         known = self._views.get(id(t))
         if known is None or known[0] is not t:
             if len(self._views) >= 64:  # a caller returning new tensors: never hold more than a few
@@ -135,10 +136,13 @@ class Outputs:
             known = self._views[id(t)] = (t, Device[t.device], host_view(t))
         _, device, view = known
         if view is None:
-            device_buffer(t).copyout(dst)
+            buf = device_buffer(t)
+            whole = dst if len(dst) == buf.nbytes else memoryview(bytearray(buf.nbytes))
+            buf.copyout(whole)
+            dst[:] = whole[:len(dst)]
             return
         settle(device)
-        dst[:] = view
+        dst[:] = view[:len(dst)]
 
 
 class HostBuffer:

@@ -108,6 +108,25 @@ def split(n: int, rungs: tuple[int, ...]) -> list[int]:
     return calls
 
 
+def plan(n: int, rungs: tuple[int, ...], cost: dict[int, float]) -> list[int]:
+    """``n`` rows of a mixed call as calls of ladder sizes: `split`'s, except where the rows left after a call could
+    go as one call of a larger size, its rows past ``n`` repeating the last row, that costs less by ``cost`` (each
+    size's call time as measured, seconds; none for a size not timed yet, which is then never a choice). Every call
+    reads all the stage's weights, so on a CPU 56 rows ran as 32, 16 and 8 in 1.2x the time of one call of 64
+    (bench/NOTES.md): the repeated rows are computed and dropped. The last size may exceed what is left."""
+    if n <= 0:
+        return []
+    if n in rungs:  # more rows in as many calls never cost less (a noisy time might say so)
+        return [n]
+    down = next(r for r in rungs if r <= n)  # rungs end in 1
+    rest = plan(n - down, rungs, cost)
+    up = min((r for r in rungs if r > n), default=None)
+    if up is not None and up in cost and all(r in cost for r in (down, *rest)) \
+            and cost[up] < cost[down] + sum(cost[r] for r in rest):
+        return [up]
+    return [down, *rest]
+
+
 class CompiledStage:
     """This stage's forward, traced by one JIT per ladder size, each with its persistent input buffer, over the
     stage's KV pool."""
@@ -153,6 +172,9 @@ class CompiledStage:
         self.every_size = False  # see TinygradEngine
         self.on_demand = True  # compile a size at its first use when it pays (False: use only sizes compiled or kept)
         self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
+        # a mixed call's time per batch size, its fastest (`plan`): a busy moment slows every size alike, a noisy
+        # sample must not keep a size from being chosen
+        self.batch_s: dict[int, float] = {}
         self.missed = dict.fromkeys(self.rungs, 0.0)  # per size not compiled: what its calls would have saved so far
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
         # normally set by TransformerBlock._init_state, which is skipped because the blocks store into the pool
@@ -546,18 +568,24 @@ class TinygradEngine:
         at = [(s, p + i) for s, p, n in zip(held, positions, rows, strict=True) for i in range(n)]
         width = cfg.vocab_size * 4 if self.shard.is_last else self._row_bytes
         out = self._host.view(len(at) * width)
-        start = 0
-        for b in split(len(at), self._stage.batch_usable(compile)):
-            part = at[start:start + b]
+        stage, start = self._stage, 0
+        rungs = stage.batch_usable(compile)
+        for b in plan(len(at), rungs, stage.batch_s) if stage.mix else split(len(at), rungs):
+            n = min(b, len(at) - start)  # a padded call's rows past n repeat its last row (`plan`)
+            part, feed = at[start:start + n] + at[start + n - 1:start + n] * (b - n), values[start:start + n]
+            if b > n:
+                feed = np.concatenate([feed, np.repeat(feed[-1:], b - n, axis=0)])
+            fresh, t0 = b > 1 and not stage.batch_jits[b].ready, time.perf_counter()
             if b == 1:
                 (session, position), = part
-                result = self._stage.run(values[start:start + 1], position, self._where(session, position),
-                                         session.pages)
+                result = stage.run(feed, position, self._where(session, position), session.pages)
             else:
-                result = self._stage.run_batch(values[start:start + b], [p for _, p in part],
-                                               [self._where(s, p) for s, p in part], [s.pages for s, _ in part])
-            self._outputs.copy(result, out[start * width:(start + b) * width])  # before a JIT is called again
-            start += b
+                result = stage.run_batch(feed, [p for _, p in part], [self._where(s, p) for s, p in part],
+                                         [s.pages for s, _ in part])
+            self._outputs.copy(result, out[start * width:(start + n) * width])  # before a JIT is called again
+            if not fresh:
+                stage.batch_s[b] = min(stage.batch_s.get(b, np.inf), time.perf_counter() - t0)
+            start += n
         for session, position, n in zip(held, positions, rows, strict=True):
             self._sessions.commit(session, position, n)
         return np.frombuffer(out, dtype=np.float32).reshape(len(at), -1) if self.shard.is_last else out
@@ -622,7 +650,7 @@ class TinygradEngine:
                 for rid in rids:
                     self._run(rid, fake(1), 0, ignore)
                 inputs: list[Any] = [[0] * n if first else bytes(n * self._row_bytes) for n in rows]
-                for _ in range(2):  # the second call replays what the first captured
+                for _ in range(3):  # the later calls replay what the first captured (timed: `plan`)
                     self.forward_batch(rids, [1] * len(rids), inputs, rows)
             finally:
                 for rid in rids:
