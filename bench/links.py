@@ -251,7 +251,7 @@ def rows(raw: dict[str, Any] | None) -> list[Row]:
                     out.append(Row(SECTION, f"{name}: {flag}", tok_s, "tok/s", note=note))
                     out.append(Row(SECTION, f"{name}: {arm} / plain", _ratio(runs[arm], runs["plain"]), "x",
                                    target=_target(arm, float(delay), task, int(n)), note=_steady(runs[arm], runs)))
-    out += _far_rows(delays, label)
+    out += _far_rows(delays, label, int((raw.get("plan") or {}).get("stages", 2)))  # type: ignore[union-attr]
     return out + (rows(raw["then"]) if raw and raw.get("then") else [])
 
 
@@ -288,9 +288,11 @@ def _target(arm: str, delay: float, task: str, n: int) -> float | None:
     return 2.0 if arm == "ngram" and delay == 5 and n == 1 else None
 
 
-def _far_rows(delays: dict[str, Any], label: str) -> list[Row]:
+def _far_rows(delays: dict[str, Any], label: str, stages: int) -> list[Row]:
     """8 streams at the longest delay against plain without delay, i.e. on local stages (no relay, ``launcher``):
-    requests in flight overlap the delay (plain, and each draft: tokens per trip can make up for the trips)."""
+    requests in flight overlap the delay (plain, and each draft: tokens per trip can make up for the trips). Each
+    note says what the links alone allow: a stream's step crosses each stage's link both ways, so it yields its
+    tokens a trip at most once per 2 x stages x the delay, whatever the stages compute."""
     if "0" not in delays or len(delays) < 2:
         return []
     far = max(delays, key=float)
@@ -300,9 +302,14 @@ def _far_rows(delays: dict[str, Any], label: str) -> list[Row]:
             if int(n) > 1 and task in delays["0"]:
                 local = delays["0"][task][n]["plain"]["tok_s"]
                 for arm in (a for a in ARMS if a in runs):
-                    there = runs[arm]["tok_s"]
+                    there, per_trip = runs[arm]["tok_s"], runs[arm].get("tokens_per_trip")
+                    note = LOCAL
+                    if local and per_trip:
+                        bound = int(n) * per_trip / (2 * stages * float(far) / 1000) / local
+                        note += f"; the links allow at most {bound:.2f}x ({n} streams x {per_trip} tokens a trip " \
+                                f"per {2 * stages} x {far} ms)"
                     out.append(Row(SECTION, f"{label}{far} ms, {task}, {n} streams, {arm}: against plain at 0 ms",
-                                   local and there / local, "x", target=0.8, note=LOCAL))
+                                   local and there / local, "x", target=0.8, note=note))
     return out
 
 

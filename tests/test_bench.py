@@ -710,7 +710,17 @@ def test_links_local_rate_is_local_stages_without_the_relay() -> None:
     assert links.launcher(0, 0) is None
     assert str(links.RELAY) in (links.launcher(25, 0) or "") and "--rate-mbit 10" in (links.launcher(0, 10) or "")
     assert "no relay" in links._far_rows({"0": {"free": {"8": {"plain": {"tok_s": 100}}}},
-                                          "25": {"free": {"8": {"plain": {"tok_s": 50}}}}}, "")[0].note
+                                          "25": {"free": {"8": {"plain": {"tok_s": 50}}}}}, "", 2)[0].note
+
+
+def test_links_far_rows_say_what_the_links_alone_allow() -> None:
+    """8 streams of 1 token a trip behind 25 ms links to 2 stages: a trip crosses 4 x 25 ms, so at most 80 tok/s,
+    0.4x of a local 200; with 5 tokens a trip, 2x."""
+    far = {"plain": {"tok_s": 50, "tokens_per_trip": 1.0}, "ngram": {"tok_s": 180, "tokens_per_trip": 5.0}}
+    notes = [r.note for r in links._far_rows({"0": {"free": {"8": {"plain": {"tok_s": 200}}}},
+                                             "25": {"free": {"8": far}}}, "", 2)]
+    assert "at most 0.40x (8 streams x 1.0 tokens a trip per 4 x 25 ms)" in notes[0]
+    assert "at most 2.00x (8 streams x 5.0 tokens a trip" in notes[1]
 
 
 def test_links_counters_count_trips_and_the_stages_compute_from_the_trace() -> None:
