@@ -8,6 +8,7 @@ serves runs a quantized file (Q4_1): its packed weights go through copyin too.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from pp_worker.testing.devmem import device_memory
 from pp_worker.testing.modelgen import generate
 from pp_worker.worker.engines.model import load_stage
 from pp_worker.worker.engines.tinygrad_engine import TinygradEngine
+from pp_worker.worker.hostio import Outputs
 
 PROMPTS = ([5, 9, 11, 3, 7, 2], [4, 8, 1], list(range(20, 57)))  # 37 tokens: 32 + 4 + 1
 
@@ -37,6 +39,19 @@ def test_device_memory_refuses_what_cuda_refuses() -> None:
             buf.copyin(memoryview(bytes(16)))
         buf.copyin(memoryview(bytearray(b"\x00\x00\x80?" * 4)))  # a writable source is fine
     assert hasattr(buf.allocator, "_as_buffer") and t.tolist() == [1.0] * 4  # restored on exit
+
+
+@pytest.mark.parametrize("device", [False, True])
+def test_an_output_copy_takes_a_padded_calls_first_rows(device: bool) -> None:
+    # a padded mixed call (`tinygrad_engine.plan`) keeps its real rows: a prefix of the output, through a zero-copy
+    # view of host memory or a copyout of device memory
+    t = (Tensor.arange(8).float() * 2).contiguous().realize()
+    with device_memory() if device else contextlib.nullcontext():
+        part, whole = memoryview(bytearray(12)), memoryview(bytearray(32))
+        Outputs().copy(t, part)
+        Outputs().copy(t, whole)
+    assert np.frombuffer(part, np.float32).tolist() == [0.0, 2.0, 4.0]
+    assert np.frombuffer(whole, np.float32).tolist() == [2.0 * i for i in range(8)]
 
 
 def _weights(model: Path, stage: int) -> dict[str, np.ndarray]:

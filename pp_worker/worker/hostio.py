@@ -137,9 +137,12 @@ class Outputs:
         _, device, view = known
         if view is None:
             buf = device_buffer(t)
-            whole = dst if len(dst) == buf.nbytes else memoryview(bytearray(buf.nbytes))
-            buf.copyout(whole)
-            dst[:] = whole[:len(dst)]
+            if len(dst) == buf.nbytes:
+                buf.copyout(dst)
+            else:
+                whole = memoryview(bytearray(buf.nbytes))
+                buf.copyout(whole)
+                dst[:] = whole[:len(dst)]
             return
         settle(device)
         dst[:] = view[:len(dst)]

@@ -575,7 +575,7 @@ class TinygradEngine:
             part, feed = at[start:start + n] + at[start + n - 1:start + n] * (b - n), values[start:start + n]
             if b > n:
                 feed = np.concatenate([feed, np.repeat(feed[-1:], b - n, axis=0)])
-            fresh, t0 = b > 1 and not stage.batch_jits[b].ready, time.perf_counter()
+            fresh, t0 = not (stage.batch_jits[b] if b > 1 else stage.decode).ready, time.perf_counter()
             if b == 1:
                 (session, position), = part
                 result = stage.run(feed, position, self._where(session, position), session.pages)
