@@ -207,6 +207,35 @@ def test_a_mixed_forward_padded_to_one_larger_call_gives_each_row_its_one_token_
         np.testing.assert_allclose(step, alone[i][1][n + 1], rtol=0, atol=LOGIT_ATOL_FP64)
 
 
+def test_a_held_sessions_short_turn_and_long_check_go_as_mixed_calls_where_they_take_fewer(int8_env, model,
+                                                                                          monkeypatch):
+    # A held session's 3 rows (a chat's short turn) as one mixed call of 4, not the ladder's 2 + 1, where the stage's
+    # timed sizes say so; a check of 16 rows on the last stage as one call, not two of ROW_LOGITS. A new session's
+    # prompt takes the ladder. Each row its one-token step's logits and token; the session goes on from them.
+    chain = Chain(model, 2, MAX_CONTEXT, kv_dtype="float32")
+    prompt = [5, 6, 7, 8, 9]
+    tokens, logits = chain.generate(1, prompt, 20)
+    mixed: list[int] = []
+    for e in chain.engines:
+        stage = e._stage
+        stage.batch_s.update({4: 0.001, 2: 1.0, 1: 1.0})
+        monkeypatch.setattr(stage, "batch_usable", lambda compile=True, stage=stage: stage.batch_rungs)  # compiled
+        run = stage.run_batch
+        monkeypatch.setattr(stage, "run_batch", lambda values, *a, run=run: mixed.append(len(values)) or
+                            run(values, *a))
+    chain.step(2, prompt, 0)
+    assert mixed == []  # a new session: the ladder
+    p = len(prompt)
+    got = chain.step(2, tokens[:3], p)  # the turn's last row's logits
+    assert mixed == [4, 4]
+    np.testing.assert_allclose(got, logits[3], rtol=0, atol=LOGIT_ATOL_FP64)
+    rows = chain.rows(2, tokens[3:19], p + 3)  # 16 rows: one call of the ladder on stage 0, one mixed on the last
+    assert mixed == [4, 4, 16]
+    np.testing.assert_allclose(rows, np.stack(logits[4:20]), rtol=0, atol=LOGIT_ATOL_FP64)
+    assert [int(r.argmax()) for r in rows] == tokens[4:20]
+    assert all(e.sessions()[2] == p + 19 for e in chain.engines)
+
+
 def test_on_the_integer_path_a_mixed_forward_gives_each_row_its_one_token_step(int8_env, model):
     # Several sessions' checks in one mixed forward (`forward_batch`), one of them a one-token step and one a session
     # rewound to a position it holds: each row takes its one-token step's token, the logits within the float path's

@@ -246,6 +246,19 @@ def test_a_mixed_calls_rows_go_as_one_larger_call_where_its_measured_time_is_les
         assert sum(calls[:-1]) < n <= sum(calls) and sum(calls) - n < calls[-1]
 
 
+def test_a_stage_times_its_calls_as_plan_weighs_them(chain, monkeypatch):
+    # the fastest call of each size, a prefill's too: on the last stage only up to ROW_LOGITS rows (past them a
+    # prefill call pays the head on its last row, a mixed call on every row); a call that compiled is not counted
+    first, last = (e._stage for e in chain("F16", 2).engines)
+    for stage in (first, last):
+        monkeypatch.setattr(stage, "batch_s", {})
+        for n, seconds in ((4, 0.02), (4, 0.01), (4, 0.03), (16, 0.05), (1, 0.004)):
+            stage.timed(n, False, seconds)
+        stage.timed(2, True, 9.0)
+    assert first.batch_s == {4: 0.01, 16: 0.05, 1: 0.004} and last.batch_s == {4: 0.01, 1: 0.004}
+    assert first.step_s == last.step_s == 0.004
+
+
 def test_the_cpus_prefill_chunk_is_a_page_at_most_half_the_context():
     # 256 (a KV page) where the context holds it; a power of two at most half a small context, whose warm-up can
     # then run every size (a call of the whole context would leave no position to decode)

@@ -172,8 +172,8 @@ class CompiledStage:
         self.every_size = False  # see TinygradEngine
         self.on_demand = True  # compile a size at its first use when it pays (False: use only sizes compiled or kept)
         self.step_s = 0.0  # the last single-token call (`timed`); none yet: a prefill compiles no new size
-        # a mixed call's time per batch size, its fastest (`plan`): a busy moment slows every size alike, a noisy
-        # sample must not keep a size from being chosen
+        # a mixed call's time per batch size, its fastest (`plan`; a prefill call of as many rows counts too, see
+        # `timed`): a busy moment slows every size alike, a noisy sample must not keep a size from being chosen
         self.batch_s: dict[int, float] = {}
         self.missed = dict.fromkeys(self.rungs, 0.0)  # per size not compiled: what its calls would have saved so far
         self.compile_s = COMPILE_GUESS_S  # the last size's first call that compiled (`timed`)
@@ -246,11 +246,17 @@ class CompiledStage:
 
     def timed(self, n: int, fresh: bool, seconds: float) -> None:
         """A call's time, input written to output taken: the cost of compiling when it was a size's first call
-        (not read from the cache), else, for 1 token, of a single-token call (what `usable` weighs)."""
-        if fresh and not self.jits[n].restored:
-            self.compile_s = seconds
-        elif n == 1 and not fresh:
+        (not read from the cache); else, for 1 token, of a single-token call (what `usable` weighs), and for any
+        size that costs as a mixed call of as many rows (not past ROW_LOGITS on the last stage, where a mixed call
+        pays the head on every row), that call's time as `plan` weighs it before mixed calls of the size have run."""
+        if fresh:
+            if not self.jits[n].restored:
+                self.compile_s = seconds
+            return
+        if n == 1:
             self.step_s = seconds
+        if n <= ROW_LOGITS or not self.w.shard.is_last:
+            self.batch_s[n] = min(self.batch_s.get(n, np.inf), seconds)
 
     @property
     def compiled(self) -> int:
@@ -511,16 +517,23 @@ class TinygradEngine:
 
     def embed_and_forward(self, session: int, tokens: list[int], position: int) -> memoryview:
         assert self.shard.is_first, "embed_and_forward runs on the first stage"
+        if self._mixed(session, position, len(tokens)):
+            return self.forward_batch([session], [position], [tokens], [len(tokens)], compile=False)  # type: ignore[return-value]
         self._sessions.new_step()
         return self._hidden_rows(session, np.asarray(tokens, dtype=np.int32), position)
 
     def forward_range(self, session: int, hidden: bytes, position: int, seq_len: int) -> memoryview:
         assert not (self.shard.is_first or self.shard.is_last), "forward_range runs on middle stages"
+        if self._mixed(session, position, seq_len):
+            return self.forward_batch([session], [position], [hidden], [seq_len], compile=False)  # type: ignore[return-value]
         self._sessions.new_step()
         return self._hidden_rows(session, self._hidden(hidden, seq_len), position)
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
         assert self.shard.is_last, "forward_logits runs on the last stage"
+        if seq_len <= ROW_LOGITS and self._mixed(session, position, seq_len):  # (past it, a mixed call would pay
+            # the head on every row, the ladder's calls on their last one)
+            return self.forward_batch([session], [position], [hidden], [seq_len], compile=False)[-1]  # type: ignore[index]
         self._sessions.new_step()
         last: list[Tensor] = []
         self._run(session, self._hidden(hidden, seq_len), position, lambda out, start, n: last.append(out))
@@ -532,6 +545,8 @@ class TinygradEngine:
         """Last stage: blocks, output norm and head for every row, (T, V) float32 logits, row i position + i's (a
         check of drafted tokens), in calls of at most ROW_LOGITS tokens."""
         assert self.shard.is_last, "forward_rows runs on the last stage"
+        if self._mixed(session, position, seq_len, most=ROW_LOGITS):
+            return self.forward_batch([session], [position], [hidden], [seq_len], compile=False)  # type: ignore[return-value]
         self._sessions.new_step()
         width = self.info.vocab_size * 4
         out = self._host.view(seq_len * width)
@@ -541,6 +556,18 @@ class TinygradEngine:
 
         self._run(session, self._hidden(hidden, seq_len), position, take, most=ROW_LOGITS)
         return np.frombuffer(out, dtype=np.float32).reshape(seq_len, -1)
+
+    def _mixed(self, session: int, position: int, n: int, most: int = 0) -> bool:
+        """Whether ``n`` rows of a held session (a chat's short turn, a check) go as a mixed call (`forward_batch`)
+        rather than the prefill ladder's calls (of at most ``most`` rows where given): where the mixed sizes compiled
+        run them in fewer calls (`plan`, by their timed calls: a 13-token turn as one call of 16, not 8 + 4 + 1; a
+        16-row check on the last stage as one call, not two of ROW_LOGITS), each call a pass over all the weights. A
+        new session's prompt takes the ladder."""
+        stage = self._stage
+        if not (stage.mix and 1 < n <= stage.batch_rungs[0] and self.can_batch(session, position, n)):
+            return False
+        ladder_calls = split(n, tuple(r for r in stage.rungs if r <= (most or n)))
+        return len(plan(n, stage.batch_usable(compile=False), stage.batch_s)) < len(ladder_calls)
 
     def rewind(self, session: int, length: int) -> None:
         self._sessions.rewind(session, length)
