@@ -236,7 +236,8 @@ def rows(raw: dict[str, Any] | None) -> list[Row]:
     delays = (raw or {}).get("delays") or {}
     if not delays:
         return [Row(SECTION, "links", None, "tok/s", note="not measured (section links not run, or it failed)")]
-    model = (raw.get("plan") or {}).get("model", "embedded")  # type: ignore[union-attr]
+    plan = raw.get("plan") or {}  # type: ignore[union-attr]
+    model = plan.get("model", "embedded")
     label = "" if model == "embedded" else f"{Path(model).name}, "
     out = []
     for delay, tasks in delays.items():
@@ -251,7 +252,7 @@ def rows(raw: dict[str, Any] | None) -> list[Row]:
                     out.append(Row(SECTION, f"{name}: {flag}", tok_s, "tok/s", note=note))
                     out.append(Row(SECTION, f"{name}: {arm} / plain", _ratio(runs[arm], runs["plain"]), "x",
                                    target=_target(arm, float(delay), task, int(n)), note=_steady(runs[arm], runs)))
-    out += _far_rows(delays, label, int((raw.get("plan") or {}).get("stages", 2)))  # type: ignore[union-attr]
+    out += _far_rows(delays, label, int(plan.get("stages", 2)))
     return out + (rows(raw["then"]) if raw and raw.get("then") else [])
 
 

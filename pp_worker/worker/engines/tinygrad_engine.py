@@ -256,7 +256,11 @@ class CompiledStage:
         if n == 1:
             self.step_s = seconds
         if n <= ROW_LOGITS or not self.w.shard.is_last:
-            self.batch_s[n] = min(self.batch_s.get(n, np.inf), seconds)
+            self.clocked(n, seconds)
+
+    def clocked(self, n: int, seconds: float) -> None:
+        """A call of ``n`` rows took ``seconds``, as `plan` weighs it: the size's fastest call so far."""
+        self.batch_s[n] = min(self.batch_s.get(n, np.inf), seconds)
 
     @property
     def compiled(self) -> int:
@@ -531,8 +535,8 @@ class TinygradEngine:
 
     def forward_logits(self, session: int, hidden: bytes, position: int, seq_len: int) -> np.ndarray:
         assert self.shard.is_last, "forward_logits runs on the last stage"
-        if seq_len <= ROW_LOGITS and self._mixed(session, position, seq_len):  # (past it, a mixed call would pay
-            # the head on every row, the ladder's calls on their last one)
+        # past ROW_LOGITS rows a mixed call would pay the head on every row, the ladder's calls on their last one
+        if seq_len <= ROW_LOGITS and self._mixed(session, position, seq_len):
             return self.forward_batch([session], [position], [hidden], [seq_len], compile=False)[-1]  # type: ignore[index]
         self._sessions.new_step()
         last: list[Tensor] = []
@@ -611,7 +615,7 @@ class TinygradEngine:
                                          [s.pages for s, _ in part])
             self._outputs.copy(result, out[start * width:(start + n) * width])  # before a JIT is called again
             if not fresh:
-                stage.batch_s[b] = min(stage.batch_s.get(b, np.inf), time.perf_counter() - t0)
+                stage.clocked(b, time.perf_counter() - t0)
             start += n
         for session, position, n in zip(held, positions, rows, strict=True):
             self._sessions.commit(session, position, n)
